@@ -1,0 +1,1 @@
+"""Host-side scheduling state: pages and sequences. Plain Python and numpy; imports no jax."""

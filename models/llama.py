@@ -1,0 +1,324 @@
+"""Functional Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2) over a paged KV cache.
+
+One entry point, `forward(params, tokens, metadata, kv_cache, cfg)`, serves a ragged batch: every sequence brings
+its new tokens (one for a decode, many for a prefill chunk), flattened into `tokens`; `metadata` says where each
+sequence's tokens start (`cu_q_lens`), how long its context is after this step (`kv_lens`) and where its pages are
+(`page_table`). Architecture: Touvron et al. 2023 (Llama), with GQA (Ainslie et al. 2023), RoPE (Su et al. 2021),
+RMSNorm (Zhang & Sennrich 2019) and SwiGLU (Shazeer 2020).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig, RopeType
+from pallas_kernels.paged_attention import paged_attention_reference, write_kv
+
+# Logical axis names: declared once per weight, mapped to mesh axes by `sharding/`.
+LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """Shape, logical axes and initializer scale of one weight; the single declaration shardings derive from."""
+
+    shape: tuple[int, ...]
+    logical_axes: tuple[str, ...]
+    init_scale: float | None  # std of the normal init; None means ones (norm scales)
+
+
+@flax.struct.dataclass
+class LayerWeights:
+    """Decoder-layer weights, stacked over layers on axis 0 (L). Projections are stored input-dim first."""
+
+    attn_norm: jax.Array  # [L, D]
+    wq: jax.Array  # [L, D, N, H]
+    wk: jax.Array  # [L, D, K, H]
+    wv: jax.Array  # [L, D, K, H]
+    wo: jax.Array  # [L, N, H, D]
+    mlp_norm: jax.Array  # [L, D]
+    w_gate: jax.Array  # [L, D, F]
+    w_up: jax.Array  # [L, D, F]
+    w_down: jax.Array  # [L, F, D]
+    bq: jax.Array | None = None  # [L, N, H] (attention_bias)
+    bk: jax.Array | None = None  # [L, K, H]
+    bv: jax.Array | None = None  # [L, K, H]
+    b_gate: jax.Array | None = None  # [L, F] (mlp_bias)
+    b_up: jax.Array | None = None  # [L, F]
+    b_down: jax.Array | None = None  # [L, D]
+
+
+@flax.struct.dataclass
+class Weights:
+    """All weights of a decoder. `lm_head` is None when tied to `embed`."""
+
+    embed: jax.Array  # [V, D]
+    layers: LayerWeights
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None = None  # [D, V]
+
+    @staticmethod
+    def abstract(cfg: ModelConfig) -> Weights:
+        """The `WeightSpec` of every weight, in the same pytree structure as the real weights."""
+        L, V, D, F = cfg.num_layers, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        std_in, std_attn_out, std_mlp_out = D**-0.5, (N * H) ** -0.5, F**-0.5
+
+        def spec(shape: tuple[int, ...], axes: tuple[str, ...], scale: float | None) -> WeightSpec:
+            return WeightSpec(shape, axes, scale)
+
+        bias = cfg.attention_bias
+        mlp_bias = cfg.mlp_bias
+        layers = LayerWeights(
+            attn_norm=spec((L, D), (LAYERS, EMBED), None),
+            wq=spec((L, D, N, H), (LAYERS, EMBED, HEADS, HEAD_DIM), std_in),
+            wk=spec((L, D, K, H), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), std_in),
+            wv=spec((L, D, K, H), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), std_in),
+            wo=spec((L, N, H, D), (LAYERS, HEADS, HEAD_DIM, EMBED), std_attn_out),
+            mlp_norm=spec((L, D), (LAYERS, EMBED), None),
+            w_gate=spec((L, D, F), (LAYERS, EMBED, MLP), std_in),
+            w_up=spec((L, D, F), (LAYERS, EMBED, MLP), std_in),
+            w_down=spec((L, F, D), (LAYERS, MLP, EMBED), std_mlp_out),
+            bq=spec((L, N, H), (LAYERS, HEADS, HEAD_DIM), 0.02) if bias else None,
+            bk=spec((L, K, H), (LAYERS, KV_HEADS, HEAD_DIM), 0.02) if bias else None,
+            bv=spec((L, K, H), (LAYERS, KV_HEADS, HEAD_DIM), 0.02) if bias else None,
+            b_gate=spec((L, F), (LAYERS, MLP), 0.02) if mlp_bias else None,
+            b_up=spec((L, F), (LAYERS, MLP), 0.02) if mlp_bias else None,
+            b_down=spec((L, D), (LAYERS, EMBED), 0.02) if mlp_bias else None,
+        )
+        return Weights(
+            embed=spec((V, D), (VOCAB, EMBED), 1.0),
+            layers=layers,
+            final_norm=spec((D,), (EMBED,), None),
+            lm_head=None if cfg.tie_word_embeddings else spec((D, V), (EMBED, VOCAB), std_in),
+        )
+
+
+def _is_spec(x: object) -> bool:
+    return isinstance(x, WeightSpec)
+
+
+def init_weights(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> Weights:
+    """Random weights for tests and benchmarks, drawn from the shapes in `Weights.abstract(cfg)`."""
+    specs = Weights.abstract(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(leaves))
+    arrays = [
+        jnp.ones(s.shape, dtype) if s.init_scale is None
+        else (s.init_scale * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
+        for s, k in zip(leaves, keys)
+    ]
+    return jax.tree.unflatten(treedef, arrays)
+
+
+def logical_axes(cfg: ModelConfig) -> Weights:
+    """The logical axis names of every weight, as a pytree of tuples shaped like `Weights`."""
+    return jax.tree.map(lambda s: s.logical_axes, Weights.abstract(cfg), is_leaf=_is_spec)
+
+
+def check_weights(weights: Weights, cfg: ModelConfig) -> None:
+    """Checks every weight's shape against `Weights.abstract(cfg)`.
+
+    Raises:
+      ValueError: naming the first weight whose presence or shape disagrees with the config.
+    """
+    specs = jax.tree_util.tree_flatten_with_path(Weights.abstract(cfg), is_leaf=lambda x: x is None or _is_spec(x))[0]
+    values = dict(jax.tree_util.tree_flatten_with_path(weights, is_leaf=lambda x: x is None)[0])
+    for path, spec in specs:
+        value = values.get(path)
+        name = jax.tree_util.keystr(path)
+        if (spec is None) != (value is None):
+            raise ValueError(f"weight {name}: expected {'none' if spec is None else spec.shape}, "
+                             f"got {'none' if value is None else value.shape}")
+        if spec is not None and tuple(value.shape) != spec.shape:
+            raise ValueError(f"weight {name}: shape {tuple(value.shape)} does not match config shape {spec.shape}")
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Paged KV cache of all layers; per-layer layout is defined in `pallas_kernels.paged_attention`."""
+
+    k: jax.Array  # [L, P, K, page_size, H]
+    v: jax.Array  # [L, P, K, page_size, H]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @staticmethod
+    def zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+        """An empty cache of `num_pages` pages (page 0 is the null page) of `page_size` tokens."""
+        shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype) -> int:
+        """Bytes one page takes over all layers, K and V."""
+        return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+    """Per-step inputs of a ragged batch of B sequences with T flat tokens.
+
+    Attributes:
+      positions: i32[T], absolute position of each token in its sequence (padding: 0).
+      cu_q_lens: i32[B + 1], prefix sums of the sequences' new-token counts; sequence b owns tokens
+        `cu_q_lens[b] : cu_q_lens[b+1]`.
+      kv_lens: i32[B], context length of each sequence after this step (cached + new); 0 for padding sequences.
+      page_table: i32[B, max_pages_per_seq], entries in [0, num_pages); unused entries are the null page 0.
+      kv_loc: i32[T], flat cache address `page * page_size + offset` each token's K/V is written to; padding tokens
+        point into the null page.
+      logits_indices: i32[R], flat token rows whose logits are returned (usually each sequence's last token).
+      max_q_len: static bound on any sequence's new-token count (1 for a decode-only batch).
+    """
+
+    positions: jax.Array
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    page_table: jax.Array
+    kv_loc: jax.Array
+    logits_indices: jax.Array
+    max_q_len: int = flax.struct.field(pytree_node=False, default=1)
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies f32[H/2] of RoPE, with the configured scaling.
+
+    Llama 3 schedule: wavelengths longer than `original_max / low_freq_factor` are divided by `factor`, shorter
+    than `original_max / high_freq_factor` kept, and the band between interpolated smoothly (Llama 3 paper, 2024).
+    """
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim))
+    scaling = cfg.rope_scaling
+    if scaling is None or scaling.rope_type is RopeType.DEFAULT:
+        return inv_freq.astype(np.float32)
+    if scaling.rope_type is RopeType.LINEAR:
+        return (inv_freq / scaling.factor).astype(np.float32)
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, interpolated)
+    out = np.where(wavelen < high_wavelen, inv_freq, out)
+    return out.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates x[T, heads, H] by position (half-split "rotate_half" convention, as HF Llama)."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [T, 1, H/2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in f32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _add(x: jax.Array, bias: jax.Array | None) -> jax.Array:
+    return x if bias is None else x + bias.astype(x.dtype)
+
+
+def _attention_inputs(
+    x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig, inv_freq: np.ndarray
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RMSNorm, q/k/v projections and RoPE of one layer: x[T, D] -> q[T, N, H], k[T, K, H], v[T, K, H]."""
+    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+    q = _add(jnp.einsum("td,dnh->tnh", h, w.wq), w.bq)  # [T, N, H]
+    k = _add(jnp.einsum("td,dkh->tkh", h, w.wk), w.bk)  # [T, K, H]
+    v = _add(jnp.einsum("td,dkh->tkh", h, w.wv), w.bv)  # [T, K, H]
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig) -> jax.Array:
+    """Output projection with residual, then the SwiGLU MLP block with residual: x[T, D] -> [T, D]."""
+    x = x + jnp.einsum("tnh,nhd->td", attn, w.wo)
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        gate = _add(jnp.einsum("td,df->tf", h, w.w_gate), w.b_gate)  # [T, F]
+        up = _add(jnp.einsum("td,df->tf", h, w.w_up), w.b_up)  # [T, F]
+        return x + _add(jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w.w_down), w.b_down)
+
+
+def forward(
+    params: Weights,
+    tokens: jax.Array,
+    metadata: AttentionMetadata,
+    kv_cache: KVCache,
+    cfg: ModelConfig,
+    *,
+    scan_layers: bool = False,
+    attention_fn: Callable[..., jax.Array] = paged_attention_reference,
+) -> tuple[jax.Array, KVCache]:
+    """Runs the decoder on a ragged batch, writing new K/V into the paged cache.
+
+    Args:
+      params: weights (activations take `params.embed`'s dtype).
+      tokens: i32[T], flat new tokens of all sequences, in [0, V); padding tokens are any valid id.
+      metadata: positions, lengths, page table and logits rows of this step (see `AttentionMetadata`).
+      kv_cache: cache with layers stacked on axis 0; donate it in the caller's `jit`.
+      cfg: static model config.
+      scan_layers: `lax.scan` over layers (compile time flat in depth; accelerators) instead of a Python loop
+        (faster on CPU, BENCHMARKS.md).
+      attention_fn: attention op with the signature of `paged_attention_reference`.
+
+    Returns:
+      (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).
+    """
+    inv_freq = rope_frequencies(cfg)
+    with jax.named_scope("embed"):
+        x = jnp.take(params.embed, tokens, axis=0)  # [T, D]
+
+    def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
+        return attention_fn(
+            q, k_pages, v_pages, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
+            max_q_len=metadata.max_q_len, sm_scale=cfg.head_dim**-0.5,
+        )  # [T, N, H]
+
+    if scan_layers:
+        # Scan carries each layer's cache slice through the loop body (a copy per layer and step on CPU).
+        def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            w, k_pages, v_pages = xs
+            with jax.named_scope("attention"):
+                q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
+                k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.kv_loc)
+                attn = attend(q, k_pages, v_pages)
+            return _attention_output_and_mlp(x, attn, w, cfg), (k_pages, v_pages)
+
+        x, (k_all, v_all) = jax.lax.scan(body, x, (params.layers, kv_cache.k, kv_cache.v))
+    else:
+        # Unrolled: each layer scatters straight into the stacked (donated) cache, so nothing is copied.
+        k_all, v_all = kv_cache.k, kv_cache.v
+        for i in range(cfg.num_layers):
+            w = jax.tree.map(lambda a, i=i: a[i], params.layers)
+            with jax.named_scope(f"layer_{i}/attention"):
+                q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
+                k_all, v_all = write_kv(k_all, v_all, k, v, metadata.kv_loc, layer=i)
+                attn = attend(q, k_all[i], v_all[i])
+            x = _attention_output_and_mlp(x, attn, w, cfg)
+    kv_cache = KVCache(k=k_all, v=v_all)
+
+    with jax.named_scope("lm_head"):
+        x = jnp.take(x, metadata.logits_indices, axis=0)  # [R, D]
+        x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+        if params.lm_head is None:
+            logits = jnp.einsum("rd,vd->rv", x, params.embed, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("rd,dv->rv", x, params.lm_head, preferred_element_type=jnp.float32)
+    return logits, kv_cache

@@ -1,0 +1,127 @@
+"""Paged attention over a ragged batch: decodes, prefill chunks and verification windows in one op.
+
+KV cache layout (the one place it is defined; the engine and the model follow it):
+
+    k_pages, v_pages: [P, K, page_size, H]   one layer; the model stacks layers in front: [L, P, K, page_size, H]
+
+Page 0 is the reserved null page: padding rows of `page_table` point at it and padding tokens write into it, so
+every index stays valid; nothing reads it unmasked. Pages lead so that a sequence's pages gather in one indexed
+read, and kv heads come before page positions so that the gathered context reshapes to `[B, K, S, H]` (batch and
+kv heads leading), the order that measured fastest for the attention einsums on CPU (BENCHMARKS.md, "KV layout").
+
+The Pallas kernels arrive behind this signature in a later change; this module holds the pure-`jnp` reference,
+which is the CPU path and the test oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_loc: jax.Array,
+    layer: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatters new keys/values into their pages.
+
+    Args:
+      k_pages, v_pages: [P, K, page_size, H] one layer's cache, or [L, P, K, page_size, H] all layers' (then
+        `layer` picks the layer written, so the stacked cache is updated in place without slicing it).
+      k, v: [T, K, H] new keys/values, one row per flat token.
+      kv_loc: i32[T], flat address `page * page_size + offset` of each token, in [0, P * page_size). Padding tokens
+        point into the null page 0.
+      layer: static layer index when the cache is stacked.
+
+    Returns:
+      The updated `(k_pages, v_pages)`, same shapes.
+    """
+    page_size = k_pages.shape[-2]
+    page, offset = kv_loc // page_size, kv_loc % page_size
+    index = (page, slice(None), offset) if layer is None else (layer, page, slice(None), offset)
+    k_pages = k_pages.at[index].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
+    v_pages = v_pages.at[index].set(v.astype(v_pages.dtype), mode="promise_in_bounds")
+    return k_pages, v_pages
+
+
+@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale"))
+def paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    max_q_len: int,
+    sm_scale: float,
+) -> jax.Array:
+    """Causal attention of each sequence's new query tokens over its whole paged context (plain `jnp`).
+
+    Sequence b owns flat query rows `cu_q_lens[b] : cu_q_lens[b+1]` (its `q_len` newest tokens) and attends over
+    its first `kv_lens[b]` cached positions (which already include those new tokens); query j of b sits at position
+    `kv_lens[b] - q_len + j` and sees keys at positions `<=` its own (causal).
+
+    Args:
+      q: [T, N, H] flat queries of all sequences, any float dtype; rows past `cu_q_lens[-1]` are padding.
+      k_pages, v_pages: [P, K, page_size, H] one layer's cache (layout in the module docstring).
+      kv_lens: i32[B], in [0, max_pages_per_seq * page_size]; 0 marks a padding sequence.
+      page_table: i32[B, max_pages_per_seq], entries in [0, P).
+      cu_q_lens: i32[B + 1], non-decreasing prefix sums of q_lens, `cu_q_lens[0] == 0`, `cu_q_lens[-1] <= T`.
+      max_q_len: static upper bound on any q_len (1 for a pure decode batch).
+      sm_scale: softmax scale, usually `H ** -0.5`.
+
+    Returns:
+      [T, N, H] attention output in q's dtype; padding rows are 0.
+
+    Raises:
+      ValueError: if N is not a multiple of K or head dims differ (at trace time).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, kv_head_dim = k_pages.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
+    if head_dim != kv_head_dim:
+        raise ValueError(f"query head dim {head_dim} != cache head dim {kv_head_dim}")
+    num_seqs, max_pages = page_table.shape
+    group = num_heads // num_kv_heads
+    max_kv_len = max_pages * page_size
+
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
+    j = jnp.arange(max_q_len)
+    q_rows = cu_q_lens[:-1, None] + j[None, :]  # [B, Tq]
+    q_valid = j[None, :] < q_lens[:, None]  # [B, Tq]
+    q_seq = jnp.take(q, jnp.where(q_valid, q_rows, 0), axis=0)  # [B, Tq, N, H]
+    q_seq = q_seq.reshape(num_seqs, max_q_len, num_kv_heads, group, head_dim)
+
+    def gather(pages: jax.Array) -> jax.Array:
+        ctx = pages[page_table]  # [B, Pmax, K, page_size, H]
+        ctx = ctx.transpose(0, 2, 1, 3, 4)  # [B, K, Pmax, page_size, H]
+        return ctx.reshape(num_seqs, num_kv_heads, max_kv_len, head_dim)  # [B, K, S, H]
+
+    k_ctx, v_ctx = gather(k_pages), gather(v_pages)
+    scores = jnp.einsum("btkgh,bksh->bkgts", q_seq, k_ctx, preferred_element_type=jnp.float32)
+    scores = scores * sm_scale  # [B, K, G, Tq, S]
+    q_pos = kv_lens[:, None] - q_lens[:, None] + j[None, :]  # [B, Tq]
+    s = jnp.arange(max_kv_len)
+    visible = (s[None, None, :] <= q_pos[:, :, None]) & (s[None, None, :] < kv_lens[:, None, None])  # [B, Tq, S]
+    scores = jnp.where(visible[:, None, None], scores, DEFAULT_MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+    out = out.reshape(num_seqs, max_q_len, num_heads, head_dim)  # [B, Tq, N, H]
+
+    # Back to flat rows: row t belongs to sequence b with cu_q_lens[b] <= t < cu_q_lens[b+1].
+    t = jnp.arange(num_tokens)
+    row_seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, num_seqs - 1)  # [T]
+    row_j = t - cu_q_lens[row_seq]
+    row_valid = (t < cu_q_lens[-1]) & (row_j < max_q_len)
+    flat = out[row_seq, jnp.clip(row_j, 0, max_q_len - 1)]  # [T, N, H]
+    return jnp.where(row_valid[:, None, None], flat, 0).astype(q.dtype)

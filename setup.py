@@ -1,0 +1,37 @@
+"""jaxinfer: an LLM inference engine on JAX/XLA. Exact tested versions are pinned in constraints.txt."""
+
+from setuptools import setup
+
+setup(
+    name="jaxinfer",
+    version="0.1.0",
+    description="LLM inference engine on JAX/XLA for GPUs, TPUs and CPUs",
+    python_requires=">=3.12",
+    packages=[
+        "jaxinfer",
+        "jaxinfer.engine",
+        "models",
+        "sharding",
+        "pallas_kernels",
+    ],
+    install_requires=[
+        "jax>=0.11.2",
+        "jaxlib>=0.11.2",
+        "flax>=0.12",
+        "orbax-checkpoint>=0.11",
+        "numpy>=2.0",
+        "ml_dtypes>=0.5",
+        "absl-py>=2.0",
+        "sentencepiece>=0.2",
+        "gguf>=0.17",
+        "safetensors>=0.5",
+        "tokenizers>=0.21",
+        "jinja2>=3.1",
+        "psutil>=5.9",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+    },
+    entry_points={"console_scripts": ["jaxinfer=jaxinfer.cli:main"]},
+)
