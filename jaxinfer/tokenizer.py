@@ -43,6 +43,8 @@ from tokenizers import decoders as tk_decoders
 from tokenizers import models as tk_models
 from tokenizers import pre_tokenizers as tk_pre
 
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+
 logger = logging.getLogger(__name__)
 
 # GGUF `tokenizer.ggml.token_type` values (same numbering as sentencepiece's ModelProto piece types).

@@ -274,8 +274,8 @@ def forward(
       metadata: positions, lengths, page table and logits rows of this step (see `AttentionMetadata`).
       kv_cache: cache with layers stacked on axis 0; donate it in the caller's `jit`.
       cfg: static model config.
-      scan_layers: `lax.scan` over layers (compile time flat in depth; accelerators) instead of a Python loop
-        (faster on CPU, BENCHMARKS.md).
+      scan_layers: `lax.scan` over layers (compile time flat in depth) instead of an unrolled Python loop; both
+        update the stacked cache in place (timings in BENCHMARKS.md).
       attention_fn: attention op with the signature of `paged_attention_reference`.
 
     Returns:
@@ -285,33 +285,30 @@ def forward(
     with jax.named_scope("embed"):
         x = jnp.take(params.embed, tokens, axis=0)  # [T, D]
 
-    def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
-        return attention_fn(
-            q, k_pages, v_pages, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
-            max_q_len=metadata.max_q_len, sm_scale=cfg.head_dim**-0.5,
-        )  # [T, N, H]
+    def layer_step(x: jax.Array, w: LayerWeights, k_all: jax.Array, v_all: jax.Array,
+                   i: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        # Layer i writes into and reads from the stacked cache in place (no per-layer slice copies).
+        with jax.named_scope("attention"):
+            q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
+            k_all, v_all = write_kv(k_all, v_all, k, v, metadata.kv_loc, layer=i)
+            attn = attention_fn(q, k_all, v_all, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, i,
+                                max_q_len=metadata.max_q_len, sm_scale=cfg.head_dim**-0.5)  # [T, N, H]
+        return _attention_output_and_mlp(x, attn, w, cfg), k_all, v_all
 
+    k_all, v_all = kv_cache.k, kv_cache.v
     if scan_layers:
-        # Scan carries each layer's cache slice through the loop body (a copy per layer and step on CPU).
-        def body(x: jax.Array, xs: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            w, k_pages, v_pages = xs
-            with jax.named_scope("attention"):
-                q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
-                k_pages, v_pages = write_kv(k_pages, v_pages, k, v, metadata.kv_loc)
-                attn = attend(q, k_pages, v_pages)
-            return _attention_output_and_mlp(x, attn, w, cfg), (k_pages, v_pages)
+        def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+            x, k_all, v_all = carry
+            w, i = xs
+            return layer_step(x, w, k_all, v_all, i), None
 
-        x, (k_all, v_all) = jax.lax.scan(body, x, (params.layers, kv_cache.k, kv_cache.v))
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (params.layers, layer_ids))
     else:
-        # Unrolled: each layer scatters straight into the stacked (donated) cache, so nothing is copied.
-        k_all, v_all = kv_cache.k, kv_cache.v
         for i in range(cfg.num_layers):
             w = jax.tree.map(lambda a, i=i: a[i], params.layers)
-            with jax.named_scope(f"layer_{i}/attention"):
-                q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
-                k_all, v_all = write_kv(k_all, v_all, k, v, metadata.kv_loc, layer=i)
-                attn = attend(q, k_all[i], v_all[i])
-            x = _attention_output_and_mlp(x, attn, w, cfg)
+            with jax.named_scope(f"layer_{i}"):
+                x, k_all, v_all = layer_step(x, w, k_all, v_all, i)
     kv_cache = KVCache(k=k_all, v=v_all)
 
     with jax.named_scope("lm_head"):

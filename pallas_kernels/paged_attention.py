@@ -29,7 +29,7 @@ def write_kv(
     k: jax.Array,
     v: jax.Array,
     kv_loc: jax.Array,
-    layer: int | None = None,
+    layer: int | jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatters new keys/values into their pages.
 
@@ -39,7 +39,7 @@ def write_kv(
       k, v: [T, K, H] new keys/values, one row per flat token.
       kv_loc: i32[T], flat address `page * page_size + offset` of each token, in [0, P * page_size). Padding tokens
         point into the null page 0.
-      layer: static layer index when the cache is stacked.
+      layer: layer index (Python int or traced i32 scalar) when the cache is stacked.
 
     Returns:
       The updated `(k_pages, v_pages)`, same shapes.
@@ -60,6 +60,7 @@ def paged_attention_reference(
     kv_lens: jax.Array,
     page_table: jax.Array,
     cu_q_lens: jax.Array,
+    layer: jax.Array | int | None = None,
     *,
     max_q_len: int,
     sm_scale: float,
@@ -72,10 +73,12 @@ def paged_attention_reference(
 
     Args:
       q: [T, N, H] flat queries of all sequences, any float dtype; rows past `cu_q_lens[-1]` are padding.
-      k_pages, v_pages: [P, K, page_size, H] one layer's cache (layout in the module docstring).
+      k_pages, v_pages: [P, K, page_size, H] one layer's cache (layout in the module docstring), or
+        [L, P, K, page_size, H] all layers' with `layer` choosing one (read in place, no slice copy).
       kv_lens: i32[B], in [0, max_pages_per_seq * page_size]; 0 marks a padding sequence.
       page_table: i32[B, max_pages_per_seq], entries in [0, P).
       cu_q_lens: i32[B + 1], non-decreasing prefix sums of q_lens, `cu_q_lens[0] == 0`, `cu_q_lens[-1] <= T`.
+      layer: i32 scalar in [0, L) for a stacked cache; None for a single layer's.
       max_q_len: static upper bound on any q_len (1 for a pure decode batch).
       sm_scale: softmax scale, usually `H ** -0.5`.
 
@@ -86,7 +89,10 @@ def paged_attention_reference(
       ValueError: if N is not a multiple of K or head dims differ (at trace time).
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, kv_head_dim = k_pages.shape
+    if (k_pages.ndim == 5) != (layer is not None):
+        raise ValueError(f"a stacked cache (ndim 5) needs a layer index and a single layer's (ndim 4) none; got "
+                         f"ndim {k_pages.ndim} and layer={layer}")
+    num_kv_heads, page_size, kv_head_dim = k_pages.shape[-3:]
     if num_heads % num_kv_heads:
         raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
     if head_dim != kv_head_dim:
@@ -103,7 +109,7 @@ def paged_attention_reference(
     q_seq = q_seq.reshape(num_seqs, max_q_len, num_kv_heads, group, head_dim)
 
     def gather(pages: jax.Array) -> jax.Array:
-        ctx = pages[page_table]  # [B, Pmax, K, page_size, H]
+        ctx = pages[page_table] if layer is None else pages[layer, page_table]  # [B, Pmax, K, page_size, H]
         ctx = ctx.transpose(0, 2, 1, 3, 4)  # [B, K, Pmax, page_size, H]
         return ctx.reshape(num_seqs, num_kv_heads, max_kv_len, head_dim)  # [B, K, S, H]
 

@@ -81,6 +81,8 @@ class ModelRunner:
       kv_dtype: cache dtype.
       scan_layers: scan over layers instead of unrolling them (see `models.llama.forward`).
       attention_fn: attention op (signature of `paged_attention_reference`).
+      vocab_limit: ids at or above it are never sampled (a model's embedding table may be padded past the
+        tokenizer's vocabulary); default: the model's vocabulary size.
     """
 
     def __init__(
@@ -93,11 +95,13 @@ class ModelRunner:
         kv_dtype: jnp.dtype,
         scan_layers: bool = False,
         attention_fn: Callable[..., jax.Array] = paged_attention_reference,
+        vocab_limit: int | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the reserved null page)")
         self.cfg = cfg
         self.weights = weights
+        self.vocab_limit = cfg.vocab_size if vocab_limit is None else vocab_limit
         self.page_size = page_size
         self.num_pages = num_pages
         self.kv_cache = KVCache.zeros(cfg, num_pages, page_size, kv_dtype)
@@ -176,7 +180,7 @@ class ModelRunner:
         """
         tokens, metadata, b_pad = self._prepare(chunks, all_rows=False)
         sampling = SamplingArrays.build(list(params), list(seeds), list(steps), [list(s) for s in suppress],
-                                        b_pad, self.cfg.vocab_size)
+                                        b_pad, self.cfg.vocab_size, self.vocab_limit)
         next_tokens, logits, self.kv_cache = self._step(self.weights, tokens, metadata, self.kv_cache, sampling)
         return np.asarray(next_tokens)[: len(chunks)], logits
 

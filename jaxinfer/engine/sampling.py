@@ -22,6 +22,7 @@ class SamplingArrays:
       step: i32[B], index of the token being sampled within its request (folded into the key, so a request's
         draws do not depend on which other requests share the batch).
       suppress: i32[B, M], token ids whose logits are set to -inf (EOS and stop ids before `min_tokens`); -1 pads.
+      vocab_limit: i32[], ids >= it are never sampled.
     """
 
     temperature: jax.Array
@@ -30,10 +31,11 @@ class SamplingArrays:
     seed: jax.Array
     step: jax.Array
     suppress: jax.Array
+    vocab_limit: jax.Array
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], steps: list[int], suppress: list[list[int]],
-              batch: int, vocab: int) -> SamplingArrays:
+              batch: int, vocab: int, vocab_limit: int | None = None) -> SamplingArrays:
         """Host-side arrays for `len(params)` rows padded (greedy) to `batch` rows.
 
         `suppress[i]` lists row i's banned token ids; the column count is padded to a power of two (>= 4) so that
@@ -49,7 +51,8 @@ class SamplingArrays:
         top_p = np.array([p.top_p for p in params] + [1.0] * pad, np.float32)
         return SamplingArrays(temperature=temperature, top_k=np.minimum(top_k, vocab), top_p=top_p,
                               seed=np.array(list(seeds) + [0] * pad, np.uint32),
-                              step=np.array(list(steps) + [0] * pad, np.int32), suppress=banned)
+                              step=np.array(list(steps) + [0] * pad, np.int32), suppress=banned,
+                              vocab_limit=np.int32(vocab if vocab_limit is None else vocab_limit))
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -70,6 +73,7 @@ def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     rows = jnp.arange(logits.shape[0])[:, None]
     banned = jnp.where(s.suppress >= 0, s.suppress, vocab)  # out-of-range index: dropped by the scatter
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    logits = jnp.where(jnp.arange(vocab)[None, :] < s.vocab_limit, logits, -jnp.inf)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     safe_t = jnp.where(s.temperature > 0, s.temperature, 1.0)
     scaled = logits / safe_t[:, None]
