@@ -50,7 +50,10 @@ def default_model_path() -> Path:
 
 def _linear_heads(heads_attr: str) -> Callable[[np.ndarray, ModelConfig], np.ndarray]:
     def convert(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:  # [heads * H, D] -> [D, heads, H]
-        return w.T.reshape(cfg.hidden_size, getattr(cfg, heads_attr), cfg.head_dim)
+        heads = getattr(cfg, heads_attr)
+        if w.shape != (heads * cfg.head_dim, cfg.hidden_size):  # a bare reshape would accept e.g. a transpose
+            raise ValueError(f"expected shape {(heads * cfg.head_dim, cfg.hidden_size)}")
+        return w.T.reshape(cfg.hidden_size, heads, cfg.head_dim)
     return convert
 
 
@@ -67,6 +70,8 @@ def _identity(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 
 def _out_proj(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:  # [D, N * H] -> [N, H, D]
+    if w.shape != (cfg.hidden_size, cfg.num_heads * cfg.head_dim):
+        raise ValueError(f"expected shape {(cfg.hidden_size, cfg.num_heads * cfg.head_dim)}")
     return w.T.reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)
 
 
@@ -217,7 +222,11 @@ def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -
                              "which the gguf package cannot dequantize") from None
         arr = np.asarray(arr, dtype=np.float32)
         if permute and name.rope_heads is not None:
-            arr = _unpermute_rope_rows(arr, getattr(cfg, name.rope_heads))
+            heads = getattr(cfg, name.rope_heads)
+            if arr.shape[0] != heads * cfg.head_dim:
+                raise ValueError(f"GGUF tensor {key!r} has shape {arr.shape}; the config needs "
+                                 f"{heads * cfg.head_dim} rows ({heads} heads x {cfg.head_dim})")
+            arr = _unpermute_rope_rows(arr, heads)
         return arr
 
     return cfg, _assemble(cfg, fetch, "gguf", dtype)

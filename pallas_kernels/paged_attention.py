@@ -121,8 +121,9 @@ def paged_attention_reference(
     visible = (s[None, None, :] <= q_pos[:, :, None]) & (s[None, None, :] < kv_lens[:, None, None])  # [B, Tq, S]
     scores = jnp.where(visible[:, None, None], scores, DEFAULT_MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
-    out = out.reshape(num_seqs, max_q_len, num_heads, head_dim)  # [B, Tq, N, H]
+    # Batch dims lead the output: XLA:CPU has no bf16 x bf16 -> f32 dot for the transposed "btkgh" output.
+    out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, max_q_len, num_heads, head_dim)  # [B, Tq, N, H]
 
     # Back to flat rows: row t belongs to sequence b with cu_q_lens[b] <= t < cu_q_lens[b+1].
     t = jnp.arange(num_tokens)

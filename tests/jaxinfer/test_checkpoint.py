@@ -1,0 +1,375 @@
+"""Tests for jaxinfer.checkpoint: HF folders against HF transformers goldens, GGUF files written here, errors.
+
+Oracles:
+  * tests/data/tiny_llama3 and tiny_qwen2 hold golden logits and greedy tokens computed by HF transformers
+    (PyTorch, f32; see scripts/make_golden.py), independent of this code base.
+  * GGUF files are written here with `gguf.GGUFWriter` the way llama.cpp's converter lays them out (its tensor
+    names, metadata keys and the Q/K row permutation, written below from their description, not from the loader),
+    from the same safetensors weights; the GGUF path must then reproduce the HF path's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from safetensors.numpy import load_file, save_file
+
+from jaxinfer.checkpoint import load_gguf_weights, load_hf_weights, read_gguf
+from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.sampling_params import SamplingParams
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+LLAMA3 = DATA / "tiny_llama3"
+QWEN2 = DATA / "tiny_qwen2"
+PAGE_SIZE = 16
+NUM_PAGES = 8
+
+
+def _golden(folder: Path) -> dict:
+    return json.loads((folder / "golden.json").read_text())
+
+
+def _runner(cfg, weights) -> ModelRunner:
+    return ModelRunner(cfg, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32)
+
+
+def _logits(runner: ModelRunner, token_ids: list[int], weights=None) -> np.ndarray:
+    """All-position logits of one prefill; `weights` swaps in other weights of the same shapes (same compile)."""
+    if weights is not None:
+        runner.weights = weights
+    return runner.compute_logits([SequenceChunk(token_ids, 0, [3, 1, 2])])
+
+
+# --- (a) HF folders against the transformers goldens -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["tiny_llama3", "tiny_qwen2"])
+def hf_model(request):
+    folder = DATA / request.param
+    cfg, weights = load_hf_weights(folder)
+    return folder, cfg, _runner(cfg, weights)
+
+
+def test_hf_config_fields(hf_model):
+    folder, cfg, _ = hf_model
+    hf = json.loads((folder / "config.json").read_text())
+    assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.num_layers) == (
+        hf["model_type"], hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"])
+    assert (cfg.num_heads, cfg.num_kv_heads) == (hf["num_attention_heads"], hf["num_key_value_heads"])
+    assert cfg.tie_word_embeddings == hf["tie_word_embeddings"]
+    if folder == LLAMA3:  # v4 keys: rope_theta + rope_scaling
+        assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type.value == "llama3"
+        assert cfg.rope_scaling.original_max_position_embeddings == hf["rope_scaling"]["original_max_position_embeddings"]
+        assert cfg.rope_theta == hf["rope_theta"]
+    else:  # v5 keys: rope_parameters
+        assert cfg.rope_scaling is None and cfg.rope_theta == hf["rope_parameters"]["rope_theta"]
+        assert cfg.attention_bias
+
+
+def test_hf_logits_match_transformers(hf_model):
+    folder, _, runner = hf_model
+    golden = _golden(folder)
+    expected = np.array(golden["logits"], np.float32)
+    out = _logits(runner, golden["token_ids"])
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_greedy_continuation_matches_transformers(hf_model):
+    folder, _, runner = hf_model
+    golden = _golden(folder)
+    prompt, want = golden["token_ids"], golden["greedy_token_ids"]
+    greedy = SamplingParams(temperature=0.0)
+    pages = [4, 6, 5]  # 40 + 8 tokens = 3 pages of 16
+    got = []
+    chunk = SequenceChunk(prompt, 0, pages)
+    for step in range(len(want)):
+        tokens, _ = runner.execute([chunk], [greedy], seeds=[0], steps=[step], suppress=[[]])
+        got.append(int(tokens[0]))
+        chunk = SequenceChunk([got[-1]], len(prompt) + step, pages)
+    assert got == want
+
+
+# --- (b) GGUF written here, against the HF path ----------------------------------------------------------------------
+
+# llama.cpp tensor names for HF names (the converter's mapping for Llama).
+_HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TO_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _HF_TO_GGUF_TOP:
+        return _HF_TO_GGUF_TOP[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.<rest>
+    return f"blk.{layer}.{_HF_TO_GGUF_LAYER[rest]}"
+
+
+def _permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """GGUF converters' Q/K row order: within each head, rows go from half-split (all first halves of the rotary
+    pairs, then all second halves) to interleaved pairs (first, second, first, second, ...)."""
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(hf_tensors: dict[str, np.ndarray], hf_cfg: dict, permute: bool = True) -> dict[str, np.ndarray]:
+    out = {}
+    for name, w in hf_tensors.items():
+        if permute and name.endswith("self_attn.q_proj.weight"):
+            w = _permute_rope_rows(w, hf_cfg["num_attention_heads"])
+        elif permute and name.endswith("self_attn.k_proj.weight"):
+            w = _permute_rope_rows(w, hf_cfg["num_key_value_heads"])
+        out[_gguf_name(name)] = w
+    return out
+
+
+def _write_gguf(path: Path, tensors: dict[str, np.ndarray], hf_cfg: dict, *, arch: str = "llama",
+                qtype: GGMLQuantizationType | None = None, drop_keys: tuple[str, ...] = ()) -> Path:
+    """Writes metadata (llama.cpp keys) and tensors; 2-D tensors quantized to `qtype` when given (norms stay F32,
+    as llama.cpp's quantizer keeps them)."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name("tiny-llama3-gguf")
+    meta = {
+        "block_count": (writer.add_block_count, hf_cfg["num_hidden_layers"]),
+        "context_length": (writer.add_context_length, hf_cfg["max_position_embeddings"]),
+        "embedding_length": (writer.add_embedding_length, hf_cfg["hidden_size"]),
+        "feed_forward_length": (writer.add_feed_forward_length, hf_cfg["intermediate_size"]),
+        "attention.head_count": (writer.add_head_count, hf_cfg["num_attention_heads"]),
+        "attention.head_count_kv": (writer.add_head_count_kv, hf_cfg["num_key_value_heads"]),
+        "rope.freq_base": (writer.add_rope_freq_base, hf_cfg["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": (writer.add_layer_norm_rms_eps, hf_cfg["rms_norm_eps"]),
+        "vocab_size": (writer.add_vocab_size, hf_cfg["vocab_size"]),
+        "rope.dimension_count": (writer.add_rope_dimension_count, hf_cfg["head_dim"]),
+    }
+    for key, (add, value) in meta.items():
+        if key not in drop_keys:
+            add(value)
+    for name, w in tensors.items():
+        if isinstance(w, tuple):  # (raw block bytes, their type), written as is
+            writer.add_tensor(name, w[0], raw_dtype=w[1])
+            continue
+        w = np.ascontiguousarray(w, np.float32)
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_src():
+    """tiny_llama3's HF tensors and config."""
+    return load_file(LLAMA3 / "model.safetensors"), json.loads((LLAMA3 / "config.json").read_text())
+
+
+def _hf_copy(dst: Path, tensors: dict[str, np.ndarray], hf_cfg: dict) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(hf_cfg))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, dst / "model.safetensors")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def plain_rope(llama_src, tmp_path_factory):
+    """tiny_llama3 without rope_scaling (GGUF metadata has no llama3 schedule), loaded through the HF path.
+
+    Returns (HF-path config, runner over its weights, its logits on the golden prompt, prompt, tmp dir).
+    """
+    tensors, hf_cfg = llama_src
+    hf_cfg = {k: v for k, v in hf_cfg.items() if k != "rope_scaling"}
+    tmp = tmp_path_factory.mktemp("gguf")
+    cfg, weights = load_hf_weights(_hf_copy(tmp / "tiny_llama3_plain", tensors, hf_cfg))
+    assert cfg.rope_scaling is None
+    runner = _runner(cfg, weights)
+    prompt = _golden(LLAMA3)["token_ids"]
+    ref = _logits(runner, prompt)
+    # Sanity: dropping the llama3 schedule changes this model's logits, so the goldens alone pin the schedule.
+    assert np.abs(ref - np.array(_golden(LLAMA3)["logits"])).max() > 1e-2
+    return cfg, runner, ref, prompt, hf_cfg, tmp
+
+
+def _load_gguf(path: Path):
+    return load_gguf_weights(read_gguf(path))
+
+
+def test_gguf_f32_matches_hf_path(llama_src, plain_rope):
+    tensors, _ = llama_src
+    cfg_hf, runner, ref, prompt, hf_cfg, tmp = plain_rope
+    cfg, weights = _load_gguf(_write_gguf(tmp / "f32.gguf", _gguf_tensors(tensors, hf_cfg), hf_cfg))
+    assert cfg.name == "tiny-llama3-gguf"
+    # GGUF stores the epsilon as f32 (1e-5 -> 9.99999975e-06); everything else must be identical.
+    assert cfg.rms_norm_eps == pytest.approx(cfg_hf.rms_norm_eps, rel=1e-6)
+    assert dataclasses.replace(cfg, name="", rms_norm_eps=0.0) == dataclasses.replace(cfg_hf, name="", rms_norm_eps=0.0)
+    # Run it with its own config, as a user of the GGUF file would.
+    np.testing.assert_allclose(_logits(_runner(cfg, weights), prompt), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_gguf_q8_0_matches_hf_path_within_quantization_error(llama_src, plain_rope):
+    tensors, _ = llama_src
+    _, runner, ref, prompt, hf_cfg, tmp = plain_rope
+    q8 = GGMLQuantizationType.Q8_0
+    _, weights = _load_gguf(_write_gguf(tmp / "q8.gguf", _gguf_tensors(tensors, hf_cfg), hf_cfg, qtype=q8))
+    got = _logits(runner, prompt, weights)
+
+    # Exact check of the loader's plumbing: the HF path over the same Q8_0-rounded weights (quantized per row of
+    # the [out, in] matrices, which the row permutation only reorders) must give the same logits.
+    rounded = {k: gguf.quants.dequantize(gguf.quants.quantize(v, q8), q8).reshape(v.shape) if v.ndim == 2 else v
+               for k, v in tensors.items()}
+    _, rounded_weights = load_hf_weights(_hf_copy(tmp / "tiny_llama3_q8_rounded", rounded, hf_cfg))
+    np.testing.assert_allclose(got, _logits(runner, prompt, rounded_weights), rtol=1e-5, atol=1e-5)
+
+    # Against the unquantized model. Q8_0 rounds each weight to int8 times its 32-block's max|w|/127; r below is
+    # the resulting relative RMS weight noise (~0.5% here). Independent noise in the 18 quantized matrices adds in
+    # quadrature (sqrt(18) ~ 4.2) and passes through two residual layers, so the logits' RMS error should be a
+    # few r times their spread: 10 r bounds it with ~2x margin (measured ~5.5 r). The worst single logit is a
+    # tail of ~5000 values: 5x the RMS bound.
+    matrices = [k for k, v in tensors.items() if v.ndim == 2]
+    r = np.sqrt(sum(np.sum((rounded[k] - tensors[k]) ** 2) for k in matrices)
+                / sum(np.sum(tensors[k] ** 2) for k in matrices))
+    assert 1e-3 < r < 1e-2
+    bound = 10 * r * ref.std()
+    err = got - ref
+    assert 0 < np.sqrt(np.mean(err**2)) < bound, (np.sqrt(np.mean(err**2)), bound)
+    assert np.abs(err).max() < 5 * bound
+
+    # ... and the bound is not trivially loose: the same Q8_0 file without the Q/K row permutation (what a loader
+    # that forgot to undo it would compute) misses by far more.
+    _, unpermuted = _load_gguf(_write_gguf(tmp / "q8_unpermuted.gguf", _gguf_tensors(tensors, hf_cfg, permute=False),
+                                           hf_cfg, qtype=q8))
+    assert np.sqrt(np.mean((_logits(runner, prompt, unpermuted) - ref) ** 2)) > 5 * bound
+
+
+# --- (c) errors --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_parts(llama_src):
+    tensors, hf_cfg = llama_src
+    hf_cfg = {k: v for k, v in hf_cfg.items() if k != "rope_scaling"}
+    return _gguf_tensors(tensors, hf_cfg), hf_cfg
+
+
+def test_gguf_missing_tensor(gguf_parts, tmp_path):
+    tensors, hf_cfg = gguf_parts
+    tensors = {k: v for k, v in tensors.items() if k != "blk.1.ffn_up.weight"}
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight"):
+        _load_gguf(_write_gguf(tmp_path / "m.gguf", tensors, hf_cfg))
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_up.weight", "blk.1.attn_k.weight", "output.weight"])
+def test_gguf_tensor_with_wrong_shape(gguf_parts, tmp_path, name):
+    # Transposed (same element count, so only a shape check can catch it).
+    tensors, hf_cfg = gguf_parts
+    tensors = dict(tensors)
+    tensors[name] = np.ascontiguousarray(tensors[name].T)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        _load_gguf(_write_gguf(tmp_path / "m.gguf", tensors, hf_cfg))
+
+
+def test_gguf_tensor_with_wrong_row_count(gguf_parts, tmp_path):
+    tensors, hf_cfg = gguf_parts
+    tensors = dict(tensors)
+    tensors["blk.0.attn_q.weight"] = tensors["blk.0.attn_q.weight"][:-4]
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight"):
+        _load_gguf(_write_gguf(tmp_path / "m.gguf", tensors, hf_cfg))
+
+
+def test_gguf_unknown_architecture(gguf_parts, tmp_path):
+    tensors, hf_cfg = gguf_parts
+    with pytest.raises(ValueError, match="gpt2"):
+        _load_gguf(_write_gguf(tmp_path / "m.gguf", tensors, hf_cfg, arch="gpt2"))
+
+
+def test_gguf_missing_metadata_key(gguf_parts, tmp_path):
+    tensors, hf_cfg = gguf_parts
+    with pytest.raises(ValueError, match=r"llama\.block_count"):
+        _load_gguf(_write_gguf(tmp_path / "m.gguf", tensors, hf_cfg, drop_keys=("block_count",)))
+
+
+def test_gguf_quantization_type_gguf_cannot_dequantize(gguf_parts, tmp_path):
+    # Q8_1 is a valid GGML type (block of 32: f16 scale, f16 sum, 32 x int8 = 36 bytes) that gguf-py has no
+    # dequantizer for; the bytes below are a well-formed Q8_1 tensor of the right shape.
+    if GGMLQuantizationType.Q8_1 in gguf.quants._type_traits:
+        pytest.skip("this gguf version dequantizes Q8_1; pick another type it lacks")
+    tensors, hf_cfg = gguf_parts
+    rows, cols = tensors["blk.0.ffn_gate.weight"].shape
+    block, type_size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+    raw = np.zeros((rows, cols // block * type_size), np.uint8)
+    tensors = {**tensors, "blk.0.ffn_gate.weight": (raw, GGMLQuantizationType.Q8_1)}
+    path = _write_gguf(tmp_path / "q81.gguf", tensors, hf_cfg)
+    assert read_gguf(path).get_tensor(0) is not None  # gguf-py itself reads the file
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate\.weight.*Q8_1"):
+        _load_gguf(path)
+
+
+@pytest.mark.parametrize("content", ["random", "empty", "truncated"])
+def test_read_gguf_rejects_non_gguf(gguf_parts, tmp_path, content):
+    path = tmp_path / "not.gguf"
+    if content == "random":
+        path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    elif content == "empty":
+        path.write_bytes(b"")
+    else:
+        tensors, hf_cfg = gguf_parts
+        whole = _write_gguf(tmp_path / "whole.gguf", tensors, hf_cfg).read_bytes()
+        path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match="not.gguf"):
+        _load_gguf(path)
+
+
+def test_hf_unknown_model_type(tmp_path):
+    hf_cfg = json.loads((LLAMA3 / "config.json").read_text())
+    hf_cfg["model_type"] = "gpt_neox"
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    shutil.copy(LLAMA3 / "model.safetensors", tmp_path)
+    with pytest.raises(ValueError, match="gpt_neox"):
+        load_hf_weights(tmp_path)
+
+
+def test_hf_missing_tensor(llama_src, tmp_path):
+    tensors, hf_cfg = llama_src
+    name = "model.layers.1.mlp.up_proj.weight"
+    _hf_copy(tmp_path, {k: v for k, v in tensors.items() if k != name}, hf_cfg)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_hf_weights(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                                  "model.layers.0.mlp.down_proj.weight"])
+def test_hf_tensor_with_wrong_shape(llama_src, tmp_path, name):
+    tensors, hf_cfg = llama_src
+    tensors = dict(tensors)
+    tensors[name] = np.ascontiguousarray(tensors[name].T)
+    if tensors[name].shape == llama_src[0][name].shape:  # square: transposing is not a shape error
+        tensors[name] = tensors[name][:-1]
+    _hf_copy(tmp_path, tensors, hf_cfg)
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_hf_weights(tmp_path)
+
+
+def test_hf_missing_shard(tmp_path):
+    shutil.copytree(QWEN2, tmp_path / "q", ignore=shutil.ignore_patterns("model-00002-of-00003.safetensors"))
+    with pytest.raises(ValueError, match="model-00002-of-00003"):
+        load_hf_weights(tmp_path / "q")
