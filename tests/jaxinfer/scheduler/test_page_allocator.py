@@ -14,7 +14,7 @@ def test_never_hands_out_the_null_page_and_reuses_freed_pages() -> None:
     alloc = PageAllocator(5)
     pages = alloc.allocate(4)
     assert sorted(pages) == [1, 2, 3, 4] and alloc.num_free_pages == 0
-    with pytest.raises(ValueError, match="4 pages"):
+    with pytest.raises(ValueError, match="4 free"):
         PageAllocator(5).allocate(5)
     alloc.free(pages[:2])
     assert sorted(alloc.allocate(2)) == sorted(pages[:2])
