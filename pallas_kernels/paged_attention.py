@@ -7,7 +7,8 @@ KV cache layout (the one place it is defined; the engine and the model follow it
 Page 0 is the reserved null page: padding rows of `page_table` point at it and padding tokens write into it, so
 every index stays valid; nothing reads it unmasked. Pages lead so that a sequence's pages gather in one indexed
 read, and kv heads come before page positions so that the gathered context reshapes to `[B, K, S, H]` (batch and
-kv heads leading), the order that measured fastest for the attention einsums on CPU (BENCHMARKS.md, "KV layout").
+kv heads leading); against [P, page_size, K, H] it measured the same within noise on CPU (BENCHMARKS.md, "KV
+layout"), so the kernels issue is free to pick what its tiling needs.
 
 The Pallas kernels arrive behind this signature in a later change; this module holds the pure-`jnp` reference,
 which is the CPU path and the test oracle.

@@ -122,7 +122,7 @@ class ModelRunner:
             raise ValueError("every sequence in a step needs at least one new token")
         num_tokens = sum(q_lens)
         t_pad = next_power_of_two(num_tokens, 2)  # >= 2 rows: bf16 matrix-vector with one row is slow on CPU
-        b_pad = next_power_of_two(len(chunks))
+        b_pad = next_power_of_two(len(chunks), 2)  # >= 2 logits rows: the one-row LM head is slow in bf16
         max_q = max(q_lens)
         max_q_pad = 1 if max_q == 1 else min(next_power_of_two(max_q, 16), t_pad)
         kv_lens = [c.num_computed_tokens + q for c, q in zip(chunks, q_lens)]
