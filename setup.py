@@ -10,6 +10,7 @@ setup(
     packages=[
         "jaxinfer",
         "jaxinfer.engine",
+        "jaxinfer.scheduler",
         "models",
         "sharding",
         "pallas_kernels",
@@ -31,7 +32,7 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "hypothesis>=6.100"],
     },
     entry_points={"console_scripts": ["jaxinfer=jaxinfer.cli:main"]},
 )

@@ -13,13 +13,22 @@ class CompletionOutput:
       index: completion index within its request.
       text: generated text (special tokens skipped unless asked; stop string removed unless asked).
       token_ids: generated token ids, including the EOS / stop token that ended generation.
-      finish_reason: "stop" (EOS, stop id or stop string) or "length" (max_tokens or the context limit).
+      finish_reason: "stop" (EOS, stop id or stop string), "length" (max_tokens or the context limit), "abort"
+        (aborted by the caller) or "error" (this request failed; see `error`); None while running.
+      delta_text, delta_token_ids: what is new since the previous output of this request (streaming).
+      logprobs: per generated token, {token id: log-probability} of the top `SamplingParams.logprobs` tokens of
+        the model's raw distribution plus the sampled token; None unless asked for.
+      error: why the request failed, when finish_reason is "error".
     """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass

@@ -1,23 +1,49 @@
-"""`SamplingParams`: how one request samples and when it stops (field names as in vLLM's offline API)."""
+"""`SamplingParams`: how one request samples and when it stops (field names and semantics as in vLLM's offline API)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per output token
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping rules of one request.
 
+    The engine applies the logit processors in this order (as vLLM's sampler does): repetition penalty,
+    presence/frequency penalties, temperature, min_p, top_k, top_p; see `jaxinfer.engine.sampling`.
+
     Attributes:
-      temperature: softmax temperature, >= 0; 0 means greedy (argmax).
+      n: number of independent samples (output sequences) for the prompt, >= 1. They share the seed and differ by
+        their sample index, which is folded into the random key.
+      temperature: softmax temperature, finite and >= 0; 0 means greedy (argmax).
       top_k: keep the k most likely tokens; 0 or -1 disables.
       top_p: nucleus sampling (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
         probability mass reaches top_p; in (0, 1], 1 disables.
+      min_p: keep tokens whose probability (after temperature) is >= min_p times the most likely token's; in
+        [0, 1], 0 disables.
+      repetition_penalty: CTRL penalty (Keskar et al. 2019) for tokens that appear in the prompt or the output:
+        a positive logit is divided by it, a negative one multiplied; > 0, 1 disables.
+      presence_penalty: subtracted once from the logit of every token that appears in the output (OpenAI
+        semantics); in [-2, 2].
+      frequency_penalty: subtracted from a token's logit once per time it appears in the output; in [-2, 2].
       max_tokens: most tokens to generate, >= 1.
       min_tokens: EOS and stop token ids are suppressed until this many tokens were generated.
-      seed: per-request seed; the same seed gives the same tokens whatever else is in the batch. None draws one.
+      seed: per-request seed in [0, 2**32); the same seed gives the same tokens whatever else is in the batch.
+        None draws one.
+      logprobs: number of top log-probabilities to return per output token, in [0, MAX_LOGPROBS], besides the
+        sampled token's own; they come from the model's raw distribution (log_softmax of the logits before
+        penalties, temperature and truncation). None returns none.
       stop: strings that end generation when they appear in the output text (not returned unless
         `include_stop_str_in_output`).
       stop_token_ids: extra token ids that end generation (returned in `token_ids`).
@@ -26,15 +52,21 @@ class SamplingParams:
       skip_special_tokens: leave special tokens out of the returned text.
 
     Raises:
-      ValueError: on any out-of-range value, naming it.
+      ValueError: on any out-of-range value (NaN and infinities included), naming the field and the value.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
     seed: int | None = None
+    logprobs: int | None = None
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
@@ -42,27 +74,41 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        temperature, top_k, top_p = self.temperature, self.top_k, self.top_p
-        max_tokens, min_tokens, seed = self.max_tokens, self.min_tokens, self.seed
-        if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
-            raise ValueError(f"{temperature=} must be a number >= 0 (0 means greedy)")
-        if not isinstance(top_k, int) or top_k < -1:
+        n, temperature, top_k, top_p, min_p = self.n, self.temperature, self.top_k, self.top_p, self.min_p
+        repetition_penalty = self.repetition_penalty
+        presence_penalty, frequency_penalty = self.presence_penalty, self.frequency_penalty
+        max_tokens, min_tokens, seed, logprobs = self.max_tokens, self.min_tokens, self.seed, self.logprobs
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"{n=} must be an integer >= 1")
+        if not _is_finite(temperature) or temperature < 0:
+            raise ValueError(f"{temperature=} must be a finite number >= 0 (0 means greedy)")
+        if not _is_int(top_k) or top_k < -1:
             raise ValueError(f"{top_k=} must be an integer >= 1, or 0 / -1 to disable")
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        if not _is_finite(top_p) or not 0 < top_p <= 1:
             raise ValueError(f"{top_p=} must be in (0, 1]")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if not _is_finite(min_p) or not 0 <= min_p <= 1:
+            raise ValueError(f"{min_p=} must be in [0, 1]")
+        if not _is_finite(repetition_penalty) or repetition_penalty <= 0:
+            raise ValueError(f"{repetition_penalty=} must be a finite number > 0 (1 disables)")
+        if not _is_finite(presence_penalty) or not -2 <= presence_penalty <= 2:
+            raise ValueError(f"{presence_penalty=} must be in [-2, 2]")
+        if not _is_finite(frequency_penalty) or not -2 <= frequency_penalty <= 2:
+            raise ValueError(f"{frequency_penalty=} must be in [-2, 2]")
+        if not _is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"{max_tokens=} must be an integer >= 1")
-        if not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+        if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
             raise ValueError(f"{min_tokens=} must be an integer in [0, max_tokens={max_tokens}]")
-        if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**32):
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
             raise ValueError(f"{seed=} must be an integer in [0, 2**32)")
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"{logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}]")
         stop = self.stop
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
         object.__setattr__(self, "stop", stop)
         stop_ids = tuple(self.stop_token_ids or ())
-        if any(not isinstance(t, int) or t < 0 for t in stop_ids):
+        if any(not _is_int(t) or t < 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", stop_ids)
 
@@ -70,3 +116,8 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling is argmax."""
         return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any of the repetition, presence or frequency penalties is active."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from jaxinfer.checkpoint import default_model_path, load_gguf_weights, read_gguf  # noqa: E402
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
-from jaxinfer.engine.sampling import SamplingArrays, sample  # noqa: E402
+from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.llama import Weights, forward  # noqa: E402
@@ -162,9 +162,8 @@ class DecodeResult:
 
 def run_steps(runner: ModelRunner, chunks: list[SequenceChunk]) -> tuple[np.ndarray, float]:
     t0 = time.perf_counter()
-    tokens, _ = runner.execute(chunks, [GREEDY] * len(chunks), list(range(len(chunks))), [0] * len(chunks),
-                               [[] for _ in chunks])
-    return tokens, time.perf_counter() - t0
+    result = runner.execute(chunks, [SamplingRow(GREEDY, seed) for seed in range(len(chunks))])
+    return result.token_ids, time.perf_counter() - t0
 
 
 def decode(runner: ModelRunner, prompts: list[list[int]], pages: list[list[int]], warmup: int,
@@ -315,7 +314,7 @@ def breakdown(cfg: ModelConfig, weights: Weights, dtype: str, prompt: list[int],
     run_steps(runner, [SequenceChunk(prompt[:ctx], 0, pages)])
     chunk = [SequenceChunk([prompt[ctx]], ctx, pages)]
     tokens, metadata, b_pad = runner._prepare(chunk, all_rows=False)
-    sampling = SamplingArrays.build([GREEDY], [0], [0], [[]], b_pad, cfg.vocab_size)
+    sampling = SamplingArrays.build([SamplingRow(GREEDY, 0)], b_pad, cfg.vocab_size)
     tokens, metadata, sampling = jax.device_put((tokens, metadata, sampling))
     fwd = jax.jit(functools.partial(forward, cfg=cfg, scan_layers=True), donate_argnames=("kv_cache",))
     sample_jit = jax.jit(sample)

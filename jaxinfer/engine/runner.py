@@ -14,14 +14,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.sampling import SamplingArrays, sample
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow, sample
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward
 from pallas_kernels.paged_attention import paged_attention_reference
@@ -31,10 +31,26 @@ logger = logging.getLogger(__name__)
 NULL_PAGE = 0
 
 
+MIN_PREFILL_TOKENS = 16  # smallest token bucket of a step with a prefill chunk
+MIN_PAGES_PER_SEQ = 8  # smallest page-table width; widths grow 4x (8, 32, 128, ...)
+
+
 def next_power_of_two(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     n = max(n, minimum)
     return 1 << (n - 1).bit_length()
+
+
+def page_bucket(n: int, max_pages_per_seq: int) -> int:
+    """Page-table width for a step whose longest sequence needs n pages: 8 * 4**k >= n, capped at the maximum.
+
+    4x steps keep the number of compiled shapes small; the reference attention then reads at most 4x the pages it
+    needs (a small share of a decode step's bytes at these context lengths, BENCHMARKS.md).
+    """
+    width = MIN_PAGES_PER_SEQ
+    while width < n:
+        width *= 4
+    return max(min(width, max_pages_per_seq), n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +70,30 @@ class SequenceChunk:
     page_ids: Sequence[int]
 
 
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """Host copy of one step's sampling output, one row per sequence of the step.
+
+    Attributes:
+      token_ids: i32[B] sampled tokens.
+      logprobs: f32[B] raw log-probability of each sampled token.
+      top_logprobs, top_token_ids: f32/i32[B, 20] top raw log-probabilities and their ids (filled when asked).
+      finite: bool[B], False where the row's logits held NaN or inf (the row's token is meaningless then).
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_logprobs: np.ndarray
+    top_token_ids: np.ndarray
+    finite: np.ndarray
+
+    def row_logprobs(self, row: int, n: int) -> dict[int, float]:
+        """{token id: logprob} of row's top n raw tokens plus its sampled token."""
+        out = {int(t): float(v) for t, v in zip(self.top_token_ids[row, :n], self.top_logprobs[row, :n]) if t >= 0}
+        out[int(self.token_ids[row])] = float(self.logprobs[row])
+        return out
+
+
 def _step(
     weights: Weights,
     tokens: jax.Array,
@@ -64,10 +104,11 @@ def _step(
     cfg: ModelConfig,
     scan_layers: bool,
     attention_fn: Callable[..., jax.Array],
-) -> tuple[jax.Array, jax.Array, KVCache]:
+) -> tuple[SampleOutput, jax.Array, KVCache]:
     logits, kv_cache = forward(weights, tokens, metadata, kv_cache, cfg, scan_layers=scan_layers,
                                attention_fn=attention_fn)
-    return sample(logits, sampling), logits, kv_cache
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    return sample(logits, sampling), finite, kv_cache
 
 
 class ModelRunner:
@@ -83,6 +124,7 @@ class ModelRunner:
       attention_fn: attention op (signature of `paged_attention_reference`).
       vocab_limit: ids at or above it are never sampled (a model's embedding table may be padded past the
         tokenizer's vocabulary); default: the model's vocabulary size.
+      max_pages_per_seq: widest page table (context limit / page size); default from the model's context.
     """
 
     def __init__(
@@ -96,6 +138,7 @@ class ModelRunner:
         scan_layers: bool = False,
         attention_fn: Callable[..., jax.Array] = paged_attention_reference,
         vocab_limit: int | None = None,
+        max_pages_per_seq: int | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the reserved null page)")
@@ -104,6 +147,7 @@ class ModelRunner:
         self.vocab_limit = cfg.vocab_size if vocab_limit is None else vocab_limit
         self.page_size = page_size
         self.num_pages = num_pages
+        self.max_pages_per_seq = max_pages_per_seq or -(-cfg.max_position_embeddings // page_size)
         self.kv_cache = KVCache.zeros(cfg, num_pages, page_size, kv_dtype)
         self._step = jax.jit(
             functools.partial(_step, cfg=cfg, scan_layers=scan_layers, attention_fn=attention_fn),
@@ -124,14 +168,16 @@ class ModelRunner:
         t_pad = next_power_of_two(num_tokens, 2)  # >= 2 rows: bf16 matrix-vector with one row is slow on CPU
         b_pad = next_power_of_two(len(chunks), 2)  # >= 2 logits rows: the one-row LM head is slow in bf16
         max_q = max(q_lens)
-        max_q_pad = 1 if max_q == 1 else min(next_power_of_two(max_q, 16), t_pad)
+        if max_q > 1:
+            t_pad = next_power_of_two(num_tokens, MIN_PREFILL_TOKENS)
+        max_q_pad = 1 if max_q == 1 else min(next_power_of_two(max_q, MIN_PREFILL_TOKENS), t_pad)
         kv_lens = [c.num_computed_tokens + q for c, q in zip(chunks, q_lens)]
         pages_needed = [-(-n // ps) for n in kv_lens]
         for c, n in zip(chunks, pages_needed):
             if len(c.page_ids) < n:
                 raise ValueError(f"sequence needs {n} pages for {c.num_computed_tokens + len(c.token_ids)} tokens "
                                  f"but has {len(c.page_ids)}")
-        p_pad = next_power_of_two(max(pages_needed))
+        p_pad = page_bucket(max(pages_needed), self.max_pages_per_seq)
 
         tokens = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
@@ -158,31 +204,66 @@ class ModelRunner:
                                      max_q_len=max_q_pad)
         return tokens, metadata, b_pad
 
-    def execute(
-        self,
-        chunks: Sequence[SequenceChunk],
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int],
-        steps: Sequence[int],
-        suppress: Sequence[Sequence[int]],
-    ) -> tuple[np.ndarray, jax.Array]:
+    def execute(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow]) -> StepResult:
         """Runs one step and samples the next token of every sequence.
 
         Args:
           chunks: the batch, one entry per sequence.
-          params, seeds, steps, suppress: per-sequence sampling inputs (see `SamplingArrays`).
+          rows: per-sequence sampling inputs, same order.
 
         Returns:
-          (i32[len(chunks)] sampled tokens on the host, f32[B_pad, V] last-token logits on device).
+          The step's sampling output on the host, one row per chunk.
 
         Raises:
-          ValueError: if a sequence has no new token or too few pages.
+          ValueError: if a sequence has no new token or too few pages, or rows and chunks differ in length.
         """
+        if len(rows) != len(chunks):
+            raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} sequences")
         tokens, metadata, b_pad = self._prepare(chunks, all_rows=False)
-        sampling = SamplingArrays.build(list(params), list(seeds), list(steps), [list(s) for s in suppress],
-                                        b_pad, self.cfg.vocab_size, self.vocab_limit)
-        next_tokens, logits, self.kv_cache = self._step(self.weights, tokens, metadata, self.kv_cache, sampling)
-        return np.asarray(next_tokens)[: len(chunks)], logits
+        sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
+        out, finite, self.kv_cache = self._step(self.weights, tokens, metadata, self.kv_cache, sampling)
+        n = len(chunks)
+        out, finite = jax.device_get((out, finite))
+        return StepResult(token_ids=out.token_ids[:n], logprobs=out.logprobs[:n], top_logprobs=out.top_logprobs[:n],
+                          top_token_ids=out.top_token_ids[:n], finite=finite[:n])
+
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> float:
+        """Compiles the step for every decode and single-sequence prefill shape bucket; returns seconds taken.
+
+        Decode buckets: batch 2, 4, ... up to max_num_seqs, times every page-table width. Prefill buckets: one
+        sequence with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table width. Dummy
+        steps write only into the null page. Other shapes (several prefill chunks at once, long suppress lists,
+        penalties) compile on first use. With the persistent compilation cache a restart loads them from disk.
+        """
+        from tqdm import tqdm
+
+        from jaxinfer.sampling_params import SamplingParams
+
+        widths, w = [], MIN_PAGES_PER_SEQ
+        while True:
+            widths.append(min(w, self.max_pages_per_seq))
+            if w >= self.max_pages_per_seq:
+                break
+            w *= 4
+        batches = [b for b in (2 ** k for k in range(1, 16)) if b < 2 * max_num_seqs and b // 2 < max_num_seqs]
+        batches = sorted({min(b, next_power_of_two(max_num_seqs, 2)) for b in batches})
+        tokens = sorted({min(t, next_power_of_two(max_num_batched_tokens, MIN_PREFILL_TOKENS))
+                         for t in (MIN_PREFILL_TOKENS * 2 ** k for k in range(12))
+                         if t // 2 < max_num_batched_tokens})
+        greedy = SamplingRow(SamplingParams(temperature=0), seed=0)
+        shapes = [("decode", b, p) for p in widths for b in batches] + \
+                 [("prefill", t, p) for p in widths for t in tokens if t <= p * self.page_size]
+        t0 = time.perf_counter()
+        for kind, n, p in tqdm(shapes, desc="compiling step shapes", unit="shape", leave=False):
+            context = p * self.page_size
+            if kind == "decode":
+                chunks = [SequenceChunk([0], context - 1, [NULL_PAGE] * p)] * n
+            else:
+                chunks = [SequenceChunk([0] * n, context - n, [NULL_PAGE] * p)]
+            self.execute(chunks, [greedy] * len(chunks))
+        seconds = time.perf_counter() - t0
+        logger.info("compiled %d step shapes in %.1f s", len(shapes), seconds)
+        return seconds
 
     def compute_logits(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         """Runs one step and returns the logits of every new token (for tests and evaluation).

@@ -1,95 +1,325 @@
-"""Batched token sampling on device: greedy, temperature, top-k, top-p, with per-request seeds."""
+"""Batched token sampling on device, one independent row per sequence.
+
+1. On the host, `SamplingArrays.build` turns one `SamplingRow` per sequence into fixed-width arrays: per-row
+   parameters, banned ids, and the prompt / output token ids the penalties need (padded with -1 to power-of-two
+   widths, and width 1 when no row uses them, so that few shapes are compiled). Padding rows are greedy and inert.
+2. On device, `sample` processes each row of logits f32[B, V] in vLLM's order:
+     a. ids >= vocab_limit (padding of the embedding table) are masked;
+     b. raw log-probabilities: log_softmax of these logits, in f32 (returned, never used for sampling);
+     c. bans: the row's suppressed ids (EOS / stop ids before min_tokens) get -inf;
+     d. repetition penalty (Keskar et al. 2019, CTRL) over tokens seen in the prompt or the output;
+     e. presence and frequency penalties (OpenAI) over the output tokens' counts;
+     -> greedy rows (temperature 0) take the argmax here;
+     f. temperature;
+     g. min_p: keep tokens with probability >= min_p * the top probability (Nguyen et al. 2024, "Turning Up the
+        Heat: Min-p Sampling");
+     h. top_k: keep tokens whose logit is >= the k-th largest (ties at the boundary are kept);
+     i. top_p: keep the smallest prefix of the descending distribution (renormalised after g-h) whose mass
+        reaches p (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"); ties kept;
+     j. sample with `jax.random.categorical` (Gumbel-max) under the key
+        `fold_in(fold_in(key(seed), sample_index), step)`.
+   The key depends only on the request (seed), which of its n samples the row is, and the index of the output
+   token, and every step above acts on the row alone, so a request draws the same tokens alone or in any batch.
+3. The host slices `top_logprobs` / `top_token_ids` to each request's `logprobs`.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+
+__all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
+           "sample"]
+
+MIN_SUPPRESS_WIDTH = 4
+MIN_PENALTY_WIDTH = 16
+
+
+def _bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """Host-side sampling inputs of one sequence for one step.
+
+    Attributes:
+      params: the request's sampling parameters.
+      seed: the request's seed in [0, 2**32) (its `params.seed`, or one the engine drew).
+      sample_index: which of the request's `params.n` samples this sequence is, in [0, n).
+      step: index of the output token being sampled (= len(output_token_ids)), >= 0; None means
+        len(output_token_ids).
+      prompt_token_ids: the prompt, ids in [0, V); read only for the repetition penalty.
+      output_token_ids: tokens generated so far, ids in [0, V); read only for the penalties.
+      suppress: token ids in [0, V) never sampled this step (EOS and stop ids before `min_tokens`).
+
+    Raises:
+      ValueError: if seed, sample_index or step is out of range, naming it.
+    """
+
+    params: SamplingParams
+    seed: int
+    sample_index: int = 0
+    step: int | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    suppress: Sequence[int] = ()
+
+    def __post_init__(self) -> None:
+        seed, sample_index = self.seed, self.sample_index
+        if self.step is None:
+            object.__setattr__(self, "step", len(self.output_token_ids))
+        step = self.step
+        if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+            raise ValueError(f"{seed=} must be an integer in [0, 2**32)")
+        if not isinstance(sample_index, (int, np.integer)) or not 0 <= sample_index < self.params.n:
+            raise ValueError(f"{sample_index=} must be an integer in [0, n={self.params.n})")
+        if not isinstance(step, (int, np.integer)) or not 0 <= step < 2**31:
+            raise ValueError(f"{step=} must be an integer in [0, 2**31)")
+
+
+def _pad_ids(id_lists: Sequence[Sequence[int]], batch: int, width: int, vocab: int, name: str) -> np.ndarray:
+    """i32[batch, width] with row i = id_lists[i] followed by -1s; ids must lie in [0, vocab)."""
+    out = np.full((batch, width), -1, np.int32)
+    for row, ids in enumerate(id_lists):
+        if len(ids):
+            arr = np.asarray(ids, np.int64)
+            if arr.min() < 0 or arr.max() >= vocab:
+                raise ValueError(f"{name} of row {row} must lie in [0, {vocab=}); got {list(ids)!r}")
+            out[row, : len(arr)] = arr
+    return out
 
 
 @flax.struct.dataclass
 class SamplingArrays:
-    """Per-row sampling inputs for a batch of B rows.
+    """Per-row sampling inputs for a batch of B rows (see the module docstring for the order they apply in).
 
     Attributes:
       temperature: f32[B], >= 0; 0 selects argmax.
       top_k: i32[B], in [1, V]; V disables.
       top_p: f32[B], in (0, 1]; 1 disables.
-      seed: u32[B], per-request seed.
-      step: i32[B], index of the token being sampled within its request (folded into the key, so a request's
-        draws do not depend on which other requests share the batch).
-      suppress: i32[B, M], token ids whose logits are set to -inf (EOS and stop ids before `min_tokens`); -1 pads.
-      vocab_limit: i32[], ids >= it are never sampled.
+      min_p: f32[B], in [0, 1]; 0 disables.
+      repetition_penalty: f32[B], > 0; 1 disables.
+      presence_penalty: f32[B]; 0 disables.
+      frequency_penalty: f32[B]; 0 disables.
+      seed: u32[B], the request's seed.
+      sample_index: i32[B], which of the request's n samples the row is.
+      step: i32[B], index of the output token being sampled.
+      num_logprobs: i32[B], in [0, MAX_LOGPROBS]: top log-probabilities the row wants.
+      suppress: i32[B, M], ids in [0, V) set to -inf; -1 pads. M is a power of two >= 4.
+      prompt_ids: i32[B, Wp], prompt ids of rows with a repetition penalty; -1 pads. Wp is 1 when no row has one,
+        else a power of two >= 16.
+      output_ids: i32[B, Wo], output ids of rows with any penalty; -1 pads. Wo as Wp, for any penalty.
+      vocab_limit: i32[], ids >= it are never sampled and get no probability.
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
     seed: jax.Array
+    sample_index: jax.Array
     step: jax.Array
+    num_logprobs: jax.Array
     suppress: jax.Array
+    prompt_ids: jax.Array
+    output_ids: jax.Array
     vocab_limit: jax.Array
 
     @staticmethod
-    def build(params: list[SamplingParams], seeds: list[int], steps: list[int], suppress: list[list[int]],
-              batch: int, vocab: int, vocab_limit: int | None = None) -> SamplingArrays:
-        """Host-side arrays for `len(params)` rows padded (greedy) to `batch` rows.
+    def build(rows: Sequence[SamplingRow], batch: int, vocab: int, vocab_limit: int | None = None) -> SamplingArrays:
+        """Host-side (numpy) arrays for `len(rows)` rows, padded with greedy, inert rows to `batch` rows.
 
-        `suppress[i]` lists row i's banned token ids; the column count is padded to a power of two (>= 4) so that
-        few shapes get compiled.
+        Args:
+          rows: one entry per sequence, in batch order.
+          batch: B, the padded batch size, >= len(rows).
+          vocab: V, the logits' last dimension.
+          vocab_limit: ids in [vocab_limit, V) are never sampled; None means V.
+
+        Returns:
+          numpy arrays, ready to pass to a jitted function calling `sample`.
+
+        Raises:
+          ValueError: if batch < len(rows), vocab_limit is not in [1, V], or a token id is outside [0, V).
         """
-        pad = batch - len(params)
-        width = max(4, 1 << max(0, max((len(s) for s in suppress), default=0) - 1).bit_length())
-        banned = np.full((batch, width), -1, np.int32)
-        for row, ids in enumerate(suppress):
-            banned[row, : len(ids)] = ids
-        temperature = np.array([p.temperature for p in params] + [0.0] * pad, np.float32)
-        top_k = np.array([p.top_k if p.top_k > 0 else vocab for p in params] + [vocab] * pad, np.int32)
-        top_p = np.array([p.top_p for p in params] + [1.0] * pad, np.float32)
-        return SamplingArrays(temperature=temperature, top_k=np.minimum(top_k, vocab), top_p=top_p,
-                              seed=np.array(list(seeds) + [0] * pad, np.uint32),
-                              step=np.array(list(steps) + [0] * pad, np.int32), suppress=banned,
-                              vocab_limit=np.int32(vocab if vocab_limit is None else vocab_limit))
+        if batch < len(rows):
+            raise ValueError(f"{batch=} must be >= the number of rows ({len(rows)})")
+        limit = vocab if vocab_limit is None else vocab_limit
+        if not 1 <= limit <= vocab:
+            raise ValueError(f"{vocab_limit=} must be in [1, {vocab=}]")
+        pad = batch - len(rows)
+        ps = [r.params for r in rows]
+
+        def per_row(values: list, fill: float | int, dtype: type) -> np.ndarray:
+            return np.array(values + [fill] * pad, dtype)
+
+        suppress_width = _bucket(max((len(r.suppress) for r in rows), default=0), MIN_SUPPRESS_WIDTH)
+        rep_rows = [r.params.repetition_penalty != 1 for r in rows]
+        pen_rows = [r.params.uses_penalties for r in rows]
+        prompt_lists = [r.prompt_token_ids if on else () for r, on in zip(rows, rep_rows)]
+        output_lists = [r.output_token_ids if on else () for r, on in zip(rows, pen_rows)]
+        prompt_width = _bucket(max(map(len, prompt_lists), default=0), MIN_PENALTY_WIDTH) if any(rep_rows) else 1
+        output_width = _bucket(max(map(len, output_lists), default=0), MIN_PENALTY_WIDTH) if any(pen_rows) else 1
+        return SamplingArrays(
+            temperature=per_row([p.temperature for p in ps], 0.0, np.float32),
+            top_k=per_row([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], vocab, np.int32),
+            top_p=per_row([p.top_p for p in ps], 1.0, np.float32),
+            min_p=per_row([p.min_p for p in ps], 0.0, np.float32),
+            repetition_penalty=per_row([p.repetition_penalty for p in ps], 1.0, np.float32),
+            presence_penalty=per_row([p.presence_penalty for p in ps], 0.0, np.float32),
+            frequency_penalty=per_row([p.frequency_penalty for p in ps], 0.0, np.float32),
+            seed=per_row([r.seed for r in rows], 0, np.uint32),
+            sample_index=per_row([r.sample_index for r in rows], 0, np.int32),
+            step=per_row([r.step for r in rows], 0, np.int32),
+            num_logprobs=per_row([p.logprobs or 0 for p in ps], 0, np.int32),
+            suppress=_pad_ids([r.suppress for r in rows], batch, suppress_width, vocab, "suppress"),
+            prompt_ids=_pad_ids(prompt_lists, batch, prompt_width, vocab, "prompt_token_ids"),
+            output_ids=_pad_ids(output_lists, batch, output_width, vocab, "output_token_ids"),
+            vocab_limit=np.int32(limit),
+        )
 
 
-def sample(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Samples one token per row.
+@flax.struct.dataclass
+class SampleOutput:
+    """What `sample` returns for B rows.
 
-    Top-k keeps the k largest logits; top-p then keeps the smallest prefix of the sorted distribution whose mass
-    reaches p (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"); sampling is
-    `jax.random.categorical` with the key `fold_in(key(seed), step)`.
+    Attributes:
+      token_ids: i32[B], sampled ids in [0, vocab_limit).
+      logprobs: f32[B], the sampled token's raw log-probability (log_softmax of the unprocessed logits).
+      top_logprobs: f32[B, MAX_LOGPROBS], the largest raw log-probabilities of each row, descending. Filled only
+        when some row of the batch has num_logprobs > 0, else zeros.
+      top_token_ids: i32[B, MAX_LOGPROBS], their token ids in [0, vocab_limit); -1 where vocab_limit <
+        MAX_LOGPROBS leaves no token, and everywhere when not filled.
+    """
+
+    token_ids: jax.Array
+    logprobs: jax.Array
+    top_logprobs: jax.Array
+    top_token_ids: jax.Array
+
+
+def _scatter_ids(ids: jax.Array, vocab: int, value: jax.Array | int, shape_dtype: jnp.dtype,
+                 add: bool) -> jax.Array:
+    """[B, V] array of `shape_dtype`: zeros, with `value` set (or added) at each row's ids; -1 ids are dropped."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    safe = jnp.where(ids >= 0, ids, vocab)  # out of range: dropped by the scatter (-1 would wrap to V - 1)
+    zeros = jnp.zeros((ids.shape[0], vocab), shape_dtype)
+    at = zeros.at[rows, safe]
+    return at.add(value, mode="drop") if add else at.set(value, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Repetition, then presence and frequency penalties.
+
+    Repetition (Keskar et al. 2019, CTRL, as in vLLM): for every token seen in the prompt or the output,
+    `l / r if l > 0 else l * r`. Presence and frequency (OpenAI): `l - presence * (c > 0) - frequency * c` with c
+    the token's count in the output. Rows whose penalties are neutral come back bit-identical.
 
     Args:
       logits: f32[B, V].
       s: sampling arrays of B rows.
 
     Returns:
-      i32[B] token ids in [0, V).
+      f32[B, V] penalised logits.
     """
     vocab = logits.shape[-1]
-    rows = jnp.arange(logits.shape[0])[:, None]
-    banned = jnp.where(s.suppress >= 0, s.suppress, vocab)  # out-of-range index: dropped by the scatter
-    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    counts = _scatter_ids(s.output_ids, vocab, 1.0, jnp.float32, add=True)  # [B, V] output counts
+    in_prompt = _scatter_ids(s.prompt_ids, vocab, True, jnp.bool_, add=False)  # [B, V]
+    seen = in_prompt | (counts > 0)
+    r = s.repetition_penalty[:, None]
+    logits = jnp.where(seen & (r != 1), jnp.where(logits > 0, logits / r, logits * r), logits)
+    penalty = s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
+    return jnp.where(counts > 0, logits - penalty, logits)
+
+
+def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
+    """top_k then top_p on temperature-scaled logits f32[B, V]; dropped tokens get -inf."""
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
+    kth = jnp.take_along_axis(sorted_desc, (s.top_k - 1)[:, None], axis=-1)  # [B, 1]
+    kth = jnp.where(s.top_k[:, None] < vocab, kth, -jnp.inf)
+    sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)  # [B, V], renormalised over the top-k set
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly earlier tokens in the sorted order
+    keep = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1)
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
+    return jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
+
+
+def process_logits(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Steps a-i of the module docstring, without sampling.
+
+    Args:
+      logits: f32[B, V] raw logits.
+      s: sampling arrays of B rows.
+
+    Returns:
+      raw_logprobs: f32[B, V], log_softmax of the logits over [0, vocab_limit) (-inf beyond).
+      penalised: f32[B, V], logits after bans and penalties (greedy rows take their argmax); -inf where banned.
+      truncated: f32[B, V], `penalised` / temperature (1 for greedy rows) after min_p, top_k and top_p; -inf
+        outside each row's kept set.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
     logits = jnp.where(jnp.arange(vocab)[None, :] < s.vocab_limit, logits, -jnp.inf)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    banned = _scatter_ids(s.suppress, vocab, True, jnp.bool_, add=False)  # [B, V]
+    logits = jnp.where(banned, -jnp.inf, logits)
+    needs_penalties = jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
+    penalised = jax.lax.cond(needs_penalties, apply_penalties, lambda x, _: x, logits, s)
     safe_t = jnp.where(s.temperature > 0, s.temperature, 1.0)
-    scaled = logits / safe_t[:, None]
+    scaled = penalised / safe_t[:, None]
+    # min_p in log space: p_i >= min_p * p_max  <=>  l_i - l_max >= log(min_p); log(0) = -inf keeps everything.
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    scaled = jnp.where(scaled - top >= jnp.log(s.min_p)[:, None], scaled, -jnp.inf)
+    needs_truncation = jnp.any((s.top_k < vocab) | (s.top_p < 1))
+    truncated = jax.lax.cond(needs_truncation, _truncate, lambda x, _: x, scaled, s)
+    return raw_logprobs, penalised, truncated
 
-    def truncate(x: jax.Array) -> jax.Array:
-        sorted_desc = -jnp.sort(-x, axis=-1)  # [B, V]
-        kth = jnp.take_along_axis(sorted_desc, (s.top_k - 1)[:, None], axis=-1)  # [B, 1]
-        sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < s.top_k[:, None], sorted_desc, -jnp.inf)
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
-        keep = mass_before < s.top_p[:, None]
-        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
-        return jnp.where((x >= jnp.maximum(kth, cutoff)), x, -jnp.inf)
 
-    needs_truncation = jnp.any((s.top_k < vocab) | (s.top_p < 1.0))
-    scaled = jax.lax.cond(needs_truncation, truncate, lambda x: x, scaled)
-    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(s.seed, s.step)
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(s.temperature > 0, sampled, greedy_tokens)
+def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MAX_LOGPROBS largest entries of each row of f32[B, V]; (-inf, -1) where fewer than that are in the vocab."""
+    k = min(MAX_LOGPROBS, raw_logprobs.shape[-1])
+    values, ids = jax.lax.top_k(raw_logprobs, k)
+    ids = jnp.where(values > -jnp.inf, ids, -1)  # ids >= vocab_limit
+    pad = ((0, 0), (0, MAX_LOGPROBS - k))
+    return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1)
+
+
+def _no_top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    b = raw_logprobs.shape[0]
+    return jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.full((b, MAX_LOGPROBS), -1, jnp.int32)
+
+
+def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
+    """Samples one token per row (steps a-j of the module docstring).
+
+    Args:
+      logits: f32[B, V] (other float dtypes are upcast).
+      s: sampling arrays of B rows.
+
+    Returns:
+      SampleOutput of B rows.
+    """
+    raw_logprobs, penalised, truncated = process_logits(logits, s)
+    keys = jax.vmap(lambda seed, index, step: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index),
+                                                                  step))(s.seed, s.sample_index, s.step)
+    sampled = jax.vmap(jax.random.categorical)(keys, truncated).astype(jnp.int32)
+    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    token_ids = jnp.where(s.temperature > 0, sampled, greedy)
+    token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    top_values, top_ids = jax.lax.cond(jnp.any(s.num_logprobs > 0), _top_logprobs, _no_top_logprobs, raw_logprobs)
+    return SampleOutput(token_ids=token_ids, logprobs=token_logprobs, top_logprobs=top_values,
+                        top_token_ids=top_ids)

@@ -1,1 +1,14 @@
-"""Host-side scheduling state: pages and sequences. Plain Python and numpy; imports no jax."""
+"""Host-side scheduling state: pages, sequences, stop rules and the batching policy. Plain Python; imports no jax.
+
+`PageAllocator` (page_allocator.py) hands out reference-counted KV pages; `Sequence` (sequence.py) is one
+generated sequence's state; `stop_checker.append_token` applies the stop rules to a sampled token; `Scheduler`
+(scheduler.py) picks each step's decodes and prefill chunks, preempts by recompute when pages run out, and frees
+the pages of finished sequences.
+"""
+
+from jaxinfer.scheduler.page_allocator import PageAllocator
+from jaxinfer.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxinfer.scheduler.sequence import Detokenizer, Sequence, SequenceStatus
+
+__all__ = ["Detokenizer", "PageAllocator", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+           "Sequence", "SequenceStatus"]

@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxinfer.checkpoint import load_gguf_weights, load_hf_weights, read_gguf
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.sampling_params import SamplingParams
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -92,8 +93,8 @@ def test_hf_greedy_continuation_matches_transformers(hf_model):
     got = []
     chunk = SequenceChunk(prompt, 0, pages)
     for step in range(len(want)):
-        tokens, _ = runner.execute([chunk], [greedy], seeds=[0], steps=[step], suppress=[[]])
-        got.append(int(tokens[0]))
+        result = runner.execute([chunk], [SamplingRow(greedy, 0, step=step)])
+        got.append(int(result.token_ids[0]))
         chunk = SequenceChunk([got[-1]], len(prompt) + step, pages)
     assert got == want
 

@@ -111,15 +111,18 @@ def test_ragged_batch_matches_sequences_run_alone(runner, prompt, full_logits):
 
 
 def test_execute_samples_greedy_argmax_of_last_rows(runner, prompt, full_logits):
+    from jaxinfer.engine.sampling import SamplingRow
     from jaxinfer.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
-    tokens, logits = runner.execute([SequenceChunk(prompt, 0, [8, 10, 12]), SequenceChunk(prompt[:17], 0, [14, 15])],
-                                    [greedy, greedy], seeds=[0, 1], steps=[0, 0], suppress=[[], []])
-    logits = np.asarray(logits)
-    np.testing.assert_allclose(logits[0], full_logits[-1], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(logits[1], full_logits[16], rtol=1e-4, atol=1e-4)
-    assert tokens.tolist() == [int(np.argmax(full_logits[-1])), int(np.argmax(full_logits[16]))]
+    result = runner.execute([SequenceChunk(prompt, 0, [8, 10, 12]), SequenceChunk(prompt[:17], 0, [14, 15])],
+                            [SamplingRow(greedy, 0), SamplingRow(greedy, 1)])
+    assert result.token_ids.tolist() == [int(np.argmax(full_logits[-1])), int(np.argmax(full_logits[16]))]
+    assert result.finite.all()
+    # The sampled tokens' raw logprobs are the log-softmax of the last rows' logits.
+    for row, logits in enumerate([full_logits[-1], full_logits[16]]):
+        expected = logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+        np.testing.assert_allclose(result.logprobs[row], expected[result.token_ids[row]], atol=1e-4)
 
 
 # --- RoPE frequencies ------------------------------------------------------------------------------------------------

@@ -1,0 +1,385 @@
+"""`Engine`: continuous batching over the paged KV cache.
+
+1. `add_request` validates a request (a `ValueError` naming the field, before anything is queued), tokenizes it
+   and hands `n` `Sequence`s to the scheduler.
+2. `step` asks the scheduler for a plan: running decodes first, then prefill chunks within
+   `max_num_batched_tokens`, preempting (recompute) when pages run out.
+3. The plan runs as one device call for all decodes and one for the prefill chunks (the CPU reference attention
+   pads every sequence to the longest query run, so keeping one-token decodes apart from long chunks saves work;
+   the Pallas kernels take both in one call).
+4. A failing call is retried one sequence at a time so that only the sequence that fails is failed; rows whose
+   logits are not finite fail alone too.
+5. The scheduler appends sampled tokens, applies stop rules and frees the pages of finished sequences; `step`
+   returns a `RequestOutput` (cumulative text plus the new delta) for every request that moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+
+from jaxinfer.engine.runner import ModelRunner, SequenceChunk, StepResult
+from jaxinfer.engine.sampling import SamplingRow
+from jaxinfer.model_loader import load_model
+from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.scheduler.page_allocator import PageAllocator
+from jaxinfer.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from jaxinfer.scheduler.sequence import Sequence as Seq
+from jaxinfer.tokenizer import IncrementalDetokenizer
+from models.llama import KVCache
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT_KV_CACHE_HOST_FRACTION = 0.1  # of available host memory, when no budget is given on CPU
+DEFAULT_KV_CACHE_DEVICE_FRACTION = 0.8  # of free accelerator memory after the weights
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine options (names as vLLM's engine arguments).
+
+    Attributes:
+      model: `.gguf` file, HF folder, or None for the default SmolLM2-135M-Instruct.
+      dtype: "float32" or "bfloat16" (weights, activations, KV cache).
+      page_size: tokens per KV page.
+      max_num_seqs: most sequences in one step.
+      max_num_batched_tokens: most tokens (decodes + prefill chunks) in one step.
+      max_model_len: context limit in tokens; default: the model's.
+      kv_cache_memory_bytes: KV cache budget; default 10% of available host memory on CPU, 80% of free device
+        memory after the weights on accelerators.
+      scan_layers: `lax.scan` over layers (default; BENCHMARKS.md) instead of an unrolled loop.
+      seed: seeds the per-request seeds drawn for requests that give none.
+      warmup: compile the decode shape buckets at start-up (progress bar on stderr).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    scan_layers: bool = True
+    seed: int = 0
+    warmup: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be positive")
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    """Counters and latency samples gathered by the engine (seconds and token counts)."""
+
+    num_steps: int = 0
+    num_device_calls: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_padded_tokens: int = 0
+    num_finished: int = 0
+    num_errors: int = 0
+    ttft_s: list[float] = dataclasses.field(default_factory=list)
+    tpot_s: list[float] = dataclasses.field(default_factory=list)
+    queue_time_s: list[float] = dataclasses.field(default_factory=list)
+    step_time_s: float = 0.0
+    host_time_s: float = 0.0
+
+
+def enable_compilation_cache() -> None:
+    """Turns on JAX's persistent compilation cache (unless the user set one): restarts skip XLA compiles."""
+    import os
+    from pathlib import Path
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = os.environ.get("JAXINFER_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxinfer" / "xla"))
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Seq]
+    arrival_time: float
+    reported_finished: bool = False
+
+
+class Engine:
+    """Serves many requests at once: `add_request`, then `step` until `has_unfinished_requests()` is False.
+
+    Raises:
+      ValueError: from `EngineConfig`, the model loader, or a KV budget too small for one page.
+    """
+
+    def __init__(self, config: EngineConfig = EngineConfig()) -> None:
+        enable_compilation_cache()
+        self.config = config
+        self.dtype = DTYPES[config.dtype]
+        t0 = time.perf_counter()
+        cfg, np_weights, self.tokenizer = load_model(config.model, np.dtype(self.dtype))
+        self.model_config = cfg
+        weights = jax.tree.map(jnp.asarray, np_weights)
+        del np_weights
+        logger.info("loaded %s (%s) in %.1f s", cfg.name, config.dtype, time.perf_counter() - t0)
+
+        self.max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
+        if not 1 <= self.max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
+        page_bytes = KVCache.bytes_per_page(cfg, config.page_size, self.dtype)
+        budget = config.kv_cache_memory_bytes or self._default_kv_budget()
+        max_useful_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
+        num_pages = min(int(budget) // page_bytes, max_useful_pages) + 1
+        if num_pages < 2:
+            raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV page ({page_bytes} bytes)")
+        self.page_size = config.page_size
+        self.runner = ModelRunner(cfg, weights, num_pages=num_pages, page_size=config.page_size,
+                                  kv_dtype=self.dtype, scan_layers=config.scan_layers,
+                                  vocab_limit=min(cfg.vocab_size, self.tokenizer.vocab_size),
+                                  max_pages_per_seq=-(-self.max_model_len // config.page_size))
+        self.page_allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                            page_size=config.page_size, max_model_len=self.max_model_len),
+            self.page_allocator, eos_ids=frozenset(self.tokenizer.eos_ids))
+        self.metrics = EngineMetrics()
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._seq_logprobs: dict[int, list[dict[int, float]]] = {}
+        self._auto_request_ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
+                    num_pages * page_bytes / 2**20)
+        if config.warmup:
+            self.runner.warmup(max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens)
+
+    @staticmethod
+    def _default_kv_budget() -> int:
+        if jax.default_backend() == "cpu":
+            return int(psutil.virtual_memory().available * DEFAULT_KV_CACHE_HOST_FRACTION)
+        stats = jax.devices()[0].memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return int(max(free, 0) * DEFAULT_KV_CACHE_DEVICE_FRACTION)
+
+    # --- requests -----------------------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | dict | Sequence[int]) -> tuple[str | None, list[int]]:
+        """Turns a prompt (text, token ids, or `{"prompt_token_ids": [...]}`) into token ids.
+
+        Raises:
+          ValueError: an empty prompt, ids outside the vocabulary, or an unsupported prompt type.
+        """
+        vocab = self.model_config.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"prompt must be a string, token ids or a dict with 'prompt_token_ids', "
+                             f"got {type(prompt).__name__}")
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+        return text, [int(t) for t in ids]
+
+    def add_request(
+        self,
+        prompt: str | dict | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues a request; it joins the running batch at the next step.
+
+        Args:
+          prompt: text, token ids, or `{"prompt_token_ids": [...], "prompt": text}`.
+          params: sampling parameters (default `SamplingParams()`).
+          request_id: unique id; one is assigned when None.
+
+        Returns:
+          The request id.
+
+        Raises:
+          ValueError: duplicate request id, empty prompt, a prompt that leaves no room in the context, a request
+            that could never fit the KV cache, or bad params. Nothing is queued then.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{next(self._auto_request_ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._auto_request_ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty (it encodes to no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} tokens "
+                             "(at least one token must be generated)")
+        now = time.perf_counter()
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
+        seqs = []
+        for index in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
+                                           skip_special_tokens=params.skip_special_tokens)
+            seqs.append(Seq(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=list(ids),
+                            params=params, seed=base_seed, detokenizer=detok, arrival_time=now,
+                            sample_index=index))
+        added = []
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+                added.append(seq)
+        except ValueError:
+            if added:
+                self.scheduler.abort(request_id)
+            raise
+        self._requests[request_id] = _Request(request_id, text, ids, params, seqs, now)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request now and frees its pages; its next output (from `step`) has finish_reason "abort"."""
+        if request_id in self._requests:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while some request has not reported its final output."""
+        return any(not r.reported_finished for r in self._requests.values())
+
+    # --- one step -----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling step; returns outputs of the requests that produced tokens or finished."""
+        t_start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        sampled: dict[int, int] = {}
+        logprobs: dict[int, tuple] = {}
+        decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.samples]
+        prefills = [c for c in plan.chunks if not (len(c.token_ids) == 1 and c.samples)]
+        device_time = 0.0
+        for group in (decodes, prefills):
+            if group:
+                t0 = time.perf_counter()
+                self._run_group(group, sampled, logprobs)
+                device_time += time.perf_counter() - t0
+        self.scheduler.update(plan, sampled)  # skips sequences that failed or were aborted meanwhile
+        for seq_id, entry in logprobs.items():
+            self._seq_logprobs.setdefault(seq_id, []).append(entry)
+        self.metrics.num_steps += 1
+        self.metrics.num_prefill_tokens += sum(len(c.token_ids) for c in prefills)
+        self.metrics.num_decode_tokens += len(decodes)
+        total = time.perf_counter() - t_start
+        self.metrics.step_time_s += total
+        self.metrics.host_time_s += total - device_time
+        return self._collect_outputs()
+
+    def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int], logprobs: dict[int, tuple]) -> None:
+        """Runs chunks in one device call; on an exception retries them one by one and fails only the culprit."""
+        try:
+            result = self._execute(chunks)
+        except Exception as e:  # noqa: BLE001 - isolate any failure of the step to the sequences that cause it
+            if len(chunks) == 1:
+                logger.exception("step failed for request %s", chunks[0].seq.request_id)
+                self.scheduler.fail(chunks[0].seq, f"engine step failed: {type(e).__name__}: {e}")
+                self.metrics.num_errors += 1
+                return
+            for chunk in chunks:
+                self._run_group([chunk], sampled, logprobs)
+            return
+        for i, chunk in enumerate(chunks):
+            if not result.finite[i]:
+                self.scheduler.fail(chunk.seq, "the model produced non-finite logits (NaN or inf)")
+                self.metrics.num_errors += 1
+            elif chunk.samples:
+                sampled[chunk.seq.seq_id] = int(result.token_ids[i])
+                if chunk.seq.params.logprobs is not None:
+                    logprobs[chunk.seq.seq_id] = result.row_logprobs(i, chunk.seq.params.logprobs)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> StepResult:
+        rows = [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,
+                            step=len(c.seq.output_token_ids), prompt_token_ids=c.seq.prompt_token_ids,
+                            output_token_ids=c.seq.output_token_ids,
+                            suppress=self.scheduler.suppressed_token_ids(c.seq)) for c in chunks]
+        seq_chunks = [SequenceChunk(c.token_ids, c.num_computed_tokens, c.page_ids) for c in chunks]
+        self.metrics.num_device_calls += 1
+        return self.runner.execute(seq_chunks, rows)
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id, req in list(self._requests.items()):
+            if req.reported_finished:
+                continue
+            deltas = [seq.stream_delta() for seq in req.seqs]
+            finished = all(seq.is_finished for seq in req.seqs)
+            if not finished and not any(ids or text for ids, text in deltas):
+                continue
+            outputs.append(self._request_output(req, deltas, finished))
+            if finished:
+                req.reported_finished = True
+                self.metrics.num_finished += 1
+                for seq in req.seqs:
+                    if seq.first_token_time is not None:
+                        self.metrics.ttft_s.append(seq.first_token_time - seq.arrival_time)
+                        if len(seq.output_token_ids) > 1 and seq.finish_time is not None:
+                            self.metrics.tpot_s.append((seq.finish_time - seq.first_token_time)
+                                                       / (len(seq.output_token_ids) - 1))
+                    if seq.first_scheduled_time is not None:
+                        self.metrics.queue_time_s.append(seq.first_scheduled_time - seq.arrival_time)
+                del self._requests[request_id]
+        return outputs
+
+    def _request_output(self, req: _Request, deltas: list[tuple[list[int], str]], finished: bool) -> RequestOutput:
+        completions = []
+        for seq, (delta_ids, delta_text) in zip(req.seqs, deltas):
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = self._seq_logprobs.get(seq.seq_id, [])[: len(seq.output_token_ids)]
+                if finished:
+                    self._seq_logprobs.pop(seq.seq_id, None)
+            completions.append(CompletionOutput(
+                index=seq.sample_index, text=seq.text, token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason, delta_text=delta_text, delta_token_ids=delta_ids,
+                logprobs=logprobs, error=seq.error))
+        first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        ends = [s.finish_time for s in req.seqs if s.finish_time is not None]
+        num_out = max((len(s.output_token_ids) for s in req.seqs), default=0)
+        ttft = (min(first) - req.arrival_time) if first else 0.0
+        decode_time = (max(ends) - min(first)) if first and ends and finished else 0.0
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time, first_token_time=min(first) if first else None,
+            finish_time=max(ends) if ends and finished else None, ttft_s=ttft,
+            decode_tokens_per_s=(num_out - 1) / decode_time if num_out > 1 and decode_time > 0 else 0.0)
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=list(req.prompt_token_ids), outputs=completions,
+                             finished=finished, metrics=metrics)

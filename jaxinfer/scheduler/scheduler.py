@@ -1,0 +1,392 @@
+"""Continuous batching: which sequences compute which tokens each step, with chunked prefill and preemption.
+
+Each `schedule()` builds one ragged step within `max_num_batched_tokens` tokens and `max_num_seqs` sequences,
+first come first served (by `arrival_time`, then `seq_id`):
+
+1. Decodes. Every running sequence with only its newest token left to compute gets a 1-token chunk, oldest
+   first. When the page for the new position cannot be allocated, the newest running sequence not yet scheduled
+   this step is preempted (possibly the one asking): its pages are freed, `num_computed_tokens` drops to 0 and it
+   goes to the front of the waiting queue with its output tokens kept, to be recomputed later.
+2. Partial prefills. Running sequences still prefilling get `min(tokens left, budget left)` tokens, shrunk to
+   the pages that can be had. When not even one token fits, a newer partial prefill is preempted; with none, the
+   sequence waits a step.
+3. Admission. Waiting sequences, in order, are admitted with a prefill chunk while budget, sequence slots and
+   pages last; the first that gets no page stops admission (no skipping ahead). Nothing is admitted in a step
+   that preempted: the pages just freed go to the running sequences.
+
+Pages are allocated on demand for positions `[0, num_computed_tokens + len(chunk))`. A chunk that reaches the
+last known token has `samples=True`: the engine samples the next token from its last logits and hands it to
+`update`, which advances `num_computed_tokens`, appends the token, applies the stop rules (`stop_checker`) and
+frees the pages of sequences that finished.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from jaxinfer.scheduler.page_allocator import PageAllocator
+from jaxinfer.scheduler.sequence import FINISH_STATUS, Sequence, SequenceStatus
+from jaxinfer.scheduler.stop_checker import append_token
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Static limits of the scheduler.
+
+    Attributes:
+      max_num_seqs: most running sequences (rows of the batch).
+      max_num_batched_tokens: most tokens computed in one step, decodes and prefill chunks together, >= 1.
+      page_size: tokens per KV page.
+      max_model_len: context limit, tokens (prompt + output).
+
+    Raises:
+      ValueError: if any field is not a positive integer.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    page_size: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{f.name}={value!r} must be an integer >= 1")
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold `num_tokens` positions."""
+        return -(-num_tokens // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """One sequence's part of a step (the fields of `jaxinfer.engine.runner.SequenceChunk`, plus more).
+
+    Attributes:
+      seq: the sequence.
+      token_ids: tokens whose K/V this step computes: `[last token]` for a decode, a slice of `seq.token_ids`
+        for a prefill chunk; >= 1 ids.
+      num_computed_tokens: tokens already cached; the first of `token_ids` sits at this position.
+      page_ids: pages holding positions `[0, num_computed_tokens + len(token_ids))`, in order, each in
+        [1, num_pages); a snapshot taken at schedule time.
+      samples: the chunk ends at the sequence's last token, so a token is sampled from its last logits.
+    """
+
+    seq: Sequence
+    token_ids: list[int]
+    num_computed_tokens: int
+    page_ids: list[int]
+    samples: bool
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's work.
+
+    Attributes:
+      chunks: decodes first (oldest sequence first), then prefill chunks.
+      preempted: sequences preempted this step (now waiting, pages freed).
+      num_batched_tokens: sum of chunk lengths, <= max_num_batched_tokens.
+      num_prefill_tokens: tokens in chunks scheduled as prefill (phases 2 and 3).
+      num_decode_seqs: chunks scheduled as decodes (phase 1).
+    """
+
+    chunks: list[ScheduledChunk]
+    preempted: list[Sequence]
+    num_batched_tokens: int
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.chunks
+
+
+def _arrival_key(seq: Sequence) -> tuple[float, int]:
+    return seq.arrival_time, seq.seq_id
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and their pages; see the module docstring for the policy.
+
+    Args:
+      config: limits.
+      allocator: the KV pages; the scheduler is their only user.
+      eos_ids: the model's end-of-sequence ids.
+      clock: seconds, for `first_scheduled_time`, `first_token_time` and `finish_time`.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, eos_ids: Iterable[int],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.eos_ids = frozenset(eos_ids)
+        self._clock = clock
+        self._running: list[Sequence] = []  # sorted by _arrival_key
+        self._waiting: deque[Sequence] = deque()
+        self._live: dict[int, Sequence] = {}  # seq_id -> waiting or running sequence
+        self._by_request: dict[str, list[Sequence]] = {}
+        self.num_preemptions = 0  # over the scheduler's life
+
+    # --- queues -----------------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Running sequences, oldest first (a copy)."""
+        return list(self._running)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Waiting sequences in admission order (a copy)."""
+        return list(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence is waiting or running."""
+        return bool(self._live)
+
+    def get_sequences(self, request_id: str) -> list[Sequence]:
+        """The live sequences of a request (empty if none)."""
+        return list(self._by_request.get(request_id, ()))
+
+    # --- requests in and out ----------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence at the back of the waiting queue.
+
+        Raises:
+          ValueError: if the sequence is not fresh (status WAITING, no pages, nothing computed), its prompt is
+            empty or does not leave room for one output token in `max_model_len`, it could never fit the page
+            pool even alone (pages for min(prompt + max_tokens, max_model_len) tokens), or its seq_id is live.
+        """
+        cfg = self.config
+        n = len(seq.prompt_token_ids)
+        if seq.status is not SequenceStatus.WAITING or seq.page_ids or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} is not fresh: status {seq.status.name}, "
+                             f"{len(seq.page_ids)} pages, {seq.num_computed_tokens} computed tokens")
+        if n == 0:
+            raise ValueError(f"sequence {seq.seq_id}: prompt must not be empty")
+        if seq.seq_id in self._live:
+            raise ValueError(f"duplicate seq_id {seq.seq_id}: a live sequence already has it")
+        if n >= cfg.max_model_len:
+            raise ValueError(f"prompt of {n} tokens does not fit the context of {cfg.max_model_len} tokens "
+                             "(at least one token must be generated)")
+        pages = cfg.pages_for(min(n + seq.params.max_tokens, cfg.max_model_len))
+        if pages > self.allocator.num_usable_pages:
+            raise ValueError(f"request needs {pages} KV pages (prompt {n} + max_tokens {seq.params.max_tokens} "
+                             f"tokens) but the cache has {self.allocator.num_usable_pages}; it can never fit")
+        self._waiting.append(seq)
+        self._live[seq.seq_id] = seq
+        self._by_request.setdefault(seq.request_id, []).append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finishes every live sequence of a request with "abort" and frees their pages now.
+
+        Returns:
+          The sequences aborted (empty for an unknown or finished request).
+        """
+        seqs = list(self._by_request.get(request_id, ()))
+        now = self._clock()
+        for seq in seqs:
+            self._finish(seq, "abort", now)
+        return seqs
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """Finishes one sequence with "error" (FINISHED_ERROR, `seq.error = error`) and frees its pages now.
+
+        A sequence that already finished is left as it is.
+        """
+        if seq.is_finished:
+            return
+        seq.error = error
+        self._finish(seq, "error", self._clock())
+
+    def suppressed_token_ids(self, seq: Sequence) -> list[int]:
+        """Ids the sampler must not pick for `seq` now: EOS (unless ignore_eos) and stop ids, until min_tokens.
+
+        Returns:
+          Sorted ids; empty once `len(seq.output_token_ids) >= min_tokens`.
+        """
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        eos = () if p.ignore_eos else self.eos_ids
+        return sorted(set(eos) | set(p.stop_token_ids))
+
+    # --- the step ---------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's chunks (see the module docstring). Call `update` with the results before the next.
+
+        Returns:
+          The step; its `chunks` may be empty when nothing can run (e.g. nothing is left).
+        """
+        cfg = self.config
+        now = self._clock()
+        budget = cfg.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        scheduled: set[int] = set()
+        num_decode_seqs = 0
+
+        # 1. decodes, oldest first
+        for seq in list(self._running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not seq.is_decoding:
+                continue
+            while cfg.pages_for(seq.num_tokens) > len(seq.page_ids) + self.allocator.num_free_pages:
+                victim = self._newest_unscheduled(scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            chunks.append(self._make_chunk(seq, 1, now))
+            scheduled.add(seq.seq_id)
+            budget -= 1
+            num_decode_seqs += 1
+
+        # 2. running sequences that are still prefilling
+        for seq in list(self._running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
+                continue
+            n = self._fit(seq, min(seq.num_new_tokens_to_compute, budget))
+            while n == 0:
+                victim = self._newest_unscheduled(scheduled)
+                if victim is seq:
+                    break  # all that is newer runs this step; wait for pages to come back
+                self._preempt(victim)
+                preempted.append(victim)
+                n = self._fit(seq, min(seq.num_new_tokens_to_compute, budget))
+            if n == 0:
+                continue
+            chunks.append(self._make_chunk(seq, n, now))
+            scheduled.add(seq.seq_id)
+            budget -= n
+
+        # 3. admission, first come first served
+        while not preempted and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+            seq = self._waiting[0]
+            n = self._fit(seq, min(seq.num_new_tokens_to_compute, budget))
+            if n == 0:
+                break
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self._running, seq, key=_arrival_key)
+            chunks.append(self._make_chunk(seq, n, now))
+            scheduled.add(seq.seq_id)
+            budget -= n
+
+        num_batched = cfg.max_num_batched_tokens - budget
+        return SchedulerOutput(chunks=chunks, preempted=preempted, num_batched_tokens=num_batched,
+                               num_prefill_tokens=num_batched - num_decode_seqs, num_decode_seqs=num_decode_seqs)
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Applies a finished step: advances every chunk, appends sampled tokens, applies stop rules.
+
+        Sequences that finished meanwhile (aborted, failed) are skipped.
+
+        Args:
+          output: the step from the last `schedule()`.
+          sampled: seq_id -> sampled token id, for every chunk with `samples=True` (extra entries are ignored).
+
+        Returns:
+          The sequences that got a token this step, in chunk order (finished ones included, pages freed).
+
+        Raises:
+          ValueError: if a live sequence's sampled token is missing or the output is stale (already applied).
+            Nothing changes then.
+        """
+        live = [ch for ch in output.chunks if not ch.seq.is_finished]
+        for ch in live:
+            if ch.seq.num_computed_tokens != ch.num_computed_tokens:
+                raise ValueError(f"stale output: sequence {ch.seq.seq_id} has {ch.seq.num_computed_tokens} computed "
+                                 f"tokens, the chunk starts at {ch.num_computed_tokens} (update applied twice?)")
+            if ch.samples and ch.seq.seq_id not in sampled:
+                raise ValueError(f"no sampled token for sequence {ch.seq.seq_id}")
+        now = self._clock()
+        produced = []
+        for ch in live:
+            seq = ch.seq
+            seq.num_computed_tokens += len(ch.token_ids)
+            if not ch.samples:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = append_token(seq, int(sampled[seq.seq_id]), self.eos_ids, self.config.max_model_len)
+            if reason is not None:
+                self._finish(seq, reason, now)
+            produced.append(seq)
+        return produced
+
+    # --- internals --------------------------------------------------------------------------------------------
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """`n` shrunk to the tokens whose positions the sequence's pages plus the free pages can hold."""
+        capacity = (len(seq.page_ids) + self.allocator.num_free_pages) * self.config.page_size
+        return max(0, min(n, capacity - seq.num_computed_tokens))
+
+    def _make_chunk(self, seq: Sequence, n: int, now: float) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        need = self.config.pages_for(start + n) - len(seq.page_ids)
+        if need > 0:
+            seq.page_ids.extend(self.allocator.allocate(need))
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        return ScheduledChunk(seq=seq, token_ids=seq.token_slice(start, start + n), num_computed_tokens=start,
+                              page_ids=list(seq.page_ids), samples=start + n == seq.num_tokens)
+
+    def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
+        for seq in reversed(self._running):
+            if seq.seq_id not in scheduled:
+                return seq
+        raise AssertionError("no unscheduled running sequence")  # the caller itself is one
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drops the sequence's K/V and puts it at the front of the waiting queue; its outputs are kept."""
+        self.allocator.free(seq.page_ids)
+        seq.page_ids = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        logger.debug("preempted sequence %d (%d tokens to recompute)", seq.seq_id, seq.num_tokens)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq.seq_id in self._live:
+            self._waiting.remove(seq)
+        if seq.page_ids:
+            self.allocator.free(seq.page_ids)
+            seq.page_ids = []
+        seq.status = FINISH_STATUS[reason]
+        seq.finish_reason = reason
+        seq.finish_time = now
+        if self._live.pop(seq.seq_id, None) is not None:
+            group = self._by_request[seq.request_id]
+            group.remove(seq)
+            if not group:
+                del self._by_request[seq.request_id]
