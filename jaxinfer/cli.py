@@ -1,7 +1,9 @@
 """The `jaxinfer` console command.
 
     jaxinfer generate --prompt TEXT [--chat] [--model PATH] [--dtype D] [--max-tokens N] [--temperature T]
-                      [--top-k K] [--top-p P] [--seed S] [--stop STR ...] [--json]
+                      [--top-k K] [--top-p P] [--min-p P] [--*-penalty X] [--seed S] [--stop STR ...] [--json]
+                      [--max-model-len N] [--page-size N] [--kv-cache-memory-bytes N] [--max-num-batched-tokens N]
+                      [--warmup]
 
 Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input exits with status 2
 and one line on stderr.
@@ -32,7 +34,18 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 disables (default)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--min-p", type=float, default=0.0, help="0 disables (default)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    engine = gen.add_argument_group("engine options")
+    engine.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV cache budget (default: 10%% of available memory on CPU)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    engine.add_argument("--warmup", action="store_true", help="compile every step shape before generating")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing) "
                           "instead of streaming text")
@@ -45,12 +58,16 @@ def _generate(args: argparse.Namespace) -> int:
     from jaxinfer.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=args.stop)  # validates before the slow load
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            seed=args.seed, stop=args.stop)  # validates before the slow load
     if not args.prompt:
         raise ValueError("--prompt must not be empty")
     logging.getLogger("jaxinfer").info("loading model %s", args.model or "(default SmolLM2-135M-Instruct)")
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
+              warmup=args.warmup)
     logging.getLogger("jaxinfer").info("model ready in %.1f s; generating (the first step compiles)",
                                        time.perf_counter() - t0)
 
