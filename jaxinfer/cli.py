@@ -19,9 +19,16 @@ import sys
 import time
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate text from a prompt",
                          description="Generate text from one prompt; text streams to stdout.")
     gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
@@ -118,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's exit flush quiet
+        except OSError:
+            pass
+        return 0
     return 0
 
 

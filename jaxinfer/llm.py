@@ -33,6 +33,10 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32", **engine_options) -> None:
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path or None, got {type(model).__name__}")
+        if model is not None and not os.fspath(model):
+            raise ValueError("model path must not be empty (pass None for the default model)")
         unknown = set(engine_options) - {f for f in EngineConfig.__dataclass_fields__ if f not in ("model", "dtype")}
         if unknown:
             raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
@@ -71,6 +75,9 @@ class LLM:
           ValueError: an empty prompt, a prompt that does not fit the context, a request that can never fit the KV
             cache, bad params, or a params list of the wrong length. Raised before any request runs.
         """
+        if prompts is None or isinstance(prompts, (bytes, int, float)):
+            raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; "
+                             f"got {type(prompts).__name__}")
         single = isinstance(prompts, (str, dict))
         prompt_list = [prompts] if single else list(prompts)
         if not prompt_list:
@@ -128,6 +135,8 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
+            if not conv:
+                raise ValueError("a conversation must have at least one message")
             for m in conv:
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
                         not isinstance(m.get("content"), str):

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per output token
+MAX_TEMPERATURE = 1e4  # far past where sampling is uniform; larger values only overflow f32 arithmetic
 
 
 def _is_int(x: object) -> bool:
@@ -80,8 +81,8 @@ class SamplingParams:
         max_tokens, min_tokens, seed, logprobs = self.max_tokens, self.min_tokens, self.seed, self.logprobs
         if not _is_int(n) or n < 1:
             raise ValueError(f"{n=} must be an integer >= 1")
-        if not _is_finite(temperature) or temperature < 0:
-            raise ValueError(f"{temperature=} must be a finite number >= 0 (0 means greedy)")
+        if not _is_finite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"{temperature=} must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not _is_int(top_k) or top_k < -1:
             raise ValueError(f"{top_k=} must be an integer >= 1, or 0 / -1 to disable")
         if not _is_finite(top_p) or not 0 < top_p <= 1:
@@ -103,10 +104,14 @@ class SamplingParams:
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"{logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}]")
         stop = self.stop
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise ValueError(f"stop={stop!r} must be a string or a list of strings")
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop={self.stop!r} must be non-empty strings")
         object.__setattr__(self, "stop", stop)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
         stop_ids = tuple(self.stop_token_ids or ())
         if any(not _is_int(t) or t < 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")

@@ -94,6 +94,20 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], name: str = "") -> ModelConfig:
+        """Builds a config from GGUF key/values; see `_from_gguf_metadata`.
+
+        Raises:
+          ValueError: for any malformed or unsupported metadata, naming the key where it can.
+        """
+        try:
+            return cls._from_gguf_metadata(meta, name)
+        except KeyError as e:
+            raise ValueError(f"GGUF metadata is missing key {e.args[0]!r}") from None
+        except (TypeError, ZeroDivisionError, AttributeError) as e:
+            raise ValueError(f"GGUF metadata has a malformed value: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def _from_gguf_metadata(cls, meta: Mapping[str, Any], name: str = "") -> ModelConfig:
         """Builds a config from GGUF key/values (llama.cpp `gguf` spec, keys `<arch>.block_count` etc.).
 
         Args:
@@ -150,6 +164,22 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], name: str = "") -> ModelConfig:
+        """Builds a config from an HF `config.json` dict; see `_from_hf_config`.
+
+        Raises:
+          ValueError: for any malformed or unsupported content, naming the key where it can.
+        """
+        if not isinstance(hf, Mapping):
+            raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+        try:
+            return cls._from_hf_config(hf, name)
+        except KeyError as e:
+            raise ValueError(f"config.json is missing key {e.args[0]!r}") from None
+        except (TypeError, ZeroDivisionError, AttributeError) as e:
+            raise ValueError(f"config.json has a malformed value: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def _from_hf_config(cls, hf: Mapping[str, Any], name: str = "") -> ModelConfig:
         """Builds a config from an HF `config.json` dict (classic `rope_theta`/`rope_scaling` or v5 `rope_parameters`).
 
         Raises:
@@ -166,8 +196,14 @@ class ModelConfig:
                 raise ValueError(f"config.json is missing required key {key!r}")
             return hf[key]
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
+        def positive(key: str) -> int:
+            value = need(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config.json {key}={value!r} must be a positive integer")
+            return value
+
+        hidden = positive("hidden_size")
+        heads = positive("num_attention_heads")
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU needs silu)")
@@ -197,10 +233,10 @@ class ModelConfig:
             raise ValueError(f"config.json rope type {rope_type!r} is not supported (default, linear, llama3)")
         return cls(
             architecture=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=positive("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=positive("intermediate_size"),
+            num_layers=positive("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),

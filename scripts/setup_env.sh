@@ -5,8 +5,9 @@
 #   bash scripts/setup_env.sh          # runtime only
 #   bash scripts/setup_env.sh test     # plus the test extras
 #
-# Python: jax releases after 0.10.2 need Python >= 3.12. The interpreter is taken from $PYTHON if set, else the
-# first of python3.12, python3.13, python3 that runs and is >= 3.12, else a pyenv-installed 3.12 or 3.13.
+# Python: jax releases after 0.10.2 need Python >= 3.12. The interpreter is $PYTHON if set (the script stops if that
+# one is not a Python >= 3.12), else the first of python3.12, python3.13, python3 that runs and is >= 3.12, else a
+# pyenv-installed 3.12 or 3.13.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,11 +15,16 @@ is_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)
 
 find_python() {
   local c
-  for c in ${PYTHON:-} python3.12 python3.13 python3; do
+  if [ -n "${PYTHON:-}" ]; then
+    if is_ok "$PYTHON"; then command -v "$PYTHON" || echo "$PYTHON"; return 0; fi
+    echo "setup_env: error: PYTHON=$PYTHON is not a working Python >= 3.12" >&2
+    return 2
+  fi
+  for c in python3.12 python3.13 python3; do
     if command -v "$c" >/dev/null 2>&1 && is_ok "$c"; then command -v "$c"; return 0; fi
   done
-  for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 \
-           "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13 /usr/bin/python3.12 /usr/local/bin/python3.12; do
+  for c in "${PYENV_ROOT:-${HOME:-/root}/.pyenv}"/versions/3.12*/bin/python3.12 \
+           "${PYENV_ROOT:-${HOME:-/root}/.pyenv}"/versions/3.13*/bin/python3.13 /usr/bin/python3.12 /usr/local/bin/python3.12; do
     if [ -x "$c" ] && is_ok "$c"; then echo "$c"; return 0; fi
   done
   return 1
@@ -29,6 +35,7 @@ if [ -x .venv/bin/python ] && ! is_ok .venv/bin/python; then
 fi
 if [ ! -x .venv/bin/python ]; then
   if ! PY="$(find_python)"; then
+    [ -n "${PYTHON:-}" ] && exit 1
     echo "setup_env: error: jaxinfer needs Python >= 3.12 (jax > 0.10.2 requires it) and none was found." >&2
     echo "setup_env: install python3.12 (e.g. 'pyenv install 3.12' or your OS package) or set PYTHON=/path/to/python3.12" >&2
     exit 1

@@ -200,6 +200,8 @@ class Engine:
             if "prompt_token_ids" not in prompt:
                 raise ValueError("a dict prompt needs 'prompt_token_ids'")
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, prompt
         else:
@@ -319,6 +321,7 @@ class Engine:
             return
         for i, chunk in enumerate(chunks):
             if not result.finite[i]:
+                self.runner.clear_pages(chunk.page_ids)  # its K/V may hold NaN: no later owner may read them
                 self.scheduler.fail(chunk.seq, "the model produced non-finite logits (NaN or inf)")
                 self.metrics.num_errors += 1
             elif chunk.samples:

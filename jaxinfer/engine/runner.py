@@ -111,6 +111,10 @@ def _step(
     return sample(logits, sampling), finite, kv_cache
 
 
+def _clear_pages(kv_cache: KVCache, page_ids: jax.Array) -> KVCache:
+    return KVCache(k=kv_cache.k.at[:, page_ids].set(0), v=kv_cache.v.at[:, page_ids].set(0))
+
+
 class ModelRunner:
     """Owns the weights and the paged KV cache on device and runs jitted steps over ragged batches.
 
@@ -153,20 +157,22 @@ class ModelRunner:
             functools.partial(_step, cfg=cfg, scan_layers=scan_layers, attention_fn=attention_fn),
             donate_argnames=("kv_cache",),
         )
+        self._clear_pages = jax.jit(_clear_pages, donate_argnums=0)
         self._forward_all = jax.jit(
             functools.partial(forward, cfg=cfg, scan_layers=scan_layers, attention_fn=attention_fn),
             donate_argnames=("kv_cache",),
         )
 
     def _prepare(self, chunks: Sequence[SequenceChunk], all_rows: bool) -> tuple[np.ndarray, AttentionMetadata, int]:
-        """Pads a batch to its shape buckets; returns (tokens, metadata, padded sequence count)."""
+        """Pads a batch to its shape buckets; returns (tokens, metadata, number of logits rows)."""
         ps = self.page_size
         q_lens = [len(c.token_ids) for c in chunks]
         if not chunks or min(q_lens) < 1:
             raise ValueError("every sequence in a step needs at least one new token")
         num_tokens = sum(q_lens)
         t_pad = next_power_of_two(num_tokens, 2)  # >= 2 rows: bf16 matrix-vector with one row is slow on CPU
-        b_pad = next_power_of_two(len(chunks), 2)  # >= 2 logits rows: the one-row LM head is slow in bf16
+        b_pad = next_power_of_two(len(chunks))
+        r_pad = max(b_pad, 2)  # >= 2 logits rows: the one-row bf16 LM head is 10x slower on CPU
         max_q = max(q_lens)
         if max_q > 1:
             t_pad = next_power_of_two(num_tokens, MIN_PREFILL_TOKENS)
@@ -197,12 +203,12 @@ class ModelRunner:
         if all_rows:
             logits_indices = np.arange(t_pad, dtype=np.int32)
         else:
-            logits_indices = np.zeros(b_pad, np.int32)
+            logits_indices = np.zeros(r_pad, np.int32)
             logits_indices[: len(chunks)] = cu_q_lens[1 : len(chunks) + 1] - 1
         metadata = AttentionMetadata(positions=positions, cu_q_lens=cu_q_lens, kv_lens=kv_lens_arr,
                                      page_table=page_table, kv_loc=kv_loc, logits_indices=logits_indices,
                                      max_q_len=max_q_pad)
-        return tokens, metadata, b_pad
+        return tokens, metadata, r_pad
 
     def execute(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow]) -> StepResult:
         """Runs one step and samples the next token of every sequence.
@@ -226,6 +232,18 @@ class ModelRunner:
         out, finite = jax.device_get((out, finite))
         return StepResult(token_ids=out.token_ids[:n], logprobs=out.logprobs[:n], top_logprobs=out.top_logprobs[:n],
                           top_token_ids=out.top_token_ids[:n], finite=finite[:n])
+
+    def clear_pages(self, page_ids: Sequence[int]) -> None:
+        """Zeroes pages (all layers, K and V), e.g. those a sequence filled with NaN K/V, before they are reused.
+
+        Attention masks the slots past a sequence's length, but a masked weight of 0 times a stale NaN is still
+        NaN: without this, the next owner of such a page would inherit the failure.
+        """
+        if not page_ids:
+            return
+        ids = np.full(next_power_of_two(len(page_ids)), NULL_PAGE, np.int32)  # padded with the (inert) null page
+        ids[: len(page_ids)] = page_ids
+        self.kv_cache = self._clear_pages(self.kv_cache, ids)
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> float:
         """Compiles the step for every decode and single-sequence prefill shape bucket; returns seconds taken.

@@ -38,6 +38,7 @@ from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
            "sample"]
 
+GREEDY_TEMPERATURE = 1e-5  # smallest temperature sampled as such; below it, argmax
 MIN_SUPPRESS_WIDTH = 4
 MIN_PENALTY_WIDTH = 16
 
@@ -173,7 +174,9 @@ class SamplingArrays:
         prompt_width = _bucket(max(map(len, prompt_lists), default=0), MIN_PENALTY_WIDTH) if any(rep_rows) else 1
         output_width = _bucket(max(map(len, output_lists), default=0), MIN_PENALTY_WIDTH) if any(pen_rows) else 1
         return SamplingArrays(
-            temperature=per_row([p.temperature for p in ps], 0.0, np.float32),
+            # Temperatures below GREEDY_TEMPERATURE would overflow logits / T in f32: they are greedy.
+            temperature=per_row([p.temperature if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in ps],
+                                0.0, np.float32),
             top_k=per_row([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], vocab, np.int32),
             top_p=per_row([p.top_p for p in ps], 1.0, np.float32),
             min_p=per_row([p.min_p for p in ps], 0.0, np.float32),
@@ -253,7 +256,8 @@ def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf)
     probs = jax.nn.softmax(sorted_desc, axis=-1)  # [B, V], renormalised over the top-k set
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly earlier tokens in the sorted order
-    keep = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1)
+    # The most likely token is always kept (a top_p that rounds to 0 in f32 still leaves one token).
+    keep = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1) | (jnp.arange(vocab) == 0)[None, :]
     cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
     return jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
 
