@@ -38,7 +38,8 @@ class SamplingParams:
       presence_penalty: subtracted once from the logit of every token that appears in the output (OpenAI
         semantics); in [-2, 2].
       frequency_penalty: subtracted from a token's logit once per time it appears in the output; in [-2, 2].
-      max_tokens: most tokens to generate, >= 1.
+      max_tokens: most tokens to generate, >= 1; None generates until the context limit. A request whose prompt
+        plus max_tokens exceeds the context is rejected by the engine.
       min_tokens: EOS and stop token ids are suppressed until this many tokens were generated.
       seed: per-request seed in [0, 2**32); the same seed gives the same tokens whatever else is in the batch.
         None draws one.
@@ -64,7 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     seed: int | None = None
     logprobs: int | None = None
@@ -95,9 +96,9 @@ class SamplingParams:
             raise ValueError(f"{presence_penalty=} must be in [-2, 2]")
         if not _is_finite(frequency_penalty) or not -2 <= frequency_penalty <= 2:
             raise ValueError(f"{frequency_penalty=} must be in [-2, 2]")
-        if not _is_int(max_tokens) or max_tokens < 1:
-            raise ValueError(f"{max_tokens=} must be an integer >= 1")
-        if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+            raise ValueError(f"{max_tokens=} must be an integer >= 1 (or None: up to the context limit)")
+        if not _is_int(min_tokens) or min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
             raise ValueError(f"{min_tokens=} must be an integer in [0, max_tokens={max_tokens}]")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
             raise ValueError(f"{seed=} must be an integer in [0, 2**32)")

@@ -229,8 +229,9 @@ class Engine:
           The request id.
 
         Raises:
-          ValueError: duplicate request id, empty prompt, a prompt that leaves no room in the context, a request
-            that could never fit the KV cache, or bad params. Nothing is queued then.
+          ValueError: duplicate request id, empty prompt, a prompt that leaves no room in the context, prompt +
+            max_tokens beyond the context, a request that could never fit the KV cache, or bad params. Nothing is
+            queued then.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -249,6 +250,9 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} tokens "
                              "(at least one token must be generated)")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens}: the prompt ({len(ids)} tokens) plus max_tokens exceeds "
+                             f"the context of {self.max_model_len} tokens (max_tokens=None generates up to it)")
         now = time.perf_counter()
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
         seqs = []
@@ -274,6 +278,37 @@ class Engine:
         """Stops a request now and frees its pages; its next output (from `step`) has finish_reason "abort"."""
         if request_id in self._requests:
             self.scheduler.abort(request_id)
+
+    def stats(self) -> dict[str, float | int]:
+        """A snapshot of the engine's gauges and counters (for logs and the metrics exporter).
+
+        Keys: running, waiting (sequences), kv_pages_used, kv_pages_total, preemptions, steps, device_calls,
+        prefill_tokens, decode_tokens, tokens_per_step, finished, errors, host_time_share (host time over
+        step time), ttft_s_mean, tpot_s_mean, queue_time_s_mean (seconds, over finished requests).
+        """
+        m = self.metrics
+
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values) if values else 0.0
+
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "kv_pages_used": self.page_allocator.num_usable_pages - self.page_allocator.num_free_pages,
+            "kv_pages_total": self.page_allocator.num_usable_pages,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": m.num_steps,
+            "device_calls": m.num_device_calls,
+            "prefill_tokens": m.num_prefill_tokens,
+            "decode_tokens": m.num_decode_tokens,
+            "tokens_per_step": (m.num_prefill_tokens + m.num_decode_tokens) / m.num_steps if m.num_steps else 0.0,
+            "finished": m.num_finished,
+            "errors": m.num_errors,
+            "host_time_share": m.host_time_s / m.step_time_s if m.step_time_s else 0.0,
+            "ttft_s_mean": mean(m.ttft_s),
+            "tpot_s_mean": mean(m.tpot_s),
+            "queue_time_s_mean": mean(m.queue_time_s),
+        }
 
     def has_unfinished_requests(self) -> bool:
         """True while some request has not reported its final output."""

@@ -187,7 +187,8 @@ class Scheduler:
         if n >= cfg.max_model_len:
             raise ValueError(f"prompt of {n} tokens does not fit the context of {cfg.max_model_len} tokens "
                              "(at least one token must be generated)")
-        pages = cfg.pages_for(min(n + seq.params.max_tokens, cfg.max_model_len))
+        max_tokens = cfg.max_model_len if seq.params.max_tokens is None else seq.params.max_tokens
+        pages = cfg.pages_for(min(n + max_tokens, cfg.max_model_len))
         if pages > self.allocator.num_usable_pages:
             raise ValueError(f"request needs {pages} KV pages (prompt {n} + max_tokens {seq.params.max_tokens} "
                              f"tokens) but the cache has {self.allocator.num_usable_pages}; it can never fit")

@@ -49,7 +49,7 @@ def append_token(seq: Sequence, token_id: int, eos_ids: Container[int], max_mode
                 seq.text = seq.text[: i + len(s)] if p.include_stop_str_in_output else seq.text[:i]
                 reason = "stop"
                 matched_stop_string = True
-    if reason is None and (n >= p.max_tokens or seq.num_tokens >= max_model_len):
+    if reason is None and ((p.max_tokens is not None and n >= p.max_tokens) or seq.num_tokens >= max_model_len):
         reason = "length"
     if reason is not None and not matched_stop_string:
         seq.text += seq.detokenizer.flush()  # bytes of an unfinished character, if any

@@ -71,3 +71,6 @@ def test_bad_request_raises_in_caller_and_abort_frees_pages(smollm2_llm: LLM, as
     good = asyncio.run(main())
     assert good[-1].finished and len(good[-1].outputs[0].token_ids) == 4
     assert allocator.num_free_pages == allocator.num_usable_pages
+    stats = smollm2_llm.engine.stats()
+    assert stats["kv_pages_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["steps"] > 0 and stats["decode_tokens"] > 0 and stats["ttft_s_mean"] > 0

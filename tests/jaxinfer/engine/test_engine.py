@@ -357,9 +357,16 @@ def test_bad_input_is_rejected_and_in_flight_request_is_unharmed(tiny: Engine, t
     assert_idle(tiny)
 
 
-def test_prompt_plus_max_tokens_beyond_context_stops_at_the_limit(tiny: Engine) -> None:
+def test_prompt_plus_max_tokens_beyond_context_is_rejected(tiny: Engine) -> None:
     prompt = (TINY_PROMPTS[0] * TINY_MAX_MODEL_LEN)[: TINY_MAX_MODEL_LEN - 4]
-    out = run(tiny, [Req("long", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))])
+    with pytest.raises(ValueError, match="max_tokens=20"):
+        tiny.add_request(prompt, SamplingParams(temperature=0, max_tokens=20), request_id="too-long")
+    assert_idle(tiny)
+
+
+def test_max_tokens_none_stops_at_the_context_limit(tiny: Engine) -> None:
+    prompt = (TINY_PROMPTS[0] * TINY_MAX_MODEL_LEN)[: TINY_MAX_MODEL_LEN - 4]
+    out = run(tiny, [Req("long", prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))])
     completion = out.final["long"].outputs[0]
     assert len(completion.token_ids) == 4 and completion.finish_reason == "length"
     assert_idle(tiny)
