@@ -136,6 +136,7 @@ class Scheduler:
         self._live: dict[int, Sequence] = {}  # seq_id -> waiting or running sequence
         self._by_request: dict[str, list[Sequence]] = {}
         self.num_preemptions = 0  # over the scheduler's life
+        self.num_shared_prompt_pages = 0  # pages n > 1 samples took from their sample 0 instead of recomputing
 
     # --- queues -----------------------------------------------------------------------------------------------
 
@@ -288,6 +289,11 @@ class Scheduler:
         # 3. admission, first come first served
         while not preempted and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             seq = self._waiting[0]
+            sibling = self._prompt_sibling(seq)
+            if sibling is not None and sibling.num_computed_tokens < self._shareable_prompt_tokens(seq):
+                break  # sample 0 is still computing the prompt this sample will share
+            if sibling is not None:
+                self._share_prompt_pages(seq, sibling)
             n = self._fit(seq, min(seq.num_new_tokens_to_compute, budget))
             if n == 0:
                 break
@@ -341,6 +347,33 @@ class Scheduler:
         return produced
 
     # --- internals --------------------------------------------------------------------------------------------
+
+    def _shareable_prompt_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens in full pages before the last prompt token (which every sample computes itself)."""
+        return (len(seq.prompt_token_ids) - 1) // self.config.page_size * self.config.page_size
+
+    def _prompt_sibling(self, seq: Sequence) -> Sequence | None:
+        """For a fresh sample i > 0 of an n > 1 request: its live sample 0, whose prompt pages it can share."""
+        if seq.sample_index == 0 or seq.page_ids or seq.num_computed_tokens or seq.output_token_ids \
+                or self._shareable_prompt_tokens(seq) == 0:
+            return None
+        for other in self._by_request.get(seq.request_id, ()):
+            if other.sample_index == 0 and other.prompt_token_ids == seq.prompt_token_ids \
+                    and other.status is SequenceStatus.RUNNING:  # a waiting sample 0 may sit behind this one
+                return other
+        return None
+
+    def _share_prompt_pages(self, seq: Sequence, sibling: Sequence) -> None:
+        """Starts `seq` on the full prompt pages `sibling` has computed (reference counted, read-only).
+
+        Both write only positions past the shared pages, so no page is written by two owners.
+        """
+        shared_tokens = self._shareable_prompt_tokens(seq)
+        shared = sibling.page_ids[: shared_tokens // self.config.page_size]
+        self.allocator.incref(shared)
+        seq.page_ids = list(shared)
+        seq.num_computed_tokens = shared_tokens
+        self.num_shared_prompt_pages += len(shared)
 
     def _fit(self, seq: Sequence, n: int) -> int:
         """`n` shrunk to the tokens whose positions the sequence's pages plus the free pages can hold."""

@@ -229,3 +229,43 @@ def test_times_come_from_the_clock_and_survive_preemption() -> None:
     assert one.finish_time == 107.0 and one.finish_reason == "length" and two.num_preemptions == 2
     step(sched)  # 108, 109: two recomputes and samples its 2nd and last token
     assert (two.first_token_time, two.finish_time, two.output_token_ids) == (101.0, 109.0, [9, 9])
+
+
+def test_parallel_samples_share_the_prompt_pages_of_sample_0() -> None:
+    from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.scheduler.page_allocator import PageAllocator
+    from jaxinfer.scheduler.scheduler import Scheduler, SchedulerConfig
+    from jaxinfer.scheduler.sequence import Sequence
+
+    class Detok:
+        def step(self, token_id: int) -> str:
+            return "x"
+
+        def flush(self) -> str:
+            return ""
+
+    page_size, prompt = 4, list(range(3, 14))  # 11 tokens: pages [0-3], [4-7] full, [8-10] partial
+    allocator = PageAllocator(40)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=page_size,
+                                      max_model_len=64), allocator, eos_ids=frozenset())
+    params = SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=1)
+    seqs = [Sequence(seq_id=i, request_id="r", prompt_token_ids=list(prompt), params=params, seed=1,
+                     detokenizer=Detok(), arrival_time=0.0, sample_index=i) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    first = sched.schedule()
+    assert [c.seq.seq_id for c in first.chunks] == [0]  # samples 1, 2 wait for sample 0's prompt
+    sched.update(first, {0: 5})
+    second = sched.schedule()
+    by_id = {c.seq.seq_id: c for c in second.chunks}
+    # Samples 1 and 2 start on sample 0's two full prompt pages and compute only the last 3 prompt tokens.
+    for i in (1, 2):
+        assert by_id[i].num_computed_tokens == 8 and by_id[i].token_ids == prompt[8:]
+        assert by_id[i].page_ids[:2] == seqs[0].page_ids[:2]
+        assert by_id[i].page_ids[2] not in seqs[0].page_ids
+    assert all(allocator.refcount(p) == 3 for p in seqs[0].page_ids[:2])
+    assert sched.num_shared_prompt_pages == 4
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.update(out, {c.seq.seq_id: 7 for c in out.chunks if c.samples})
+    assert allocator.num_free_pages == allocator.num_usable_pages
