@@ -19,10 +19,19 @@ What one run measures (all in the same process and on the same machine, so the n
 6. Peer: HF transformers on torch CPU (`scripts/peer_transformers.py`, run in another venv as a subprocess) on the
    same GGUF file and the same prompt.
 
-Results go to stdout as markdown and, with `--write BENCHMARKS.md`, into that file with the command, date, versions
-and machine. Logs go to stderr. The whole run takes about 3-5 minutes on 2 cores (the peer needs ~1 more).
+`--workload serving` runs the serving workload instead (`scripts/bench_serving.py`): scenarios of N requests with
+fixed or uniformly drawn input/output lengths, arriving all at once or as a Poisson process, through `Engine`
+(end-to-end and decode-only output tokens/s, TTFT and TPOT percentiles, padding, host share, decode roofline
+against the bandwidth measured in the same run), and the first scenario also through HF transformers' batched
+`generate`. `--workload all` runs both. Sections 1-6 are `--workload micro` (the default).
 
-    .venv/bin/python scripts/benchmark.py --write BENCHMARKS.md
+Results go to stdout as markdown and, with `--write BENCHMARKS.md`, into that file with the command, date, versions
+and machine. A run of one workload keeps the other workload's section of an existing file. Logs go to stderr. The
+micro run takes about 3-5 minutes on 2 cores (the peer needs ~1 more), the serving run about 8-10.
+
+    .venv/bin/python scripts/benchmark.py --peer-python .venv-golden/bin/python --write BENCHMARKS.md
+    .venv/bin/python scripts/benchmark.py --workload serving --peer-python .venv-golden/bin/python \
+        --write BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -50,7 +59,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
+import bench_serving  # noqa: E402  (scripts/, next to this file)
 from jaxinfer.checkpoint import default_model_path, load_gguf_weights, read_gguf  # noqa: E402
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
 from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample  # noqa: E402
@@ -752,6 +763,29 @@ def render(r: dict) -> str:
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
+DEFAULT_SCENARIOS = "offline:n=32,in=128,out=128;online:n=32,in=32-256,out=32-128,rate=1"
+
+
+def run_serving(args: argparse.Namespace, scenarios: list, dtypes: list[str], bandwidth: dict,
+                model_path: Path) -> dict:
+    """The serving workload (scripts/bench_serving.py) against the bandwidth measured in this run."""
+    roof_bw = max(b["gb_s"] for b in bandwidth.values()) * 1e9
+    ours, requests = bench_serving.run_ours(scenarios, dtypes, _dense_matmuls,
+                                            None if args.model is None else str(args.model))
+    head = scenarios[0]
+    peer = None
+    if args.peer_python is not None:
+        if head.fixed and head.offline:
+            peer = bench_serving.run_peer(args.peer_python, model_path, requests[head.name], dtypes,
+                                          os.cpu_count() or 1, args.peer_timeout)
+        else:
+            peer = {"error": f"the headline scenario {head.name} needs fixed lengths and rate inf for the peer"}
+        if "error" in peer:
+            logger.warning("serving peer: %s", peer["error"])
+    return {"scenarios": scenarios, "ours": ours, "peer": peer, "roof_bw": roof_bw,
+            "compilation_cache": bool(os.environ.get("JAXINFER_COMPILATION_CACHE"))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: SmolLM2-135M-Instruct wheel)")
@@ -772,6 +806,11 @@ def main() -> None:
     ap.add_argument("--peer-python", default=None,
                     help="Python with torch + transformers (e.g. .venv-golden/bin/python); omitted: no peer")
     ap.add_argument("--peer-timeout", type=int, default=600)
+    ap.add_argument("--workload", choices=("micro", "serving", "all"), default="micro",
+                    help="micro: sections 1-6; serving: the serving workload; all: both")
+    ap.add_argument("--serving-scenarios", default=DEFAULT_SCENARIOS,
+                    help="';'-separated name:n=N,in=LEN|LO-HI,out=LEN|LO-HI[,rate=REQ_PER_S|inf][,seed=S]; the "
+                         "first is the headline, compared with the HF peer (needs fixed lengths and rate inf)")
     ap.add_argument("--write", type=Path, default=None, help="also write the report to this file")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
@@ -784,6 +823,15 @@ def main() -> None:
             ap.error(f"unknown dtype {d}")
     if args.prefill_len < args.decode_prompt_len + 16 + args.warmup_steps + args.decode_steps:
         ap.error("--prefill-len is too short for the decode runs")
+    try:
+        scenarios = [bench_serving.parse_scenario(x) for x in args.serving_scenarios.split(";") if x.strip()]
+    except ValueError as e:
+        ap.error(str(e))
+    micro, serving = args.workload in ("micro", "all"), args.workload in ("serving", "all")
+    if serving and not scenarios:
+        ap.error("--serving-scenarios is empty")
+    # Cold compiles: the engine turns on JAX's persistent compilation cache unless this is set (to "" = off).
+    os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "")
 
     import jaxlib
     import psutil
@@ -796,8 +844,39 @@ def main() -> None:
                                       os.path.relpath(__file__, REPO)] + sys.argv[1:])}
 
     r["bandwidth"] = measure_bandwidth(args.bw_gib, args.bw_reps)
-
     model_path = args.model or default_model_path()
+    if micro:
+        run_micro(r, args, dtypes, modes, batches, model_path)
+    if serving:
+        r["serving"] = run_serving(args, scenarios, dtypes, r["bandwidth"], model_path)
+        if not micro:
+            r["bandwidth_end"] = measure_bandwidth(args.bw_gib, args.bw_reps)
+            r["serving"]["roof_bw"] = max(b["gb_s"] for b in list(r["bandwidth"].values())
+                                          + list(r["bandwidth_end"].values())) * 1e9
+    r["elapsed_s"] = time.perf_counter() - t_start
+
+    parts = []
+    if micro:
+        parts.append(render(r))
+    if serving:
+        sr = dict(r["serving"], command=r["command"], date=r["date"], elapsed_s=r["elapsed_s"])
+        parts.append(bench_serving.render(sr))
+    report = "\n\n".join(parts) + "\n"
+    sys.stdout.write(report)
+    if args.write is not None:
+        old = args.write.read_text() if args.write.is_file() else ""
+        if not micro:  # keep the micro sections of the file, replace (or add) the serving section
+            report = bench_serving.splice(old or "# Benchmarks\n", parts[-1])
+        elif not serving and bench_serving.SECTION_BEGIN in old:  # keep the file's serving section
+            a, b = old.index(bench_serving.SECTION_BEGIN), old.index(bench_serving.SECTION_END)
+            report = bench_serving.splice(report, old[a: b + len(bench_serving.SECTION_END)])
+        args.write.write_text(report)
+        logger.info("wrote %s", args.write)
+
+
+def run_micro(r: dict, args: argparse.Namespace, dtypes: list[str], modes: list[bool], batches: list[int],
+              model_path: Path) -> None:
+    """Sections 1-6 (see the module docstring); fills `r`."""
     t0 = time.perf_counter()
     cfg, np_weights = load_gguf_weights(read_gguf(model_path), np.float32)
     logger.info("loaded %s in %.1f s", model_path.name, time.perf_counter() - t0)
@@ -830,13 +909,6 @@ def main() -> None:
     r["peer"] = None if args.peer_python is None else run_peer(args.peer_python, model_path, prompt, dtypes, args)
     if r["peer"] and "error" in r["peer"]:
         logger.warning("peer: %s", r["peer"]["error"])
-    r["elapsed_s"] = time.perf_counter() - t_start
-
-    report = render(r)
-    sys.stdout.write(report)
-    if args.write is not None:
-        args.write.write_text(report)
-        logger.info("wrote %s", args.write)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,18 @@ dtype:
 * decode: prefill the first 64 prompt tokens, then greedy single-token forwards reusing the KV cache; each step
   (forward + argmax) timed; median over `--decode-steps` after `--warmup-steps` untimed steps.
 
+With `--serving-prompts FILE` (a JSON list of prompts, each a list of token ids) it runs the serving workload of
+`scripts/benchmark.py --workload serving` instead: per dtype, one batched `generate` over all the prompts (left
+padding, greedy, exactly `--serving-output-len` new tokens each: `max_new_tokens = min_new_tokens`), timed end to
+end; a streamer records when each generated token reaches the host (the first arrives after the batch's prefill,
+so it gives the time to first token of every request in the batch). An untimed 2-token `generate` of the same batch
+runs first (warm-up).
+
 Prints one JSON object to stdout; logs go to stderr.
 
     .venv-golden/bin/python scripts/peer_transformers.py --gguf PATH --prompt-file ids.json
+    .venv-golden/bin/python scripts/peer_transformers.py --gguf PATH --serving-prompts prompts.json \
+        --serving-output-len 128
 """
 
 from __future__ import annotations
@@ -71,10 +80,73 @@ def measure(model, torch, prompt: list[int], decode_prompt_len: int, prefill_rep
     }
 
 
+def measure_serving(model, torch, prompts: list[list[int]], output_len: int) -> dict:
+    """One batched greedy `generate` of all prompts (left padding), exactly `output_len` new tokens each.
+
+    Returns wall seconds, the time of the first generated token (prefill of the whole batch + first sampling) and
+    the throughputs derived from them.
+    """
+    from transformers.generation.streamers import BaseStreamer
+
+    cfg = model.generation_config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+    if isinstance(pad, list):
+        pad = pad[0]
+    pad = 0 if pad is None else int(pad)
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+
+    class Clock(BaseStreamer):
+        """Records when each put reaches the host (the first put is the prompt, then one per new token)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def generate(new_tokens: int, streamer=None):
+        return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, pad_token_id=pad, streamer=streamer, top_p=None,
+                              top_k=None, temperature=None)
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        generate(2)
+        log.info("serving warm-up (2 new tokens, batch %d): %.1f s", len(prompts), time.perf_counter() - t0)
+        clock = Clock()
+        t0 = time.perf_counter()
+        out = generate(output_len, clock)
+        total = time.perf_counter() - t0
+    new = out.shape[1] - width
+    if new != output_len:
+        raise RuntimeError(f"generate returned {new} new tokens per sequence, expected {output_len}")
+    ttft = clock.times[1] - t0  # times[0]: the prompt's put, before any forward
+    steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:])]
+    n = len(prompts)
+    log.info("serving: batch %d, %d+%d tokens: %.1f s, first token after %.2f s", n, width, output_len, total, ttft)
+    return {
+        "batch": n, "input_len": width, "output_len": output_len, "total_s": total, "ttft_s": ttft,
+        "output_tok_s": n * output_len / total,
+        "decode_tok_s": n * (output_len - 1) / (total - ttft) if output_len > 1 else None,
+        "step_ms_median": 1e3 * statistics.median(steps) if steps else None,
+        "tpot_s": (total - ttft) / (output_len - 1) if output_len > 1 else None,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True, type=Path, help="GGUF file (the same one jaxinfer benchmarks)")
-    ap.add_argument("--prompt-file", required=True, type=Path, help="JSON list of prompt token ids")
+    ap.add_argument("--prompt-file", type=Path, help="JSON list of prompt token ids (prefill/decode mode)")
+    ap.add_argument("--serving-prompts", type=Path, help="JSON list of prompts (lists of token ids): serving mode")
+    ap.add_argument("--serving-output-len", type=int, default=128, help="new tokens per prompt (serving mode)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--decode-prompt-len", type=int, default=64)
@@ -82,6 +154,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--warmup-steps", type=int, default=2)
     args = ap.parse_args()
+    if (args.prompt_file is None) == (args.serving_prompts is None):
+        ap.error("give exactly one of --prompt-file and --serving-prompts")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[peer] %(asctime)s %(message)s")
 
     import torch
@@ -89,7 +163,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    prompt = json.loads(args.prompt_file.read_text())
+    prompt = json.loads((args.prompt_file or args.serving_prompts).read_text())
     result = {"torch": torch.__version__, "transformers": transformers.__version__,
               "threads": torch.get_num_threads(), "results": {}}
     for name in args.dtypes.split(","):
@@ -99,8 +173,11 @@ def main() -> None:
         model.eval()
         load_s = time.perf_counter() - t0
         log.info("loaded %s in %.1f s", name, load_s)
-        r = measure(model, torch, prompt, args.decode_prompt_len, args.prefill_reps, args.decode_steps,
-                    args.warmup_steps)
+        if args.serving_prompts is not None:
+            r = measure_serving(model, torch, prompt, args.serving_output_len)
+        else:
+            r = measure(model, torch, prompt, args.decode_prompt_len, args.prefill_reps, args.decode_steps,
+                        args.warmup_steps)
         r["load_s"] = load_s
         result["results"][name] = r
         del model
