@@ -28,4 +28,4 @@ def smollm2_llm():
     """SmolLM2-135M-Instruct in float32 with a small KV budget (enough for a few 512-token requests)."""
     from jaxinfer import LLM
 
-    return LLM(dtype="float32", kv_cache_memory_bytes=96 << 20, max_num_seqs=8)
+    return LLM(dtype="float32", kv_cache_memory_bytes=96 << 20, max_num_seqs=8, warmup=False)

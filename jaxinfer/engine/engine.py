@@ -59,7 +59,8 @@ class EngineConfig:
         memory after the weights on accelerators.
       scan_layers: `lax.scan` over layers (default; BENCHMARKS.md) instead of an unrolled loop.
       seed: seeds the per-request seeds drawn for requests that give none.
-      warmup: compile the decode shape buckets at start-up (progress bar on stderr).
+      warmup: compile the decode and single-prefill shape buckets at start-up (progress bar on stderr), so no
+        request waits for a compile; tests and one-shot scripts turn it off.
     """
 
     model: str | None = None
@@ -71,7 +72,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     scan_layers: bool = True
     seed: int = 0
-    warmup: bool = False
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

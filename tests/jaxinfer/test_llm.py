@@ -164,6 +164,6 @@ def test_bad_model_paths_raise(tmp_path) -> None:
 
 
 def test_bfloat16_answers_paris() -> None:
-    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=16 << 20, max_num_seqs=2)
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=16 << 20, max_num_seqs=2, warmup=False)
     out = llm.chat(PARIS_CHAT, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     assert "Paris" in out.text

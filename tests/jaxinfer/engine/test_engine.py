@@ -220,7 +220,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def tiny(tiny_dir) -> Engine:
     """The shared tiny engine: 16 sequences, a roomy pool (128 pages of 8 tokens)."""
-    return Engine(EngineConfig(model=str(tiny_dir), page_size=TINY_PAGE_SIZE, max_num_seqs=16,
+    return Engine(EngineConfig(model=str(tiny_dir), warmup=False, page_size=TINY_PAGE_SIZE, max_num_seqs=16,
                                max_num_batched_tokens=512, max_model_len=TINY_MAX_MODEL_LEN,
                                kv_cache_memory_bytes=1 << 20))
 
@@ -230,7 +230,7 @@ def tiny_small(tiny_dir, tiny: Engine) -> Engine:
     """A tiny engine whose pool holds just one request at its longest (7 pages: 40 + 12 tokens)."""
     page_bytes = KVCache.bytes_per_page(tiny.model_config, TINY_PAGE_SIZE, jnp.float32)
     need = max(pages_for(tiny, len(p) + MAX_TOKENS) for p in TINY_PROMPTS)
-    engine = Engine(EngineConfig(model=str(tiny_dir), page_size=TINY_PAGE_SIZE, max_num_seqs=16,
+    engine = Engine(EngineConfig(model=str(tiny_dir), warmup=False, page_size=TINY_PAGE_SIZE, max_num_seqs=16,
                                  max_num_batched_tokens=512, max_model_len=TINY_MAX_MODEL_LEN,
                                  kv_cache_memory_bytes=need * page_bytes + page_bytes // 2))
     assert engine.page_allocator.num_usable_pages == need
