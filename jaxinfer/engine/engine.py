@@ -55,8 +55,8 @@ class EngineConfig:
       max_num_seqs: most sequences in one step.
       max_num_batched_tokens: most tokens (decodes + prefill chunks) in one step.
       max_model_len: context limit in tokens; default: the model's.
-      kv_cache_memory_bytes: KV cache budget; default 10% of available host memory on CPU, 80% of free device
-        memory after the weights on accelerators.
+      kv_cache_memory_bytes: KV cache budget; default 10% of total host memory (at most half of what is
+        available) on CPU, 80% of free device memory after the weights on accelerators.
       scan_layers: `lax.scan` over layers (default; BENCHMARKS.md) instead of an unrolled loop.
       seed: seeds the per-request seeds drawn for requests that give none.
       warmup: compile the decode and single-prefill shape buckets at start-up (progress bar on stderr), so no
@@ -178,8 +178,12 @@ class Engine:
 
     @staticmethod
     def _default_kv_budget() -> int:
+        # From total memory (capped by half of what is available), rounded to 64 MiB, so that the cache shape,
+        # and with it the persistent compilation cache's keys, stay the same from one start to the next.
         if jax.default_backend() == "cpu":
-            return int(psutil.virtual_memory().available * DEFAULT_KV_CACHE_HOST_FRACTION)
+            mem = psutil.virtual_memory()
+            budget = min(mem.total * DEFAULT_KV_CACHE_HOST_FRACTION, mem.available * 0.5)
+            return max(int(budget) // (64 << 20) * (64 << 20), 64 << 20)
         stats = jax.devices()[0].memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         return int(max(free, 0) * DEFAULT_KV_CACHE_DEVICE_FRACTION)

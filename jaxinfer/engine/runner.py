@@ -94,6 +94,12 @@ class StepResult:
         return out
 
 
+def _shape_key(args: tuple) -> tuple:
+    """Pytree structure plus every leaf's shape and dtype: what a compiled step is specialised to."""
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves)
+
+
 def _step(
     weights: Weights,
     tokens: jax.Array,
@@ -158,6 +164,7 @@ class ModelRunner:
             donate_argnames=("kv_cache",),
         )
         self._clear_pages = jax.jit(_clear_pages, donate_argnums=0)
+        self._compiled: dict[tuple, Callable] = {}  # ahead-of-time compiled steps by `_shape_key`
         self._forward_all = jax.jit(
             functools.partial(forward, cfg=cfg, scan_layers=scan_layers, attention_fn=attention_fn),
             donate_argnames=("kv_cache",),
@@ -227,7 +234,7 @@ class ModelRunner:
             raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} sequences")
         tokens, metadata, b_pad = self._prepare(chunks, all_rows=False)
         sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
-        out, finite, self.kv_cache = self._step(self.weights, tokens, metadata, self.kv_cache, sampling)
+        out, finite, self.kv_cache = self._call_step(self.weights, tokens, metadata, self.kv_cache, sampling)
         n = len(chunks)
         out, finite = jax.device_get((out, finite))
         return StepResult(token_ids=out.token_ids[:n], logprobs=out.logprobs[:n], top_logprobs=out.top_logprobs[:n],
@@ -248,10 +255,11 @@ class ModelRunner:
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> float:
         """Compiles the step for every decode and single-sequence prefill shape bucket; returns seconds taken.
 
-        Decode buckets: batch 2, 4, ... up to max_num_seqs, times every page-table width. Prefill buckets: one
-        sequence with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table width. Dummy
-        steps write only into the null page. Other shapes (several prefill chunks at once, long suppress lists,
-        penalties) compile on first use. With the persistent compilation cache a restart loads them from disk.
+        Decode buckets: batch 1, 2, 4, ... up to max_num_seqs, times every page-table width. Prefill buckets: one
+        sequence with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table width. Each shape
+        is compiled ahead of time (`lower().compile()`, nothing runs) and kept, so `execute` calls the compiled
+        step directly. Other shapes (several prefill chunks at once, long suppress lists, penalties) compile on
+        first use. With the persistent compilation cache a restart loads them from disk.
         """
         from tqdm import tqdm
 
@@ -263,7 +271,7 @@ class ModelRunner:
             if w >= self.max_pages_per_seq:
                 break
             w *= 4
-        batches = [b for b in (2 ** k for k in range(1, 16)) if b < 2 * max_num_seqs and b // 2 < max_num_seqs]
+        batches = [b for b in (2 ** k for k in range(0, 16)) if b < 2 * max_num_seqs and b // 2 < max_num_seqs]
         batches = sorted({min(b, next_power_of_two(max_num_seqs, 2)) for b in batches})
         tokens = sorted({min(t, next_power_of_two(max_num_batched_tokens, MIN_PREFILL_TOKENS))
                          for t in (MIN_PREFILL_TOKENS * 2 ** k for k in range(12))
@@ -278,10 +286,18 @@ class ModelRunner:
                 chunks = [SequenceChunk([0], context - 1, [NULL_PAGE] * p)] * n
             else:
                 chunks = [SequenceChunk([0] * n, context - n, [NULL_PAGE] * p)]
-            self.execute(chunks, [greedy] * len(chunks))
+            tokens, metadata, rows_pad = self._prepare(chunks, all_rows=False)
+            sampling = SamplingArrays.build([greedy] * len(chunks), rows_pad, self.cfg.vocab_size, self.vocab_limit)
+            args = (self.weights, tokens, metadata, self.kv_cache, sampling)
+            self._compiled[_shape_key(args)] = self._step.lower(*args).compile()
         seconds = time.perf_counter() - t0
         logger.info("compiled %d step shapes in %.1f s", len(shapes), seconds)
         return seconds
+
+    def _call_step(self, *args):
+        """The step, through an ahead-of-time compiled executable when warm-up made one for these shapes."""
+        compiled = self._compiled.get(_shape_key(args)) if self._compiled else None
+        return (compiled or self._step)(*args)
 
     def compute_logits(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         """Runs one step and returns the logits of every new token (for tests and evaluation).
