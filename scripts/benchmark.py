@@ -339,7 +339,7 @@ def breakdown(cfg: ModelConfig, weights: Weights, dtype: str, prompt: list[int],
 
     def step() -> None:
         toks, _, runner.kv_cache = runner._step(weights, tokens, metadata, runner.kv_cache, sampling)
-        toks.block_until_ready()
+        jax.block_until_ready(toks)  # a SampleOutput pytree
 
     def forward_only() -> None:
         out, runner.kv_cache = fwd(weights, tokens, metadata, runner.kv_cache)
@@ -349,7 +349,7 @@ def breakdown(cfg: ModelConfig, weights: Weights, dtype: str, prompt: list[int],
         BD_EXECUTE: lambda: run_steps(runner, chunk),
         BD_STEP: step,
         BD_FORWARD: forward_only,
-        BD_SAMPLE: lambda: sample_jit(logits, sampling).block_until_ready(),
+        BD_SAMPLE: lambda: jax.block_until_ready(sample_jit(logits, sampling)),
         BD_DENSE: lambda: dense(x2, weights).block_until_ready(),
         BD_DENSE_SLICED: lambda: dense_sliced(x2, weights).block_until_ready(),
         BD_DENSE_SEPARATE: lambda: dense_separate(x2, layers, weights.embed).block_until_ready(),

@@ -359,6 +359,7 @@ class Engine:
             for chunk in chunks:
                 self._run_group([chunk], sampled, logprobs)
             return
+        self.metrics.num_padded_tokens += result.num_padded_tokens
         for i, chunk in enumerate(chunks):
             if not result.finite[i]:
                 self.runner.clear_pages(chunk.page_ids)  # its K/V may hold NaN: no later owner may read them

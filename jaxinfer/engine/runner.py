@@ -86,6 +86,7 @@ class StepResult:
     top_logprobs: np.ndarray
     top_token_ids: np.ndarray
     finite: np.ndarray
+    num_padded_tokens: int = 0  # token rows the step computed beyond the real tokens (bucket padding)
 
     def row_logprobs(self, row: int, n: int) -> dict[int, float]:
         """{token id: logprob} of row's top n raw tokens plus its sampled token."""
@@ -236,9 +237,11 @@ class ModelRunner:
         sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
         out, finite, self.kv_cache = self._call_step(self.weights, tokens, metadata, self.kv_cache, sampling)
         n = len(chunks)
+        padded = int(tokens.shape[0]) - sum(len(c.token_ids) for c in chunks)
         out, finite = jax.device_get((out, finite))
         return StepResult(token_ids=out.token_ids[:n], logprobs=out.logprobs[:n], top_logprobs=out.top_logprobs[:n],
-                          top_token_ids=out.top_token_ids[:n], finite=finite[:n])
+                          top_token_ids=out.top_token_ids[:n], finite=finite[:n],
+                          num_padded_tokens=padded)
 
     def clear_pages(self, page_ids: Sequence[int]) -> None:
         """Zeroes pages (all layers, K and V), e.g. those a sequence filled with NaN K/V, before they are reused.
