@@ -30,6 +30,16 @@ class RopeScaling:
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
+def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> ModelConfig:
+    """Runs a config parser, turning malformed-content errors into a `ValueError` that names `source`."""
+    try:
+        return parse(data, name)
+    except KeyError as e:
+        raise ValueError(f"{source} is missing key {e.args[0]!r}") from None
+    except (TypeError, ZeroDivisionError, AttributeError) as e:
+        raise ValueError(f"{source} has a malformed value: {type(e).__name__}: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2).
@@ -99,12 +109,7 @@ class ModelConfig:
         Raises:
           ValueError: for any malformed or unsupported metadata, naming the key where it can.
         """
-        try:
-            return cls._from_gguf_metadata(meta, name)
-        except KeyError as e:
-            raise ValueError(f"GGUF metadata is missing key {e.args[0]!r}") from None
-        except (TypeError, ZeroDivisionError, AttributeError) as e:
-            raise ValueError(f"GGUF metadata has a malformed value: {type(e).__name__}: {e}") from None
+        return _parse("GGUF metadata", cls._from_gguf_metadata, meta, name)
 
     @classmethod
     def _from_gguf_metadata(cls, meta: Mapping[str, Any], name: str = "") -> ModelConfig:
@@ -171,12 +176,7 @@ class ModelConfig:
         """
         if not isinstance(hf, Mapping):
             raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
-        try:
-            return cls._from_hf_config(hf, name)
-        except KeyError as e:
-            raise ValueError(f"config.json is missing key {e.args[0]!r}") from None
-        except (TypeError, ZeroDivisionError, AttributeError) as e:
-            raise ValueError(f"config.json has a malformed value: {type(e).__name__}: {e}") from None
+        return _parse("config.json", cls._from_hf_config, hf, name)
 
     @classmethod
     def _from_hf_config(cls, hf: Mapping[str, Any], name: str = "") -> ModelConfig:

@@ -499,6 +499,26 @@ def run_ours(scenarios: list[Scenario], dtypes: list[str], dense_matmuls: Callab
 
 
 
+def run_peer_process(cmd: list[str], timeout: int, prompt_file: str) -> dict:
+    """Runs a peer script (it prints JSON as its last stdout line); returns that, or {"error": why}.
+
+    Deletes `prompt_file` afterwards; the peer's `[peer]` stderr lines go to the log.
+    """
+    logger.info("peer: %s", shlex.join(cmd))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"peer timed out after {timeout} s"}
+    finally:
+        os.unlink(prompt_file)
+    for line in proc.stderr.splitlines():
+        if line.startswith("[peer]"):
+            logger.info("%s", line)
+    if proc.returncode != 0:
+        return {"error": f"peer exited with {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_peer(python: str, model_path: Path, reqs: list[Request], dtypes: list[str], threads: int,
              timeout: int) -> dict:
     """HF transformers batched `generate` on the same prompts (scripts/peer_transformers.py, serving mode)."""
@@ -513,20 +533,10 @@ def run_peer(python: str, model_path: Path, reqs: list[Request], dtypes: list[st
     cmd = [python, str(Path(__file__).resolve().parent / "peer_transformers.py"), "--gguf", str(model_path),
            "--serving-prompts", prompt_file, "--serving-output-len", str(outs.pop()), "--dtypes", ",".join(dtypes),
            "--threads", str(threads)]
-    logger.info("peer: %s", shlex.join(cmd))
     load0 = os.getloadavg()[0]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"peer timed out after {timeout} s"}
-    finally:
-        os.unlink(prompt_file)
-    for line in proc.stderr.splitlines():
-        if line.startswith("[peer]"):
-            logger.info("%s", line)
-    if proc.returncode != 0:
-        return {"error": f"peer exited with {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_peer_process(cmd, timeout, prompt_file)
+    if "error" in result:
+        return result
     result["load_avg"] = (load0, os.getloadavg()[0])
     return result
 

@@ -46,7 +46,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -468,19 +467,7 @@ def run_peer(python: str, model_path: Path, prompt: list[int], dtypes: list[str]
            prompt_file, "--dtypes", ",".join(dtypes), "--threads", str(os.cpu_count() or 1),
            "--decode-prompt-len", str(args.decode_prompt_len), "--prefill-reps", str(args.prefill_reps),
            "--decode-steps", str(args.decode_steps), "--warmup-steps", str(args.warmup_steps)]
-    logger.info("peer: %s", shlex.join(cmd))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"peer timed out after {args.peer_timeout} s"}
-    finally:
-        os.unlink(prompt_file)
-    for line in proc.stderr.splitlines():
-        if line.startswith("[peer]"):
-            logger.info("%s", line)
-    if proc.returncode != 0:
-        return {"error": f"peer exited with {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return bench_serving.run_peer_process(cmd, args.peer_timeout, prompt_file)
 
 
 # --- report -----------------------------------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -105,9 +107,6 @@ class EngineMetrics:
 
 def enable_compilation_cache() -> None:
     """Turns on JAX's persistent compilation cache (unless the user set one): restarts skip XLA compiles."""
-    import os
-    from pathlib import Path
-
     if jax.config.jax_compilation_cache_dir:
         return
     path = os.environ.get("JAXINFER_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxinfer" / "xla"))
