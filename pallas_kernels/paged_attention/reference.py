@@ -1,17 +1,14 @@
-"""Paged attention over a ragged batch: decodes, prefill chunks and verification windows in one op.
+"""Paged attention reference (plain `jnp`): the CPU path and the oracle the kernels are tested against.
 
-KV cache layout (the one place it is defined; the engine and the model follow it):
+KV cache layout (the one place it is defined; the engine, the model and the kernels follow it):
 
     k_pages, v_pages: [P, K, page_size, H]   one layer; the model stacks layers in front: [L, P, K, page_size, H]
 
 Page 0 is the reserved null page: padding rows of `page_table` point at it and padding tokens write into it, so
 every index stays valid; nothing reads it unmasked. Pages lead so that a sequence's pages gather in one indexed
-read, and kv heads come before page positions so that the gathered context reshapes to `[B, K, S, H]` (batch and
-kv heads leading); against [P, page_size, K, H] it measured the same within noise on CPU (BENCHMARKS.md, "KV
-layout"), so the kernels issue is free to pick what its tiling needs.
-
-The Pallas kernels arrive behind this signature in a later change; this module holds the pure-`jnp` reference,
-which is the CPU path and the test oracle.
+read, and kv heads come before page positions so that one page of one kv head, `[page_size, H]`, is contiguous:
+the kernels copy exactly that unit (one DMA on TPU, one load on GPU), and the reference's gathered context
+reshapes to `[B, K, S, H]` (batch and kv heads leading, the fast order for XLA:CPU einsums).
 """
 
 from __future__ import annotations
@@ -21,7 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, queries_by_sequence,
+                                   rows_from_sequences, soft_cap_scores, visible)
 
 
 def write_kv(
@@ -53,7 +51,7 @@ def write_kv(
     return k_pages, v_pages
 
 
-@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap"))
 def paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -65,6 +63,8 @@ def paged_attention_reference(
     *,
     max_q_len: int,
     sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of each sequence's new query tokens over its whole paged context (plain `jnp`).
 
@@ -82,12 +82,15 @@ def paged_attention_reference(
       layer: i32 scalar in [0, L) for a stacked cache; None for a single layer's.
       max_q_len: static upper bound on any q_len (1 for a pure decode batch).
       sm_scale: softmax scale, usually `H ** -0.5`.
+      sliding_window: static; a query at position p sees keys at positions > p - sliding_window (None: all).
+      soft_cap: static; scores become `soft_cap * tanh(scores / soft_cap)` after scaling (Gemma 2; None: off).
 
     Returns:
       [T, N, H] attention output in q's dtype; padding rows are 0.
 
     Raises:
-      ValueError: if N is not a multiple of K or head dims differ (at trace time).
+      ValueError: if N is not a multiple of K, head dims differ, the layer index does not match the cache's rank,
+        or sliding_window / soft_cap are out of range (at trace time).
     """
     num_tokens, num_heads, head_dim = q.shape
     if (k_pages.ndim == 5) != (layer is not None):
@@ -102,11 +105,10 @@ def paged_attention_reference(
     group = num_heads // num_kv_heads
     max_kv_len = max_pages * page_size
 
+    check_window_and_cap(sliding_window, soft_cap)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
     j = jnp.arange(max_q_len)
-    q_rows = cu_q_lens[:-1, None] + j[None, :]  # [B, Tq]
-    q_valid = j[None, :] < q_lens[:, None]  # [B, Tq]
-    q_seq = jnp.take(q, jnp.where(q_valid, q_rows, 0), axis=0)  # [B, Tq, N, H]
+    q_seq = queries_by_sequence(q, cu_q_lens, max_q_len)  # [B, Tq, N, H]
     q_seq = q_seq.reshape(num_seqs, max_q_len, num_kv_heads, group, head_dim)
 
     def gather(pages: jax.Array) -> jax.Array:
@@ -116,20 +118,14 @@ def paged_attention_reference(
 
     k_ctx, v_ctx = gather(k_pages), gather(v_pages)
     scores = jnp.einsum("btkgh,bksh->bkgts", q_seq, k_ctx, preferred_element_type=jnp.float32)
-    scores = scores * sm_scale  # [B, K, G, Tq, S]
+    scores = soft_cap_scores(scores * sm_scale, soft_cap)  # [B, K, G, Tq, S]
     q_pos = kv_lens[:, None] - q_lens[:, None] + j[None, :]  # [B, Tq]
     s = jnp.arange(max_kv_len)
-    visible = (s[None, None, :] <= q_pos[:, :, None]) & (s[None, None, :] < kv_lens[:, None, None])  # [B, Tq, S]
-    scores = jnp.where(visible[:, None, None], scores, DEFAULT_MASK_VALUE)
+    mask = visible(q_pos[:, :, None], s[None, None, :], kv_lens[:, None, None], sliding_window)  # [B, Tq, S]
+    scores = jnp.where(mask[:, None, None], scores, DEFAULT_MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     # Batch dims lead the output: XLA:CPU has no bf16 x bf16 -> f32 dot for the transposed "btkgh" output.
     out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, max_q_len, num_heads, head_dim)  # [B, Tq, N, H]
 
-    # Back to flat rows: row t belongs to sequence b with cu_q_lens[b] <= t < cu_q_lens[b+1].
-    t = jnp.arange(num_tokens)
-    row_seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, num_seqs - 1)  # [T]
-    row_j = t - cu_q_lens[row_seq]
-    row_valid = (t < cu_q_lens[-1]) & (row_j < max_q_len)
-    flat = out[row_seq, jnp.clip(row_j, 0, max_q_len - 1)]  # [T, N, H]
-    return jnp.where(row_valid[:, None, None], flat, 0).astype(q.dtype)
+    return rows_from_sequences(out, cu_q_lens, num_tokens).astype(q.dtype)

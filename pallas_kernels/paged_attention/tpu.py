@@ -1,0 +1,245 @@
+"""Ragged paged attention for TPU (Pallas Mosaic): decodes, prefill chunks and verification windows in one call.
+
+1. The wrapper regroups the flat queries per sequence and per kv head into `[B, K, Tq * G, H]` (row `t * G + g`
+   is query token t of head g of that kv head), so one program's query tile `[block_q * G, H]` is a plain block.
+2. Grid `(B, K, Tq / block_q, num_splits)`. Lengths, the flattened page table and the layer index arrive
+   through scalar prefetch (SMEM); the stacked KV cache stays in HBM (`pl.ANY`).
+3. Each program walks only the KV blocks its queries can see (causal end, sliding-window start, its split's
+   share), `block_kv` tokens = `block_kv / page_size` pages at a time. Page copies are manual DMAs, one per page
+   of its kv head (`[page_size, H]`, contiguous in the cache layout), double buffered: block j + 1 is in flight
+   while block j is computed.
+4. Online softmax over the blocks (FlashAttention, arXiv:2205.14135, algorithm 1; FlashAttention-2's deferred
+   normalisation, arXiv:2307.08691). With `num_splits > 1` each split writes its normalised partial output and
+   log-sum-exp, and the wrapper merges them (`pallas_kernels.ragged.combine_splits`, FlashDecoding).
+
+Head dim 64 (SmolLM2) lowers because no block has a last dim below the array's: the query/output tiles and the
+page buffers span the whole head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.block_sizes import BlockSizes, paged_block_sizes
+from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, combine_splits, queries_by_sequence,
+                                   rows_from_sequences, soft_cap_scores, visible)
+
+LANES = 128  # TPU vector lane width: the split kernel's log-sum-exp output is lane-replicated to this width
+
+
+def _paged_attention_kernel(
+    # scalar prefetch (SMEM)
+    kv_lens_ref,  # i32[B]
+    q_lens_ref,  # i32[B]
+    page_table_ref,  # i32[B * W], row-major [B, W]
+    layer_ref,  # i32[1]
+    # inputs
+    q_ref,  # [block_q * G, H] (VMEM)
+    k_hbm_ref,  # [L, P, K, page_size, H] (HBM)
+    v_hbm_ref,  # [L, P, K, page_size, H] (HBM)
+    # outputs
+    o_ref,  # [block_q * G, H] (VMEM)
+    *rest,  # lse_ref f32[block_q * G, LANES] when split, then scratch
+    group: int,
+    block_q: int,
+    page_size: int,
+    pages_per_block: int,
+    pages_per_seq: int,
+    num_splits: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    if num_splits > 1:
+        lse_ref, k_buf, v_buf, sems = rest
+    else:
+        lse_ref, (k_buf, v_buf, sems) = None, rest
+    # scratch: k_buf, v_buf [2, pages_per_block, page_size, H] (VMEM, double buffer); sems DMA[2, 2] (k/v, slot)
+    b, kv_head, q_block, split = (pl.program_id(i) for i in range(4))
+    block_kv = pages_per_block * page_size
+    rows, head_dim = q_ref.shape
+    kv_len, q_len, layer = kv_lens_ref[b], q_lens_ref[b], layer_ref[0]
+
+    # Positions: query token t of this sequence sits at kv_len - q_len + t.
+    first_t = q_block * block_q
+    last_t = jnp.minimum(first_t + block_q, q_len) - 1
+    context_start = kv_len - q_len
+    kv_end = jnp.minimum(kv_len, context_start + last_t + 1)  # exclusive; causal bound of the tile's last query
+    kv_begin = 0 if sliding_window is None else jnp.maximum(0, context_start + first_t - sliding_window + 1)
+    lo_all = kv_begin // block_kv
+    hi_all = jnp.where(first_t < q_len, (kv_end + block_kv - 1) // block_kv, lo_all)  # empty tile: no blocks
+    per_split = (hi_all - lo_all + num_splits - 1) // num_splits
+    lo = jnp.minimum(lo_all + split * per_split, hi_all)
+    hi = jnp.minimum(lo + per_split, hi_all)
+
+    def copies(j, slot):
+        out = []
+        for p in range(pages_per_block):
+            page = page_table_ref[b * pages_per_seq + j * pages_per_block + p]
+            for i, (src, dst) in enumerate(((k_hbm_ref, k_buf), (v_hbm_ref, v_buf))):
+                out.append(pltpu.make_async_copy(src.at[layer, page, kv_head], dst.at[slot, p], sems.at[i, slot]))
+        return out
+
+    @pl.when(lo < hi)
+    def _():
+        for c in copies(lo, 0):
+            c.start()
+
+    # Query token of each row, row // G, in f32 (exact: rows < 2**20) to keep integer division off the vector unit.
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0).astype(jnp.float32)
+    row_t = first_t + jnp.floor((row + 0.5) * (1.0 / group)).astype(jnp.int32)
+    q_pos = context_start + row_t
+    q = q_ref[...]
+
+    def body(j, carry):
+        m_prev, l_prev, acc_prev = carry
+        slot = (j - lo) % 2
+
+        @pl.when(j + 1 < hi)
+        def _():
+            for c in copies(j + 1, 1 - slot):
+                c.start()
+
+        for c in copies(j, slot):
+            c.wait()
+        k = k_buf[slot].reshape(block_kv, head_dim)  # [block_kv, H]
+        v = v_buf[slot].reshape(block_kv, head_dim)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = soft_cap_scores(s * sm_scale, soft_cap)  # [rows, block_kv]
+        kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+        s = jnp.where(visible(q_pos, kv_pos, kv_len, sliding_window), s, DEFAULT_MASK_VALUE)
+        m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 1]
+        p = jnp.exp(s - m)
+        alpha = jnp.exp(m_prev - m)
+        l = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return m, l, alpha * acc_prev + pv
+
+    init = (jnp.full((rows, 1), DEFAULT_MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    safe_l = jnp.where(l > 0, l, 1.0)
+    o_ref[...] = (acc / safe_l).astype(o_ref.dtype)
+    if lse_ref is not None:
+        lse = jnp.where(l > 0, m + jnp.log(safe_l), DEFAULT_MASK_VALUE)  # [rows, 1]
+        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap", "block_sizes",
+                                             "interpret"))
+def paged_attention_tpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    layer: jax.Array | int | None = None,
+    *,
+    max_q_len: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """Causal paged attention of a ragged batch on TPU; same contract as `paged_attention_reference`.
+
+    Args:
+      q: [T, N, H] flat queries (f32 or bf16); rows past `cu_q_lens[-1]` are padding.
+      k_pages, v_pages: [P, K, page_size, H] one layer's cache, or [L, P, K, page_size, H] with `layer`.
+      kv_lens: i32[B], cached + new tokens per sequence, in [0, max_pages_per_seq * page_size]; 0 = padding.
+      page_table: i32[B, max_pages_per_seq], entries in [0, P).
+      cu_q_lens: i32[B + 1], prefix sums of q_lens; `cu_q_lens[-1] <= T`.
+      layer: i32 scalar in [0, L) for a stacked cache, None for a single layer's.
+      max_q_len: static bound on q_len (1 for a pure decode batch).
+      sm_scale: softmax scale.
+      sliding_window, soft_cap: as in `paged_attention_reference`.
+      block_sizes: tiles; default from `pallas_kernels.block_sizes.paged_block_sizes("tpu", ...)`.
+      interpret: False on TPU; True (generic) or `pltpu.InterpretParams()` (TPU memory, DMA and race
+        simulation) to run on CPU.
+
+    Returns:
+      [T, N, H] in q's dtype; padding rows are 0.
+
+    Raises:
+      ValueError: on mismatched heads or head dims, a layer index that does not match the cache's rank, a
+        `block_kv` that is not a multiple of page_size, or bad sliding_window / soft_cap (at trace time).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    if (k_pages.ndim == 5) != (layer is not None):
+        raise ValueError(f"a stacked cache (ndim 5) needs a layer index and a single layer's (ndim 4) none; got "
+                         f"ndim {k_pages.ndim} and layer={layer}")
+    if k_pages.ndim == 4:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    _, _, num_kv_heads, page_size, kv_head_dim = k_pages.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
+    if head_dim != kv_head_dim:
+        raise ValueError(f"query head dim {head_dim} != cache head dim {kv_head_dim}")
+    check_window_and_cap(sliding_window, soft_cap)
+    num_seqs, pages_per_seq = page_table.shape
+    group = num_heads // num_kv_heads
+    bs = block_sizes or paged_block_sizes("tpu", max_q_len=max_q_len, page_size=page_size,
+                                          max_kv_len=pages_per_seq * page_size, num_seqs=num_seqs)
+    if bs.block_kv % page_size:
+        raise ValueError(f"block_kv={bs.block_kv} is not a multiple of {page_size=}")
+    pages_per_block = bs.block_kv // page_size
+    block_q = min(bs.block_q, max_q_len)
+    q_pad = -(-max_q_len // block_q) * block_q
+    num_q_blocks = q_pad // block_q
+
+    # Page table padded to whole KV blocks with the null page, flattened for SMEM (2-D SMEM pads to [8, 128]).
+    width = -(-pages_per_seq // pages_per_block) * pages_per_block
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - pages_per_seq))).reshape(-1)
+    q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).astype(jnp.int32)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    q_seq = queries_by_sequence(q, cu_q_lens, q_pad)  # [B, Tq, N, H]
+    q_seq = q_seq.reshape(num_seqs, q_pad, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_seq = q_seq.reshape(num_seqs, num_kv_heads, q_pad * group, head_dim)  # [B, K, Tq * G, H]
+    rows = block_q * group
+
+    split = bs.num_splits > 1
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, k, i, s, *_: (b, k, i, 0))
+    if split:
+        out_shape = (jax.ShapeDtypeStruct((bs.num_splits, num_seqs, num_kv_heads, q_pad * group, head_dim),
+                                          jnp.float32),
+                     jax.ShapeDtypeStruct((bs.num_splits, num_seqs, num_kv_heads, q_pad * group, LANES),
+                                          jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, None, rows, head_dim), lambda b, k, i, s, *_: (s, b, k, i, 0)),
+                     pl.BlockSpec((None, None, None, rows, LANES), lambda b, k, i, s, *_: (s, b, k, i, 0)))
+    else:
+        out_shape = jax.ShapeDtypeStruct(q_seq.shape, q.dtype)
+        out_specs = q_spec
+    kernel = functools.partial(
+        _paged_attention_kernel, group=group, block_q=block_q, page_size=page_size,
+        pages_per_block=pages_per_block, pages_per_seq=width, num_splits=bs.num_splits, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(num_seqs, num_kv_heads, num_q_blocks, bs.num_splits),
+        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
+                        pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2))],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4),
+        interpret=interpret,
+        name="paged_attention_tpu",
+    )(kv_lens.astype(jnp.int32), q_lens, table, layer_arr, q_seq, k_pages, v_pages)
+    if split:
+        out = combine_splits(out[0], out[1][..., 0])  # [B, K, Tq * G, H]
+    out = out.reshape(num_seqs, num_kv_heads, q_pad, group, head_dim).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(num_seqs, q_pad, num_heads, head_dim)
+    return rows_from_sequences(out, cu_q_lens, num_tokens).astype(q.dtype)

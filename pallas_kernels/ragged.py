@@ -1,0 +1,90 @@
+"""Ragged-batch plumbing shared by the attention kernels: flat query rows <-> per-sequence blocks, split combining.
+
+A ragged batch stores the new tokens of all sequences back to back: sequence b owns flat rows
+`cu_q_lens[b] : cu_q_lens[b + 1]`. Kernels tile queries per sequence instead, so their wrappers regroup the rows
+with `queries_by_sequence` (a gather, [T, N, H] -> [B, Tq, N, H], cheap next to the KV reads) and put results back
+with `rows_from_sequences`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite, so that fully masked rows never produce inf - inf = NaN (as jax's own attention kernels do).
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def queries_by_sequence(q: jax.Array, cu_q_lens: jax.Array, max_q_len: int) -> jax.Array:
+    """Regroups flat query rows per sequence.
+
+    Args:
+      q: [T, N, H] flat queries.
+      cu_q_lens: i32[B + 1], non-decreasing, `cu_q_lens[0] == 0`, `cu_q_lens[-1] <= T`.
+      max_q_len: static bound on every `q_len`.
+
+    Returns:
+      [B, max_q_len, N, H]: row j of sequence b is flat row `cu_q_lens[b] + j`; slots with j >= q_len are 0.
+    """
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
+    j = jnp.arange(max_q_len)
+    valid = j[None, :] < q_lens[:, None]  # [B, Tq]
+    rows = jnp.where(valid, cu_q_lens[:-1, None] + j[None, :], 0)  # [B, Tq]
+    return jnp.where(valid[:, :, None, None], jnp.take(q, rows, axis=0), 0)
+
+
+def rows_from_sequences(out: jax.Array, cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Inverse of `queries_by_sequence`: [B, Tq, N, H] -> [T, N, H]; rows past `cu_q_lens[-1]` are 0."""
+    num_seqs, max_q_len = out.shape[:2]
+    t = jnp.arange(num_tokens)
+    row_seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, num_seqs - 1)  # [T]
+    row_j = t - cu_q_lens[row_seq]
+    valid = (t < cu_q_lens[-1]) & (row_j < max_q_len)
+    flat = out[row_seq, jnp.clip(row_j, 0, max_q_len - 1)]  # [T, N, H]
+    return jnp.where(valid[:, None, None], flat, 0)
+
+
+def combine_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merges attention computed over disjoint KV ranges (FlashDecoding's reduction).
+
+    Each split s holds its own softmax-normalised output and log-sum-exp of its scores; the full softmax weighs
+    split s by exp(lse_s - logsumexp_s(lse_s)). Source: Dao et al., "Flash-Decoding for long-context inference"
+    (2023), and the log-sum-exp merge of FlashAttention-2 (arXiv:2307.08691, section 3.1).
+
+    Args:
+      out: f32[S, ..., H] per-split normalised outputs (0 where a split saw no key).
+      lse: f32[S, ...] per-split log-sum-exp of the scaled scores (very negative where a split saw no key).
+
+    Returns:
+      f32[..., H].
+    """
+    m = jnp.max(lse, axis=0, keepdims=True)
+    w = jnp.exp(lse - m)  # [S, ...]
+    total = jnp.sum(w, axis=0)
+    return jnp.sum(w[..., None] * out, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def visible(q_pos: jax.Array, kv_pos: jax.Array, kv_len: jax.Array, sliding_window: int | None) -> jax.Array:
+    """The attention mask rule every kernel and reference shares: causal, inside the context, inside the window.
+
+    Key position s is visible to a query at position p iff `s <= p`, `s < kv_len` and, with a sliding window W,
+    `p - s < W` (Mistral / Gemma 2 convention: a query sees itself and the W - 1 keys before it). Arguments
+    broadcast against each other.
+    """
+    ok = (kv_pos <= q_pos) & (kv_pos < kv_len)
+    if sliding_window is not None:
+        ok &= q_pos - kv_pos < sliding_window
+    return ok
+
+
+def soft_cap_scores(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Gemma 2 logit soft-capping, `cap * tanh(scores / cap)` (arXiv:2408.00118, section 2); identity for None."""
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def check_window_and_cap(sliding_window: int | None, soft_cap: float | None) -> None:
+    """Raises ValueError unless `sliding_window` is None or >= 1 and `soft_cap` is None or > 0."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{sliding_window=} must be None or >= 1")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{soft_cap=} must be None or > 0")
