@@ -14,6 +14,8 @@ setup(
         "models",
         "sharding",
         "pallas_kernels",
+        "pallas_kernels.flash_attention",
+        "pallas_kernels.paged_attention",
     ],
     install_requires=[
         "jax>=0.11.2",

@@ -53,6 +53,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="KV cache budget (default: 10%% of available memory on CPU)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     engine.add_argument("--warmup", action="store_true", help="compile every step shape before generating")
+    engine.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
+                        help="auto: Pallas kernels on TPU/GPU, jnp reference on CPU (default); pallas on CPU runs "
+                             "the TPU kernels in interpret mode (slow, for testing)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing) "
                           "instead of streaming text")
@@ -74,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
-              warmup=args.warmup)
+              warmup=args.warmup, attention_backend=args.attention_backend)
     logging.getLogger("jaxinfer").info("model ready in %.1f s; generating (the first step compiles)",
                                        time.perf_counter() - t0)
 

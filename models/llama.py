@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -19,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, RopeType
-from pallas_kernels.paged_attention import paged_attention_reference, write_kv
+from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
+from pallas_kernels.paged_attention import write_kv
 
 # Logical axis names: declared once per weight, mapped to mesh axes by `sharding/`.
 LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
@@ -182,6 +182,8 @@ class AttentionMetadata:
         point into the null page.
       logits_indices: i32[R], flat token rows whose logits are returned (usually each sequence's last token).
       max_q_len: static bound on any sequence's new-token count (1 for a decode-only batch).
+      fresh_prefill: static; True when no sequence has cached context (every kv_len equals its q_len), so
+        attention may run over the new tokens alone (flash attention) instead of reading them back from pages.
     """
 
     positions: jax.Array
@@ -191,6 +193,7 @@ class AttentionMetadata:
     kv_loc: jax.Array
     logits_indices: jax.Array
     max_q_len: int = flax.struct.field(pytree_node=False, default=1)
+    fresh_prefill: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -264,7 +267,7 @@ def forward(
     cfg: ModelConfig,
     *,
     scan_layers: bool = False,
-    attention_fn: Callable[..., jax.Array] = paged_attention_reference,
+    attention: AttentionOps = REFERENCE_OPS,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder on a ragged batch, writing new K/V into the paged cache.
 
@@ -276,12 +279,14 @@ def forward(
       cfg: static model config.
       scan_layers: `lax.scan` over layers (compile time flat in depth) instead of an unrolled Python loop; both
         update the stacked cache in place (timings in BENCHMARKS.md).
-      attention_fn: attention op with the signature of `paged_attention_reference`.
+      attention: attention functions (`pallas_kernels.dispatch.select_attention`); steps marked
+        `metadata.fresh_prefill` use `attention.flash` when there is one.
 
     Returns:
       (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).
     """
     inv_freq = rope_frequencies(cfg)
+    sm_scale = cfg.head_dim**-0.5
     with jax.named_scope("embed"):
         x = jnp.take(params.embed, tokens, axis=0)  # [T, D]
 
@@ -291,8 +296,11 @@ def forward(
         with jax.named_scope("attention"):
             q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
             k_all, v_all = write_kv(k_all, v_all, k, v, metadata.kv_loc, layer=i)
-            attn = attention_fn(q, k_all, v_all, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens, i,
-                                max_q_len=metadata.max_q_len, sm_scale=cfg.head_dim**-0.5)  # [T, N, H]
+            if metadata.fresh_prefill and attention.flash is not None:
+                attn = attention.flash(q, k, v, metadata.cu_q_lens, sm_scale=sm_scale)  # [T, N, H]
+            else:
+                attn = attention.paged(q, k_all, v_all, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
+                                       i, max_q_len=metadata.max_q_len, sm_scale=sm_scale)  # [T, N, H]
         return _attention_output_and_mlp(x, attn, w, cfg), k_all, v_all
 
     k_all, v_all = kv_cache.k, kv_cache.v

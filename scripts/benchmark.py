@@ -24,6 +24,8 @@ fixed or uniformly drawn input/output lengths, arriving all at once or as a Pois
 (end-to-end and decode-only output tokens/s, TTFT and TPOT percentiles, padding, host share, decode roofline
 against the bandwidth measured in the same run), and the first scenario also through HF transformers' batched
 `generate`. `--workload all` runs both. Sections 1-6 are `--workload micro` (the default).
+`--workload attention` times only one layer's reference paged attention decode step (the CPU baseline for the
+attention kernels; see `bench_attention`) and, with `--write`, replaces or appends only its own section.
 
 Results go to stdout as markdown and, with `--write BENCHMARKS.md`, into that file with the command, date, versions
 and machine. A run of one workload keeps the other workload's section of an existing file. Logs go to stderr. The
@@ -747,6 +749,96 @@ def render(r: dict) -> str:
     return "\n".join(out)
 
 
+# --- attention workload: the CPU baseline for the attention kernels ---------------------------------------------------
+
+ATTN_SECTION_BEGIN = "<!-- attention-baseline: begin -->"
+ATTN_SECTION_END = "<!-- attention-baseline: end -->"
+
+
+def bench_attention(dtypes: list[str], contexts: list[int], batches: list[int], reps: int,
+                    num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64) -> list[dict]:
+    """ms per jitted `paged_attention_reference` decode call (one layer, q_len 1) for each dtype x context x batch.
+
+    Every sequence has exactly `context` cached tokens on `context / PAGE_SIZE` pages handed out in shuffled order,
+    and the page table is exactly that wide (the engine pads it to a bucket of 8, 32, 128, 512 pages, so at
+    context 4096 it would compute over 8192 slots: this is the reference's best case). The cache is a single
+    layer's [P, K, page_size, H]. Median of `reps` calls after 3 warm-up calls.
+    """
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype in dtypes:
+        dt = DTYPES[dtype]
+        for context in contexts:
+            pages_per_seq = -(-context // PAGE_SIZE)
+            for batch in batches:
+                num_pages = 1 + batch * pages_per_seq
+                page_table = (1 + rng.permutation(batch * pages_per_seq)).reshape(batch, pages_per_seq)
+                page_table = jnp.asarray(page_table, jnp.int32)
+                kv_lens = jnp.full(batch, context, jnp.int32)
+                cu_q_lens = jnp.arange(batch + 1, dtype=jnp.int32)
+                shape = (num_pages, num_kv_heads, PAGE_SIZE, head_dim)
+                q = jnp.asarray(rng.standard_normal((batch, num_heads, head_dim)), dt)
+                k_pages = jnp.asarray(rng.standard_normal(shape, np.float32), dt)
+                v_pages = jnp.asarray(rng.standard_normal(shape, np.float32), dt)
+                fn = lambda: paged_attention_reference(  # noqa: E731
+                    q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q_len=1,
+                    sm_scale=head_dim**-0.5).block_until_ready()
+                ms = 1e3 * median(time_calls(fn, reps, warmup=3))
+                kv_bytes = 2 * batch * context * num_kv_heads * head_dim * jnp.dtype(dt).itemsize
+                row = {"dtype": dtype, "context": context, "batch": batch, "ms": ms, "kv_mb": kv_bytes / 1e6,
+                       "gb_s": kv_bytes / ms / 1e6}
+                logger.info("attention %s", row)
+                rows.append(row)
+                del q, k_pages, v_pages
+    return rows
+
+
+def render_attention(rows: list[dict], args: argparse.Namespace, command: str, date: str, elapsed_s: float,
+                     load: tuple[float, float]) -> str:
+    """The markdown section of `--workload attention`, between its begin/end markers."""
+    out = [ATTN_SECTION_BEGIN, "## Reference attention decode step on CPU (baseline for the kernels)\n"]
+    out.append(
+        "One layer's decode attention (`paged_attention_reference`, jitted, q_len 1 per sequence) with SmolLM2's "
+        f"heads (9 query / 3 KV heads, head dim 64), page size {PAGE_SIZE}, every sequence at the full context, "
+        "pages handed out in shuffled order, page table exactly as wide as the context (the engine pads it to a "
+        "bucket of 8, 32, 128, ... pages, which makes the reference compute more); single-layer cache "
+        f"[P, K, page_size, H]. Median of {args.attn_reps} calls after 3 warm-up calls, each blocked until ready. "
+        "GB/s = bytes of K and V the step must read / time. This is the CPU number the kernels are measured "
+        "against. The Pallas kernels run on CPU only in interpret mode, whose timings measure the interpreter "
+        "(about 0.15 ms per grid step in generic interpret mode), not the kernel: they are not a speed "
+        "comparison. Command:\n")
+    out.append(f"```\n{command}\n```\n")
+    out.append(f"- date: {date}; jax {jax.__version__}, backend {jax.default_backend()}; machine: nproc "
+               f"{os.cpu_count()}, CPU `{cpu_model()}`; run time {elapsed_s:.0f} s; 1-minute load average "
+               f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (2 cores: above 2, other jobs competed); a "
+               "shared, noisy VM: numbers move by 20% or more between runs\n")
+    out.append(table(["dtype", "batch", "context", "K+V read MB", "ms per call (median)", "GB/s of K+V"],
+                     [[r["dtype"], str(r["batch"]), str(r["context"]), f"{r['kv_mb']:.1f}", f"{r['ms']:.3f}",
+                       f"{r['gb_s']:.1f}"] for r in rows]) + "\n")
+    out.append(ATTN_SECTION_END)
+    return "\n".join(out)
+
+
+def run_attention(args: argparse.Namespace, command: str, date: str) -> None:
+    """`--workload attention`: times the reference decode attention, prints its section, splices it into --write."""
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    contexts = [int(c) for c in args.attn_contexts.split(",") if c]
+    batches = [int(b) for b in args.attn_batches.split(",") if b]
+    rows = bench_attention(dtypes, contexts, batches, args.attn_reps)
+    section = render_attention(rows, args, command, date, time.perf_counter() - t0, (load0, os.getloadavg()[0]))
+    sys.stdout.write(section + "\n")
+    if args.write is not None:
+        old = args.write.read_text() if args.write.is_file() else "# Benchmarks\n"
+        if ATTN_SECTION_BEGIN in old and ATTN_SECTION_END in old:
+            a, b = old.index(ATTN_SECTION_BEGIN), old.index(ATTN_SECTION_END) + len(ATTN_SECTION_END)
+            new = old[:a] + section + old[b:]
+        else:
+            new = old.rstrip("\n") + "\n\n" + section + "\n"
+        args.write.write_text(new)
+        logger.info("wrote %s", args.write)
+
+
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
@@ -793,8 +885,12 @@ def main() -> None:
     ap.add_argument("--peer-python", default=None,
                     help="Python with torch + transformers (e.g. .venv-golden/bin/python); omitted: no peer")
     ap.add_argument("--peer-timeout", type=int, default=600)
-    ap.add_argument("--workload", choices=("micro", "serving", "all"), default="micro",
-                    help="micro: sections 1-6; serving: the serving workload; all: both")
+    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention"), default="micro",
+                    help="micro: sections 1-6; serving: the serving workload; all: both; attention: the reference "
+                         "attention decode step alone (CPU baseline for the kernels)")
+    ap.add_argument("--attn-contexts", default="512,4096", help="--workload attention: contexts in tokens")
+    ap.add_argument("--attn-batches", default="1,32", help="--workload attention: batch sizes")
+    ap.add_argument("--attn-reps", type=int, default=30, help="--workload attention: timed calls per shape")
     ap.add_argument("--serving-scenarios", default=DEFAULT_SCENARIOS,
                     help="';'-separated name:n=N,in=LEN|LO-HI,out=LEN|LO-HI[,rate=REQ_PER_S|inf][,seed=S]; the "
                          "first is the headline, compared with the HF peer (needs fixed lengths and rate inf)")
@@ -830,6 +926,9 @@ def main() -> None:
                                       if Path(sys.executable).is_relative_to(REPO) else sys.executable,
                                       os.path.relpath(__file__, REPO)] + sys.argv[1:])}
 
+    if args.workload == "attention":
+        run_attention(args, r["command"], r["date"])
+        return
     r["bandwidth"] = measure_bandwidth(args.bw_gib, args.bw_reps)
     model_path = args.model or default_model_path()
     if micro:
@@ -857,6 +956,9 @@ def main() -> None:
         elif not serving and bench_serving.SECTION_BEGIN in old:  # keep the file's serving section
             a, b = old.index(bench_serving.SECTION_BEGIN), old.index(bench_serving.SECTION_END)
             report = bench_serving.splice(report, old[a: b + len(bench_serving.SECTION_END)])
+        if ATTN_SECTION_END in old and ATTN_SECTION_BEGIN not in report:  # keep the attention baseline section
+            a, b = old.index(ATTN_SECTION_BEGIN), old.index(ATTN_SECTION_END) + len(ATTN_SECTION_END)
+            report = report.rstrip("\n") + "\n\n" + old[a:b] + "\n"
         args.write.write_text(report)
         logger.info("wrote %s", args.write)
 

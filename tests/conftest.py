@@ -29,3 +29,16 @@ def smollm2_llm():
     from jaxinfer import LLM
 
     return LLM(dtype="float32", kv_cache_memory_bytes=96 << 20, max_num_seqs=8, warmup=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `accelerator` need a GPU or TPU: skipped on CPU (scripts/gpu_check.sh runs them on a GPU)."""
+    if not any(item.get_closest_marker("accelerator") for item in items):
+        return
+    import jax
+
+    if jax.default_backend() == "cpu":
+        skip = pytest.mark.skip(reason="needs a GPU or TPU (jax.default_backend() is cpu)")
+        for item in items:
+            if item.get_closest_marker("accelerator"):
+                item.add_marker(skip)

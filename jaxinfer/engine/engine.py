@@ -38,6 +38,7 @@ from jaxinfer.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerCon
 from jaxinfer.scheduler.sequence import Sequence as Seq
 from jaxinfer.tokenizer import IncrementalDetokenizer
 from models.llama import KVCache
+from pallas_kernels.dispatch import AttentionBackend, select_attention
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class EngineConfig:
       seed: seeds the per-request seeds drawn for requests that give none.
       warmup: compile the decode and single-prefill shape buckets at start-up (progress bar on stderr), so no
         request waits for a compile; tests and one-shot scripts turn it off.
+      attention_backend: "auto" (Pallas kernels on TPU and GPU, the `jnp` reference on CPU), "reference", or
+        "pallas" (on CPU: the TPU kernels in interpret mode, for testing; slow). See `pallas_kernels.dispatch`.
     """
 
     model: str | None = None
@@ -75,6 +78,7 @@ class EngineConfig:
     scan_layers: bool = True
     seed: int = 0
     warmup: bool = True
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -83,6 +87,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        choices = [b.value for b in AttentionBackend]
+        if self.attention_backend not in choices:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {', '.join(choices)}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be positive")
 
@@ -156,6 +163,7 @@ class Engine:
         self.page_size = config.page_size
         self.runner = ModelRunner(cfg, weights, num_pages=num_pages, page_size=config.page_size,
                                   kv_dtype=self.dtype, scan_layers=config.scan_layers,
+                                  attention=select_attention(config.attention_backend),
                                   vocab_limit=min(cfg.vocab_size, self.tokenizer.vocab_size),
                                   max_pages_per_seq=-(-self.max_model_len // config.page_size))
         self.page_allocator = PageAllocator(num_pages)

@@ -24,7 +24,7 @@ import numpy as np
 from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow, sample
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward
-from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +110,10 @@ def _step(
     *,
     cfg: ModelConfig,
     scan_layers: bool,
-    attention_fn: Callable[..., jax.Array],
+    attention: AttentionOps,
 ) -> tuple[SampleOutput, jax.Array, KVCache]:
     logits, kv_cache = forward(weights, tokens, metadata, kv_cache, cfg, scan_layers=scan_layers,
-                               attention_fn=attention_fn)
+                               attention=attention)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     return sample(logits, sampling), finite, kv_cache
 
@@ -132,7 +132,8 @@ class ModelRunner:
       page_size: tokens per page.
       kv_dtype: cache dtype.
       scan_layers: scan over layers instead of unrolling them (see `models.llama.forward`).
-      attention_fn: attention op (signature of `paged_attention_reference`).
+      attention: attention functions (`pallas_kernels.dispatch.select_attention`); with a flash kernel,
+        prefill steps of fresh prompts only (no cached context) compile as their own shape bucket.
       vocab_limit: ids at or above it are never sampled (a model's embedding table may be padded past the
         tokenizer's vocabulary); default: the model's vocabulary size.
       max_pages_per_seq: widest page table (context limit / page size); default from the model's context.
@@ -147,7 +148,7 @@ class ModelRunner:
         page_size: int,
         kv_dtype: jnp.dtype,
         scan_layers: bool = False,
-        attention_fn: Callable[..., jax.Array] = paged_attention_reference,
+        attention: AttentionOps = REFERENCE_OPS,
         vocab_limit: int | None = None,
         max_pages_per_seq: int | None = None,
     ) -> None:
@@ -160,14 +161,15 @@ class ModelRunner:
         self.num_pages = num_pages
         self.max_pages_per_seq = max_pages_per_seq or -(-cfg.max_position_embeddings // page_size)
         self.kv_cache = KVCache.zeros(cfg, num_pages, page_size, kv_dtype)
+        self.attention = attention
         self._step = jax.jit(
-            functools.partial(_step, cfg=cfg, scan_layers=scan_layers, attention_fn=attention_fn),
+            functools.partial(_step, cfg=cfg, scan_layers=scan_layers, attention=attention),
             donate_argnames=("kv_cache",),
         )
         self._clear_pages = jax.jit(_clear_pages, donate_argnums=0)
         self._compiled: dict[tuple, Callable] = {}  # ahead-of-time compiled steps by `_shape_key`
         self._forward_all = jax.jit(
-            functools.partial(forward, cfg=cfg, scan_layers=scan_layers, attention_fn=attention_fn),
+            functools.partial(forward, cfg=cfg, scan_layers=scan_layers, attention=attention),
             donate_argnames=("kv_cache",),
         )
 
@@ -192,6 +194,9 @@ class ModelRunner:
                 raise ValueError(f"sequence needs {n} pages for {c.num_computed_tokens + len(c.token_ids)} tokens "
                                  f"but has {len(c.page_ids)}")
         p_pad = page_bucket(max(pages_needed), self.max_pages_per_seq)
+        # Fresh prompts take the flash kernel when the backend has one; otherwise the flag stays off so that the
+        # shape keys (and compiled steps) are the same as without it.
+        fresh = self.attention.flash is not None and max_q > 1 and all(c.num_computed_tokens == 0 for c in chunks)
 
         tokens = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
@@ -215,7 +220,7 @@ class ModelRunner:
             logits_indices[: len(chunks)] = cu_q_lens[1 : len(chunks) + 1] - 1
         metadata = AttentionMetadata(positions=positions, cu_q_lens=cu_q_lens, kv_lens=kv_lens_arr,
                                      page_table=page_table, kv_loc=kv_loc, logits_indices=logits_indices,
-                                     max_q_len=max_q_pad)
+                                     max_q_len=max_q_pad, fresh_prefill=fresh)
         return tokens, metadata, r_pad
 
     def execute(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow]) -> StepResult:
@@ -259,7 +264,8 @@ class ModelRunner:
         """Compiles the step for every decode and single-sequence prefill shape bucket; returns seconds taken.
 
         Decode buckets: batch 1, 2, 4, ... up to max_num_seqs, times every page-table width. Prefill buckets: one
-        sequence with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table width. Each shape
+        sequence with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table width, and, when
+        the attention backend has a flash kernel, the same token counts as a fresh prompt's first chunk. Each shape
         is compiled ahead of time (`lower().compile()`, nothing runs) and kept, so `execute` calls the compiled
         step directly. Other shapes (several prefill chunks at once, long suppress lists, penalties) compile on
         first use. With the persistent compilation cache a restart loads them from disk.
@@ -282,13 +288,18 @@ class ModelRunner:
         greedy = SamplingRow(SamplingParams(temperature=0), seed=0)
         shapes = [("decode", b, p) for p in widths for b in batches] + \
                  [("prefill", t, p) for p in widths for t in tokens if t <= p * self.page_size]
+        if self.attention.flash is not None:  # a fresh prompt's first chunk is its own bucket
+            shapes += [("fresh", t, page_bucket(-(-t // self.page_size), self.max_pages_per_seq))
+                       for t in tokens if t <= self.max_pages_per_seq * self.page_size]
         t0 = time.perf_counter()
         for kind, n, p in tqdm(shapes, desc="compiling step shapes", unit="shape", leave=False):
             context = p * self.page_size
             if kind == "decode":
                 chunks = [SequenceChunk([0], context - 1, [NULL_PAGE] * p)] * n
-            else:
+            elif kind == "prefill":
                 chunks = [SequenceChunk([0] * n, context - n, [NULL_PAGE] * p)]
+            else:
+                chunks = [SequenceChunk([0] * n, 0, [NULL_PAGE] * p)]
             tokens, metadata, rows_pad = self._prepare(chunks, all_rows=False)
             sampling = SamplingArrays.build([greedy] * len(chunks), rows_pad, self.cfg.vocab_size, self.vocab_limit)
             args = (self.weights, tokens, metadata, self.kv_cache, sampling)

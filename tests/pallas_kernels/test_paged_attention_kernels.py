@@ -1,0 +1,240 @@
+"""The paged attention kernels (TPU Mosaic, GPU Triton) against `paged_attention_reference`, in interpret mode on CPU.
+
+The reference is itself checked against hand-computed cases and a numpy dense attention in
+`test_paged_attention.py`. Here each kernel runs in generic interpret mode (`interpret=True`) over a fixed, sparse
+sample of the shape grid (dtype x page_size x q/kv head ratio x head dim x block sizes x lengths 1,
+page_size - 1, page_size, page_size + 1 and long, with shuffled page tables and mixed decodes and prefills in one
+batch); the TPU kernel also runs once under `pltpu.InterpretParams` (TPU memory, DMA and race simulation, ~3 ms
+per grid step, so tiny). Lowering for real TPU / GPU targets on CPU checks what interpret mode does not: Mosaic's
+block-shape rules and Triton's power-of-two tiles, at a 32k context.
+
+Tolerances: f32 1e-5 (both sides accumulate in f32; only summation order differs). bf16 3e-2 absolute / 2e-2
+relative: inputs are the same bf16 values on both sides, but the kernels round the probabilities of each KV block
+to bf16 before the PV product while the reference rounds the globally normalised ones; |v| ~ 1, bf16 keeps 8
+significant bits (2^-9 relative per rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels.block_sizes import BlockSizes, paged_block_sizes
+from pallas_kernels.paged_attention import paged_attention_gpu, paged_attention_reference, paged_attention_tpu
+
+KERNELS = {"tpu": paged_attention_tpu, "gpu": paged_attention_gpu}
+TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2e-2, atol=3e-2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One sampled point of the grid. seqs: (q_len, cached context) per sequence."""
+
+    seqs: tuple[tuple[int, int], ...]
+    page_size: int = 16
+    group: int = 1
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    block_sizes: BlockSizes | None = None
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    num_layers: int = 1  # > 1: a stacked cache read at layer num_layers - 1
+
+
+def build(case: Case, seed: int = 0):
+    """Random ragged batch: per-sequence K/V scattered into shuffled pages of a garbage-filled cache."""
+    rng = np.random.default_rng(seed)
+    ps, kh, hd = case.page_size, case.num_kv_heads, case.head_dim
+    kv_lens = [q + c for q, c in case.seqs]
+    pages_per_seq = max(-(-n // ps) for n in kv_lens) + 1  # one spare column of null pages
+    num_pages = 1 + sum(-(-n // ps) for n in kv_lens) + 2
+    shape = (case.num_layers, num_pages, kh, ps, hd)
+    # Unused slots hold large finite garbage: a leak through the mask changes the result visibly.
+    k_pages = rng.normal(0, 20, shape).astype(np.float32)
+    v_pages = rng.normal(0, 20, shape).astype(np.float32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    b_pad = len(case.seqs) + 1  # a trailing padding sequence
+    page_table = np.zeros((b_pad, pages_per_seq), np.int32)
+    for b, n in enumerate(kv_lens):
+        page_table[b, : -(-n // ps)] = [free.pop() for _ in range(-(-n // ps))]
+        for pos in range(n):
+            for arr in (k_pages, v_pages):
+                arr[-1, page_table[b, pos // ps], :, pos % ps] = rng.normal(size=(kh, hd))
+    q_lens = [q for q, _ in case.seqs]
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)]]).astype(np.int32)
+    q = rng.normal(size=(sum(q_lens) + 3, kh * case.group, hd)).astype(np.float32)  # 3 padding rows
+    dtype = ml_dtypes.bfloat16 if case.dtype == "bfloat16" else np.float32
+    layer = case.num_layers - 1 if case.num_layers > 1 else None
+    if layer is None:
+        k_pages, v_pages = k_pages[0], v_pages[0]
+    args = (jnp.asarray(q.astype(dtype)), jnp.asarray(k_pages.astype(dtype)), jnp.asarray(v_pages.astype(dtype)),
+            jnp.asarray(np.concatenate([kv_lens, [0]]), jnp.int32), jnp.asarray(page_table),
+            jnp.asarray(cu_q_lens), layer)
+    kw = dict(max_q_len=max(8, int(2 ** np.ceil(np.log2(max(q_lens))))) if max(q_lens) > 1 else 1,
+              sm_scale=hd**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    return args, kw, int(cu_q_lens[-1])
+
+
+# Lengths around a page: 1, page_size - 1, page_size, page_size + 1, and long; decode (q_len 1) and prefill
+# chunks with and without cached context share batches.
+CASES = [
+    Case(seqs=((1, 0), (1, 15), (1, 16), (1, 40)), group=1),  # pure decode, contexts 1, ps, ps + 1, long
+    Case(seqs=((1, 33), (5, 0), (15, 2), (17, 16)), group=3, block_sizes=BlockSizes(8, 32)),  # SmolLM2 heads
+    Case(seqs=((16, 0), (1, 70), (3, 13)), group=4, page_size=32, head_dim=128, block_sizes=BlockSizes(8, 64)),
+    Case(seqs=((1, 0), (9, 7)), group=8, num_kv_heads=1, dtype="bfloat16", block_sizes=BlockSizes(16, 16)),
+    Case(seqs=((1, 95), (1, 17)), group=2, dtype="bfloat16", block_sizes=BlockSizes(1, 32, 3)),  # split-K
+    Case(seqs=((1, 120), (6, 30)), group=3, block_sizes=BlockSizes(4, 16, 2), num_layers=3),  # stacked, split
+    Case(seqs=((1, 60), (12, 20)), group=2, sliding_window=20, block_sizes=BlockSizes(8, 16)),  # skips blocks
+    Case(seqs=((1, 50), (7, 9)), group=1, soft_cap=5.0, sliding_window=9, dtype="bfloat16"),  # Gemma 2 style
+    Case(seqs=((2, 250),), group=2, page_size=256, head_dim=256, block_sizes=BlockSizes(8, 256)),
+]
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS))
+@pytest.mark.parametrize("seed", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
+def test_kernel_matches_reference(backend, seed):
+    case = CASES[seed]
+    args, kw, num_tokens = build(case, seed=seed)
+    expected = np.asarray(paged_attention_reference(*args, **kw).astype(jnp.float32))
+    out = KERNELS[backend](*args, **kw, block_sizes=case.block_sizes, interpret=True)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_allclose(out, expected, **TOLERANCE[case.dtype])
+    np.testing.assert_array_equal(out[num_tokens:], 0.0)  # padding rows
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS))
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+def test_split_k_matches_unsplit_kernel(backend, num_splits):
+    # FlashDecoding: splitting a long context over programs and merging by log-sum-exp changes only rounding.
+    case = Case(seqs=((1, 150), (1, 47), (1, 0)), group=2)
+    args, kw, _ = build(case, seed=num_splits)
+    whole = KERNELS[backend](*args, **kw, block_sizes=BlockSizes(1, 16, 1), interpret=True)
+    split = KERNELS[backend](*args, **kw, block_sizes=BlockSizes(1, 16, num_splits), interpret=True)
+    np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+def test_tpu_kernel_under_tpu_interpret_mode():
+    # Simulates TPU memory spaces and DMAs, and fails on data races between the double-buffered page copies.
+    case = Case(seqs=((1, 20), (3, 5)), group=3, num_kv_heads=1, page_size=8, head_dim=64,
+                block_sizes=BlockSizes(4, 16, 2))
+    args, kw, _ = build(case, seed=5)
+    expected = np.asarray(paged_attention_reference(*args, **kw))
+    out = paged_attention_tpu(*args, **kw, block_sizes=case.block_sizes,
+                              interpret=pltpu.InterpretParams(detect_races=True))
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_block_kv_and_heads_raise():
+    args, kw, _ = build(Case(seqs=((1, 3),), group=2))
+    with pytest.raises(ValueError, match="block_kv"):
+        paged_attention_tpu(*args, **kw, block_sizes=BlockSizes(1, 24), interpret=True)
+    q = args[0][:, :3]  # 3 query heads over 2 kv heads
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention_tpu(q, *args[1:], **kw, interpret=True)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_tpu(*args, **{**kw, "sliding_window": 0}, interpret=True)
+
+
+# --- lowering for real targets (no hardware: an abstract device) ---------------------------------------------------
+
+TPU = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+GPU = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+
+
+def _abstract_args(num_seqs, max_q_len, num_heads, num_kv_heads, head_dim, page_size, context, dtype):
+    s = jax.ShapeDtypeStruct
+    pages = num_seqs * (context // page_size) + 1
+    cache = s((2, pages, num_kv_heads, page_size, head_dim), dtype)
+    return (s((num_seqs * max_q_len, num_heads, head_dim), dtype), cache, cache, s((num_seqs,), jnp.int32),
+            s((num_seqs, context // page_size), jnp.int32), s((num_seqs + 1,), jnp.int32), s((), jnp.int32))
+
+
+def _lower(kernel, device: AbstractDevice, platform: str, args, **kw) -> str:
+    mesh = AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(functools.partial(kernel, **kw)).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+# (num_seqs, max_q_len, N, K, H, page_size, dtype, sliding_window, soft_cap): SmolLM2 decode and prefill at head
+# dim 64 (where jax's own TPU paged attention does not lower), Llama-3-8B heads, and head dim 256 with Gemma 2's
+# window and soft cap; all at a 32k-token page table.
+LOWERING = [
+    (8, 1, 9, 3, 64, 16, jnp.bfloat16, None, None),
+    (2, 64, 9, 3, 64, 16, jnp.bfloat16, None, None),
+    (1, 1, 32, 8, 128, 64, jnp.bfloat16, None, None),
+    (64, 1, 32, 8, 128, 64, jnp.float32, None, None),
+    (2, 128, 16, 8, 256, 128, jnp.bfloat16, 4096, 50.0),
+]
+
+
+@pytest.mark.parametrize("shape", LOWERING, ids=[f"lower{i}" for i in range(len(LOWERING))])
+def test_tpu_kernel_lowers_for_tpu_at_32k_context(shape):
+    b, tq, n, k, h, ps, dtype, window, cap = shape
+    args = _abstract_args(b, tq, n, k, h, ps, 32768, dtype)
+    text = _lower(paged_attention_tpu, TPU, "tpu", args, max_q_len=tq, sm_scale=0.1, sliding_window=window,
+                  soft_cap=cap)
+    assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("shape", LOWERING, ids=[f"lower{i}" for i in range(len(LOWERING))])
+def test_gpu_kernel_lowers_for_gpu_at_32k_context(shape):
+    b, tq, n, k, h, ps, dtype, window, cap = shape
+    args = _abstract_args(b, tq, n, k, h, ps, 32768, dtype)
+    text = _lower(paged_attention_gpu, GPU, "cuda", args, max_q_len=tq, sm_scale=0.1, sliding_window=window,
+                  soft_cap=cap)
+    assert "__gpu$xla.gpu.triton" in text  # the Triton custom call
+
+
+def test_tpu_lowering_rejects_a_tile_that_breaks_mosaic_rules():
+    # 3 query tokens x 3 heads = 9 rows per tile: neither a multiple of 8 nor the whole (18-row) array. Interpret
+    # mode runs it; lowering must refuse it, which is what makes the lowering tests above able to fail.
+    args = _abstract_args(2, 6, 9, 3, 64, 16, 1024, jnp.float32)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        _lower(paged_attention_tpu, TPU, "tpu", args, max_q_len=6, sm_scale=0.1, block_sizes=BlockSizes(3, 64))
+
+
+def _kernel_refs(kernel, args, **kw):
+    """Avals of the refs one program sees (blocks and scratch), found in the pallas_call of the traced kernel."""
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                return eqn
+            for param in eqn.params.values():
+                sub = getattr(param, "jaxpr", param)  # ClosedJaxpr -> Jaxpr
+                if hasattr(sub, "eqns") and (found := find(sub)) is not None:
+                    return found
+        return None
+
+    eqn = find(jax.make_jaxpr(functools.partial(kernel, **kw))(*args).jaxpr)
+    assert eqn is not None
+    return [v.aval for v in eqn.params["jaxpr"].invars]
+
+
+def test_tpu_kernel_tiles_do_not_grow_with_context():
+    # No kernel is one big block in disguise: a program's VMEM refs (query/output tiles, double-buffered page
+    # buffers) are the same at a 1k and a 32k context, and one buffer slot holds block_kv tokens.
+    kw = dict(max_q_len=1, sm_scale=0.1)
+    small = _abstract_args(4, 1, 9, 3, 64, 16, 1024, jnp.bfloat16)
+    large = _abstract_args(4, 1, 9, 3, 64, 16, 32768, jnp.bfloat16)
+
+    def local(refs):
+        return [(r.shape, r.dtype) for r in refs if str(r.memory_space) not in ("any", "smem", "semaphore_mem")]
+
+    refs_small, refs_large = _kernel_refs(paged_attention_tpu, small, **kw), _kernel_refs(paged_attention_tpu, large,
+                                                                                          **kw)
+    bs = paged_block_sizes("tpu", max_q_len=1, page_size=16, max_kv_len=1024, num_seqs=4)
+    kv_buffers = [shape for shape, _ in local(refs_small) if len(shape) == 4]
+    assert kv_buffers and all(shape[1] * shape[2] == bs.block_kv for shape in kv_buffers)
+    # The split variant at 32k adds f32 partial outputs, but never a context-sized buffer.
+    assert all(np.prod(shape) <= 2 * bs.block_kv * 64 for shape, _ in local(refs_large))
+    assert [s for s in local(refs_large) if len(s[0]) == 4] == [s for s in local(refs_small) if len(s[0]) == 4]
