@@ -500,9 +500,11 @@ def section_timing(report: Report, sizes: Sizes, args: argparse.Namespace, budge
 
     report.add(lines, "\nPrefill of fresh prompts (flash kernel), causal: TFLOP/s = 4 * (T^2 / 2) * N * H per "
                       "sequence / time; `dpa` = `jax.nn.dot_product_attention(is_causal=True)` on [B, T, N, H].\n")
+    report.add(lines, "`paged ms`: the same prompts through the ragged paged kernel (K/V read back from pages, "
+                      "as if prefilled in one chunk): whether one kernel could serve both uses.\n")
     report.add(lines, "| sequences x tokens | kernel ms | kernel TFLOP/s | dpa (impl) ms | dpa TFLOP/s "
-                      "| kernel speed-up |")
-    report.add(lines, "|---|---|---|---|---|---|")
+                      "| kernel speed-up | paged ms | flash speed-up over paged |")
+    report.add(lines, "|---|---|---|---|---|---|---|---|")
     for i, (seqs, length) in enumerate(sizes.time_prefill):
         if budget.left() <= 0:
             report.add(lines, f"| {seqs} x {length} | skipped: section budget spent |||||")
@@ -529,6 +531,14 @@ def section_timing(report: Report, sizes: Sizes, args: argparse.Namespace, budge
             except Exception as e:  # noqa: BLE001
                 cells = [f"failed: {first_line(e)[:100]}" + ("" if fits else " (XLA not tried: scores too big)"),
                          "", ""]
+            try:
+                pc = flash_as_paged(q, kk, vv, [length] * seqs, sizes, _next_pow2(length))
+                t_paged = time_call(lambda: paged_attention_gpu(
+                    pc.q, pc.k_pages, pc.v_pages, pc.kv_lens, pc.page_table, pc.cu_q_lens, max_q_len=pc.max_q_len,
+                    sm_scale=sm_scale, interpret=args.interpret), sizes.min_time_s)
+                cells += [num(t_paged * 1e3), f"{t_paged / t_kernel:.2f}x"]
+            except Exception as e:  # noqa: BLE001
+                cells += [f"failed: {first_line(e)[:100]}", ""]
             report.add(lines, f"| {seqs} x {length} | {num(t_kernel * 1e3)} | {num(flops / t_kernel / 1e12)} | "
                               + " | ".join(cells) + " |")
 
