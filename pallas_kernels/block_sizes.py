@@ -57,7 +57,9 @@ _TABLE: tuple[_Rule, ...] = (
     _Rule("gpu", "decode", 8192, 8, block_q=1, block_kv=64, num_splits=16),
     _Rule("gpu", "decode", 2048, 4, block_q=1, block_kv=64, num_splits=4),
     _Rule("gpu", "decode", 0, 1 << 30, block_q=1, block_kv=64, num_splits=1),
-    _Rule("gpu", "prefill", 0, 1 << 30, block_q=64, block_kv=64, num_splits=1),
+    # GPU query tiles stay small: the f32 accumulator (block_q x G_pad x H) lives in registers; 16 tokens x 4
+    # heads x 128 dims x 4 bytes = 32 KiB per program.
+    _Rule("gpu", "prefill", 0, 1 << 30, block_q=16, block_kv=64, num_splits=1),
 )
 
 

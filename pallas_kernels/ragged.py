@@ -88,3 +88,37 @@ def check_window_and_cap(sliding_window: int | None, soft_cap: float | None) -> 
         raise ValueError(f"{sliding_window=} must be None or >= 1")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"{soft_cap=} must be None or > 0")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1): Triton tile sizes must be powers of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def kv_block_range(*, first_t: jax.Array, block_q: int, q_len: jax.Array, kv_len: jax.Array, block_kv: int,
+                   split: jax.Array, num_splits: int,
+                   sliding_window: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The KV blocks `[lo, hi)` that one paged-attention program must visit (scalar math, inside a kernel).
+
+    The program holds query tokens `first_t : first_t + block_q` of a sequence with `q_len` new tokens and
+    `kv_len` tokens in all; token t sits at position `kv_len - q_len + t`. Blocks past the causal end of its last
+    valid token, before the sliding window of its first, and those of other splits (split `split` of
+    `num_splits` takes an equal contiguous share) are skipped; a tile with no valid token gets an empty range.
+    All operands are non-negative, so truncating `lax.div` is floor division.
+
+    Returns:
+      (lo, hi, context_start) as i32 scalars; context_start = kv_len - q_len.
+    """
+    context_start = kv_len - q_len
+    last_t = jnp.minimum(first_t + block_q, q_len) - 1
+    kv_end = jnp.minimum(kv_len, context_start + last_t + 1)  # exclusive; causal bound of the tile's last query
+    kv_begin = 0 if sliding_window is None else jnp.maximum(0, context_start + first_t - sliding_window + 1)
+    lo_all = jax.lax.div(kv_begin, block_kv)
+    hi_all = jnp.where(first_t < q_len, jax.lax.div(jnp.maximum(kv_end, 0) + block_kv - 1, block_kv), lo_all)
+    per_split = jax.lax.div(hi_all - lo_all + num_splits - 1, num_splits)
+    lo = jnp.minimum(lo_all + split * per_split, hi_all)
+    return lo, jnp.minimum(lo + per_split, hi_all), context_start

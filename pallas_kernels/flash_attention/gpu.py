@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.block_sizes import BlockSizes, flash_block_sizes
 from pallas_kernels.flash_attention.reference import check_heads, query_block_schedule
-from pallas_kernels.ragged import DEFAULT_MASK_VALUE, check_window_and_cap, soft_cap_scores, visible
+from pallas_kernels.ragged import DEFAULT_MASK_VALUE, check_window_and_cap, is_pow2, next_pow2, soft_cap_scores, visible
 
 MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
 
@@ -104,33 +104,26 @@ def _flash_attention_kernel(
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
 
 def gpu_tiles(num_tokens: int, group: int, block_sizes: BlockSizes | None, interpret: bool) -> tuple[int, int, int]:
     """(block_q, block_kv, G_pad) the GPU kernel runs with.
 
-    The default takes `flash_block_sizes("gpu", ...)`'s block_q as query *rows* (tokens x G_pad heads): the f32
-    accumulator of a tile lives in registers, and 64 tokens x 8 heads x 128 dims x 4 bytes = 256 KiB would be a
-    whole SM's register file. Both tiles become powers of two; block_q is raised until a tile has >= 16 rows.
+    The default comes from `flash_block_sizes("gpu", ...)` (in tokens; the table keeps GPU query tiles small
+    because a tile's f32 accumulator, block_q x G_pad x H, lives in registers). Both tiles become powers of two;
+    block_q is raised until a tile has >= 16 rows.
 
     Raises:
       ValueError: if an explicit block_q or block_kv is not a power of two, or block_kv < 16 when not
         interpreting.
     """
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     if block_sizes is None:
         bs = flash_block_sizes("gpu", num_tokens=num_tokens)
-        block_q = max(1, _next_pow2(bs.block_q) // group_pad)
-        block_kv = max(MIN_DOT_DIM, _next_pow2(bs.block_kv))
+        block_q = next_pow2(bs.block_q)
+        block_kv = max(MIN_DOT_DIM, next_pow2(bs.block_kv))
     else:
         block_q, block_kv = block_sizes.block_q, block_sizes.block_kv
-        if not (_is_pow2(block_q) and _is_pow2(block_kv)):
+        if not (is_pow2(block_q) and is_pow2(block_kv)):
             raise ValueError(f"{block_q=} and {block_kv=} must be powers of two (Triton tile sizes)")
         if not interpret and block_kv < MIN_DOT_DIM:
             raise ValueError(f"{block_kv=} must be >= {MIN_DOT_DIM} for tl.dot")
@@ -174,7 +167,7 @@ def flash_attention_gpu(
     num_tokens, num_heads, head_dim = q.shape
     group = check_heads(q, k, v)
     check_window_and_cap(sliding_window, soft_cap)
-    if not _is_pow2(head_dim):
+    if not is_pow2(head_dim):
         raise ValueError(f"{head_dim=} must be a power of two (Triton tile sizes)")
     num_kv_heads = num_heads // group
     block_q, block_kv, group_pad = gpu_tiles(num_tokens, group, block_sizes, bool(interpret))

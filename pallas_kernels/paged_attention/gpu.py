@@ -36,8 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.block_sizes import BlockSizes, paged_block_sizes
-from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, combine_splits, queries_by_sequence,
-                                   rows_from_sequences, soft_cap_scores, visible)
+from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, combine_splits, is_pow2, next_pow2,
+                                   queries_by_sequence, rows_from_sequences, soft_cap_scores, visible)
 
 MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
 
@@ -114,13 +114,6 @@ def _paged_attention_kernel(
         lse_refs[0][...] = lse.reshape(rows)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap", "block_sizes",
                                              "interpret"))
@@ -178,7 +171,7 @@ def paged_attention_gpu(
         raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
     if head_dim != kv_head_dim:
         raise ValueError(f"query head dim {head_dim} != cache head dim {kv_head_dim}")
-    if not (_is_pow2(page_size) and _is_pow2(head_dim)):
+    if not (is_pow2(page_size) and is_pow2(head_dim)):
         raise ValueError(f"{page_size=} and {head_dim=} must be powers of two (Triton tile sizes)")
     check_window_and_cap(sliding_window, soft_cap)
     num_seqs, pages_per_seq = page_table.shape
@@ -188,19 +181,19 @@ def paged_attention_gpu(
                                max_kv_len=pages_per_seq * page_size, num_seqs=num_seqs)
         # The table clamps to the call's shape (block_q 3, 3 pages); Triton tiles need powers of two.
         pages = 1 << ((bs.block_kv // page_size).bit_length() - 1)
-        bs = BlockSizes(_next_pow2(bs.block_q), pages * page_size, bs.num_splits)
+        bs = BlockSizes(next_pow2(bs.block_q), pages * page_size, bs.num_splits)
     else:
         bs = block_sizes
-    if bs.block_kv % page_size or not _is_pow2(bs.block_kv) or not _is_pow2(bs.block_q):
+    if bs.block_kv % page_size or not is_pow2(bs.block_kv) or not is_pow2(bs.block_q):
         raise ValueError(f"block_kv={bs.block_kv} must be a power of two and a multiple of {page_size=}, and "
                          f"block_q={bs.block_q} a power of two")
     if not interpret and min(head_dim, bs.block_kv) < MIN_DOT_DIM:
         raise ValueError(f"{head_dim=} and block_kv={bs.block_kv} must be >= {MIN_DOT_DIM} for tl.dot")
     pages_per_block = bs.block_kv // page_size
-    block_q = min(bs.block_q, _next_pow2(max_q_len))
+    block_q = min(bs.block_q, next_pow2(max_q_len))
     q_pad = -(-max_q_len // block_q) * block_q
     num_q_blocks = q_pad // block_q
-    group_pad = max(_next_pow2(group), MIN_DOT_DIM // block_q)
+    group_pad = max(next_pow2(group), MIN_DOT_DIM // block_q)
     rows = block_q * group_pad
 
     # Page table padded to whole KV blocks with the null page, flattened (a block's pages are one 1-D slice).
