@@ -34,9 +34,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
+from pallas_kernels import online_softmax
 from pallas_kernels.block_sizes import BlockSizes, flash_block_sizes
 from pallas_kernels.flash_attention.reference import check_heads, query_block_schedule
-from pallas_kernels.ragged import DEFAULT_MASK_VALUE, check_window_and_cap, is_pow2, next_pow2, soft_cap_scores, visible
+from pallas_kernels.ragged import check_window_and_cap, is_pow2, next_pow2, visible
 
 MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
 
@@ -80,28 +81,15 @@ def _flash_attention_kernel(
     q = q_ref[...]  # [rows, H]
 
     def body(j, carry):
-        m_prev, l_prev, acc_prev = carry
         k = k_ref[kv_head, pl.ds(j * block_kv, block_kv), :]  # [block_kv, H]
         v = v_ref[kv_head, pl.ds(j * block_kv, block_kv), :]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s = soft_cap_scores(s * sm_scale, soft_cap)  # [rows, block_kv]
         kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1) - start  # [rows, block_kv]
         # kv_pos < 0: an earlier sequence's key. A fresh token's context is the q_pos + 1 tokens up to it.
         ok = (kv_pos >= 0) & visible(q_pos, kv_pos, q_pos + 1, sliding_window)
-        s = jnp.where(ok, s, DEFAULT_MASK_VALUE)
-        m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 1]
-        p = jnp.exp(s - m)
-        alpha = jnp.exp(m_prev - m)
-        l = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return m, l, alpha * acc_prev + pv
+        return online_softmax.update(carry, q, k, v, ok, sm_scale=sm_scale, soft_cap=soft_cap)
 
-    # A row whose keys all lie in later tiles accumulates exp(0) = 1 terms against m = DEFAULT_MASK_VALUE first;
-    # its first visible key (itself at the latest) makes alpha = exp(MASK - m) = 0 and erases them.
-    init = (jnp.full((rows, 1), DEFAULT_MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    out, _ = online_softmax.finish(jax.lax.fori_loop(lo, hi, body, online_softmax.init(rows, head_dim)))
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 

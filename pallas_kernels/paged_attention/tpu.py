@@ -25,9 +25,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import online_softmax
 from pallas_kernels.block_sizes import BlockSizes, paged_block_sizes
-from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, combine_splits, queries_by_sequence,
-                                   rows_from_sequences, soft_cap_scores, visible)
+from pallas_kernels.ragged import (check_window_and_cap, combine_splits, kv_block_range, queries_by_sequence,
+                                   rows_from_sequences, visible)
 
 LANES = 128  # TPU vector lane width: the split kernel's log-sum-exp output is lane-replicated to this width
 
@@ -65,17 +66,10 @@ def _paged_attention_kernel(
     rows, head_dim = q_ref.shape
     kv_len, q_len, layer = kv_lens_ref[b], q_lens_ref[b], layer_ref[0]
 
-    # Positions: query token t of this sequence sits at kv_len - q_len + t.
     first_t = q_block * block_q
-    last_t = jnp.minimum(first_t + block_q, q_len) - 1
-    context_start = kv_len - q_len
-    kv_end = jnp.minimum(kv_len, context_start + last_t + 1)  # exclusive; causal bound of the tile's last query
-    kv_begin = 0 if sliding_window is None else jnp.maximum(0, context_start + first_t - sliding_window + 1)
-    lo_all = kv_begin // block_kv
-    hi_all = jnp.where(first_t < q_len, (kv_end + block_kv - 1) // block_kv, lo_all)  # empty tile: no blocks
-    per_split = (hi_all - lo_all + num_splits - 1) // num_splits
-    lo = jnp.minimum(lo_all + split * per_split, hi_all)
-    hi = jnp.minimum(lo + per_split, hi_all)
+    lo, hi, context_start = kv_block_range(first_t=first_t, block_q=block_q, q_len=q_len, kv_len=kv_len,
+                                           block_kv=block_kv, split=split, num_splits=num_splits,
+                                           sliding_window=sliding_window)
 
     def copies(j, slot):
         out = []
@@ -97,7 +91,6 @@ def _paged_attention_kernel(
     q = q_ref[...]
 
     def body(j, carry):
-        m_prev, l_prev, acc_prev = carry
         slot = (j - lo) % 2
 
         @pl.when(j + 1 < hi)
@@ -109,26 +102,14 @@ def _paged_attention_kernel(
             c.wait()
         k = k_buf[slot].reshape(block_kv, head_dim)  # [block_kv, H]
         v = v_buf[slot].reshape(block_kv, head_dim)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s = soft_cap_scores(s * sm_scale, soft_cap)  # [rows, block_kv]
         kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-        s = jnp.where(visible(q_pos, kv_pos, kv_len, sliding_window), s, DEFAULT_MASK_VALUE)
-        m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, 1]
-        p = jnp.exp(s - m)
-        alpha = jnp.exp(m_prev - m)
-        l = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return m, l, alpha * acc_prev + pv
+        mask = visible(q_pos, kv_pos, kv_len, sliding_window)
+        return online_softmax.update(carry, q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap)
 
-    init = (jnp.full((rows, 1), DEFAULT_MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
-    safe_l = jnp.where(l > 0, l, 1.0)
-    o_ref[...] = (acc / safe_l).astype(o_ref.dtype)
+    out, lse = online_softmax.finish(jax.lax.fori_loop(lo, hi, body, online_softmax.init(rows, head_dim)))
+    o_ref[...] = out.astype(o_ref.dtype)
     if lse_ref is not None:
-        lse = jnp.where(l > 0, m + jnp.log(safe_l), DEFAULT_MASK_VALUE)  # [rows, 1]
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
-
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap", "block_sizes",
                                              "interpret"))

@@ -305,7 +305,7 @@ def test_tpu_lowering_rejects_a_tile_that_breaks_mosaic_rules():
 def test_gpu_lowering_rejects_a_tile_that_is_not_a_power_of_two(monkeypatch):
     # Without G_pad (G = 3 kept as is) a query tile has 16 x 3 = 48 rows; Triton lowering must refuse it, which is
     # what makes the GPU lowering tests above able to fail. (A shape no other test traces, so no cached trace.)
-    monkeypatch.setattr(gpu_module, "_next_pow2", lambda n: n)
+    monkeypatch.setattr(gpu_module, "next_pow2", lambda n: n)
     with pytest.raises(ValueError, match="power of 2"):
         _lower("gpu", 48, 9, 3, 64, jnp.float32, sm_scale=0.1, block_sizes=BlockSizes(16, 16))
 
