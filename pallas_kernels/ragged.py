@@ -122,3 +122,38 @@ def kv_block_range(*, first_t: jax.Array, block_q: int, q_len: jax.Array, kv_len
     per_split = jax.lax.div(hi_all - lo_all + num_splits - 1, num_splits)
     lo = jnp.minimum(lo_all + split * per_split, hi_all)
     return lo, jnp.minimum(lo + per_split, hi_all), context_start
+
+
+def pack_queries(q: jax.Array, cu_q_lens: jax.Array, q_pad: int, num_kv_heads: int, group_pad: int) -> jax.Array:
+    """Flat queries -> the kernels' tile layout `[B, K, q_pad * G_pad, H]`, row `t * G_pad + g` = token t, head g.
+
+    Args:
+      q: [T, N, H]; N = K * G.
+      cu_q_lens: i32[B + 1].
+      q_pad: static query slots per sequence (>= every q_len).
+      num_kv_heads: K.
+      group_pad: G_pad >= G; the extra heads are zero queries (Triton needs power-of-two tiles).
+    """
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // num_kv_heads
+    q_seq = queries_by_sequence(q, cu_q_lens, q_pad)  # [B, Tq, N, H]
+    q_seq = q_seq.reshape(-1, q_pad, num_kv_heads, group, head_dim)
+    q_seq = jnp.pad(q_seq, ((0, 0), (0, 0), (0, 0), (0, group_pad - group), (0, 0))).transpose(0, 2, 1, 3, 4)
+    return q_seq.reshape(-1, num_kv_heads, q_pad * group_pad, head_dim)  # [B, K, Tq * G_pad, H]
+
+
+def unpack_outputs(out: jax.Array, cu_q_lens: jax.Array, num_tokens: int, group: int, group_pad: int) -> jax.Array:
+    """Inverse of `pack_queries`: [B, K, q_pad * G_pad, H] -> flat [T, N, H]; padded heads dropped, padding rows 0."""
+    num_seqs, num_kv_heads, rows, head_dim = out.shape
+    q_pad = rows // group_pad
+    out = out.reshape(num_seqs, num_kv_heads, q_pad, group_pad, head_dim)[:, :, :, :group]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_seqs, q_pad, num_kv_heads * group, head_dim)  # [B, Tq, N, H]
+    return rows_from_sequences(out, cu_q_lens, num_tokens)
+
+
+def flatten_page_table(page_table: jax.Array, pages_per_block: int) -> tuple[jax.Array, int]:
+    """Page table padded with the null page to whole KV blocks and flattened (SMEM pads 2-D arrays; a block's
+    pages become one 1-D slice); returns (i32[B * W'], W')."""
+    pages_per_seq = page_table.shape[1]
+    width = -(-pages_per_seq // pages_per_block) * pages_per_block
+    return jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - pages_per_seq))).reshape(-1), width

@@ -37,8 +37,9 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels import online_softmax
 from pallas_kernels.block_sizes import BlockSizes, paged_block_sizes
-from pallas_kernels.ragged import (check_window_and_cap, combine_splits, is_pow2, kv_block_range, next_pow2,
-                                   queries_by_sequence, rows_from_sequences, visible)
+from pallas_kernels.paged_attention.reference import check_paged_args
+from pallas_kernels.ragged import (combine_splits, flatten_page_table, is_pow2, kv_block_range, next_pow2,
+                                   pack_queries, unpack_outputs, visible)
 
 MIN_DOT_DIM = 16  # tl.dot needs M, N, K >= 16
 
@@ -139,20 +140,13 @@ def paged_attention_gpu(
         of page_size, a head dim or block_kv below 16 when not interpreting, or bad sliding_window / soft_cap
         (at trace time).
     """
+    check_paged_args(q, k_pages, layer, sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
-    if (k_pages.ndim == 5) != (layer is not None):
-        raise ValueError(f"a stacked cache (ndim 5) needs a layer index and a single layer's (ndim 4) none; got "
-                         f"ndim {k_pages.ndim} and layer={layer}")
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    _, _, num_kv_heads, page_size, kv_head_dim = k_pages.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
-    if head_dim != kv_head_dim:
-        raise ValueError(f"query head dim {head_dim} != cache head dim {kv_head_dim}")
+    _, _, num_kv_heads, page_size, _ = k_pages.shape
     if not (is_pow2(page_size) and is_pow2(head_dim)):
         raise ValueError(f"{page_size=} and {head_dim=} must be powers of two (Triton tile sizes)")
-    check_window_and_cap(sliding_window, soft_cap)
     num_seqs, pages_per_seq = page_table.shape
     group = num_heads // num_kv_heads
     if block_sizes is None:
@@ -175,16 +169,10 @@ def paged_attention_gpu(
     group_pad = max(next_pow2(group), MIN_DOT_DIM // block_q)
     rows = block_q * group_pad
 
-    # Page table padded to whole KV blocks with the null page, flattened (a block's pages are one 1-D slice).
-    width = -(-pages_per_seq // pages_per_block) * pages_per_block
-    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - pages_per_seq))).reshape(-1)
+    table, width = flatten_page_table(page_table, pages_per_block)  # i32[B * W']
     q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).astype(jnp.int32)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-
-    q_seq = queries_by_sequence(q, cu_q_lens, q_pad)  # [B, Tq, N, H]
-    q_seq = q_seq.reshape(num_seqs, q_pad, num_kv_heads, group, head_dim)
-    q_seq = jnp.pad(q_seq, ((0, 0), (0, 0), (0, 0), (0, group_pad - group), (0, 0))).transpose(0, 2, 1, 3, 4)
-    q_seq = q_seq.reshape(num_seqs, num_kv_heads, q_pad * group_pad, head_dim)  # [B, K, Tq * G_pad, H]
+    q_seq = pack_queries(q, cu_q_lens, q_pad, num_kv_heads, group_pad)  # [B, K, Tq * G_pad, H]
 
     splits = bs.num_splits
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, k, i: (b, k, jax.lax.div(i, splits), 0))
@@ -215,6 +203,4 @@ def paged_attention_gpu(
     )(kv_lens.astype(jnp.int32), q_lens, table, layer_arr, q_seq, k_pages, v_pages)
     if splits > 1:
         out = combine_splits(*out)  # [B, K, Tq * G_pad, H]
-    out = out.reshape(num_seqs, num_kv_heads, q_pad, group_pad, head_dim)[:, :, :, :group]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(num_seqs, q_pad, num_heads, head_dim)
-    return rows_from_sequences(out, cu_q_lens, num_tokens).astype(q.dtype)
+    return unpack_outputs(out, cu_q_lens, num_tokens, group, group_pad).astype(q.dtype)

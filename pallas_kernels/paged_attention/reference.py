@@ -22,6 +22,26 @@ from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, que
                                    rows_from_sequences, soft_cap_scores, visible)
 
 
+def check_paged_args(q: jax.Array, k_pages: jax.Array, layer: jax.Array | int | None, sliding_window: int | None,
+                     soft_cap: float | None) -> None:
+    """Trace-time checks shared by the reference and the kernels.
+
+    Raises:
+      ValueError: if a stacked cache (ndim 5) comes without a layer index or a single layer's (ndim 4) with one,
+        N is not a multiple of K, the head dims differ, or sliding_window / soft_cap are out of range.
+    """
+    if (k_pages.ndim == 5) != (layer is not None):
+        raise ValueError(f"a stacked cache (ndim 5) needs a layer index and a single layer's (ndim 4) none; got "
+                         f"ndim {k_pages.ndim} and layer={layer}")
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, kv_head_dim = k_pages.shape[-3], k_pages.shape[-1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
+    if head_dim != kv_head_dim:
+        raise ValueError(f"query head dim {head_dim} != cache head dim {kv_head_dim}")
+    check_window_and_cap(sliding_window, soft_cap)
+
+
 def write_kv(
     k_pages: jax.Array,
     v_pages: jax.Array,
@@ -92,20 +112,13 @@ def paged_attention_reference(
       ValueError: if N is not a multiple of K, head dims differ, the layer index does not match the cache's rank,
         or sliding_window / soft_cap are out of range (at trace time).
     """
+    check_paged_args(q, k_pages, layer, sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
-    if (k_pages.ndim == 5) != (layer is not None):
-        raise ValueError(f"a stacked cache (ndim 5) needs a layer index and a single layer's (ndim 4) none; got "
-                         f"ndim {k_pages.ndim} and layer={layer}")
-    num_kv_heads, page_size, kv_head_dim = k_pages.shape[-3:]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
-    if head_dim != kv_head_dim:
-        raise ValueError(f"query head dim {head_dim} != cache head dim {kv_head_dim}")
+    num_kv_heads, page_size = k_pages.shape[-3:-1]
     num_seqs, max_pages = page_table.shape
     group = num_heads // num_kv_heads
     max_kv_len = max_pages * page_size
 
-    check_window_and_cap(sliding_window, soft_cap)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
     j = jnp.arange(max_q_len)
     q_seq = queries_by_sequence(q, cu_q_lens, max_q_len)  # [B, Tq, N, H]

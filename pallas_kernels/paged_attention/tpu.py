@@ -27,8 +27,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import online_softmax
 from pallas_kernels.block_sizes import BlockSizes, paged_block_sizes
-from pallas_kernels.ragged import (check_window_and_cap, combine_splits, kv_block_range, queries_by_sequence,
-                                   rows_from_sequences, visible)
+from pallas_kernels.paged_attention.reference import check_paged_args
+from pallas_kernels.ragged import (combine_splits, flatten_page_table, kv_block_range, pack_queries, unpack_outputs,
+                                   visible)
 
 LANES = 128  # TPU vector lane width: the split kernel's log-sum-exp output is lane-replicated to this width
 
@@ -152,18 +153,11 @@ def paged_attention_tpu(
       ValueError: on mismatched heads or head dims, a layer index that does not match the cache's rank, a
         `block_kv` that is not a multiple of page_size, or bad sliding_window / soft_cap (at trace time).
     """
+    check_paged_args(q, k_pages, layer, sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
-    if (k_pages.ndim == 5) != (layer is not None):
-        raise ValueError(f"a stacked cache (ndim 5) needs a layer index and a single layer's (ndim 4) none; got "
-                         f"ndim {k_pages.ndim} and layer={layer}")
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    _, _, num_kv_heads, page_size, kv_head_dim = k_pages.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
-    if head_dim != kv_head_dim:
-        raise ValueError(f"query head dim {head_dim} != cache head dim {kv_head_dim}")
-    check_window_and_cap(sliding_window, soft_cap)
+    _, _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     group = num_heads // num_kv_heads
     bs = block_sizes or paged_block_sizes("tpu", max_q_len=max_q_len, page_size=page_size,
@@ -175,15 +169,10 @@ def paged_attention_tpu(
     q_pad = -(-max_q_len // block_q) * block_q
     num_q_blocks = q_pad // block_q
 
-    # Page table padded to whole KV blocks with the null page, flattened for SMEM (2-D SMEM pads to [8, 128]).
-    width = -(-pages_per_seq // pages_per_block) * pages_per_block
-    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - pages_per_seq))).reshape(-1)
+    table, width = flatten_page_table(page_table, pages_per_block)  # i32[B * W'] for SMEM
     q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).astype(jnp.int32)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-
-    q_seq = queries_by_sequence(q, cu_q_lens, q_pad)  # [B, Tq, N, H]
-    q_seq = q_seq.reshape(num_seqs, q_pad, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    q_seq = q_seq.reshape(num_seqs, num_kv_heads, q_pad * group, head_dim)  # [B, K, Tq * G, H]
+    q_seq = pack_queries(q, cu_q_lens, q_pad, num_kv_heads, group)  # [B, K, Tq * G, H]
     rows = block_q * group
 
     split = bs.num_splits > 1
@@ -221,6 +210,4 @@ def paged_attention_tpu(
     )(kv_lens.astype(jnp.int32), q_lens, table, layer_arr, q_seq, k_pages, v_pages)
     if split:
         out = combine_splits(out[0], out[1][..., 0])  # [B, K, Tq * G, H]
-    out = out.reshape(num_seqs, num_kv_heads, q_pad, group, head_dim).transpose(0, 2, 1, 3, 4)
-    out = out.reshape(num_seqs, q_pad, num_heads, head_dim)
-    return rows_from_sequences(out, cu_q_lens, num_tokens).astype(q.dtype)
+    return unpack_outputs(out, cu_q_lens, num_tokens, group, group).astype(q.dtype)
