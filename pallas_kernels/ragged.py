@@ -83,11 +83,12 @@ def soft_cap_scores(scores: jax.Array, soft_cap: float | None) -> jax.Array:
 
 
 def check_window_and_cap(sliding_window: int | None, soft_cap: float | None) -> None:
-    """Raises ValueError unless `sliding_window` is None or >= 1 and `soft_cap` is None or > 0."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"{sliding_window=} must be None or >= 1")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"{soft_cap=} must be None or > 0")
+    """Raises ValueError unless `sliding_window` is None or an int >= 1 and `soft_cap` is None or finite and > 0."""
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window < 1):
+        raise ValueError(f"{sliding_window=} must be None or an integer >= 1")
+    if soft_cap is not None and not 0 < soft_cap < float("inf"):
+        raise ValueError(f"{soft_cap=} must be None or a finite number > 0")
 
 
 def next_pow2(n: int) -> int:

@@ -14,7 +14,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check}"
+# The machine's python (jax with CUDA preinstalled); a --dry-run here uses the project's .venv when there is one.
+if [ -z "${PYTHON:-}" ] && [[ " $* " == *" --dry-run "* ]] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY="${PYTHON:-python3}"
+if ! "$PY" -c "import jax" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import jax; set PYTHON to a python with jax (here: bash scripts/setup_env.sh test," \
+       "then PYTHON=.venv/bin/python)" >&2
+  exit 2
+fi
 DEPS="flax tokenizers sentencepiece safetensors jinja2 psutil tqdm pytest hypothesis"
 
 if [ "${1:-}" = "--make-wheelhouse" ]; then

@@ -25,7 +25,11 @@ def check_heads(q: jax.Array, k: jax.Array, v: jax.Array) -> int:
     Raises:
       ValueError: if N is not a multiple of K, head dims or token counts differ, or k and v differ in shape.
     """
+    if q.ndim != 3 or k.ndim != 3:
+        raise ValueError(f"q and k must be [T, heads, H]; got shapes {q.shape} and {k.shape}")
     (num_tokens, num_heads, head_dim), (kv_tokens, num_kv_heads, kv_head_dim) = q.shape, k.shape
+    if num_tokens == 0:
+        raise ValueError("q has no tokens (T = 0)")
     if k.shape != v.shape:
         raise ValueError(f"k shape {k.shape} != v shape {v.shape}")
     if num_tokens != kv_tokens:

@@ -4,8 +4,9 @@ Layout of the KV cache: `pallas_kernels.paged_attention.reference`. Backend choi
 """
 
 from pallas_kernels.paged_attention.gpu import paged_attention_gpu
-from pallas_kernels.paged_attention.reference import paged_attention_reference, write_kv
+from pallas_kernels.paged_attention.reference import paged_attention_reference, validate_inputs, write_kv
 from pallas_kernels.paged_attention.tpu import paged_attention_tpu
 from pallas_kernels.ragged import DEFAULT_MASK_VALUE
 
-__all__ = ["DEFAULT_MASK_VALUE", "paged_attention_gpu", "paged_attention_reference", "paged_attention_tpu", "write_kv"]
+__all__ = ["DEFAULT_MASK_VALUE", "paged_attention_gpu", "paged_attention_reference", "paged_attention_tpu",
+           "validate_inputs", "write_kv"]

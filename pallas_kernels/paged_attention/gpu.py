@@ -123,7 +123,8 @@ def paged_attention_gpu(
       page_table: i32[B, max_pages_per_seq], entries in [0, P).
       cu_q_lens: i32[B + 1], prefix sums of q_lens; `cu_q_lens[-1] <= T`.
       layer: i32 scalar in [0, L) for a stacked cache, None for a single layer's.
-      max_q_len: static bound on q_len (1 for a pure decode batch).
+      max_q_len: static bound on every q_len (1 for a pure decode batch); not checked on device: query
+        rows past it are not computed (`validate_inputs` checks it, and the other value invariants, on host).
       sm_scale: softmax scale.
       sliding_window, soft_cap: as in `paged_attention_reference`.
       block_sizes: tiles (block_q and block_kv powers of two, block_kv a multiple of page_size, on hardware
@@ -135,12 +136,12 @@ def paged_attention_gpu(
       [T, N, H] in q's dtype; padding rows are 0.
 
     Raises:
-      ValueError: on mismatched heads or head dims, a layer index that does not match the cache's rank, a
-        page_size, head dim, block_q or block_kv that is not a power of two, a `block_kv` that is not a multiple
-        of page_size, a head dim or block_kv below 16 when not interpreting, or bad sliding_window / soft_cap
-        (at trace time).
+      ValueError: at trace time, on the shape errors of `reference.check_paged_args` (mismatched heads, head
+        dims, k/v shapes, batch sizes, cache rank vs layer index, bad sliding_window / soft_cap), a page_size,
+        head dim, block_q or block_kv that is not a power of two, a `block_kv` that is not a multiple of
+        page_size, or a head dim or block_kv below 16 when not interpreting.
     """
-    check_paged_args(q, k_pages, layer, sliding_window, soft_cap)
+    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
@@ -157,9 +158,10 @@ def paged_attention_gpu(
         bs = BlockSizes(next_pow2(bs.block_q), pages * page_size, bs.num_splits)
     else:
         bs = block_sizes
-    if bs.block_kv % page_size or not is_pow2(bs.block_kv) or not is_pow2(bs.block_q):
-        raise ValueError(f"block_kv={bs.block_kv} must be a power of two and a multiple of {page_size=}, and "
-                         f"block_q={bs.block_q} a power of two")
+    if bs.block_kv % page_size or not is_pow2(bs.block_kv):
+        raise ValueError(f"block_kv={bs.block_kv} must be a power of two and a multiple of {page_size=}")
+    if not is_pow2(bs.block_q):
+        raise ValueError(f"block_q={bs.block_q} must be a power of two (Triton tile sizes)")
     if not interpret and min(head_dim, bs.block_kv) < MIN_DOT_DIM:
         raise ValueError(f"{head_dim=} and block_kv={bs.block_kv} must be >= {MIN_DOT_DIM} for tl.dot")
     pages_per_block = bs.block_kv // page_size

@@ -17,29 +17,75 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, queries_by_sequence,
                                    rows_from_sequences, soft_cap_scores, visible)
 
 
-def check_paged_args(q: jax.Array, k_pages: jax.Array, layer: jax.Array | int | None, sliding_window: int | None,
-                     soft_cap: float | None) -> None:
-    """Trace-time checks shared by the reference and the kernels.
+def check_paged_args(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                     page_table: jax.Array, cu_q_lens: jax.Array, layer: jax.Array | int | None,
+                     sliding_window: int | None, soft_cap: float | None) -> None:
+    """Trace-time (static shape) checks shared by the reference and the kernels.
 
     Raises:
-      ValueError: if a stacked cache (ndim 5) comes without a layer index or a single layer's (ndim 4) with one,
-        N is not a multiple of K, the head dims differ, or sliding_window / soft_cap are out of range.
+      ValueError: naming the values, if q is not [T >= 1, N, H]; the cache is not [P, K, page_size, H] without a
+        layer index or [L, P, K, page_size, H] with one (the index itself is traced, so not checked); k and v pages
+        differ in shape; N is not a multiple of K; head dims differ; kv_lens, page_table and cu_q_lens do not
+        describe the same B >= 1 sequences (i32[B], i32[B, W], i32[B + 1]); or sliding_window / soft_cap are
+        out of range.
     """
+    if q.ndim != 3 or q.shape[0] == 0:
+        raise ValueError(f"q must be [T, N, H] with T >= 1; got shape {q.shape}")
+    if k_pages.ndim not in (4, 5):
+        raise ValueError(f"the cache must be [P, K, page_size, H] or [L, P, K, page_size, H]; got {k_pages.shape}")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages shape {k_pages.shape} != v_pages shape {v_pages.shape}")
     if (k_pages.ndim == 5) != (layer is not None):
         raise ValueError(f"a stacked cache (ndim 5) needs a layer index and a single layer's (ndim 4) none; got "
-                         f"ndim {k_pages.ndim} and layer={layer}")
+                         f"ndim {k_pages.ndim} and {'a layer index' if layer is not None else 'no layer index'}")
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, kv_head_dim = k_pages.shape[-3], k_pages.shape[-1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num query heads {num_heads} is not a multiple of num kv heads {num_kv_heads}")
     if head_dim != kv_head_dim:
         raise ValueError(f"query head dim {head_dim} != cache head dim {kv_head_dim}")
+    if (kv_lens.ndim != 1 or page_table.ndim != 2 or cu_q_lens.ndim != 1 or kv_lens.shape[0] < 1
+            or page_table.shape[0] != kv_lens.shape[0] or cu_q_lens.shape[0] != kv_lens.shape[0] + 1):
+        raise ValueError(f"kv_lens {kv_lens.shape}, page_table {page_table.shape} and cu_q_lens {cu_q_lens.shape} "
+                         f"must be i32[B], i32[B, W] and i32[B + 1] for the same B >= 1")
     check_window_and_cap(sliding_window, soft_cap)
+
+
+def validate_inputs(q_lens: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray, *, max_q_len: int,
+                    page_size: int, num_pages: int) -> None:
+    """Host-side value checks of one batch's metadata (the static/dynamic split: these need concrete values).
+
+    The ops trust these invariants and do not check them on device: a violation gives wrong rows, not an error.
+    `jaxinfer.engine.runner` builds batches that satisfy them; call this when building batches by hand.
+
+    Args:
+      q_lens: i32[B], new tokens per sequence (`cu_q_lens[1:] - cu_q_lens[:-1]`).
+      kv_lens: i32[B], cached + new tokens per sequence.
+      page_table: i32[B, W].
+      max_q_len: the static bound passed to the op.
+      page_size: tokens per page; num_pages: pages in the cache.
+
+    Raises:
+      ValueError: if a q_len is negative or above max_q_len, a kv_len is below its q_len or above the page
+        table's capacity W * page_size, or a page id needed by a sequence lies outside [0, num_pages).
+    """
+    q_lens, kv_lens, page_table = np.asarray(q_lens), np.asarray(kv_lens), np.asarray(page_table)
+    capacity = page_table.shape[1] * page_size
+    for b, (q_len, kv_len) in enumerate(zip(q_lens.tolist(), kv_lens.tolist())):
+        if not 0 <= q_len <= max_q_len:
+            raise ValueError(f"sequence {b}: q_len {q_len} is outside [0, {max_q_len=}]")
+        if not q_len <= kv_len <= capacity:
+            raise ValueError(f"sequence {b}: kv_len {kv_len} is outside [q_len {q_len}, page table capacity "
+                             f"{capacity}]")
+        pages = page_table[b, : -(-kv_len // page_size)]
+        if pages.size and not (0 <= pages.min() and pages.max() < num_pages):
+            raise ValueError(f"sequence {b}: page ids {pages.tolist()} are outside [0, {num_pages=})")
 
 
 def write_kv(
@@ -100,7 +146,8 @@ def paged_attention_reference(
       page_table: i32[B, max_pages_per_seq], entries in [0, P).
       cu_q_lens: i32[B + 1], non-decreasing prefix sums of q_lens, `cu_q_lens[0] == 0`, `cu_q_lens[-1] <= T`.
       layer: i32 scalar in [0, L) for a stacked cache; None for a single layer's.
-      max_q_len: static upper bound on any q_len (1 for a pure decode batch).
+      max_q_len: static bound on every q_len (1 for a pure decode batch); not checked on device: query
+        rows past it are not computed (`validate_inputs` checks it, and the other value invariants, on host).
       sm_scale: softmax scale, usually `H ** -0.5`.
       sliding_window: static; a query at position p sees keys at positions > p - sliding_window (None: all).
       soft_cap: static; scores become `soft_cap * tanh(scores / soft_cap)` after scaling (Gemma 2; None: off).
@@ -112,7 +159,7 @@ def paged_attention_reference(
       ValueError: if N is not a multiple of K, head dims differ, the layer index does not match the cache's rank,
         or sliding_window / soft_cap are out of range (at trace time).
     """
-    check_paged_args(q, k_pages, layer, sliding_window, soft_cap)
+    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pages.shape[-3:-1]
     num_seqs, max_pages = page_table.shape

@@ -139,7 +139,8 @@ def paged_attention_tpu(
       page_table: i32[B, max_pages_per_seq], entries in [0, P).
       cu_q_lens: i32[B + 1], prefix sums of q_lens; `cu_q_lens[-1] <= T`.
       layer: i32 scalar in [0, L) for a stacked cache, None for a single layer's.
-      max_q_len: static bound on q_len (1 for a pure decode batch).
+      max_q_len: static bound on every q_len (1 for a pure decode batch); not checked on device: query
+        rows past it are not computed (`validate_inputs` checks it, and the other value invariants, on host).
       sm_scale: softmax scale.
       sliding_window, soft_cap: as in `paged_attention_reference`.
       block_sizes: tiles; default from `pallas_kernels.block_sizes.paged_block_sizes("tpu", ...)`.
@@ -150,10 +151,11 @@ def paged_attention_tpu(
       [T, N, H] in q's dtype; padding rows are 0.
 
     Raises:
-      ValueError: on mismatched heads or head dims, a layer index that does not match the cache's rank, a
-        `block_kv` that is not a multiple of page_size, or bad sliding_window / soft_cap (at trace time).
+      ValueError: at trace time, on the shape errors of `reference.check_paged_args` (mismatched heads, head
+        dims, k/v shapes, batch sizes, cache rank vs layer index, bad sliding_window / soft_cap) or a `block_kv`
+        that is not a multiple of page_size.
     """
-    check_paged_args(q, k_pages, layer, sliding_window, soft_cap)
+    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0

@@ -238,3 +238,40 @@ def test_tpu_kernel_tiles_do_not_grow_with_context():
     # The split variant at 32k adds f32 partial outputs, but never a context-sized buffer.
     assert all(np.prod(shape) <= 2 * bs.block_kv * 64 for shape, _ in local(refs_large))
     assert [s for s in local(refs_large) if len(s[0]) == 4] == [s for s in local(refs_small) if len(s[0]) == 4]
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS) + ["reference"])
+def test_shape_errors_name_the_problem(backend):
+    fn = paged_attention_reference if backend == "reference" else functools.partial(KERNELS[backend], interpret=True)
+    (q, k, v, kv_lens, table, cu, layer), kw, _ = build(Case(seqs=((1, 5), (2, 9)), group=2))
+    bad = {
+        "v_pages shape": (q, k, v[..., :32], kv_lens, table, cu, layer),  # v head dim 32, k 64
+        "v_pages shape ": (q, k, v[:, :1], kv_lens, table, cu, layer),  # 1 kv head in v, 2 in k
+        "same B": (q, k, v, kv_lens, table[:-1], cu, layer),  # page table one row short
+        "same B ": (q, k, v, kv_lens, table, cu[:-1], layer),  # cu_q_lens of length B
+        "T >= 1": (q[:0], k, v, kv_lens, table, cu, layer),
+        "stacked cache": (q, k[None], v[None], kv_lens, table, cu, None),
+        "\\[P, K, page_size, H\\]": (q, k[0], v[0], kv_lens, table, cu, layer),
+    }
+    for match, args in bad.items():
+        with pytest.raises(ValueError, match=match.strip()):
+            fn(*args, **kw)
+    for window, cap in ((2.5, None), (None, float("inf")), (0, None), (None, -1.0)):
+        with pytest.raises(ValueError, match="sliding_window|soft_cap"):
+            fn(q, k, v, kv_lens, table, cu, layer, **{**kw, "sliding_window": window, "soft_cap": cap})
+
+
+def test_validate_inputs_catches_what_the_device_cannot():
+    from pallas_kernels.paged_attention import validate_inputs
+
+    table = np.array([[3, 1], [2, 0]])
+    ok = dict(page_size=16, num_pages=4)
+    validate_inputs([1, 5], [20, 5], table, max_q_len=8, **ok)
+    with pytest.raises(ValueError, match="max_q_len"):  # query rows past max_q_len would be dropped silently
+        validate_inputs([1, 9], [20, 9], table, max_q_len=8, **ok)
+    with pytest.raises(ValueError, match="capacity"):
+        validate_inputs([1, 5], [33, 5], table, max_q_len=8, **ok)
+    with pytest.raises(ValueError, match="kv_len 0"):
+        validate_inputs([1, 5], [0, 5], table, max_q_len=8, **ok)
+    with pytest.raises(ValueError, match="page ids"):
+        validate_inputs([1, 5], [20, 5], np.array([[3, 7], [2, 0]]), max_q_len=8, **ok)
