@@ -76,7 +76,13 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Add(prompt, params, request_id, loop, outputs, admitted))
-        request_id = await asyncio.wrap_future(admitted)  # raises the engine's ValueError here
+        try:
+            request_id = await asyncio.wrap_future(admitted)  # raises the engine's ValueError here
+        except asyncio.CancelledError:
+            # Cancelled while waiting: if the engine thread had already admitted the request, abort it.
+            admitted.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else self.abort(f.result()))
+            raise
         finished = False
         try:
             while True:
@@ -134,13 +140,15 @@ class AsyncEngine:
             return
         while True:
             if isinstance(command, _Add):
-                try:
-                    request_id = self.engine.add_request(command.prompt, command.params, command.request_id)
-                except ValueError as e:
-                    command.admitted.set_exception(e)
-                else:
-                    self._streams[request_id] = (command.loop, command.outputs)
-                    command.admitted.set_result(request_id)
+                # A caller cancelled while waiting for admission (client gone, deadline): never admit it.
+                if command.admitted.set_running_or_notify_cancel():
+                    try:
+                        request_id = self.engine.add_request(command.prompt, command.params, command.request_id)
+                    except ValueError as e:
+                        command.admitted.set_exception(e)
+                    else:
+                        self._streams[request_id] = (command.loop, command.outputs)
+                        command.admitted.set_result(request_id)
             elif isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
             try:

