@@ -159,13 +159,14 @@ async def run_load(args: argparse.Namespace, target: str) -> dict:
         stub = pb_grpc.JaxInferStub(channel)
         info = await stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
         load_start = os.getloadavg()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         stats = Stats(t_measure=t0 + args.warmup_s, t_end=t0 + args.warmup_s + args.duration_s)
         tasks = [asyncio.create_task(worker(stub, args, stats)) for _ in range(args.concurrency)]
         await asyncio.sleep(stats.t_end - time.perf_counter())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        client_cpu_s = time.process_time() - cpu0  # this process, grpc's threads included
     window = [d for d in stats.done if stats.t_measure <= d[3] <= stats.t_end]
     send, first, last, end, n = np.array([d for d in window if d[0] >= stats.t_measure]).reshape(-1, 5).T
     ttft, e2e, tpot = first - send, end - send, ((last - first) / np.maximum(n - 1, 1))[n > 1]
@@ -182,7 +183,8 @@ async def run_load(args: argparse.Namespace, target: str) -> dict:
         "output_tokens_in_window": stats.window_tokens, "output_tok_s": stats.window_tokens / args.duration_s,
         "requests_s": len(window) / args.duration_s,
         **{f"{name}_p{q}_s": pct(x, q) for name, x in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)) for q in (50, 99)},
-        "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "client_cpu_s": client_cpu_s,
+        "client_cpu_share": client_cpu_s / (time.perf_counter() - t0),
     }
 
 
@@ -231,7 +233,9 @@ def markdown(r: dict) -> str:
             ("output tokens/s (aggregate)", f"{r['output_tok_s']:.1f}"), ("requests/s", f"{r['requests_s']:.2f}"),
             ("TTFT p50 / p99 ms", f"{ms('ttft_p50_s')} / {ms('ttft_p99_s')}"),
             ("TPOT p50 / p99 ms", f"{ms('tpot_p50_s')} / {ms('tpot_p99_s')}"),
-            ("end-to-end latency p50 / p99 ms", f"{ms('e2e_p50_s')} / {ms('e2e_p99_s')}")]
+            ("end-to-end latency p50 / p99 ms", f"{ms('e2e_p50_s')} / {ms('e2e_p99_s')}"),
+            ("load-test client CPU (warm-up + window; share of one core)",
+             f"{r['client_cpu_s']:.1f} s ({r['client_cpu_share']:.0%})")]
     return "\n".join([
         SECTION_BEGIN, "## gRPC load test\n",
         f"`scripts/load_test.py`: {s['concurrency']} concurrent `Generate` streams over one grpc.aio channel on "
