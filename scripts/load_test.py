@@ -8,7 +8,7 @@
    steps that prefill several prompts, compile then); the `--duration-s` window follows. At its end the requests
    still in flight are cancelled and not counted as requests; the tokens they received inside the window count.
 4. Reports, timed client-side from sending a request: requests finished in the window, errors by gRPC status code
-   (whole run) with their first messages, requests that did not end with finish_reason "length" after
+   (whole run) with their first distinct messages, requests that did not end with finish_reason "length" after
    `max_tokens` tokens, output tokens/s (tokens received in the window / window), requests/s, and p50/p99 of TTFT
    (first token), TPOT ((last token - first token) / (tokens - 1)) and end-to-end latency (last response) over the
    requests sent and finished inside the window.
@@ -139,7 +139,7 @@ async def worker(stub: pb_grpc.JaxInferStub, args: argparse.Namespace, stats: St
             code = e.code().name
             stats.errors[code] += 1
             msgs = stats.error_messages.setdefault(code, [])
-            if len(msgs) < 3:
+            if len(msgs) < 3 and not any(m.endswith(f": {e.details()}") for m in msgs):  # first distinct ones
                 msgs.append(f"t={time.perf_counter() - stats.t_measure:+.1f} s: {e.details()}")
             await asyncio.sleep(0.1)  # a failing server is not hammered in a tight loop
             continue

@@ -158,6 +158,36 @@ def test_32_concurrent_streams_equal_offline_and_run_batched(served, smollm2_llm
     assert max(running_seen) >= 32  # batched together, not served one by one
 
 
+def test_n_completions_and_logprobs_equal_offline(served, smollm2_llm: LLM):
+    sp = SamplingParams(n=2, temperature=0.9, seed=21, max_tokens=6, logprobs=2)
+    offline = smollm2_llm.generate("A list of colors:", sp)[0]
+    proto = pb.SamplingParams(n=2, temperature=0.9, seed=21, max_tokens=6, logprobs=2)
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    logprobs: dict[int, list[dict[int, float]]] = {0: [], 1: []}
+    finishes = {}
+    for r in served.stub.Generate(pb.GenerateRequest(text="A list of colors:", sampling=proto)):
+        ids[r.index] += list(r.token_ids)
+        logprobs[r.index] += [{t.token_id: t.logprob for t in entry.top} for entry in r.logprobs]
+        if r.finish_reason:
+            finishes[r.index] = r.finish_reason
+    for c in offline.outputs:
+        assert ids[c.index] == c.token_ids and finishes[c.index] == c.finish_reason
+        for got, want in zip(logprobs[c.index], c.logprobs, strict=True):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t] - want[t]) < 1e-5 for t in want)
+
+
+def test_metrics_endpoint_serves_prometheus_text(served):
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{served.server.metrics_port}/metrics", timeout=10).read().decode()
+    for name in ("jaxinfer_time_to_first_token_seconds_bucket", "jaxinfer_time_per_output_token_seconds_count",
+                 "jaxinfer_requests_running", "jaxinfer_requests_waiting", "jaxinfer_kv_pages_used",
+                 "jaxinfer_kv_pages_total", "jaxinfer_preemptions_total", "jaxinfer_generated_tokens_total",
+                 'jaxinfer_requests_total{status="OK"}'):
+        assert name in body, name
+
+
 def _page_holders(engine, request_id: str) -> int:
     req = engine._requests.get(request_id)
     return 0 if req is None else sum(len(s.page_ids) for s in req.seqs)
