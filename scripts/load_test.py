@@ -1,4 +1,4 @@
-"""Load test of a running `jaxinfer serve` (loopback only): N concurrent Generate streams for a fixed time.
+r"""Load test of a running `jaxinfer serve` (loopback only): N concurrent Generate streams for a fixed time.
 
 1. Waits (up to `--health-timeout-s`) for `grpc.health.v1.Health/Check("")` to say SERVING; reads `ModelInfo`.
 2. `--concurrency` asyncio workers on one grpc.aio channel send Generate requests back to back: the prompts below
@@ -165,7 +165,9 @@ async def run_load(args: argparse.Namespace, target: str) -> dict:
         await asyncio.sleep(stats.t_end - time.perf_counter())
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        crashed = [e for e in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(e, Exception)]
+        if crashed:  # a bug in this tool, not a gRPC error (CancelledError is no Exception)
+            raise crashed[0]
         client_cpu_s = time.process_time() - cpu0  # this process, grpc's threads included
     window = [d for d in stats.done if stats.t_measure <= d[3] <= stats.t_end]
     send, first, last, end, n = np.array([d for d in window if d[0] >= stats.t_measure]).reshape(-1, 5).T
