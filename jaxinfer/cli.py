@@ -95,6 +95,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535]")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port} must be in [0, 65535]")
+    if not args.grace_seconds >= 0:
+        raise ValueError(f"--grace-seconds {args.grace_seconds} must be >= 0")
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 1")
     config = EngineConfig(model=args.model, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxInfer"].full_name  # "jaxinfer.v1.JaxInfer"
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _WATCHDOG_PERIOD_S = 0.5
+_DEADLINE_SLACK_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,32 +118,67 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop has stopped")
         return engine
 
-    def _prompt(self, request: pb.GenerateRequest, engine: Engine) -> str | dict:
+    async def _check_size(self, request, context: grpc.aio.ServicerContext) -> None:
+        limit = self._server.limits.max_request_bytes
+        if request.ByteSize() > limit:
+            self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request of {request.ByteSize()} bytes is above the server's limit of {limit}")
+
+    @staticmethod
+    def _chat_ids(engine: Engine, chat: pb.ChatInput, for_generation: bool) -> list[int]:
+        messages = chat_messages(chat)
+        add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        if for_generation and add and messages[-1]["role"] == "assistant":
+            raise ValueError("chat.messages: the last message is the assistant's; continuing a message is not "
+                             "supported (end with a user message, or set chat.add_generation_prompt=false)")
+        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add)
+
+    @staticmethod
+    def _prompt(request: pb.GenerateRequest, engine: Engine) -> dict:
+        """Tokenizes the input (call it off the event loop): `{"prompt_token_ids", "prompt"}` for the engine.
+
+        Raises:
+          ValueError: naming the field: no input, an empty one, ids outside the vocabulary, a bad chat, a prompt
+            that leaves no room in the context.
+        """
         which = request.WhichOneof("input")
+        text = None
         if which == "text":
             if not request.text:
                 raise ValueError("text must not be empty")
-            return request.text
-        if which == "token_ids":
-            if not request.token_ids.ids:
+            text, ids = request.text, engine.tokenizer.encode(request.text)
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+            if not ids:
                 raise ValueError("token_ids.ids must not be empty")
-            return {"prompt_token_ids": list(request.token_ids.ids)}
-        if which == "chat":
-            add_prompt = request.chat.add_generation_prompt or request.chat.messages[-1:] == [] or \
-                request.chat.messages[-1].role != "assistant"
-            ids = engine.tokenizer.apply_chat_template(chat_messages(request.chat), add_generation_prompt=add_prompt)
-            return {"prompt_token_ids": ids}
-        raise ValueError("input is required: set one of text, token_ids, chat")
+            vocab = engine.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token_ids.ids contains ids outside [0, {vocab}): {bad[:5]}")
+        elif which == "chat":
+            ids = JaxInferService._chat_ids(engine, request.chat, for_generation=True)
+        else:
+            raise ValueError("input is required: set one of text, token_ids, chat")
+        if not ids:
+            raise ValueError(f"{which} encodes to no tokens")
+        if len(ids) >= engine.max_model_len:
+            raise ValueError(f"{which}: the prompt of {len(ids)} tokens does not fit the context of "
+                             f"{engine.max_model_len} tokens (at least one token must be generated)")
+        sp = request.sampling
+        if sp.HasField("max_tokens") and len(ids) + sp.max_tokens > engine.max_model_len:
+            raise ValueError(f"sampling.max_tokens={sp.max_tokens}: the prompt ({len(ids)} tokens) plus max_tokens "
+                             f"exceeds the context of {engine.max_model_len} tokens")
+        return {"prompt_token_ids": ids, "prompt": text}
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = await self._ready(context)
         limits = self._server.limits
-        if request.ByteSize() > limits.max_request_bytes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request of {request.ByteSize()} bytes is above "
-                                f"the server's limit of {limits.max_request_bytes}")
+        await self._check_size(request, context)
         try:
-            prompt = self._prompt(request, engine.engine)
             params = sampling_params_from_proto(request.sampling, limits)
+            # Tokenizing a long prompt takes a while: in a worker thread, not on the event loop or engine thread.
+            prompt = await asyncio.to_thread(self._prompt, request, engine.engine)
         except ValueError as e:
             self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -152,7 +188,7 @@ class JaxInferService(pb_grpc.JaxInferServicer):
                                 f"{self._server.in_flight} requests in flight; the server's limit is "
                                 f"{limits.max_queued_requests}: retry later")
         self._server.in_flight += 1
-        status = "CANCELLED"
+        status = None
         try:
             stream = engine.generate(prompt, params, request.request_id or None)
             try:
@@ -173,6 +209,10 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             self._server.in_flight -= 1
+            if status is None:  # left early: the client cancelled, or its deadline passed
+                # The client's cancel at its deadline reaches us a few ms before our copy of the deadline passes.
+                remaining = context.time_remaining()
+                status = "DEADLINE_EXCEEDED" if remaining is not None and remaining < _DEADLINE_SLACK_S else "CANCELLED"
             self._server.metrics.requests.labels(status).inc()
 
     def _responses(self, out: RequestOutput, finished: set[int]) -> list[pb.GenerateResponse]:
@@ -204,29 +244,33 @@ class JaxInferService(pb_grpc.JaxInferServicer):
         return responses
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine = await self._ready(context)
-        tokenizer = engine.engine.tokenizer
-        try:
+        engine = (await self._ready(context)).engine
+        await self._check_size(request, context)
+
+        def tokenize() -> list[int]:
             which = request.WhichOneof("input")
             if which == "text":
-                ids = tokenizer.encode(request.text)
-            elif which == "chat":
-                ids = tokenizer.apply_chat_template(chat_messages(request.chat),
-                                                    add_generation_prompt=request.chat.add_generation_prompt)
-            else:
-                raise ValueError("input is required: set one of text, chat")
+                return engine.tokenizer.encode(request.text)
+            if which == "chat":
+                return self._chat_ids(engine, request.chat, for_generation=False)
+            raise ValueError("input is required: set one of text, chat")
+
+        try:
+            ids = await asyncio.to_thread(tokenize)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine = await self._ready(context)
-        vocab = engine.engine.tokenizer.vocab_size
+        engine = (await self._ready(context)).engine
+        await self._check_size(request, context)
+        vocab = engine.tokenizer.vocab_size
         bad = [t for t in request.token_ids if not 0 <= t < vocab]
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"token_ids contains ids outside [0, {vocab}): {bad[:5]}")
-        text = engine.engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        text = await asyncio.to_thread(engine.tokenizer.decode, list(request.token_ids),
+                                       skip_special_tokens=request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -279,14 +323,23 @@ class Server:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._grpc)
-        bound = self._grpc.add_insecure_port(f"{self.host}:{self.port}")
+        address = f"{self.host}:{self.port}"
+        try:
+            bound = self._grpc.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises on a port in use or an unknown host
+            bound = 0
         if bound == 0:
-            raise OSError(f"cannot listen on {self.host}:{self.port}")
+            await self._grpc.stop(0)
+            raise ValueError(f"cannot listen on {address}: in use, or not an address of this machine")
         self.port = bound
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._grpc.start()
         if self.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(self.metrics_port, self.host)
+            try:
+                self.metrics_port = self.metrics.serve_http(self.metrics_port, self.host)
+            except OSError as e:
+                await self._grpc.stop(0)
+                raise ValueError(f"cannot serve metrics on {self.host}:{self.metrics_port}: {e}") from None
         logger.info("listening on %s:%d; loading the model", self.host, self.port)
         asyncio.get_running_loop().create_task(self._load())
 
@@ -344,7 +397,9 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 50
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info("shutting down (grace %.1f s)", grace_s)
+    logger.info("shutting down (grace %.1f s; a second signal cancels the streams in flight now)", grace_s)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: loop.create_task(server.stop(0)))
     await server.stop(grace_s)
 
 

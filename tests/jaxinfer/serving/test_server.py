@@ -258,6 +258,9 @@ BAD_REQUESTS = {
     "sampling.stop strings": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["a" * 300])),
     "role": pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="hi")])),
     "chat.messages must not be empty": pb.GenerateRequest(chat=pb.ChatInput()),
+    "the last message is the assistant's": pb.GenerateRequest(chat=pb.ChatInput(messages=[
+        pb.ChatMessage(role="user", content="Say hi"), pb.ChatMessage(role="assistant", content="Hello! I")])),
+    "sampling.max_tokens": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=9000)),
     "does not fit the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[42] * 9000)),
     "bytes": pb.GenerateRequest(text="a" * (2 << 20)),
 }
@@ -297,6 +300,11 @@ def test_deadline_aborts_the_request(served):
         _stream(served.stub, pb.GenerateRequest(text="Tell me everything", sampling=proto, request_id="deadline"),
                 timeout=1.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    outcomes = served.server.metrics.registry.get_sample_value
+    deadline = time.monotonic() + 10
+    while not outcomes("jaxinfer_requests_total", {"status": "DEADLINE_EXCEEDED"}) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert outcomes("jaxinfer_requests_total", {"status": "DEADLINE_EXCEEDED"}) >= 1
     deadline = time.monotonic() + 10
     while _page_holders(engine, "deadline") and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -304,6 +312,12 @@ def test_deadline_aborts_the_request(served):
 
 
 def test_tokenize_detokenize_and_model_info(served, smollm2_llm: LLM):
+    chat = pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Hi")])
+    ids = list(served.stub.Tokenize(pb.TokenizeRequest(chat=chat)).token_ids)
+    assert ids == smollm2_llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])  # as Generate
+    with pytest.raises(grpc.RpcError) as e:
+        served.stub.Tokenize(pb.TokenizeRequest(text="a" * (2 << 20)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in e.value.details()
     ids = list(served.stub.Tokenize(pb.TokenizeRequest(text="Hello world")).token_ids)
     assert ids == smollm2_llm.tokenizer.encode("Hello world")
     assert served.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "Hello world"
