@@ -60,6 +60,8 @@ class ModelConfig:
       tie_word_embeddings: the LM head reuses the token embedding table.
       attention_bias: q/k/v projections carry a bias (Qwen2).
       mlp_bias: gate/up/down projections carry a bias.
+      sliding_window: W, or None for full attention: a query at position p sees keys at positions > p - W
+        (Mistral, Jiang et al. 2023; every layer).
       name: human-readable model name, for logs and `ModelInfo`.
     """
 
@@ -78,6 +80,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -96,6 +99,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"model config: head_dim={self.head_dim} must be even for RoPE")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"model config: sliding_window={self.sliding_window!r} must be None or a positive integer")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -164,6 +169,8 @@ class ModelConfig:
             max_position_embeddings=int(need("context_length")),
             tie_word_embeddings=False,  # decided by the loader from the presence of output.weight
             attention_bias=arch == "qwen2",
+            sliding_window=int(meta[f"{arch}.attention.sliding_window"]) if meta.get(
+                f"{arch}.attention.sliding_window") else None,
             name=str(meta.get("general.name", name)),
         )
 
@@ -209,10 +216,8 @@ class ModelConfig:
             raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU needs silu)")
         max_positions = int(hf.get("max_position_embeddings", 4096))
         window = hf.get("sliding_window")
-        if window and hf.get("use_sliding_window", model_type == "mistral") and window < max_positions:
-            # Sliding-window attention is not implemented: inside the window it equals full attention, so the
-            # context is capped at the window rather than computing something else past it.
-            max_positions = int(window)
+        if not (window and hf.get("use_sliding_window", model_type == "mistral") and window < max_positions):
+            window = None  # absent, switched off, or wider than the context: full attention
         rope = dict(hf.get("rope_parameters") or {})
         if hf.get("rope_scaling"):
             rope.update(hf["rope_scaling"])
@@ -247,5 +252,6 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=None if window is None else int(window),
             name=name,
         )

@@ -297,10 +297,12 @@ def forward(
             q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
             k_all, v_all = write_kv(k_all, v_all, k, v, metadata.kv_loc, layer=i)
             if metadata.fresh_prefill and attention.flash is not None:
-                attn = attention.flash(q, k, v, metadata.cu_q_lens, sm_scale=sm_scale)  # [T, N, H]
+                attn = attention.flash(q, k, v, metadata.cu_q_lens, sm_scale=sm_scale,
+                                       sliding_window=cfg.sliding_window)  # [T, N, H]
             else:
                 attn = attention.paged(q, k_all, v_all, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
-                                       i, max_q_len=metadata.max_q_len, sm_scale=sm_scale)  # [T, N, H]
+                                       i, max_q_len=metadata.max_q_len, sm_scale=sm_scale,
+                                       sliding_window=cfg.sliding_window)  # [T, N, H]
         return _attention_output_and_mlp(x, attn, w, cfg), k_all, v_all
 
     k_all, v_all = kv_cache.k, kv_cache.v

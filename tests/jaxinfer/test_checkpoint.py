@@ -30,6 +30,7 @@ from jaxinfer.sampling_params import SamplingParams
 DATA = Path(__file__).resolve().parents[1] / "data"
 LLAMA3 = DATA / "tiny_llama3"
 QWEN2 = DATA / "tiny_qwen2"
+MISTRAL = DATA / "tiny_mistral"  # sliding window 8 over 40 tokens
 PAGE_SIZE = 16
 NUM_PAGES = 8
 
@@ -52,7 +53,7 @@ def _logits(runner: ModelRunner, token_ids: list[int], weights=None) -> np.ndarr
 # --- (a) HF folders against the transformers goldens -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["tiny_llama3", "tiny_qwen2"])
+@pytest.fixture(scope="module", params=["tiny_llama3", "tiny_qwen2", "tiny_mistral"])
 def hf_model(request):
     folder = DATA / request.param
     cfg, weights = load_hf_weights(folder)
@@ -72,7 +73,10 @@ def test_hf_config_fields(hf_model):
         assert cfg.rope_theta == hf["rope_theta"]
     else:  # v5 keys: rope_parameters
         assert cfg.rope_scaling is None and cfg.rope_theta == hf["rope_parameters"]["rope_theta"]
-        assert cfg.attention_bias
+        assert cfg.attention_bias == (folder == QWEN2)
+    # Mistral's window is attention over the last W positions, not a context cap.
+    assert cfg.sliding_window == (hf["sliding_window"] if folder == MISTRAL else None)
+    assert cfg.max_position_embeddings == hf["max_position_embeddings"]
 
 
 def test_hf_logits_match_transformers(hf_model):
@@ -82,6 +86,22 @@ def test_hf_logits_match_transformers(hf_model):
     out = _logits(runner, golden["token_ids"])
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_through_the_kernels_matches_transformers():
+    # The Pallas kernels (TPU kernels in interpret mode on CPU) apply Mistral's window too: a fresh prompt goes
+    # through flash attention, a continuation in two chunks through the paged kernel with cached context.
+    from pallas_kernels.dispatch import select_attention
+
+    cfg, weights = load_hf_weights(MISTRAL)
+    runner = ModelRunner(cfg, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32,
+                         attention=select_attention("pallas", "cpu"))
+    golden = _golden(MISTRAL)
+    ids, expected = golden["token_ids"], np.array(golden["logits"], np.float32)
+    np.testing.assert_allclose(_logits(runner, ids), expected, rtol=1e-4, atol=1e-4)
+    runner.compute_logits([SequenceChunk(ids[:17], 0, [3, 1, 2])])
+    rest = runner.compute_logits([SequenceChunk(ids[17:], 17, [3, 1, 2])])
+    np.testing.assert_allclose(rest, expected[17:], rtol=1e-4, atol=1e-4)
 
 
 def test_hf_greedy_continuation_matches_transformers(hf_model):
