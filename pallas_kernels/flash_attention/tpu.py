@@ -34,6 +34,7 @@ from pallas_kernels import online_softmax
 from pallas_kernels.block_sizes import BlockSizes, flash_block_sizes
 from pallas_kernels.flash_attention.reference import check_heads, query_block_schedule
 from pallas_kernels.ragged import check_window_and_cap, visible
+from pallas_kernels.tpu_pipeline import next_tile, start_first
 
 
 def _flash_attention_kernel(
@@ -69,10 +70,7 @@ def _flash_attention_kernel(
         return [pltpu.make_async_copy(src.at[kv_head, pl.ds(j * block_kv, block_kv)], dst.at[slot], sems.at[i, slot])
                 for i, (src, dst) in enumerate(((k_hbm_ref, k_buf), (v_hbm_ref, v_buf)))]
 
-    @pl.when(lo < hi)
-    def _():
-        for c in copies(lo, 0):
-            c.start()
+    start_first(copies, lo, hi)
 
     # Flat token of each row, first_t + row // G, in f32 (exact: rows < 2**20) to keep integer division off the
     # vector unit.
@@ -91,15 +89,7 @@ def _flash_attention_kernel(
     q = q_ref[...]
 
     def body(j, carry):
-        slot = (j - lo) % 2
-
-        @pl.when(j + 1 < hi)
-        def _():
-            for c in copies(j + 1, 1 - slot):
-                c.start()
-
-        for c in copies(j, slot):
-            c.wait()
+        slot = next_tile(copies, j, lo, hi)
         k, v = k_buf[slot], v_buf[slot]  # [block_kv, H]
         kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1) - start
         # kv_pos < 0: an earlier sequence's key. A fresh token's context is the q_pos + 1 tokens up to it.

@@ -30,6 +30,7 @@ from pallas_kernels.block_sizes import BlockSizes, paged_block_sizes
 from pallas_kernels.paged_attention.reference import check_paged_args
 from pallas_kernels.ragged import (combine_splits, flatten_page_table, kv_block_range, pack_queries, unpack_outputs,
                                    visible)
+from pallas_kernels.tpu_pipeline import next_tile, start_first
 
 LANES = 128  # TPU vector lane width: the split kernel's log-sum-exp output is lane-replicated to this width
 
@@ -80,10 +81,7 @@ def _paged_attention_kernel(
                 out.append(pltpu.make_async_copy(src.at[layer, page, kv_head], dst.at[slot, p], sems.at[i, slot]))
         return out
 
-    @pl.when(lo < hi)
-    def _():
-        for c in copies(lo, 0):
-            c.start()
+    start_first(copies, lo, hi)
 
     # Query token of each row, row // G, in f32 (exact: rows < 2**20) to keep integer division off the vector unit.
     row = jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0).astype(jnp.float32)
@@ -92,15 +90,7 @@ def _paged_attention_kernel(
     q = q_ref[...]
 
     def body(j, carry):
-        slot = (j - lo) % 2
-
-        @pl.when(j + 1 < hi)
-        def _():
-            for c in copies(j + 1, 1 - slot):
-                c.start()
-
-        for c in copies(j, slot):
-            c.wait()
+        slot = next_tile(copies, j, lo, hi)
         k = k_buf[slot].reshape(block_kv, head_dim)  # [block_kv, H]
         v = v_buf[slot].reshape(block_kv, head_dim)
         kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
