@@ -20,9 +20,7 @@ import numpy as np
 from models.config import ModelConfig, RopeType
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from pallas_kernels.paged_attention import write_kv
-
-# Logical axis names: declared once per weight, mapped to mesh axes by `sharding/`.
-LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP = "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"
+from sharding.rules import EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB  # logical axis names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +145,9 @@ class KVCache:
 
     k: jax.Array  # [L, P, K, page_size, H]
     v: jax.Array  # [L, P, K, page_size, H]
+
+    # Logical axes of k and v: split over kv heads like wk / wv, so attention runs without communication.
+    LOGICAL_AXES = (LAYERS, "pages", KV_HEADS, "page_slots", HEAD_DIM)
 
     @property
     def num_pages(self) -> int:

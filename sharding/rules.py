@@ -1,0 +1,70 @@
+"""Logical axis names and the one table that maps them to mesh axes; every sharding derives from it.
+
+Weights declare logical axes once (`models.llama.Weights.abstract`); `logical_to_spec` turns a tuple of logical
+axes into a `PartitionSpec` through `DEFAULT_RULES`, and `named_shardings` does it for a whole tree of specs.
+The KV cache shards over kv heads like the K/V projections, so attention needs no communication; the output
+projection and the MLP down projection contract a sharded axis, which XLA completes with one all-reduce each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sharding.mesh import EP_AXIS, TP_AXIS
+
+# Logical axis names, declared by weights and activations.
+LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERTS, BATCH = (
+    "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "batch")
+
+Rules = tuple[tuple[str, str | None], ...]
+
+# Megatron-style TP (Shoeybi et al. 2019): attention heads and the MLP hidden dimension split over `tp`; the
+# vocabulary too (embedding rows, LM head columns); experts over `ep`. Unlisted logical axes are replicated.
+DEFAULT_RULES: Rules = (
+    (HEADS, TP_AXIS),
+    (KV_HEADS, TP_AXIS),
+    (MLP, TP_AXIS),
+    (VOCAB, TP_AXIS),
+    (EXPERTS, EP_AXIS),
+)
+
+
+def logical_to_spec(axes: Sequence[str], rules: Rules = DEFAULT_RULES) -> PartitionSpec:
+    """The `PartitionSpec` of an array whose dimensions have logical names `axes`.
+
+    Raises:
+      ValueError: if two dimensions map to the same mesh axis (an array cannot be split twice over one axis).
+    """
+    table = dict(rules)
+    spec = [table.get(axis) for axis in axes]
+    used = [m for m in spec if m is not None]
+    if len(used) != len(set(used)):
+        raise ValueError(f"logical axes {tuple(axes)} map to mesh axes {tuple(spec)}: a mesh axis is used twice")
+    return PartitionSpec(*spec)
+
+
+def check_divisible(shape: Sequence[int], axes: Sequence[str], mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES,
+                    what: str = "array") -> None:
+    """Raises ValueError, naming the numbers, if a dimension is not a multiple of its mesh axis size."""
+    for size, axis, mesh_axis in zip(shape, axes, logical_to_spec(axes, rules)):
+        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+            raise ValueError(f"{what}: {axis} = {size} is not a multiple of {mesh_axis} = {mesh.shape[mesh_axis]}")
+
+
+def named_shardings(specs: Any, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES,
+                    is_leaf: Any = None) -> Any:
+    """A tree of `NamedSharding`s for a tree of objects with `.shape` and `.logical_axes` (e.g. `WeightSpec`).
+
+    Raises:
+      ValueError: from `logical_to_spec` or `check_divisible`, naming the offending leaf's path.
+    """
+    def one(path, spec) -> NamedSharding:
+        what = jax.tree_util.keystr(path)
+        check_divisible(spec.shape, spec.logical_axes, mesh, rules, what)
+        return NamedSharding(mesh, logical_to_spec(spec.logical_axes, rules))
+
+    return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_leaf)
