@@ -136,40 +136,24 @@ class JaxInferService(pb_grpc.JaxInferServicer):
 
     @staticmethod
     def _prompt(request: pb.GenerateRequest, engine: Engine) -> dict:
-        """Tokenizes the input (call it off the event loop): `{"prompt_token_ids", "prompt"}` for the engine.
+        """Tokenizes the input (call it off the event loop): `{"prompt_token_ids", "prompt"}` for the engine, which
+        checks the ids and the context at admission.
 
         Raises:
-          ValueError: naming the field: no input, an empty one, ids outside the vocabulary, a bad chat, a prompt
-            that leaves no room in the context.
+          ValueError: naming the field: no input, an empty one, ids outside the vocabulary, a bad chat.
         """
         which = request.WhichOneof("input")
-        text = None
         if which == "text":
             if not request.text:
                 raise ValueError("text must not be empty")
-            text, ids = request.text, engine.tokenizer.encode(request.text)
-        elif which == "token_ids":
-            ids = list(request.token_ids.ids)
-            if not ids:
+            return {"prompt_token_ids": engine.tokenize_prompt(request.text)[1], "prompt": request.text}
+        if which == "token_ids":
+            if not request.token_ids.ids:
                 raise ValueError("token_ids.ids must not be empty")
-            vocab = engine.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token_ids.ids contains ids outside [0, {vocab}): {bad[:5]}")
-        elif which == "chat":
-            ids = JaxInferService._chat_ids(engine, request.chat, for_generation=True)
-        else:
-            raise ValueError("input is required: set one of text, token_ids, chat")
-        if not ids:
-            raise ValueError(f"{which} encodes to no tokens")
-        if len(ids) >= engine.max_model_len:
-            raise ValueError(f"{which}: the prompt of {len(ids)} tokens does not fit the context of "
-                             f"{engine.max_model_len} tokens (at least one token must be generated)")
-        sp = request.sampling
-        if sp.HasField("max_tokens") and len(ids) + sp.max_tokens > engine.max_model_len:
-            raise ValueError(f"sampling.max_tokens={sp.max_tokens}: the prompt ({len(ids)} tokens) plus max_tokens "
-                             f"exceeds the context of {engine.max_model_len} tokens")
-        return {"prompt_token_ids": ids, "prompt": text}
+            return {"prompt_token_ids": engine.tokenize_prompt(list(request.token_ids.ids))[1]}
+        if which == "chat":
+            return {"prompt_token_ids": JaxInferService._chat_ids(engine, request.chat, for_generation=True)}
+        raise ValueError("input is required: set one of text, token_ids, chat")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = await self._ready(context)
@@ -264,13 +248,11 @@ class JaxInferService(pb_grpc.JaxInferServicer):
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = (await self._ready(context)).engine
         await self._check_size(request, context)
-        vocab = engine.tokenizer.vocab_size
-        bad = [t for t in request.token_ids if not 0 <= t < vocab]
-        if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids contains ids outside [0, {vocab}): {bad[:5]}")
-        text = await asyncio.to_thread(engine.tokenizer.decode, list(request.token_ids),
-                                       skip_special_tokens=request.skip_special_tokens)
+        try:
+            text = await asyncio.to_thread(engine.tokenizer.decode, list(request.token_ids),
+                                           skip_special_tokens=request.skip_special_tokens)
+        except ValueError as e:  # the tokenizer names the id outside the vocabulary
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {e}")
         return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -305,7 +287,6 @@ class Server:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._watchdog: asyncio.Task | None = None
-        self.ready = asyncio.Event()
         self.engine_error: BaseException | None = None
 
     async def _set_health(self, status: int) -> None:
@@ -350,12 +331,10 @@ class Server:
         except BaseException as e:  # noqa: BLE001 - reported through health and the log; the server stays up
             logger.exception("the engine failed to start")
             self.engine_error = e
-            self.ready.set()
             return
         self.async_engine = AsyncEngine(engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s (ready in %.1f s)", engine.model_config.name, time.perf_counter() - t0)
-        self.ready.set()
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:

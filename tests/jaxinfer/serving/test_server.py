@@ -260,7 +260,7 @@ BAD_REQUESTS = {
     "chat.messages must not be empty": pb.GenerateRequest(chat=pb.ChatInput()),
     "the last message is the assistant's": pb.GenerateRequest(chat=pb.ChatInput(messages=[
         pb.ChatMessage(role="user", content="Say hi"), pb.ChatMessage(role="assistant", content="Hello! I")])),
-    "sampling.max_tokens": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=9000)),
+    "max_tokens": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=9000)),
     "does not fit the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[42] * 9000)),
     "bytes": pb.GenerateRequest(text="a" * (2 << 20)),
 }
