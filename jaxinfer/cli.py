@@ -90,6 +90,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import signal
+
+    # Until the server installs its own handlers (after the jax/grpc imports), a stop signal exits at once, with 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: os._exit(0))  # nothing to clean up yet
     from jaxinfer.engine.engine import EngineConfig
     from jaxinfer.serving.server import ServerLimits, run
 

@@ -41,7 +41,9 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype) -> tuple[ModelC
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"{str(path)!r} is not a model: expected a .gguf file or an HF folder with config.json")
+        what = "it does not start with the GGUF magic bytes" if path.suffix.lower() == ".gguf" else \
+            "expected a .gguf file or an HF folder with config.json"
+        raise ValueError(f"{str(path)!r} is not a model: {what}")
     reader = read_gguf(path)
     cfg, weights = load_gguf_weights(reader, dtype)
     cfg = dataclasses.replace(cfg, name=cfg.name or path.stem)

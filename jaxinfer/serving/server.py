@@ -287,6 +287,7 @@ class Server:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._watchdog: asyncio.Task | None = None
+        self._load_task: asyncio.Task | None = None
         self.engine_error: BaseException | None = None
 
     async def _set_health(self, status: int) -> None:
@@ -322,13 +323,16 @@ class Server:
                 await self._grpc.stop(0)
                 raise ValueError(f"cannot serve metrics on {self.host}:{self.metrics_port}: {e}") from None
         logger.info("listening on %s:%d; loading the model", self.host, self.port)
-        asyncio.get_running_loop().create_task(self._load())
+        self._load_task = asyncio.get_running_loop().create_task(self._load())
 
     async def _load(self) -> None:
         t0 = time.perf_counter()
         try:
             engine = await asyncio.to_thread(Engine, self.config)
-        except BaseException as e:  # noqa: BLE001 - reported through health and the log; the server stays up
+        except asyncio.CancelledError:  # stopped while loading: the load thread finishes, nothing is served
+            logger.info("start-up cancelled")
+            raise
+        except Exception as e:  # noqa: BLE001 - reported through health and the log; the server stays up
             logger.exception("the engine failed to start")
             self.engine_error = e
             return
@@ -348,6 +352,8 @@ class Server:
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stops accepting calls, lets streams in flight finish for `grace_s` seconds, cancels the rest."""
         self.stopping = True
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
@@ -366,15 +372,15 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 50
     """Runs a server until SIGTERM or SIGINT, then stops it gracefully (`Server.stop(grace_s)`)."""
     import signal
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal during the model load stops cleanly too
+        loop.add_signal_handler(sig, stop.set)
     server = Server(config, host=host, port=port, limits=limits, metrics_port=metrics_port)
     await server.start()
     print(f"jaxinfer: serving gRPC on {server.host}:{server.port}"
           + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if metrics_port is not None else ""),
           flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("shutting down (grace %.1f s; a second signal cancels the streams in flight now)", grace_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
