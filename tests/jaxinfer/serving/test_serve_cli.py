@@ -71,3 +71,15 @@ def test_bad_serve_flags_exit_2():
         assert "Traceback" not in r.stderr
 
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.2, 2.0])  # while importing / while the model loads
+def test_a_stop_signal_during_start_up_exits_0_quietly(delay_s):
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--no-warmup"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and " ERROR " not in err, err
