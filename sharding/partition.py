@@ -1,0 +1,250 @@
+"""Placing a model on a mesh: head padding when `tp` does not divide the head counts, then sharded weights.
+
+Megatron-style tensor parallelism (Shoeybi et al. 2019) gives every TP rank a contiguous block of query heads, the
+KV heads they read, and a block of the MLP hidden dimension. Real models do not always divide: SmolLM2-135M has
+9 query heads over 3 KV heads, which no `tp` in {2, 4, 8} divides. Instead of refusing, `tp_layout` builds an
+exact padded layout:
+
+- **KV heads are replicated** into K' slots (K' a multiple of tp); each slot is a copy of one original KV head, so
+  its K/V projections, and the cache it writes, are that head's.
+- **Query heads are regrouped** into N' = K' * G' slots, G' per KV slot; every original query head sits in exactly
+  one slot of its own KV head; the other slots are zero query heads whose output-projection rows are zero, so they
+  add exactly nothing to the layer output.
+- **MLP hidden and vocabulary** are zero-padded to multiples of tp: a zero gate column gives silu(0) * up = 0 and
+  a zero down-projection row adds nothing; padded vocabulary ids get logit 0 and are masked by the sampler's
+  `vocab_limit` (the runner never samples or reports them).
+
+Among the layouts, the one with the fewest padded query heads (per-rank attention work) wins, then the fewest KV
+slots (per-rank cache memory). A mesh that cannot be served usefully (more TP ranks than query heads, experts not
+divisible over `ep`, an MoE mesh axis on a dense model) is refused with an error that names the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models.config import ModelConfig
+from sharding.mesh import EP_AXIS, TP_AXIS
+from sharding.rules import DEFAULT_RULES, HEADS, KV_HEADS, MLP, VOCAB, Rules, logical_to_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """How one model's heads, MLP and vocabulary are padded for `tp` ranks.
+
+    Attributes:
+      tp: number of TP ranks.
+      q_source: i32[N'], the original query head each query slot holds (0 for padding slots).
+      q_valid: bool[N'], False for zero padding slots.
+      kv_source: i32[K'], the original KV head each KV slot copies.
+    """
+
+    tp: int
+    q_source: np.ndarray
+    q_valid: np.ndarray
+    kv_source: np.ndarray
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.q_source)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_source)
+
+    @property
+    def heads_identity(self) -> bool:
+        """True when heads need no padding, regrouping or replication."""
+        return bool(self.q_valid.all() and (self.q_source == np.arange(self.num_heads)).all()
+                    and (self.kv_source == np.arange(self.num_kv_heads)).all())
+
+    def pad_size(self, size: int) -> int:
+        """A dimension split over TP (MLP hidden, vocabulary) padded to a multiple of tp."""
+        return -(-size // self.tp) * self.tp
+
+
+def tp_layout(cfg: ModelConfig, tp: int) -> TPLayout:
+    """The padded head layout of `cfg` for `tp` ranks (identity when tp divides both head counts).
+
+    Raises:
+      ValueError: tp < 1, or tp larger than the number of query heads (ranks would hold only padding).
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be a positive integer")
+    N, K, G = cfg.num_heads, cfg.num_kv_heads, cfg.num_queries_per_kv
+    if tp > N:
+        raise ValueError(f"tp={tp} is more than the model's {N} query heads: {tp - N} TP ranks would hold only "
+                         f"padding; use tp <= {N}")
+    best: tuple[int, int] | None = None  # (N', K')
+    for k_slots in range(-(-K // tp) * tp, K * tp + 1, tp):
+        per_slot = -(-G // (k_slots // K))  # a KV head with the fewest slots spreads G query heads over them
+        key = (k_slots * per_slot, k_slots)
+        best = key if best is None or key < best else best
+    n_slots, k_slots = best
+    per_slot = n_slots // k_slots
+    base, extra = divmod(k_slots, K)
+    kv_source, q_source, q_valid = [], [], []
+    for head in range(K):
+        slots = base + (head < extra)
+        sizes = [G // slots + (j < G % slots) for j in range(slots)]  # as even as possible, each <= per_slot
+        first = head * G
+        for size in sizes:
+            kv_source.append(head)
+            q_source += list(range(first, first + size)) + [0] * (per_slot - size)
+            q_valid += [True] * size + [False] * (per_slot - size)
+            first += size
+    return TPLayout(tp=tp, q_source=np.array(q_source, np.int32), q_valid=np.array(q_valid, bool),
+                    kv_source=np.array(kv_source, np.int32))
+
+
+def padded_config(cfg: ModelConfig, layout: TPLayout) -> ModelConfig:
+    """The config of the padded model: N', K', and the TP-split sizes rounded up to multiples of tp."""
+    changes: dict[str, Any] = dict(num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads,
+                                   intermediate_size=layout.pad_size(cfg.intermediate_size),
+                                   vocab_size=layout.pad_size(cfg.vocab_size))
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE widths, where the config has them
+        if getattr(cfg, name, 0):
+            changes[name] = layout.pad_size(getattr(cfg, name))
+    return dataclasses.replace(cfg, **changes)
+
+
+def _pad_axis(x: Any, axis: int, size: int) -> Any:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return (np if isinstance(x, np.ndarray) else jnp).pad(x, widths)
+
+
+def pad_weights(weights: Any, specs: Any, layout: TPLayout) -> Any:
+    """Applies `layout` to every weight by its logical axes (numpy in, numpy out; jax arrays in, jax out).
+
+    Args:
+      weights: a weight pytree (e.g. `models.llama.Weights`) of the unpadded model.
+      specs: the same tree of objects with `.shape` and `.logical_axes` (`Weights.abstract(cfg)`).
+      layout: from `tp_layout`.
+
+    Returns:
+      The padded tree: HEADS axes gathered by `q_source` and zeroed where not `q_valid`, KV_HEADS axes gathered
+      by `kv_source`, MLP and VOCAB axes zero-padded to multiples of tp.
+    """
+    def one(spec: Any, w: Any) -> Any:
+        if w is None:
+            return None
+        xp = np if isinstance(w, np.ndarray) else jnp
+        for axis, name in enumerate(spec.logical_axes):
+            if name == HEADS and not layout.heads_identity:
+                w = xp.take(w, layout.q_source, axis=axis)
+                shape = [1] * w.ndim
+                shape[axis] = -1
+                w = w * layout.q_valid.reshape(shape).astype(w.dtype)
+            elif name == KV_HEADS and not layout.heads_identity:
+                w = xp.take(w, layout.kv_source, axis=axis)
+            elif name in (MLP, VOCAB):
+                w = _pad_axis(w, axis, layout.pad_size(w.shape[axis]))
+        return w
+
+    return jax.tree.map(one, specs, weights, is_leaf=lambda x: x is None or hasattr(x, "logical_axes"))
+
+
+def check_mesh(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> None:
+    """Refuses meshes this model cannot be served on, naming the numbers.
+
+    Raises:
+      ValueError: tp larger than the query heads (from `tp_layout`), ep > 1 on a dense model, or experts not a
+        multiple of ep.
+    """
+    tp_layout(cfg, mesh.shape[TP_AXIS])
+    ep = mesh.shape[EP_AXIS]
+    experts = getattr(cfg, "num_experts", 0)
+    if ep > 1 and not experts:
+        raise ValueError(f"expert_parallel_size={ep} needs an MoE model; {cfg.name or cfg.architecture} is dense")
+    if experts and experts % ep:
+        raise ValueError(f"num_experts={experts} is not a multiple of expert_parallel_size={ep}")
+
+
+def replicated_where_indivisible(specs: Any, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """`NamedSharding`s of the *unpadded* weights: split as the rules say where sizes divide, else replicated.
+
+    This is what a checkpoint is restored into before `pad_weights` runs on device (sharded in, sharded out).
+    """
+    def one(spec: Any) -> NamedSharding:
+        parts = [m if m is None or size % mesh.shape[m] == 0 else None
+                 for size, m in zip(spec.shape, logical_to_spec(spec.logical_axes, rules))]
+        return NamedSharding(mesh, PartitionSpec(*parts))
+
+    return jax.tree.map(one, specs, is_leaf=lambda x: hasattr(x, "logical_axes"))
+
+
+def put_sharded(tree: Any, shardings: Any) -> Any:
+    """Places host (numpy) arrays with their shardings; works when the mesh spans several processes (each process
+    holds the whole host array and copies only its addressable shards)."""
+    def one(x: Any, sharding: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array):
+            return jax.device_put(x, sharding)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+    """A model placed on a mesh.
+
+    Attributes:
+      cfg: the padded config the forward pass runs with (`padded_config`).
+      original: the checkpoint's config (vocabulary and head counts as trained).
+      weights: the padded weights, each with its `NamedSharding`.
+      mesh: the mesh.
+      layout: the TP head layout.
+    """
+
+    cfg: ModelConfig
+    original: ModelConfig
+    weights: Any
+    mesh: jax.sharding.Mesh
+    layout: TPLayout
+
+    def kv_cache_sharding(self) -> NamedSharding:
+        """The KV cache's sharding: split over (padded) KV heads."""
+        from models.llama import KVCache
+
+        return NamedSharding(self.mesh, logical_to_spec(KVCache.LOGICAL_AXES))
+
+
+def shard_model(cfg: ModelConfig, weights: Any, mesh: jax.sharding.Mesh) -> ShardedModel:
+    """Pads a model for the mesh's tp size and places every weight with the sharding its logical axes give.
+
+    Args:
+      cfg: the checkpoint's config.
+      weights: `models.llama.Weights` of numpy arrays (host) or jax arrays (e.g. restored sharded by orbax into
+        `replicated_where_indivisible` shardings; padding then runs on device).
+      mesh: from `sharding.mesh.make_mesh`.
+
+    Raises:
+      ValueError: from `check_mesh`.
+    """
+    from models.llama import Weights
+
+    check_mesh(cfg, mesh)
+    layout = tp_layout(cfg, mesh.shape[TP_AXIS])
+    padded_cfg = padded_config(cfg, layout)
+    specs = Weights.abstract(cfg)
+    is_spec = lambda x: hasattr(x, "logical_axes")  # noqa: E731
+    target = jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.logical_axes)),
+                          Weights.abstract(padded_cfg), is_leaf=is_spec)
+    host = all(isinstance(x, np.ndarray) for x in jax.tree.leaves(weights))
+    if host:
+        placed = put_sharded(pad_weights(weights, specs, layout), target)
+    else:
+        placed = jax.jit(lambda w: pad_weights(w, specs, layout), out_shardings=target)(weights)
+    return ShardedModel(cfg=padded_cfg, original=cfg, weights=placed, mesh=mesh, layout=layout)
+
+
