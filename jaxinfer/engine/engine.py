@@ -39,6 +39,8 @@ from jaxinfer.scheduler.sequence import Sequence as Seq
 from jaxinfer.tokenizer import IncrementalDetokenizer
 from models.llama import KVCache
 from pallas_kernels.dispatch import AttentionBackend, select_attention
+from sharding.mesh import make_mesh
+from sharding.partition import shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,11 @@ class EngineConfig:
         request waits for a compile; tests and one-shot scripts turn it off.
       attention_backend: "auto" (Pallas kernels on TPU and GPU, the `jnp` reference on CPU), "reference", or
         "pallas" (on CPU: the TPU kernels in interpret mode, for testing; slow). See `pallas_kernels.dispatch`.
+      tensor_parallel_size: TP ranks: attention heads, MLP hidden and vocabulary split over this many devices
+        (Megatron-style; head counts that do not divide are padded exactly, see `sharding.partition`).
+      expert_parallel_size: EP ranks: an MoE model's experts split over this many devices (MoE models only).
+        The mesh is `tensor_parallel_size * expert_parallel_size` devices (`sharding.mesh.make_mesh`); on CPU,
+        `XLA_FLAGS=--xla_force_host_platform_device_count=N` gives N devices.
     """
 
     model: str | None = None
@@ -79,11 +86,14 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True
     attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "expert_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -145,27 +155,38 @@ class Engine:
         self.config = config
         self.dtype = DTYPES[config.dtype]
         t0 = time.perf_counter()
+        tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+        self.mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
         cfg, np_weights, self.tokenizer = load_model(config.model, np.dtype(self.dtype))
-        self.model_config = cfg
-        weights = jax.tree.map(jnp.asarray, np_weights)
+        self.model_config = cfg  # as trained; the runner gets the TP-padded config
+        if self.mesh is None:
+            run_cfg, weights = cfg, jax.tree.map(jnp.asarray, np_weights)
+        else:
+            sharded = shard_model(cfg, np_weights, self.mesh)
+            run_cfg, weights = sharded.cfg, sharded.weights
+            logger.info("sharded over tp=%d x ep=%d devices: %d query heads, %d KV heads (padded from %d / %d)",
+                        tp, ep, run_cfg.num_heads, run_cfg.num_kv_heads, cfg.num_heads, cfg.num_kv_heads)
         del np_weights
         logger.info("loaded %s (%s) in %.1f s", cfg.name, config.dtype, time.perf_counter() - t0)
 
         self.max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if not 1 <= self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
-        page_bytes = KVCache.bytes_per_page(cfg, config.page_size, self.dtype)
+        page_bytes = KVCache.bytes_per_page(run_cfg, config.page_size, self.dtype)  # over all devices
+        if self.mesh is not None and jax.default_backend() != "cpu":
+            page_bytes //= tp  # the budget is per device there (CPU devices share the host's memory)
         budget = config.kv_cache_memory_bytes or self._default_kv_budget()
         max_useful_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
         num_pages = min(int(budget) // page_bytes, max_useful_pages) + 1
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV page ({page_bytes} bytes)")
         self.page_size = config.page_size
-        self.runner = ModelRunner(cfg, weights, num_pages=num_pages, page_size=config.page_size,
+        self.runner = ModelRunner(run_cfg, weights, num_pages=num_pages, page_size=config.page_size,
                                   kv_dtype=self.dtype, scan_layers=config.scan_layers,
                                   attention=select_attention(config.attention_backend),
                                   vocab_limit=min(cfg.vocab_size, self.tokenizer.vocab_size),
-                                  max_pages_per_seq=-(-self.max_model_len // config.page_size))
+                                  max_pages_per_seq=-(-self.max_model_len // config.page_size),
+                                  mesh=self.mesh, output_vocab=cfg.vocab_size)
         self.page_allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -107,13 +108,9 @@ def _step(
     metadata: AttentionMetadata,
     kv_cache: KVCache,
     sampling: SamplingArrays,
-    *,
-    cfg: ModelConfig,
-    scan_layers: bool,
-    attention: AttentionOps,
+    **model_kwargs,
 ) -> tuple[SampleOutput, jax.Array, KVCache]:
-    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, cfg, scan_layers=scan_layers,
-                               attention=attention)
+    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     return sample(logits, sampling), finite, kv_cache
 
@@ -137,6 +134,10 @@ class ModelRunner:
       vocab_limit: ids at or above it are never sampled (a model's embedding table may be padded past the
         tokenizer's vocabulary); default: the model's vocabulary size.
       max_pages_per_seq: widest page table (context limit / page size); default from the model's context.
+      mesh: the device mesh the weights are sharded on (`sharding.partition.shard_model`), or None for one
+        device. With a mesh the KV cache is split over KV heads, and every step's outputs (sampled tokens,
+        logits) come back replicated, so each process of a multi-host run can read them.
+      output_vocab: logits columns `compute_logits` returns; default V. A model padded for TP has a larger V.
     """
 
     def __init__(
@@ -151,6 +152,8 @@ class ModelRunner:
         attention: AttentionOps = REFERENCE_OPS,
         vocab_limit: int | None = None,
         max_pages_per_seq: int | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        output_vocab: int | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the reserved null page)")
@@ -160,17 +163,31 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_pages_per_seq = max_pages_per_seq or -(-cfg.max_position_embeddings // page_size)
-        self.kv_cache = KVCache.zeros(cfg, num_pages, page_size, kv_dtype)
+        self.output_vocab = cfg.vocab_size if output_vocab is None else output_vocab
+        self.mesh = mesh
         self.attention = attention
+        # On a mesh the cache stays split over KV heads and everything else the step returns is replicated.
+        cache_out = replicated = None
+        if mesh is not None:
+            from sharding.rules import logical_to_spec
+
+            cache_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
+            cache_out = KVCache(k=cache_sharding, v=cache_sharding)
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self.kv_cache = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
+                                out_shardings=cache_out)()
+        model_kwargs = dict(cfg=cfg, scan_layers=scan_layers, attention=attention)
+        if mesh is not None and "mesh" in inspect.signature(forward).parameters:
+            model_kwargs["mesh"] = mesh
         self._step = jax.jit(
-            functools.partial(_step, cfg=cfg, scan_layers=scan_layers, attention=attention),
-            donate_argnames=("kv_cache",),
+            functools.partial(_step, **model_kwargs), donate_argnames=("kv_cache",),
+            out_shardings=None if mesh is None else (replicated, replicated, cache_out),
         )
-        self._clear_pages = jax.jit(_clear_pages, donate_argnums=0)
+        self._clear_pages = jax.jit(_clear_pages, donate_argnums=0, out_shardings=cache_out)
         self._compiled: dict[tuple, Callable] = {}  # ahead-of-time compiled steps by `_shape_key`
         self._forward_all = jax.jit(
-            functools.partial(forward, cfg=cfg, scan_layers=scan_layers, attention=attention),
-            donate_argnames=("kv_cache",),
+            functools.partial(forward, **model_kwargs), donate_argnames=("kv_cache",),
+            out_shardings=None if mesh is None else (replicated, cache_out),
         )
 
     def _prepare(self, chunks: Sequence[SequenceChunk], all_rows: bool) -> tuple[np.ndarray, AttentionMetadata, int]:
@@ -321,4 +338,4 @@ class ModelRunner:
         """
         tokens, metadata, _ = self._prepare(chunks, all_rows=True)
         logits, self.kv_cache = self._forward_all(self.weights, tokens, metadata, self.kv_cache)
-        return np.asarray(logits)[: sum(len(c.token_ids) for c in chunks)]
+        return np.asarray(logits)[: sum(len(c.token_ids) for c in chunks), : self.output_vocab]
