@@ -82,3 +82,81 @@ def test_mesh_sizes_are_checked():
         make_mesh(tp=16)
     with pytest.raises(ValueError, match="tp=0"):
         make_mesh(tp=0)
+
+
+# --- SmolLM2 through the engine at tp = 1, 2, 4, 8 (9 query / 3 KV heads: padded layouts at tp 2, 4, 8) ----------
+
+import functools  # noqa: E402
+import re  # noqa: E402
+
+from jaxinfer.engine.runner import SequenceChunk  # noqa: E402
+from jaxinfer.llm import LLM  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+from sharding.partition import shard_model  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived",
+           "1, 2, 3, 4,"]
+MAX_TOKENS = [12, 5, 9, 3]  # different lengths: requests leave the batch at different steps
+
+
+@functools.cache
+def _smollm2_run(tp: int) -> tuple[np.ndarray, list[list[int]]]:
+    """(logits of one 40-token prefill, greedy tokens of PROMPTS) from an engine with tensor_parallel_size=tp."""
+    # A 16-token step budget splits the longer prompts into chunks prefilled beside the others' decodes.
+    llm = LLM(tensor_parallel_size=tp, warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=64 << 20)
+    if tp > 1:  # the weights really are split: the rules' shard shapes, on tp devices
+        w = llm.runner.weights.layers
+        cfg = llm.runner.cfg
+        assert w.wq.addressable_shards[0].data.shape[2] == cfg.num_heads // tp
+        assert w.w_down.addressable_shards[0].data.shape[1] == cfg.intermediate_size // tp
+        assert len(w.wq.sharding.device_set) == tp
+        assert llm.runner.kv_cache.k.addressable_shards[0].data.shape[2] == cfg.num_kv_heads // tp
+    ids = llm.tokenizer.encode(" ".join(PROMPTS))[:40]
+    pages = llm.page_allocator.allocate(-(-len(ids) // llm.page_size))
+    logits = llm.runner.compute_logits([SequenceChunk(ids, 0, pages)])
+    llm.page_allocator.free(pages)
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS])
+    return logits, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_smollm2_tp_logits_and_greedy_tokens_equal_single_device(tp):
+    want_logits, want_tokens = _smollm2_run(1)
+    got_logits, got_tokens = _smollm2_run(tp)
+    assert got_logits.shape == want_logits.shape  # padded vocabulary columns are not returned
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert got_tokens == want_tokens
+    assert [len(t) for t in got_tokens] == MAX_TOKENS
+
+
+# --- the collectives the partitioner inserts ---------------------------------------------------------------------
+
+def _collectives(hlo: str, op: str) -> list[str]:
+    return [line for line in hlo.splitlines() if re.search(rf"= \S+ {op}(-start)?\(", line)]
+
+
+@pytest.mark.parametrize("heads", [(8, 4), (9, 3)])
+@pytest.mark.parametrize("scan", [False, True])
+def test_exactly_two_all_reduces_per_layer_and_no_weight_all_gather(heads, scan):
+    """Megatron TP needs one all-reduce after the attention output projection and one after the MLP down
+    projection per layer, plus one for the vocabulary-split embedding lookup; nothing else, and never an
+    all-gather of a weight (the partitioner's silent fallback when a sharding does not line up)."""
+    cfg = dataclasses.replace(TINY, num_heads=heads[0], num_kv_heads=heads[1], num_layers=3)
+    mesh = make_mesh(tp=4)
+    sharded = shard_model(cfg, jax.tree.map(np.asarray, init_weights(cfg, jax.random.key(0))), mesh)
+    cache_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
+    cache = jax.jit(lambda: KVCache.zeros(sharded.cfg, NUM_PAGES, PAGE_SIZE),
+                    out_shardings=KVCache(k=cache_sharding, v=cache_sharding))()
+    tokens, meta = _batch()
+    step = jax.jit(functools.partial(forward, cfg=sharded.cfg, scan_layers=scan))
+    hlo = step.lower(sharded.weights, tokens, meta, cache).compile().as_text()
+    layers_in_program = 1 if scan else cfg.num_layers  # a scanned layer is one loop body
+    assert len(_collectives(hlo, "all-reduce")) == 2 * layers_in_program + 1
+    weight_shapes = {tuple(s.shape) for s in jax.tree.leaves(Weights.abstract(sharded.cfg), is_leaf=_is_spec)}
+    weight_shapes |= {shape[1:] for shape in weight_shapes}  # one layer's slice of a stacked weight
+    for line in _collectives(hlo, "all-gather"):
+        shape = tuple(int(d) for d in re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") if d)
+        assert shape not in weight_shapes, f"a whole weight is all-gathered: {line.strip()[:160]}"
+    for op in ("reduce-scatter", "all-to-all", "collective-permute"):
+        assert not _collectives(hlo, op), op
