@@ -1,6 +1,7 @@
 """Checkpoint loaders: GGUF (through `gguf`) and HF folders (`config.json` + safetensors) into `models.llama.Weights`.
 
-The table `_TENSORS` is the one place that maps checkpoint tensor names to our pytree fields.
+The tables `_LAYER_TENSORS`, `_MOE_LAYER_TENSORS` and `_TOP_TENSORS` are the one place that maps checkpoint
+tensor names to our pytree fields.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class _TensorName:
     hf: str
     convert: Callable[[np.ndarray, ModelConfig], np.ndarray]
     rope_heads: str | None = None  # GGUF converters permute these rows for llama.cpp's rotary layout
+    per_expert: bool = False  # one tensor per expert `{j}`, stacked on axis 0 of the field (after L)
 
 
 _LAYER_TENSORS: dict[str, _TensorName] = {
@@ -105,6 +107,34 @@ _LAYER_TENSORS: dict[str, _TensorName] = {
     "b_up": _TensorName("blk.{i}.ffn_up.bias", "model.layers.{i}.mlp.up_proj.bias", _identity),
     "b_down": _TensorName("blk.{i}.ffn_down.bias", "model.layers.{i}.mlp.down_proj.bias", _identity),
 }
+
+
+def _moe_names(router: str, expert: str, gate: str, up: str, down: str, shared: str | None) -> dict[str, _TensorName]:
+    """HF per-expert names of one MoE architecture (no GGUF names: MoE GGUF files are refused by the config)."""
+    prefix = "model.layers.{i}."
+    names = {
+        "router": _TensorName("", prefix + router, _transpose),  # [E, D] -> [D, E]
+        "e_gate": _TensorName("", prefix + f"{expert}.{gate}.weight", _transpose, per_expert=True),  # [Fe, D]
+        "e_up": _TensorName("", prefix + f"{expert}.{up}.weight", _transpose, per_expert=True),  # [Fe, D]
+        "e_down": _TensorName("", prefix + f"{expert}.{down}.weight", _transpose, per_expert=True),  # [D, Fe]
+    }
+    if shared is not None:
+        names.update({
+            "s_gate": _TensorName("", prefix + f"{shared}.gate_proj.weight", _transpose),  # [Fs, D] -> [D, Fs]
+            "s_up": _TensorName("", prefix + f"{shared}.up_proj.weight", _transpose),
+            "s_down": _TensorName("", prefix + f"{shared}.down_proj.weight", _transpose),  # [D, Fs] -> [Fs, D]
+            "s_router": _TensorName("", prefix + f"{shared}_gate.weight", _transpose),  # [1, D] -> [D, 1]
+        })
+    return names
+
+
+# Hub layouts, which transformers 5.24's `save_pretrained` also writes (it un-fuses its in-memory
+# `experts.gate_up_proj` [E, 2 Fe, D] / `experts.down_proj` [E, D, Fe] on save, checked by scripts/make_golden.py).
+_MOE_LAYER_TENSORS: dict[str, dict[str, _TensorName]] = {
+    "mixtral": _moe_names("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}", "w1", "w3", "w2", None),
+    "qwen2_moe": _moe_names("mlp.gate.weight", "mlp.experts.{j}", "gate_proj", "up_proj", "down_proj",
+                            "mlp.shared_expert"),
+}
 _TOP_TENSORS: dict[str, _TensorName] = {
     "embed": _TensorName("token_embd.weight", "model.embed_tokens.weight", _identity),
     "final_norm": _TensorName("output_norm.weight", "model.norm.weight", _identity),
@@ -123,30 +153,33 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _assemble(
     cfg: ModelConfig,
-    fetch: Callable[[_TensorName, int | None], np.ndarray | None],
+    fetch: Callable[[_TensorName, int | None, int | None], np.ndarray | None],
     source: str,
     dtype: np.dtype,
 ) -> Weights:
-    """Builds `Weights` from a per-tensor fetch function; checks presence and shapes against the config."""
+    """Builds `Weights` from a per-tensor fetch function (name, layer, expert); checks presence and shapes."""
     specs = Weights.abstract(cfg)
 
-    def get(field: str, name: _TensorName, spec, layer: int | None) -> np.ndarray:
-        raw = fetch(name, layer)
-        label = (name.gguf if source == "gguf" else name.hf).format(i=layer)
+    def get(field: str, name: _TensorName, spec, layer: int | None, expert: int | None = None) -> np.ndarray:
+        if name.per_expert and expert is None:
+            return np.stack([get(field, name, spec, layer, j) for j in range(cfg.num_experts)])
+        raw = fetch(name, layer, expert)
+        label = (name.gguf if source == "gguf" else name.hf).format(i=layer, j=expert)
+        expected = spec.shape[1:] if layer is not None else spec.shape
+        expected = expected[1:] if expert is not None else expected
         if raw is None:
             raise ValueError(f"{source} checkpoint is missing tensor {label!r}")
         try:
             arr = name.convert(raw, cfg)
         except ValueError:
             raise ValueError(f"{source} tensor {label!r} has shape {raw.shape}, which does not fit the config "
-                             f"(expected {spec.shape[1:] if layer is not None else spec.shape})") from None
-        expected = spec.shape[1:] if layer is not None else spec.shape
+                             f"(expected {expected})") from None
         if arr.shape != expected:
             raise ValueError(f"{source} tensor {label!r} has shape {raw.shape}; the config needs {expected}")
         return arr.astype(dtype)
 
     layer_fields = {}
-    for field, name in _LAYER_TENSORS.items():
+    for field, name in {**_LAYER_TENSORS, **_MOE_LAYER_TENSORS.get(cfg.architecture, {})}.items():
         spec = getattr(specs.layers, field)
         if spec is None:
             continue
@@ -210,7 +243,7 @@ def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -
                               mlp_bias="blk.0.ffn_gate.bias" in tensors)
     permute = cfg.architecture in _PERMUTED_GGUF_ARCHITECTURES
 
-    def fetch(name: _TensorName, layer: int | None) -> np.ndarray | None:
+    def fetch(name: _TensorName, layer: int | None, expert: int | None) -> np.ndarray | None:
         key = name.gguf.format(i=layer)
         t = tensors.get(key)
         if t is None:
@@ -280,8 +313,8 @@ def load_hf_weights(folder: str | os.PathLike, dtype: np.dtype = np.float32) -> 
     if weight_map is not None:
         location.update({k: v for k, v in weight_map.items() if v in handles})
 
-    def fetch(name: _TensorName, layer: int | None) -> np.ndarray | None:
-        key = name.hf.format(i=layer)
+    def fetch(name: _TensorName, layer: int | None, expert: int | None) -> np.ndarray | None:
+        key = name.hf.format(i=layer, j=expert)
         if key not in location:
             return None
         return np.asarray(handles[location[key]].get_tensor(key), dtype=np.float32)

@@ -27,7 +27,8 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe")  # sparse MoE MLP in every layer (`models.moe`); HF folders only
 
 
 def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> ModelConfig:
@@ -42,7 +43,7 @@ def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> Model
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2).
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Mixtral, Qwen2-MoE).
 
     Attributes:
       architecture: one of `SUPPORTED_ARCHITECTURES`.
@@ -62,6 +63,15 @@ class ModelConfig:
       mlp_bias: gate/up/down projections carry a bias.
       sliding_window: W, or None for full attention: a query at position p sees keys at positions > p - W
         (Mistral, Jiang et al. 2023; every layer).
+      num_experts: E, routed experts of the sparse MoE MLP in every layer; 0 is a dense SwiGLU MLP (then the
+        other MoE fields must be 0). Mixtral: Jiang et al. 2024; Qwen2-MoE: Qwen team 2024.
+      num_experts_per_tok: k, experts each token is routed to (top-k of the router softmax), 1 <= k <= E.
+      moe_intermediate_size: Fe, SwiGLU hidden width of each routed expert (Mixtral's HF config calls it
+        `intermediate_size`).
+      shared_expert_intermediate_size: Fs, hidden width of the always-on shared expert (Qwen2-MoE), gated by
+        sigmoid(h @ shared_expert_gate); 0 means none.
+      norm_topk_prob: renormalize the k selected softmax weights to sum to 1 (Mixtral: always; Qwen2-MoE: its
+        `norm_topk_prob` key).
       name: human-readable model name, for logs and `ModelInfo`.
     """
 
@@ -81,6 +91,11 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -101,6 +116,38 @@ class ModelConfig:
             raise ValueError(f"model config: head_dim={self.head_dim} must be even for RoPE")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"model config: sliding_window={self.sliding_window!r} must be None or a positive integer")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """Raises ValueError, naming the numbers, for inconsistent MoE fields."""
+        for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "shared_expert_intermediate_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"model config: {field}={value!r} must be a non-negative integer")
+        E, k = self.num_experts, self.num_experts_per_tok
+        if self.architecture in MOE_ARCHITECTURES and E == 0:
+            raise ValueError(f"model config: architecture {self.architecture!r} needs num_experts >= 1, got 0")
+        if E == 0:
+            extra = {f: getattr(self, f) for f in ("num_experts_per_tok", "moe_intermediate_size",
+                                                    "shared_expert_intermediate_size") if getattr(self, f)}
+            if extra:
+                raise ValueError(f"model config: num_experts=0 (dense MLP) but {extra} set; MoE fields need "
+                                 "num_experts >= 1")
+            return
+        if not 1 <= k <= E:
+            raise ValueError(f"model config: num_experts_per_tok={k} must be in [1, num_experts={E}]")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"model config: moe_intermediate_size={self.moe_intermediate_size} must be >= 1 "
+                             f"with num_experts={E}")
+        if self.mlp_bias:
+            raise ValueError(f"model config: mlp_bias=True is not supported with num_experts={E} (MoE experts "
+                             "have no biases)")
+
+    @property
+    def is_moe(self) -> bool:
+        """True when every layer's MLP is a sparse mixture of experts (`models.moe.moe_block`)."""
+        return self.num_experts > 0
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -128,10 +175,12 @@ class ModelConfig:
           ValueError: unknown `general.architecture` or a missing required key (named in the message).
         """
         arch = meta.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"GGUF general.architecture={arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        dense = tuple(a for a in SUPPORTED_ARCHITECTURES if a not in MOE_ARCHITECTURES)
+        if arch not in dense:
+            raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: {', '.join(dense)}")
+        if meta.get(f"{arch}.expert_count"):
+            raise ValueError(f"GGUF {arch}.expert_count={meta[f'{arch}.expert_count']}: MoE GGUF files are not "
+                             "supported yet; load the HF safetensors folder instead")
 
         def need(key: str) -> Any:
             full = f"{arch}.{key}"
@@ -216,7 +265,7 @@ class ModelConfig:
             raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU needs silu)")
         max_positions = int(hf.get("max_position_embeddings", 4096))
         window = hf.get("sliding_window")
-        if not (window and hf.get("use_sliding_window", model_type == "mistral") and window < max_positions):
+        if not (window and hf.get("use_sliding_window", model_type in ("mistral", "mixtral")) and window < max_positions):
             window = None  # absent, switched off, or wider than the context: full attention
         rope = dict(hf.get("rope_parameters") or {})
         if hf.get("rope_scaling"):
@@ -250,8 +299,44 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")) if model_type != "qwen2_moe"
+            else bool(hf.get("qkv_bias", True)),  # Qwen2-MoE: q/k/v biases unless v5's qkv_bias says otherwise
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=None if window is None else int(window),
             name=name,
+            **_hf_moe_fields(hf, model_type),
         )
+
+
+def _hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of `ModelConfig` from an HF Mixtral or Qwen2-MoE `config.json`; {} for dense models.
+
+    Mixtral (`MixtralConfig`): `num_local_experts`, `num_experts_per_tok`, and `intermediate_size` is the expert
+    width; the top-k weights are always renormalized. Qwen2-MoE (`Qwen2MoeConfig`): `num_experts`,
+    `num_experts_per_tok`, `moe_intermediate_size`, `shared_expert_intermediate_size`, `norm_topk_prob` (default
+    False).
+
+    Raises:
+      ValueError: a missing key, or a Qwen2-MoE layout with dense layers in between (`mlp_only_layers` non-empty
+        or `decoder_sparse_step` != 1), which is not supported yet.
+    """
+    def need(key: str) -> Any:
+        if key not in hf:
+            raise ValueError(f"config.json ({model_type}) is missing required key {key!r}")
+        return hf[key]
+
+    if model_type == "mixtral":
+        return dict(num_experts=need("num_local_experts"), num_experts_per_tok=need("num_experts_per_tok"),
+                    moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True)
+    if model_type == "qwen2_moe":
+        if hf.get("mlp_only_layers"):
+            raise ValueError(f"config.json mlp_only_layers={hf['mlp_only_layers']!r}: Qwen2-MoE with dense MLP "
+                             "layers is not supported yet (every layer must be sparse)")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"config.json decoder_sparse_step={hf['decoder_sparse_step']!r}: only 1 (every layer "
+                             "sparse) is supported yet")
+        return dict(num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
+                    moe_intermediate_size=need("moe_intermediate_size"),
+                    shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    return {}

@@ -4,7 +4,8 @@ One entry point, `forward(params, tokens, metadata, kv_cache, cfg)`, serves a ra
 its new tokens (one for a decode, many for a prefill chunk), flattened into `tokens`; `metadata` says where each
 sequence's tokens start (`cu_q_lens`), how long its context is after this step (`kv_lens`) and where its pages are
 (`page_table`). Architecture: Touvron et al. 2023 (Llama), with GQA (Ainslie et al. 2023), RoPE (Su et al. 2021),
-RMSNorm (Zhang & Sennrich 2019) and SwiGLU (Shazeer 2020).
+RMSNorm (Zhang & Sennrich 2019) and SwiGLU (Shazeer 2020); Mixtral / Qwen2-MoE replace the MLP by the sparse MoE
+block of `models.moe`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import moe
 from models.config import ModelConfig, RopeType
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from pallas_kernels.paged_attention import write_kv
@@ -34,7 +36,11 @@ class WeightSpec:
 
 @flax.struct.dataclass
 class LayerWeights:
-    """Decoder-layer weights, stacked over layers on axis 0 (L). Projections are stored input-dim first."""
+    """Decoder-layer weights, stacked over layers on axis 0 (L). Projections are stored input-dim first.
+
+    Dense models carry w_gate/w_up/w_down; MoE models (`cfg.num_experts` > 0) carry router/e_* (and s_* with a
+    shared expert) instead, with E experts of width Fe and a shared expert of width Fs.
+    """
 
     attn_norm: jax.Array  # [L, D]
     wq: jax.Array  # [L, D, N, H]
@@ -42,15 +48,23 @@ class LayerWeights:
     wv: jax.Array  # [L, D, K, H]
     wo: jax.Array  # [L, N, H, D]
     mlp_norm: jax.Array  # [L, D]
-    w_gate: jax.Array  # [L, D, F]
-    w_up: jax.Array  # [L, D, F]
-    w_down: jax.Array  # [L, F, D]
+    w_gate: jax.Array | None = None  # [L, D, F] (dense MLP)
+    w_up: jax.Array | None = None  # [L, D, F]
+    w_down: jax.Array | None = None  # [L, F, D]
     bq: jax.Array | None = None  # [L, N, H] (attention_bias)
     bk: jax.Array | None = None  # [L, K, H]
     bv: jax.Array | None = None  # [L, K, H]
     b_gate: jax.Array | None = None  # [L, F] (mlp_bias)
     b_up: jax.Array | None = None  # [L, F]
     b_down: jax.Array | None = None  # [L, D]
+    router: jax.Array | None = None  # [L, D, E] (MoE)
+    e_gate: jax.Array | None = None  # [L, E, D, Fe]
+    e_up: jax.Array | None = None  # [L, E, D, Fe]
+    e_down: jax.Array | None = None  # [L, E, Fe, D]
+    s_gate: jax.Array | None = None  # [L, D, Fs] (MoE shared expert)
+    s_up: jax.Array | None = None  # [L, D, Fs]
+    s_down: jax.Array | None = None  # [L, Fs, D]
+    s_router: jax.Array | None = None  # [L, D, 1]
 
 
 @flax.struct.dataclass
@@ -74,6 +88,12 @@ class Weights:
 
         bias = cfg.attention_bias
         mlp_bias = cfg.mlp_bias
+        dense = not cfg.is_moe
+        E, Fe, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        shared = cfg.is_moe and Fs > 0
+
+        def layer_spec(shape: tuple[int, ...], axes: tuple[str, ...], scale: float | None, present: bool):
+            return spec((L, *shape), (LAYERS, *axes), scale) if present else None
         layers = LayerWeights(
             attn_norm=spec((L, D), (LAYERS, EMBED), None),
             wq=spec((L, D, N, H), (LAYERS, EMBED, HEADS, HEAD_DIM), std_in),
@@ -81,15 +101,23 @@ class Weights:
             wv=spec((L, D, K, H), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), std_in),
             wo=spec((L, N, H, D), (LAYERS, HEADS, HEAD_DIM, EMBED), std_attn_out),
             mlp_norm=spec((L, D), (LAYERS, EMBED), None),
-            w_gate=spec((L, D, F), (LAYERS, EMBED, MLP), std_in),
-            w_up=spec((L, D, F), (LAYERS, EMBED, MLP), std_in),
-            w_down=spec((L, F, D), (LAYERS, MLP, EMBED), std_mlp_out),
+            w_gate=spec((L, D, F), (LAYERS, EMBED, MLP), std_in) if dense else None,
+            w_up=spec((L, D, F), (LAYERS, EMBED, MLP), std_in) if dense else None,
+            w_down=spec((L, F, D), (LAYERS, MLP, EMBED), std_mlp_out) if dense else None,
             bq=spec((L, N, H), (LAYERS, HEADS, HEAD_DIM), 0.02) if bias else None,
             bk=spec((L, K, H), (LAYERS, KV_HEADS, HEAD_DIM), 0.02) if bias else None,
             bv=spec((L, K, H), (LAYERS, KV_HEADS, HEAD_DIM), 0.02) if bias else None,
             b_gate=spec((L, F), (LAYERS, MLP), 0.02) if mlp_bias else None,
             b_up=spec((L, F), (LAYERS, MLP), 0.02) if mlp_bias else None,
             b_down=spec((L, D), (LAYERS, EMBED), 0.02) if mlp_bias else None,
+            router=layer_spec((D, E), moe.ROUTER_AXES, std_in, cfg.is_moe),
+            e_gate=layer_spec((E, D, Fe), moe.EXPERT_IN_AXES, std_in, cfg.is_moe),
+            e_up=layer_spec((E, D, Fe), moe.EXPERT_IN_AXES, std_in, cfg.is_moe),
+            e_down=layer_spec((E, Fe, D), moe.EXPERT_OUT_AXES, max(Fe, 1) ** -0.5, cfg.is_moe),
+            s_gate=layer_spec((D, Fs), moe.SHARED_IN_AXES, std_in, shared),
+            s_up=layer_spec((D, Fs), moe.SHARED_IN_AXES, std_in, shared),
+            s_down=layer_spec((Fs, D), moe.SHARED_OUT_AXES, max(Fs, 1) ** -0.5, shared),
+            s_router=layer_spec((D, 1), moe.SHARED_GATE_AXES, std_in, shared),
         )
         return Weights(
             embed=spec((V, D), (VOCAB, EMBED), 1.0),
@@ -250,11 +278,15 @@ def _attention_inputs(
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig) -> jax.Array:
-    """Output projection with residual, then the SwiGLU MLP block with residual: x[T, D] -> [T, D]."""
+def _attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig,
+                              mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+    """Output projection with residual, then the SwiGLU (or MoE) MLP block with residual: x[T, D] -> [T, D]."""
     x = x + jnp.einsum("tnh,nhd->td", attn, w.wo)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        if cfg.is_moe:
+            with jax.named_scope("moe"):
+                return x + moe.moe_block(h, w, cfg, mesh)
         gate = _add(jnp.einsum("td,df->tf", h, w.w_gate), w.b_gate)  # [T, F]
         up = _add(jnp.einsum("td,df->tf", h, w.w_up), w.b_up)  # [T, F]
         return x + _add(jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w.w_down), w.b_down)
@@ -269,6 +301,7 @@ def forward(
     *,
     scan_layers: bool = False,
     attention: AttentionOps = REFERENCE_OPS,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder on a ragged batch, writing new K/V into the paged cache.
 
@@ -282,6 +315,9 @@ def forward(
         update the stacked cache in place (timings in BENCHMARKS.md).
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); steps marked
         `metadata.fresh_prefill` use `attention.flash` when there is one.
+      mesh: static; the device mesh the weights are placed on, or None. Only MoE layers use it: they run their
+        experts in a `shard_map` over its "ep" and "tp" axes (`models.moe.moe_block`); dense layers are
+        partitioned by XLA from the inputs' shardings either way.
 
     Returns:
       (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).
@@ -304,7 +340,7 @@ def forward(
                 attn = attention.paged(q, k_all, v_all, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
                                        i, max_q_len=metadata.max_q_len, sm_scale=sm_scale,
                                        sliding_window=cfg.sliding_window)  # [T, N, H]
-        return _attention_output_and_mlp(x, attn, w, cfg), k_all, v_all
+        return _attention_output_and_mlp(x, attn, w, cfg, mesh), k_all, v_all
 
     k_all, v_all = kv_cache.k, kv_cache.v
     if scan_layers:

