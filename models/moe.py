@@ -144,7 +144,8 @@ _WEIGHT_AXES = {
 def moe_block(h: jax.Array, w: LayerWeights, cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """The MoE MLP of one layer (without the residual): routed experts plus the optional shared expert.
 
-    Without a mesh, one rank holds all experts and the function below runs once, with no collective.
+    Without a mesh (or with ep = tp = 1), one rank holds all experts and the computation below runs once, outside
+    any `shard_map` and with no collective.
 
     With a mesh (axes "ep" and "tp", e.g. `sharding.mesh.make_mesh`), the work runs inside `jax.shard_map`:
       1. Every rank holds every token: h is replicated (the attention output projection already ended in an
@@ -183,13 +184,14 @@ def moe_block(h: jax.Array, w: LayerWeights, cfg: ModelConfig, mesh: jax.shardin
     if cfg.shared_expert_intermediate_size:
         names += ["s_gate", "s_up", "s_down", "s_router"]
     ws = {name: getattr(w, name) for name in names}
-    if mesh is None:
+    if mesh is not None:
+        missing = [a for a in (EP_AXIS, TP_AXIS) if a not in mesh.axis_names]
+        if missing:
+            raise ValueError(f"moe_block: mesh axes {mesh.axis_names} lack {missing}")
+    ep, tp = (1, 1) if mesh is None else (mesh.shape[EP_AXIS], mesh.shape[TP_AXIS])
+    if ep * tp == 1:  # all experts on every device: nothing to split, no psum (XLA keeps one-member all-reduces)
         return _moe_partial(h, ws, cfg, 0, None, True).astype(h.dtype)
 
-    missing = [a for a in (EP_AXIS, TP_AXIS) if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(f"moe_block: mesh axes {mesh.axis_names} lack {missing}")
-    ep, tp = mesh.shape[EP_AXIS], mesh.shape[TP_AXIS]
     E, Fe, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     for what, size, axis, n in (("num_experts", E, "ep", ep), ("moe_intermediate_size", Fe, "tp", tp),
                                 ("shared_expert_intermediate_size", Fs, "tp", tp)):

@@ -20,10 +20,11 @@ def test_logical_to_spec_maps_and_refuses_a_mesh_axis_twice():
         logical_to_spec((HEADS, KV_HEADS))
 
 
-def test_on_eight_fake_devices():
+@pytest.mark.parametrize("checks", ["multi_device_checks.py", "multi_device_moe_checks.py"])
+def test_on_eight_fake_devices(checks):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        str(HERE / "multi_device_checks.py")], capture_output=True, text=True, env=env,
+                        str(HERE / checks)], capture_output=True, text=True, env=env,
                        cwd=HERE.parents[1], timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failed" not in r.stdout
