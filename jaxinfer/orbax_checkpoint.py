@@ -311,6 +311,8 @@ def read_checkpoint_json(path: str | os.PathLike) -> tuple[ModelConfig, np.dtype
     """
     root = Path(path)
     file = root / CHECKPOINT_JSON
+    if not root.is_dir():
+        raise ValueError(f"checkpoint folder {str(root)!r} does not exist")
     if not file.is_file():
         raise ValueError(f"{str(root)!r} is not a complete jaxinfer checkpoint: {CHECKPOINT_JSON} is missing")
     try:

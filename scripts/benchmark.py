@@ -26,6 +26,8 @@ against the bandwidth measured in the same run), and the first scenario also thr
 `generate`. `--workload all` runs both. Sections 1-6 are `--workload micro` (the default).
 `--workload attention` times only one layer's reference paged attention decode step (the CPU baseline for the
 attention kernels; see `bench_attention`) and, with `--write`, replaces or appends only its own section.
+`--workload checkpoint` times SmolLM2 loads from orbax checkpoints against the GGUF file (`scripts/bench_checkpoint.py`)
+and, with `--write`, likewise replaces or appends only its own section.
 
 Results go to stdout as markdown and, with `--write BENCHMARKS.md`, into that file with the command, date, versions
 and machine. A run of one workload keeps the other workload's section of an existing file. Logs go to stderr. The
@@ -62,7 +64,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import bench_serving  # noqa: E402  (scripts/, next to this file)
+import bench_checkpoint  # noqa: E402  (scripts/, next to this file)
+import bench_serving  # noqa: E402
 from jaxinfer.checkpoint import default_model_path, load_gguf_weights, read_gguf  # noqa: E402
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
 from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample  # noqa: E402
@@ -839,6 +842,20 @@ def run_attention(args: argparse.Namespace, command: str, date: str) -> None:
         logger.info("wrote %s", args.write)
 
 
+def run_checkpoint(args: argparse.Namespace, command: str, date: str) -> None:
+    """`--workload checkpoint`: times SmolLM2 loads (orbax vs GGUF), prints its section, splices it into --write."""
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    r = bench_checkpoint.run(args.model or default_model_path(), dtypes, args.ckpt_reps)
+    section = bench_checkpoint.render(r, command, date, f"machine: nproc {os.cpu_count()}, CPU `{cpu_model()}`",
+                                      time.perf_counter() - t0, (load0, os.getloadavg()[0]))
+    sys.stdout.write(section + "\n")
+    if args.write is not None:
+        old = args.write.read_text() if args.write.is_file() else "# Benchmarks\n"
+        args.write.write_text(bench_checkpoint.splice(old, section))
+        logger.info("wrote %s", args.write)
+
+
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
@@ -885,9 +902,11 @@ def main() -> None:
     ap.add_argument("--peer-python", default=None,
                     help="Python with torch + transformers (e.g. .venv-golden/bin/python); omitted: no peer")
     ap.add_argument("--peer-timeout", type=int, default=600)
-    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention"), default="micro",
+    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention", "checkpoint"), default="micro",
                     help="micro: sections 1-6; serving: the serving workload; all: both; attention: the reference "
-                         "attention decode step alone (CPU baseline for the kernels)")
+                         "attention decode step alone (CPU baseline for the kernels); checkpoint: SmolLM2 load "
+                         "time from orbax vs GGUF")
+    ap.add_argument("--ckpt-reps", type=int, default=5, help="--workload checkpoint: timed loads per kind")
     ap.add_argument("--attn-contexts", default="512,4096", help="--workload attention: contexts in tokens")
     ap.add_argument("--attn-batches", default="1,32", help="--workload attention: batch sizes")
     ap.add_argument("--attn-reps", type=int, default=30, help="--workload attention: timed calls per shape")
@@ -929,6 +948,9 @@ def main() -> None:
     if args.workload == "attention":
         run_attention(args, r["command"], r["date"])
         return
+    if args.workload == "checkpoint":
+        run_checkpoint(args, r["command"], r["date"])
+        return
     r["bandwidth"] = measure_bandwidth(args.bw_gib, args.bw_reps)
     model_path = args.model or default_model_path()
     if micro:
@@ -959,6 +981,7 @@ def main() -> None:
         if ATTN_SECTION_END in old and ATTN_SECTION_BEGIN not in report:  # keep the attention baseline section
             a, b = old.index(ATTN_SECTION_BEGIN), old.index(ATTN_SECTION_END) + len(ATTN_SECTION_END)
             report = report.rstrip("\n") + "\n\n" + old[a:b] + "\n"
+        report = bench_checkpoint.keep_section(old, report)  # and the checkpoint section
         args.write.write_text(report)
         logger.info("wrote %s", args.write)
 
