@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -179,8 +178,8 @@ class ModelRunner:
         self.kv_cache = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
                                 out_shardings=cache_out)()
         model_kwargs = dict(cfg=cfg, scan_layers=scan_layers, attention=attention)
-        if mesh is not None and "mesh" in inspect.signature(forward).parameters:
-            model_kwargs["mesh"] = mesh
+        if mesh is not None:
+            model_kwargs["mesh"] = mesh  # MoE layers run their experts in a shard_map over it
         self._step = jax.jit(
             functools.partial(_step, **model_kwargs), donate_argnames=("kv_cache",),
             out_shardings=None if mesh is None else (replicated, replicated, cache_out),
