@@ -159,7 +159,8 @@ class Engine:
         t0 = time.perf_counter()
         tp, ep = config.tensor_parallel_size, config.expert_parallel_size
         self.mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
-        cfg, np_weights, self.tokenizer = load_model(config.model, np.dtype(self.dtype))
+        # numpy weights; for an orbax checkpoint and a mesh, arrays restored straight onto the mesh
+        cfg, np_weights, self.tokenizer = load_model(config.model, np.dtype(self.dtype), mesh=self.mesh)
         self.model_config = cfg  # as trained; the runner gets the TP-padded config
         if self.mesh is None:
             run_cfg, weights = cfg, jax.tree.map(jnp.asarray, np_weights)

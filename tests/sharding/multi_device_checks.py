@@ -160,3 +160,61 @@ def test_exactly_two_all_reduces_per_layer_and_no_weight_all_gather(heads, scan)
         assert shape not in weight_shapes, f"a whole weight is all-gathered: {line.strip()[:160]}"
     for op in ("reduce-scatter", "all-to-all", "collective-permute"):
         assert not _collectives(hlo, op), op
+
+
+# --- the engine on an MoE model with tp x ep, and on an orbax checkpoint restored onto a mesh ----------------------
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from jaxinfer.checkpoint import default_model_path  # noqa: E402
+from jaxinfer.tokenizer import Tokenizer  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+MOE_PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 64, 12, 7]}, {"prompt_token_ids": [101, 2, 40]},
+               {"prompt_token_ids": list(range(20, 58))}]  # the last one is prefilled in 3 chunks
+
+
+@pytest.fixture(scope="module")
+def mixtral_folder(tmp_path_factory) -> Path:
+    """The tiny random HF Mixtral of tests/data (8 experts, top-2) with SmolLM2's tokenizer beside it (prompts
+    are token ids below the model's 128-token vocabulary)."""
+    folder = tmp_path_factory.mktemp("tiny_mixtral")
+    for f in (DATA / "tiny_mixtral").iterdir():
+        shutil.copy(f, folder / f.name)
+    Tokenizer.from_gguf(default_model_path()).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 8), (2, 4)])
+def test_moe_engine_with_expert_parallelism_gives_the_single_device_tokens(mixtral_folder, tp, ep):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 4, 6)]
+    outs = {}
+    for sizes in ((1, 1), (tp, ep)):
+        llm = LLM(mixtral_folder, warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
+                  tensor_parallel_size=sizes[0], expert_parallel_size=sizes[1], kv_cache_memory_bytes=8 << 20)
+        ids = MOE_PROMPTS[2]["prompt_token_ids"]
+        pages = llm.page_allocator.allocate(-(-len(ids) // llm.page_size))
+        logits = llm.runner.compute_logits([SequenceChunk(ids, 0, pages)])
+        llm.page_allocator.free(pages)
+        outs[sizes] = logits, [o.outputs[0].token_ids for o in llm.generate(MOE_PROMPTS, params)]
+    experts = llm.runner.weights.layers.e_gate
+    assert experts.addressable_shards[0].data.shape[1] == llm.model_config.num_experts // ep  # [L, E/ep, D, Fe/tp]
+    np.testing.assert_allclose(outs[(tp, ep)][0], outs[(1, 1)][0], rtol=1e-4, atol=1e-4)
+    assert outs[(tp, ep)][1] == outs[(1, 1)][1]
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused():
+    with pytest.raises(ValueError, match="expert_parallel_size=2 needs an MoE model"):
+        LLM(warmup=False, expert_parallel_size=2)
+
+
+def test_orbax_checkpoint_restored_onto_tp4_gives_the_gguf_tokens(tmp_path):
+    from jaxinfer.orbax_checkpoint import convert
+
+    folder = convert(None, tmp_path / "smollm2")  # the default GGUF, float32
+    llm = LLM(folder, tensor_parallel_size=4, warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=64 << 20)
+    assert llm.runner.weights.layers.wq.addressable_shards[0].data.shape[2] == llm.runner.cfg.num_heads // 4
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS])
+    assert [o.outputs[0].token_ids for o in outs] == _smollm2_run(1)[1]
