@@ -1,8 +1,8 @@
 """orbax checkpoints restored onto meshes of 8 fake CPU devices: run by tests/jaxinfer/test_orbax_checkpoint.py in a
 child process with `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
 
-The checkpoint is tiny_llama3 (4 query heads, 2 KV heads, MLP 128, vocabulary 128, two layers), converted from HF
-safetensors with a made-up character tokenizer. Each restore is checked three ways: every array's per-device shard
+The checkpoints are tiny_llama3 (4 query heads, 2 KV heads, MLP 128, vocabulary 128, two layers) and tiny_mixtral
+(the same attention, 8 experts of width 32, top-2), converted from HF safetensors with a made-up character tokenizer. Each restore is checked three ways: every array's per-device shard
 shape is what its target sharding says (the split is real, not a silent full replication), its values equal the
 source's, and the logits of a ragged prefill batch equal the single-device source's within 1e-4 (float32).
 """
@@ -26,13 +26,15 @@ from models.llama import AttentionMetadata, KVCache, Weights, forward
 from sharding.mesh import make_mesh
 from sharding.partition import put_sharded, replicated_where_indivisible, shard_model
 
-TINY_SRC = Path(__file__).resolve().parents[1] / "data" / "tiny_llama3"
+DATA = Path(__file__).resolve().parents[1] / "data"
+TINY_SRC = DATA / "tiny_llama3"
 PAGE_SIZE, NUM_PAGES = 4, 12
 
 
-def make_tiny_hf_folder(folder: Path) -> Path:
-    """tiny_llama3 plus a character-level tokenizer of its 128-id vocabulary (<unk>, <s>, </s>, then characters)."""
-    shutil.copytree(TINY_SRC, folder)
+def make_tiny_hf_folder(folder: Path, src: Path = TINY_SRC) -> Path:
+    """A copy of a tiny HF model folder (vocabulary 128) plus a character-level tokenizer (<unk>, <s>, </s>, then
+    characters)."""
+    shutil.copytree(src, folder)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for code in range(32, 32 + 125):
         vocab[chr(code)] = len(vocab)
@@ -56,15 +58,16 @@ def _batch(cfg: ModelConfig) -> tuple[np.ndarray, AttentionMetadata]:
     return tokens, meta
 
 
-_step = jax.jit(forward, static_argnames=("cfg",))
+_step = jax.jit(forward, static_argnames=("cfg", "mesh"))
 
 
-def _logits(cfg: ModelConfig, weights: Weights, cache_sharding: NamedSharding | None = None) -> np.ndarray:
+def _logits(cfg: ModelConfig, weights: Weights, cache_sharding: NamedSharding | None = None,
+            mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
     tokens, meta = _batch(cfg)
     cache = KVCache.zeros(cfg, NUM_PAGES, PAGE_SIZE, jnp.float32)
     if cache_sharding is not None:
         cache = jax.device_put(cache, KVCache(k=cache_sharding, v=cache_sharding))
-    logits, _ = _step(weights, tokens, meta, cache, cfg=cfg)
+    logits, _ = _step(weights, tokens, meta, cache, cfg=cfg, mesh=mesh)
     return np.asarray(logits)
 
 
@@ -151,3 +154,20 @@ def test_restore_casts_to_bfloat16_on_the_mesh(host_checkpoint, source):
     assert restored.layers.w_up.addressable_shards[0].data.shape == (cfg.num_layers, cfg.hidden_size,
                                                                      cfg.intermediate_size // 4)
     np.testing.assert_array_equal(np.asarray(restored.layers.w_up), weights.layers.w_up.astype(jnp.bfloat16))
+
+
+def test_moe_checkpoint_restores_onto_tp2_ep2(tmp_path):
+    folder = make_tiny_hf_folder(tmp_path / "mixtral", DATA / "tiny_mixtral")
+    cfg, weights, _ = load_model(folder, np.dtype(np.float32))
+    assert cfg.num_experts == 8
+    expected = _logits(cfg, weights)
+    ckpt = orbax_checkpoint.convert(folder, tmp_path / "ckpt")
+    mesh = make_mesh(tp=2, ep=2)
+    _, restored, _ = load_model(ckpt, np.dtype(np.float32), mesh=mesh)
+    _check_shards(restored, weights, replicated_where_indivisible(Weights.abstract(cfg), mesh))
+    L, E, D, Fe = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert restored.layers.e_gate.addressable_shards[0].data.shape == (L, E // 2, D, Fe // 2)
+    assert restored.layers.e_down.addressable_shards[0].data.shape == (L, E // 2, Fe // 2, D)
+    sharded = shard_model(cfg, restored, mesh)
+    got = _logits(sharded.cfg, sharded.weights, sharded.kv_cache_sharding(), mesh=mesh)
+    np.testing.assert_allclose(got[:, :cfg.vocab_size], expected, rtol=1e-4, atol=1e-4)
