@@ -176,6 +176,7 @@ def test_dtype_cast_at_load(tiny_src, tiny_ckpt, tiny_ckpt_bf16, stored, wanted)
     _assert_weights_equal(weights, expected)
 
 
+@pytest.mark.slow
 def test_smollm2_checkpoint_from_the_cli_generates_the_gguf_tokens(tmp_path):
     """`jaxinfer convert` of the default GGUF; weights, logits and greedy tokens equal the GGUF's."""
     out = tmp_path / "smollm2"
