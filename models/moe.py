@@ -11,8 +11,8 @@ so each expert's tokens form one contiguous run of rows, and `jax.lax.ragged_dot
 group_sizes[E])` multiplies run j by expert j. No capacity: every assignment is computed, however unbalanced the
 routing. Semantics measured on jax 0.12.0.1 (CPU): rows past `sum(group_sizes)` come out as zeros; we still mask
 them explicitly, since the docstring does not promise it. On CPU, XLA lowers `ragged_dot` to a masked dense dot
-over all (local) groups, so its cost there is E_local times the grouped cost; accelerator backends run it as a
-grouped GEMM.
+over all (local) groups (seen in the compiled HLO), so its cost there is E_local times the grouped cost; GPU and
+TPU have grouped-GEMM lowerings, not measured here (no accelerator was available when this was written).
 """
 
 from __future__ import annotations
@@ -158,13 +158,19 @@ def moe_block(h: jax.Array, w: LayerWeights, cfg: ModelConfig, mesh: jax.shardin
          per-expert counts, since dropless sizes depend on the data) and bring the results back with a second
          all-to-all before the combine; the `ep` psum below would then disappear.
       3. `ragged_dot` over the local experts with the local hidden slice; the down projection contracts that
-         slice, so each rank's result is a partial sum over its hidden columns.
+         slice, so each rank's result is a partial sum over its hidden columns. The row buffer is static at
+         A = T * k rows on every rank: dropless means one rank may get every assignment.
       4. Combine: weight each assignment by its routing weight (0 for non-local ones) and segment-sum them back
          to their tokens.
       5. The shared expert's hidden width is split over tp (its weights' placement) and, inside the shard_map,
          over ep as well (each ep rank takes 1/ep of its tp slice), so its partial sums need the same psum; when
-         Fs/tp is not a multiple of ep, ep rank 0 alone adds it.
+         Fs/tp is not a multiple of ep, ep rank 0 alone adds it (the other ep ranks compute it and drop it).
       6. ONE `psum` over ("ep", "tp") adds the experts of all ep ranks and the hidden slices of all tp ranks.
+         Each rank sums its own assignments in f32; the psum runs in h's dtype (the bytes of a dense TP MLP's
+         all-reduce), so in bf16 the cross-rank sum rounds more than the single-device one.
+
+    The `shard_map` in_specs come from `sharding.rules.DEFAULT_RULES`, so weights placed by `named_shardings`
+    enter without any resharding (experts on ep, Fe and Fs on tp, router replicated).
 
     Args:
       h: [T, D] normalized activations (f32 or bf16), replicated over the mesh.

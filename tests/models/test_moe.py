@@ -28,7 +28,7 @@ from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.sampling_params import SamplingParams
 from models import moe
 from models.config import ModelConfig
-from models.llama import LayerWeights, Weights, check_weights, init_weights
+from models.llama import LayerWeights, Weights, check_weights
 from sharding.mesh import make_mesh
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -140,10 +140,13 @@ def _block_case(k: int, norm: bool, shared: int, routing: str, num_tokens: int |
     cfg = dataclasses.replace(BLOCK, num_experts_per_tok=k, norm_topk_prob=norm,
                               shared_expert_intermediate_size=shared,
                               architecture="qwen2_moe" if shared else "mixtral")
-    layers = init_weights(cfg, jax.random.key(seed)).layers
-    w = jax.tree.map(lambda a: np.asarray(a[0]), layers)  # one layer
+    rng = np.random.default_rng(seed)  # numpy, not init_weights: eager jax.random compiles once per shape
+    specs = Weights.abstract(cfg).layers
+    w = jax.tree.map(lambda s: np.ones(s.shape[1:], np.float32) if s.init_scale is None
+                     else (s.init_scale * rng.normal(size=s.shape[1:])).astype(np.float32), specs,
+                     is_leaf=lambda x: hasattr(x, "logical_axes"))  # one layer
     num_tokens = num_tokens or (3 if routing == "few_tokens" else 13)
-    h = np.random.default_rng(seed).normal(size=(num_tokens, cfg.hidden_size)).astype(np.float32)
+    h = rng.normal(size=(num_tokens, cfg.hidden_size)).astype(np.float32)
     if routing == "all_to_one":  # every token's top-1 is RIGGED_EXPERT by a margin of ~7 router-logit std
         h[:, 0] = 2.0
         router = w.router.copy()
@@ -214,7 +217,8 @@ def test_rank_partials_sum_to_the_whole(shared):
     np.testing.assert_allclose(total, want, rtol=1e-5, atol=1e-5)
 
 
-def test_one_device_mesh_runs_the_shard_map_path():
+def test_one_device_mesh_gives_the_same_answer():
+    """ep = tp = 1: `moe_block` takes the local path (no shard_map, no psum); the 8-device checks cover the rest."""
     cfg, w, h = _block_case(2, False, 12, "random", seed=7)
     want, _ = _moe_reference(h, w, cfg)
     got = jax.jit(moe.moe_block, static_argnames=("cfg", "mesh"))(h, w, cfg=cfg, mesh=make_mesh())
