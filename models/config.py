@@ -265,7 +265,8 @@ class ModelConfig:
             raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU needs silu)")
         max_positions = int(hf.get("max_position_embeddings", 4096))
         window = hf.get("sliding_window")
-        if not (window and hf.get("use_sliding_window", model_type in ("mistral", "mixtral")) and window < max_positions):
+        window_on = hf.get("use_sliding_window", model_type in ("mistral", "mixtral"))  # Mixtral: like Mistral
+        if not (window and window_on and window < max_positions):
             window = None  # absent, switched off, or wider than the context: full attention
         rope = dict(hf.get("rope_parameters") or {})
         if hf.get("rope_scaling"):

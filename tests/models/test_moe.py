@@ -310,3 +310,12 @@ def test_moe_checkpoint_faults_name_the_tensor(tmp_path, folder, name, fault):
     shutil.copy(folder / "config.json", tmp_path)
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         load_hf_weights(tmp_path)
+
+
+def test_hf_moe_config_attention_keys():
+    mixtral, qwen = _hf_config(MIXTRAL), _hf_config(QWEN2_MOE)
+    assert ModelConfig.from_hf_config({**mixtral, "sliding_window": 8}).sliding_window == 8  # honoured, as Mistral
+    assert ModelConfig.from_hf_config({**qwen, "sliding_window": 8}).sliding_window is None  # use_sliding_window off
+    old_qwen = {k: v for k, v in qwen.items() if k != "qkv_bias"}  # pre-v5 configs: q/k/v biases always
+    assert ModelConfig.from_hf_config(old_qwen).attention_bias
+    assert not ModelConfig.from_hf_config({**qwen, "qkv_bias": False}).attention_bias
