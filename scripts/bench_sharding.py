@@ -14,15 +14,19 @@ context of `--context` tokens, timed after 3 warm-up steps; median of `--reps` s
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
 from datetime import date
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+CHILD = os.environ.get("BENCH_SHARDING_ONE_DEVICE") == "1"  # the tp=1 baseline in a plain one-device process
+if not CHILD:
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,13 +61,16 @@ def time_decode(tp: int, batch: int, context: int, reps: int, dtype: str) -> dic
 
 
 def render(rows: list[dict], command: str, elapsed: float) -> str:
-    base = {(r["batch"], r["dtype"]): r["ms"] for r in rows if r["tp"] == 1}
+    base = {(r["batch"], r["dtype"]): r["ms"] for r in rows if r["tp"] == 1 and not r.get("one_device")}
     lines = [BEGIN, "## Tensor parallelism on 8 fake CPU devices (overhead, not speed-up)\n",
              "SmolLM2-135M decode steps through the engine's `ModelRunner` with `tensor_parallel_size` = tp, "
              "f32 unless noted. The 8 devices are XLA CPU devices sharing this machine's 2 cores and memory, so "
              "tp > 1 cannot be faster here: the ratio to tp=1 is the cost of the 61 all-reduces per step (2 per "
              "layer + the embedding), the padded heads (9/3 heads become 12/4 at tp 2 and 4, 16/8 at tp 8) and "
-             "partitioner overheads. On accelerators each device would read 1/tp of the weights. Command:\n",
+             "partitioner overheads. On accelerators each device would read 1/tp of the weights. The first rows "
+             "(\"1 (plain)\") are tp=1 in a process with one CPU device: splitting the CPU into 8 XLA devices "
+             "slows even tp=1 (XLA gives each fake device a share of the thread pool), so compare the tp rows with "
+             "the tp=1 row of the 8-device process. Command:\n",
              f"```\n{command}\n```\n",
              f"- date: {date.today()}; jax {jax.__version__}; nproc {os.cpu_count()}; run time {elapsed:.0f} s; "
              "a shared, noisy VM (20% run to run)\n",
@@ -71,7 +78,8 @@ def render(rows: list[dict], command: str, elapsed: float) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r["ms"] / base[(r["batch"], r["dtype"])]
-        lines.append(f"| {r['tp']} | {r['heads']} | {r['dtype']} | {r['batch']} | {r['context']} | "
+        tp = f"{r['tp']} (plain)" if r.get("one_device") else str(r["tp"])
+        lines.append(f"| {tp} | {r['heads']} | {r['dtype']} | {r['batch']} | {r['context']} | "
                      f"{r['ms']:.1f} | {ratio:.2f}x |")
     lines.append("\n" + END)
     return "\n".join(lines)
@@ -87,10 +95,17 @@ def main() -> None:
     ap.add_argument("--write", type=Path, default=None, help="splice the section into this markdown file")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    batches = [int(b) for b in args.batches.split(",")]
+    if CHILD:
+        print(json.dumps([time_decode(1, b, args.context, args.reps, args.dtype) for b in batches]))
+        return
     t0 = time.perf_counter()
-    rows = []
+    child = subprocess.run([sys.executable, __file__, "--batches", args.batches, "--context", str(args.context),
+                            "--reps", str(args.reps), "--dtype", args.dtype], capture_output=True, text=True,
+                           env={**os.environ, "BENCH_SHARDING_ONE_DEVICE": "1", "XLA_FLAGS": ""}, check=True)
+    rows = [dict(r, one_device=True) for r in json.loads(child.stdout.strip().splitlines()[-1])]
     for tp in (int(t) for t in args.tps.split(",")):
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in batches:
             rows.append(time_decode(tp, batch, args.context, args.reps, args.dtype))
             logger.info("%s", rows[-1])
     command = "python scripts/bench_sharding.py " + " ".join(sys.argv[1:])
