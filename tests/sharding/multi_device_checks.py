@@ -25,10 +25,11 @@ def _is_spec(x) -> bool:
     return hasattr(x, "logical_axes")
 
 
-def _batch():
-    """Two sequences: a 6-token prefill on pages [3, 5] and a 5-token prefill on pages [1, 2]."""
+def _batch(vocab_size: int = TINY.vocab_size):
+    """Two sequences: a 6-token prefill on pages [3, 5] and a 5-token prefill on pages [1, 2] (also used by
+    multi_device_moe_checks.py)."""
     q_lens, pages = [6, 5], [[3, 5], [1, 2]]
-    tokens = np.arange(11, dtype=np.int32) * 7 % TINY.vocab_size
+    tokens = np.arange(11, dtype=np.int32) * 7 % vocab_size
     positions = np.concatenate([np.arange(6), np.arange(5)]).astype(np.int32)
     kv_loc = np.array([pages[0][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(6)]
                       + [pages[1][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(5)], np.int32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -23,12 +24,14 @@ import pytest
 from jaxinfer.checkpoint import load_hf_weights
 from models import moe
 from models.config import ModelConfig
-from models.llama import AttentionMetadata, KVCache, Weights, forward
+from models.llama import KVCache, Weights, forward
 from sharding.mesh import make_mesh
 from sharding.rules import logical_to_spec, named_shardings
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multi_device_checks import NUM_PAGES, PAGE_SIZE, _batch  # noqa: E402  (the same two-prefill batch)
+
 DATA = Path(__file__).resolve().parents[1] / "data"
-PAGE_SIZE, NUM_PAGES = 4, 16
 MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (4, 2)]  # (ep, tp)
 
 
@@ -47,19 +50,6 @@ def _model(name: str) -> tuple[ModelConfig, Weights]:
                                  (s.init_scale * rng.normal(size=s.shape)).astype(np.float32), specs, is_leaf=_is_spec)
     cfg, weights = load_hf_weights(DATA / name)
     return cfg, jax.tree.map(np.asarray, weights)
-
-
-def _batch(vocab_size: int):
-    """Two prefills: 6 tokens on pages [3, 5] and 5 tokens on pages [1, 2]."""
-    q_lens, pages = [6, 5], [[3, 5], [1, 2]]
-    tokens = np.arange(11, dtype=np.int32) * 7 % vocab_size
-    positions = np.concatenate([np.arange(6), np.arange(5)]).astype(np.int32)
-    kv_loc = np.array([pages[0][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(6)]
-                      + [pages[1][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(5)], np.int32)
-    meta = AttentionMetadata(positions=positions, cu_q_lens=np.array([0, 6, 11], np.int32),
-                             kv_lens=np.array(q_lens, np.int32), page_table=np.array(pages, np.int32),
-                             kv_loc=kv_loc, logits_indices=np.arange(11, dtype=np.int32), max_q_len=8)
-    return tokens, meta
 
 
 STEP = jax.jit(forward, static_argnames=("cfg", "mesh", "scan_layers"))
