@@ -27,7 +27,8 @@ class LLM:
       dtype: "float32" or "bfloat16": weights, activations and KV cache.
       **engine_options: the other `EngineConfig` fields: `page_size`, `max_num_seqs`, `max_num_batched_tokens`,
         `max_model_len`, `kv_cache_memory_bytes`, `scan_layers`, `seed`, `warmup`, `attention_backend`,
-        `tensor_parallel_size` (TP devices) and `expert_parallel_size` (EP devices, MoE models).
+        `tensor_parallel_size` (TP devices), `expert_parallel_size` (EP devices, MoE models),
+        `enable_prefix_caching` (default True), `kv_offload_bytes` and `kv_offload_min_pages` (host tier).
 
     Raises:
       ValueError: bad model path or file, unknown dtype or option value, a budget too small for one page.
@@ -49,6 +50,10 @@ class LLM:
         self.page_allocator = self.engine.page_allocator
         self.page_size = self.engine.page_size
         self.max_model_len = self.engine.max_model_len
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (see `Engine.reset_prefix_cache`)."""
+        self.engine.reset_prefix_cache()
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer."""

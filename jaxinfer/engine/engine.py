@@ -36,6 +36,7 @@ from jaxinfer.model_loader import load_model
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler.page_allocator import PageAllocator
+from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind, PrefixCache
 from jaxinfer.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from jaxinfer.scheduler.sequence import Sequence as Seq
 from jaxinfer.tokenizer import IncrementalDetokenizer
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_KV_CACHE_HOST_FRACTION = 0.1  # of available host memory, when no budget is given on CPU
 DEFAULT_KV_CACHE_DEVICE_FRACTION = 0.8  # of free accelerator memory after the weights
+# Shortest run of host-tier pages worth copying back instead of recomputing, per backend (BENCHMARKS.md,
+# "Prefix caching"): on CPU one page back is already cheaper than one page of prefill.
+DEFAULT_OFFLOAD_MIN_PAGES = {"cpu": 1, "gpu": 1, "tpu": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,12 @@ class EngineConfig:
         "pallas" (on CPU: the TPU kernels in interpret mode, for testing; slow). See `pallas_kernels.dispatch`.
       tensor_parallel_size: TP ranks: attention heads, MLP hidden and vocabulary split over this many devices
         (Megatron-style; head counts that do not divide are padded exactly, see `sharding.partition`).
+      enable_prefix_caching: reuse the KV pages of earlier requests' identical prefixes (full pages, exact token
+        match, per `cache_salt`); see `jaxinfer.scheduler.prefix_cache`.
+      kv_offload_bytes: host-memory budget of the prefix cache's second tier: evicted cached pages are copied
+        there and brought back on a hit instead of being recomputed (0 disables it).
+      kv_offload_min_pages: shortest run of host-tier pages worth loading back (shorter runs are recomputed);
+        None takes `DEFAULT_OFFLOAD_MIN_PAGES` for the backend (BENCHMARKS.md measures the break-even).
       expert_parallel_size: EP ranks: an MoE model's experts split over this many devices (MoE models only).
         The mesh is `tensor_parallel_size * expert_parallel_size` devices (`sharding.mesh.make_mesh`); on CPU,
         `XLA_FLAGS=--xla_force_host_platform_device_count=N` gives N devices.
@@ -90,6 +100,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    kv_offload_bytes: int = 0
+    kv_offload_min_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -102,6 +115,11 @@ class EngineConfig:
         choices = [b.value for b in AttentionBackend]
         if self.attention_backend not in choices:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {', '.join(choices)}")
+        if not isinstance(self.kv_offload_bytes, int) or self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes!r} must be an integer >= 0")
+        if self.kv_offload_min_pages is not None and (not isinstance(self.kv_offload_min_pages, int)
+                                                      or self.kv_offload_min_pages < 1):
+            raise ValueError(f"kv_offload_min_pages={self.kv_offload_min_pages!r} must be None or an integer >= 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be positive")
 
@@ -191,10 +209,16 @@ class Engine:
                                   max_pages_per_seq=-(-self.max_model_len // config.page_size),
                                   mesh=self.mesh, output_vocab=cfg.vocab_size)
         self.page_allocator = PageAllocator(num_pages)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            min_pages = config.kv_offload_min_pages or DEFAULT_OFFLOAD_MIN_PAGES.get(jax.default_backend(), 1)
+            self.prefix_cache = PrefixCache(self.page_allocator, config.page_size,
+                                            host_capacity_pages=config.kv_offload_bytes // page_bytes,
+                                            host_min_pages=min_pages)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                             page_size=config.page_size, max_model_len=self.max_model_len),
-            self.page_allocator, eos_ids=frozenset(self.tokenizer.eos_ids))
+            self.page_allocator, eos_ids=frozenset(self.tokenizer.eos_ids), prefix_cache=self.prefix_cache)
         self.metrics = EngineMetrics()
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -270,13 +294,16 @@ class Engine:
         prompt: str | dict | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queues a request; it joins the running batch at the next step.
 
         Args:
-          prompt: text, token ids, or `{"prompt_token_ids": [...], "prompt": text}`.
+          prompt: text, token ids, or `{"prompt_token_ids": [...], "prompt": text}` (either dict may carry
+            `"cache_salt"`).
           params: sampling parameters (default `SamplingParams()`).
           request_id: unique id; one is assigned when None.
+          cache_salt: requests with different salts never share prefix-cache pages (e.g. one salt per tenant).
 
         Returns:
           The request id.
@@ -297,6 +324,11 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            cache_salt = prompt["cache_salt"] if cache_salt is None else cache_salt
+            prompt = {k: v for k, v in prompt.items() if k != "cache_salt"}
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty string or None")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt must not be empty (it encodes to no tokens)")
@@ -314,7 +346,7 @@ class Engine:
                                            skip_special_tokens=params.skip_special_tokens)
             seqs.append(Seq(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=list(ids),
                             params=params, seed=base_seed, detokenizer=detok, arrival_time=now,
-                            sample_index=index))
+                            sample_index=index, cache_salt=cache_salt))
         added = []
         try:
             for seq in seqs:
@@ -337,7 +369,10 @@ class Engine:
 
         Keys: running, waiting (sequences), kv_pages_used, kv_pages_total, preemptions, steps, device_calls,
         prefill_tokens, decode_tokens, tokens_per_step, finished, errors, host_time_share (host time over
-        step time), ttft_s_mean, tpot_s_mean, queue_time_s_mean (seconds, over finished requests).
+        step time), ttft_s_mean, tpot_s_mean, queue_time_s_mean (seconds, over finished requests); with prefix
+        caching also prefix_cache_queried_tokens / _hit_tokens / _hit_rate (tokens of admitted sequences),
+        prefix_cache_pages (device pages holding cached prefixes), prefix_cache_evictions,
+        prefix_cache_host_pages (pages in the host tier) and prefix_cache_host_hits (pages brought back).
         """
         m = self.metrics
 
@@ -361,6 +396,27 @@ class Engine:
             "ttft_s_mean": mean(m.ttft_s),
             "tpot_s_mean": mean(m.tpot_s),
             "queue_time_s_mean": mean(m.queue_time_s),
+            **self._prefix_cache_stats(),
+        }
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix page (device and host tier); later requests recompute their prefixes."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+            self._apply_kv_ops(self.prefix_cache.take_ops())
+
+    def _prefix_cache_stats(self) -> dict[str, float | int]:
+        if self.prefix_cache is None:
+            return {}
+        c = self.prefix_cache.stats
+        return {
+            "prefix_cache_queried_tokens": c.queried_tokens,
+            "prefix_cache_hit_tokens": c.hit_tokens,
+            "prefix_cache_hit_rate": c.hit_tokens / c.queried_tokens if c.queried_tokens else 0.0,
+            "prefix_cache_pages": self.prefix_cache.num_cached_pages,
+            "prefix_cache_evictions": self.page_allocator.num_evictions,
+            "prefix_cache_host_pages": self.prefix_cache.num_host_pages,
+            "prefix_cache_host_hits": c.host_hit_pages,
         }
 
     def has_unfinished_requests(self) -> bool:
@@ -373,6 +429,7 @@ class Engine:
         """Runs one scheduling step; returns outputs of the requests that produced tokens or finished."""
         t_start = time.perf_counter()
         plan = self.scheduler.schedule()
+        self._apply_kv_ops(plan.kv_ops)
         sampled: dict[int, int] = {}
         logprobs: dict[int, tuple] = {}
         decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.samples]
@@ -393,6 +450,23 @@ class Engine:
         self.metrics.step_time_s += total
         self.metrics.host_time_s += total - device_time
         return self._collect_outputs()
+
+    def _apply_kv_ops(self, ops: list[KVOp]) -> None:
+        """Runs the prefix cache's page transfers in order, batching runs of the same kind into one call."""
+        self.runner.settle_host_pages()  # offloads of earlier steps have reached the host by now
+        calls = {KVOpKind.OFFLOAD: self.runner.offload_pages, KVOpKind.LOAD: self.runner.load_pages,
+                 KVOpKind.COPY: self.runner.copy_pages}
+        i = 0
+        while i < len(ops):
+            kind, j = ops[i].kind, i
+            while j < len(ops) and ops[j].kind is kind:
+                j += 1
+            run = ops[i:j]
+            if kind is KVOpKind.DROP:
+                self.runner.drop_host_pages([op.src for op in run])
+            else:
+                calls[kind]([op.src for op in run], [op.dst for op in run])
+            i = j
 
     def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int], logprobs: dict[int, tuple]) -> None:
         """Runs chunks in one device call; on an exception retries them one by one and fails only the culprit."""
@@ -474,4 +548,5 @@ class Engine:
             decode_tokens_per_s=(num_out - 1) / decode_time if num_out > 1 and decode_time > 0 else 0.0)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=list(req.prompt_token_ids), outputs=completions,
-                             finished=finished, metrics=metrics)
+                             finished=finished, metrics=metrics,
+                             num_cached_tokens=max(s.num_cached_tokens for s in req.seqs))

@@ -45,6 +45,10 @@ class Op(enum.IntEnum):
     LOGITS = 2  # payload: compute_logits' host arrays
     CLEAR_PAGES = 3  # payload: padded page ids
     VALUE = 4  # payload: one picklable value agreed at start-up
+    COPY_PAGES = 5  # payload: (src pages, dst pages), copy-on-write
+    OFFLOAD_PAGES = 6  # payload: (device pages, host slots); every process keeps its own host copy
+    LOAD_PAGES = 7  # payload: (host slots, device pages)
+    DROP_PAGES = 8  # payload: host slots
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
@@ -92,8 +96,9 @@ def _broadcast_array(x: np.ndarray) -> np.ndarray:
 
 
 def send(op: Op, payload: Any = None) -> None:
-    """Leader: broadcasts one operation and its payload to every follower (no-op in a single process)."""
-    if not is_multi_process():
+    """Leader: broadcasts one operation and its payload to every follower (no-op in a single process, and on a
+    follower, which replays the operation it received)."""
+    if not is_multi_process() or not is_leader():
         return
     data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL) if payload is not None else b""
     size = 1 << max(len(data) - 1, 0).bit_length()

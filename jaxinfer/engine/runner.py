@@ -119,6 +119,18 @@ def _clear_pages(kv_cache: KVCache, page_ids: jax.Array) -> KVCache:
     return KVCache(k=kv_cache.k.at[:, page_ids].set(0), v=kv_cache.v.at[:, page_ids].set(0))
 
 
+def _copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return KVCache(k=kv_cache.k.at[:, dst].set(kv_cache.k[:, src]), v=kv_cache.v.at[:, dst].set(kv_cache.v[:, src]))
+
+
+def _gather_pages(kv_cache: KVCache, page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return kv_cache.k[:, page_ids], kv_cache.v[:, page_ids]  # [L, n, K, page_size, H] each
+
+
+def _scatter_pages(kv_cache: KVCache, page_ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    return KVCache(k=kv_cache.k.at[:, page_ids].set(k), v=kv_cache.v.at[:, page_ids].set(v))
+
+
 class ModelRunner:
     """Owns the weights and the paged KV cache on device and runs jitted steps over ragged batches.
 
@@ -185,6 +197,12 @@ class ModelRunner:
             out_shardings=None if mesh is None else (replicated, replicated, cache_out),
         )
         self._clear_pages = jax.jit(_clear_pages, donate_argnums=0, out_shardings=cache_out)
+        self._copy_pages = jax.jit(_copy_pages, donate_argnums=0, out_shardings=cache_out)
+        self._scatter_pages = jax.jit(_scatter_pages, donate_argnums=0, out_shardings=cache_out)
+        self._gather_pages = jax.jit(_gather_pages, out_shardings=None if mesh is None else (replicated, replicated))
+        # Host tier of the prefix cache: slot id -> (k, v) of one page, f[L, K, page_size, H] each. Pages start as
+        # device arrays being copied to the host asynchronously and become numpy when next touched.
+        self.host_pages: dict[int, tuple] = {}
         self._compiled: dict[tuple, Callable] = {}  # ahead-of-time compiled steps by `_shape_key`
         self._forward_all = jax.jit(
             functools.partial(forward, **model_kwargs), donate_argnames=("kv_cache",),
@@ -300,6 +318,14 @@ class ModelRunner:
                     self._logits(*payload)
                 elif op is multihost.Op.CLEAR_PAGES:
                     self._clear(payload)
+                elif op is multihost.Op.COPY_PAGES:
+                    self.copy_pages(*payload)
+                elif op is multihost.Op.OFFLOAD_PAGES:
+                    self.offload_pages(*payload)
+                elif op is multihost.Op.LOAD_PAGES:
+                    self.load_pages(*payload)
+                elif op is multihost.Op.DROP_PAGES:
+                    self.drop_host_pages(payload)
                 else:
                     raise RuntimeError(f"unexpected operation {op.name} from the leader")
             except Exception:  # noqa: BLE001 - the leader sees the same failure and fails the request
@@ -310,6 +336,67 @@ class ModelRunner:
         if multihost.is_multi_process() and multihost.is_leader() and not self._released:
             self._released = True
             multihost.send(multihost.Op.STOP)
+
+    # --- page transfers of the prefix cache (see jaxinfer.scheduler.prefix_cache.KVOp) ------------------------
+
+    @staticmethod
+    def _padded_ids(*id_lists: Sequence[int]) -> list[np.ndarray]:
+        """Id lists padded with the null page to a power of two (few compiled shapes; writes to page 0 are inert)."""
+        width = next_power_of_two(len(id_lists[0]))
+        out = []
+        for ids in id_lists:
+            arr = np.full(width, NULL_PAGE, np.int32)
+            arr[: len(ids)] = ids
+            out.append(arr)
+        return out
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copies device pages src[i] -> dst[i] (all layers, K and V): copy-on-write of shared pages."""
+        multihost.send(multihost.Op.COPY_PAGES, (list(src), list(dst)))
+        s, d = self._padded_ids(src, dst)
+        self.kv_cache = self._copy_pages(self.kv_cache, *self._global_inputs((s, d)))
+
+    def offload_pages(self, page_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Copies device pages to host slots (device-to-host, started asynchronously; the step may run meanwhile)."""
+        multihost.send(multihost.Op.OFFLOAD_PAGES, (list(page_ids), list(slots)))
+        (ids,) = self._padded_ids(page_ids)
+        k, v = self._gather_pages(self.kv_cache, self._global_inputs(ids))
+        for x in (k, v):
+            x.copy_to_host_async()
+        for i, slot in enumerate(slots):
+            self.host_pages[slot] = (k, v, i)
+
+    def _host_page(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        entry = self.host_pages[slot]
+        if len(entry) == 3:  # still the device batch it was gathered in: materialize this page on the host
+            k, v, i = entry
+            entry = (np.asarray(k)[:, i], np.asarray(v)[:, i])
+            self.host_pages[slot] = entry
+        return entry
+
+    def settle_host_pages(self) -> None:
+        """Turns pages offloaded by earlier steps into host numpy arrays, releasing their device copies."""
+        for slot in [s for s, e in self.host_pages.items() if len(e) == 3]:
+            self._host_page(slot)
+
+    def load_pages(self, slots: Sequence[int], page_ids: Sequence[int]) -> None:
+        """Copies host slots back into device pages (host-to-device) and frees the slots."""
+        multihost.send(multihost.Op.LOAD_PAGES, (list(slots), list(page_ids)))
+        pages = [self._host_page(slot) for slot in slots]
+        (ids,) = self._padded_ids(page_ids)
+        k = np.zeros((self.kv_cache.k.shape[0], len(ids), *self.kv_cache.k.shape[2:]), self.kv_cache.k.dtype)
+        v = np.zeros_like(k)
+        for i, (pk, pv) in enumerate(pages):
+            k[:, i], v[:, i] = pk, pv
+        self.kv_cache = self._scatter_pages(self.kv_cache, *self._global_inputs((ids, k, v)))
+        self.drop_host_pages(slots, broadcast=False)
+
+    def drop_host_pages(self, slots: Sequence[int], broadcast: bool = True) -> None:
+        """Frees host slots."""
+        if broadcast:
+            multihost.send(multihost.Op.DROP_PAGES, list(slots))
+        for slot in slots:
+            self.host_pages.pop(slot, None)
 
     def clear_pages(self, page_ids: Sequence[int]) -> None:
         """Zeroes pages (all layers, K and V), e.g. those a sequence filled with NaN K/V, before they are reused.

@@ -14,6 +14,11 @@ first come first served (by `arrival_time`, then `seq_id`):
    pages last; the first that gets no page stops admission (no skipping ahead). Nothing is admitted in a step
    that preempted: the pages just freed go to the running sequences.
 
+With a `PrefixCache`, a sequence being admitted (fresh, or preempted and back) first takes the longest run of
+cached full pages of its tokens (`prefix_cache.py`) and starts computing after them; every full page a step
+completes is registered in the cache. Page transfers the cache decides (host-tier offloads and loads,
+copy-on-write) come back in `SchedulerOutput.kv_ops`, to run before the step.
+
 Pages are allocated on demand for positions `[0, num_computed_tokens + len(chunk))`. A chunk that reaches the
 last known token has `samples=True`: the engine samples the next token from its last logits and hands it to
 `update`, which advances `num_computed_tokens`, appends the token, applies the stop rules (`stop_checker`) and
@@ -30,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from jaxinfer.scheduler.page_allocator import PageAllocator
+from jaxinfer.scheduler.prefix_cache import KVOp, PrefixCache
 from jaxinfer.scheduler.sequence import FINISH_STATUS, Sequence, SequenceStatus
 from jaxinfer.scheduler.stop_checker import append_token
 
@@ -97,6 +103,8 @@ class SchedulerOutput:
       num_batched_tokens: sum of chunk lengths, <= max_num_batched_tokens.
       num_prefill_tokens: tokens in chunks scheduled as prefill (phases 2 and 3).
       num_decode_seqs: chunks scheduled as decodes (phase 1).
+      kv_ops: page transfers to run, in order, before the step's model call (prefix cache host tier and
+        copy-on-write).
     """
 
     chunks: list[ScheduledChunk]
@@ -104,6 +112,7 @@ class SchedulerOutput:
     num_batched_tokens: int
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+    kv_ops: list[KVOp] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -123,12 +132,14 @@ class Scheduler:
       allocator: the KV pages; the scheduler is their only user.
       eos_ids: the model's end-of-sequence ids.
       clock: seconds, for `first_scheduled_time`, `first_token_time` and `finish_time`.
+      prefix_cache: reuse cached full pages of earlier sequences (None disables prefix caching).
     """
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, eos_ids: Iterable[int],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.eos_ids = frozenset(eos_ids)
         self._clock = clock
         self._running: list[Sequence] = []  # sorted by _arrival_key
@@ -294,10 +305,18 @@ class Scheduler:
                 break  # sample 0 is still computing the prompt this sample will share
             if sibling is not None:
                 self._share_prompt_pages(seq, sibling)
+            elif self.prefix_cache is not None and not seq.page_ids:
+                self._take_cached_prefix(seq)
             n = self._fit(seq, min(seq.num_new_tokens_to_compute, budget))
             if n == 0:
+                if sibling is None and seq.page_ids:  # give the cached pages back; the lookup reruns next time
+                    self._release_pages(seq)
+                    seq.num_computed_tokens = 0
                 break
             self._waiting.popleft()
+            if self.prefix_cache is not None and sibling is None:
+                self.prefix_cache.stats.queried_tokens += seq.num_tokens
+                self.prefix_cache.stats.hit_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=_arrival_key)
             chunks.append(self._make_chunk(seq, n, now))
@@ -305,8 +324,10 @@ class Scheduler:
             budget -= n
 
         num_batched = cfg.max_num_batched_tokens - budget
+        kv_ops = self.prefix_cache.take_ops() if self.prefix_cache is not None else []
         return SchedulerOutput(chunks=chunks, preempted=preempted, num_batched_tokens=num_batched,
-                               num_prefill_tokens=num_batched - num_decode_seqs, num_decode_seqs=num_decode_seqs)
+                               num_prefill_tokens=num_batched - num_decode_seqs, num_decode_seqs=num_decode_seqs,
+                               kv_ops=kv_ops)
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
         """Applies a finished step: advances every chunk, appends sampled tokens, applies stop rules.
@@ -336,6 +357,8 @@ class Scheduler:
         for ch in live:
             seq = ch.seq
             seq.num_computed_tokens += len(ch.token_ids)
+            if self.prefix_cache is not None:
+                self._register_full_pages(seq)
             if not ch.samples:
                 continue
             if seq.first_token_time is None:
@@ -375,13 +398,48 @@ class Scheduler:
         seq.num_computed_tokens = shared_tokens
         self.num_shared_prompt_pages += len(shared)
 
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Starts a sequence on the longest cached run of its full pages (prefix caching)."""
+        ps, n = self.config.page_size, seq.num_tokens
+        entries = self.prefix_cache.acquire(seq.token_ids, seq.cache_salt, max_pages=n // ps)
+        seq.page_ids = [e.page for e in entries]
+        seq.cached_entries = list(entries)
+        # The last token is always computed, for its logits: when every token was cached, it is recomputed into
+        # a private copy of the last page (copy-on-write in `_make_chunk`).
+        seq.num_computed_tokens = min(len(entries) * ps, n - 1)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Records the sequence's newly completed full pages in the prefix cache."""
+        ps = self.config.page_size
+        for i in range(len(seq.cached_entries), seq.num_computed_tokens // ps):
+            parent = seq.cached_entries[i - 1] if i else None
+            seq.cached_entries.append(self.prefix_cache.register(
+                seq.page_ids[i], parent, seq.token_slice(i * ps, (i + 1) * ps), seq.cache_salt))
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """True when the next write lands in a page that is shared or cached (copy-on-write)."""
+        start = seq.num_computed_tokens
+        if start % self.config.page_size == 0 or start // self.config.page_size >= len(seq.page_ids):
+            return False
+        page = seq.page_ids[start // self.config.page_size]
+        return self.allocator.refcount(page) > 1 or (self.prefix_cache is not None
+                                                     and self.prefix_cache.is_cached_page(page))
+
     def _fit(self, seq: Sequence, n: int) -> int:
         """`n` shrunk to the tokens whose positions the sequence's pages plus the free pages can hold."""
-        capacity = (len(seq.page_ids) + self.allocator.num_free_pages) * self.config.page_size
-        return max(0, min(n, capacity - seq.num_computed_tokens))
+        free = self.allocator.num_free_pages - self._needs_copy(seq)  # a copy-on-write takes a page
+        capacity = (len(seq.page_ids) + max(free, 0)) * self.config.page_size
+        return max(0, min(n, capacity - seq.num_computed_tokens)) if free >= 0 else 0
 
     def _make_chunk(self, seq: Sequence, n: int, now: float) -> ScheduledChunk:
         start = seq.num_computed_tokens
+        if self._needs_copy(seq):
+            index = start // self.config.page_size
+            if self.prefix_cache is None:
+                raise AssertionError("a shared page would be written without a prefix cache")
+            seq.page_ids[index] = self.prefix_cache.copy_on_write(seq.page_ids[index])
         need = self.config.pages_for(start + n) - len(seq.page_ids)
         if need > 0:
             seq.page_ids.extend(self.allocator.allocate(need))
@@ -389,6 +447,12 @@ class Scheduler:
             seq.first_scheduled_time = now
         return ScheduledChunk(seq=seq, token_ids=seq.token_slice(start, start + n), num_computed_tokens=start,
                               page_ids=list(seq.page_ids), samples=start + n == seq.num_tokens)
+
+    def _release_pages(self, seq: Sequence) -> None:
+        """Drops the sequence's pages, last page first: its cached tail pages are evicted before its head."""
+        self.allocator.free(reversed(seq.page_ids))
+        seq.page_ids = []
+        seq.cached_entries = []
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
         for seq in reversed(self._running):
@@ -398,8 +462,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Drops the sequence's K/V and puts it at the front of the waiting queue; its outputs are kept."""
-        self.allocator.free(seq.page_ids)
-        seq.page_ids = []
+        self._release_pages(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -414,8 +477,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq.seq_id in self._live:
             self._waiting.remove(seq)
         if seq.page_ids:
-            self.allocator.free(seq.page_ids)
-            seq.page_ids = []
+            self._release_pages(seq)
         seq.status = FINISH_STATUS[reason]
         seq.finish_reason = reason
         seq.finish_time = now

@@ -69,6 +69,9 @@ class Sequence:
       error: the message of a FINISHED_ERROR.
       first_scheduled_time, first_token_time, finish_time: seconds on the scheduler's clock, or None.
       num_preemptions: times this sequence was preempted (its K/V dropped and recomputed).
+      cache_salt: requests with different salts never share prefix-cache pages (None is a salt too).
+      cached_entries: prefix-cache entries of this sequence's full computed pages, in order (scheduler-owned).
+      num_cached_tokens: prompt tokens taken from the prefix cache at first admission (vLLM's name).
     """
 
     seq_id: int
@@ -92,6 +95,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None
+    cached_entries: list = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
