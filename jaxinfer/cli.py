@@ -106,6 +106,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices)")
     engine.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int, default=1,
                         help="expert-parallel devices for MoE models (default 1)")
+    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="recompute every prompt instead of reusing cached KV pages of identical prefixes")
+    engine.add_argument("--kv-offload-bytes", type=int, default=0,
+                        help="host-memory tier of the prefix cache in bytes: evicted cached pages wait there and "
+                             "come back on a hit (default 0: off)")
     hosts = parser.add_argument_group("multi-host (one process per host; see jaxinfer.engine.multihost)")
     hosts.add_argument("--coordinator-address", default=None,
                        help="host:port of process 0's jax.distributed coordinator (every process gives the same)")
@@ -150,7 +155,8 @@ def _serve(args: argparse.Namespace) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, warmup=not args.no_warmup,
                           attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-                          expert_parallel_size=args.expert_parallel_size)
+                          expert_parallel_size=args.expert_parallel_size,
+                          enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes)
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
     if _join_job(args):  # a follower serves no requests: it replays process 0's steps
@@ -190,7 +196,8 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
               warmup=args.warmup, attention_backend=args.attention_backend,
-              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
+              enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes)
     if follower:  # replays process 0's steps; process 0 prints the text
         llm.engine.follow_leader()
         return 0

@@ -441,6 +441,8 @@ class Engine:
                 self._run_group(group, sampled, logprobs)
                 device_time += time.perf_counter() - t0
         self.scheduler.update(plan, sampled)  # skips sequences that failed or were aborted meanwhile
+        if self.prefix_cache is not None:  # registering pages can free host-tier copies
+            self._apply_kv_ops(self.prefix_cache.take_ops())
         for seq_id, entry in logprobs.items():
             self._seq_logprobs.setdefault(seq_id, []).append(entry)
         self.metrics.num_steps += 1

@@ -34,6 +34,22 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("jaxinfer_preemptions", "sequences preempted (recomputed later)",
                                   value=s["preemptions"])
         yield CounterMetricFamily("jaxinfer_engine_steps", "engine steps run", value=s["steps"])
+        if "prefix_cache_hit_tokens" in s:  # prefix caching on
+            yield CounterMetricFamily("jaxinfer_prefix_cache_queried_tokens",
+                                      "tokens of admitted sequences looked up in the prefix cache",
+                                      value=s["prefix_cache_queried_tokens"])
+            yield CounterMetricFamily("jaxinfer_prefix_cache_hit_tokens", "of those, tokens taken from the cache",
+                                      value=s["prefix_cache_hit_tokens"])
+            yield GaugeMetricFamily("jaxinfer_prefix_cache_hit_rate", "hit tokens / queried tokens",
+                                    value=s["prefix_cache_hit_rate"])
+            yield GaugeMetricFamily("jaxinfer_prefix_cache_pages", "device KV pages holding cached prefixes",
+                                    value=s["prefix_cache_pages"])
+            yield CounterMetricFamily("jaxinfer_prefix_cache_evictions", "cached pages evicted for reuse",
+                                      value=s["prefix_cache_evictions"])
+            yield GaugeMetricFamily("jaxinfer_prefix_cache_host_pages", "pages in the host-memory tier",
+                                    value=s["prefix_cache_host_pages"])
+            yield CounterMetricFamily("jaxinfer_prefix_cache_host_hits", "pages brought back from the host tier",
+                                      value=s["prefix_cache_host_hits"])
 
 
 class ServerMetrics:
