@@ -163,6 +163,8 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             params = sampling_params_from_proto(request.sampling, limits)
             # Tokenizing a long prompt takes a while: in a worker thread, not on the event loop or engine thread.
             prompt = await asyncio.to_thread(self._prompt, request, engine.engine)
+            if request.cache_salt:
+                prompt["cache_salt"] = request.cache_salt
         except ValueError as e:
             self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -218,7 +220,8 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             responses.append(msg)
         if out.finished:
             usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),
-                             completion_tokens=sum(len(c.token_ids) for c in out.outputs))
+                             completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+                             cached_prompt_tokens=out.num_cached_tokens)
             if not responses:
                 responses.append(pb.GenerateResponse(request_id=out.request_id))
             responses[-1].usage.CopyFrom(usage)

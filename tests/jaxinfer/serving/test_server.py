@@ -118,6 +118,18 @@ def test_stream_equals_offline_generate(served, smollm2_llm: LLM):
     assert usage.prompt_tokens == len(offline.prompt_token_ids) and usage.completion_tokens == len(ids)
 
 
+def test_cache_salt_and_cached_prompt_tokens(served):
+    """The second of two equal prompts is served from the prefix cache, and usage says how much; another salt
+    shares nothing."""
+    prompt = "Summarize the plot of a long novel about a lighthouse keeper and the sea, in one sentence: " * 3
+    proto = pb.SamplingParams(temperature=0, max_tokens=4)
+    n = len(served.engine.tokenize_prompt(prompt)[1])
+    expected = min(n // 16 * 16, n - 1)  # full 16-token pages; the last token is always computed
+    usages = [_stream(served.stub, pb.GenerateRequest(text=prompt, sampling=proto, cache_salt=salt))[3]
+              for salt in ("tenant-a", "tenant-a", "tenant-b")]
+    assert [u.cached_prompt_tokens for u in usages] == [0, expected, 0] and expected >= 48
+
+
 def test_chat_input_equals_offline_chat(served, smollm2_llm: LLM):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a red fruit."}]
     sp, proto = _params(seed=3)
