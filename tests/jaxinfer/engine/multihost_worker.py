@@ -11,25 +11,43 @@ from jaxinfer.engine import multihost
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived"]
 MAX_TOKENS = [10, 4, 7]
+# Then a long prompt, other traffic that evicts its cached pages to the host tier, and the long prompt again
+# (brought back from the host tier): the page transfers run on both processes.
+LONG = "Here is a long document about lighthouses, tides, ships and the people who keep the lights burning. " * 4
+OTHERS = [f"Question {i}: explain why the sky looks blue at noon and red at sunset, in detail." * 2 for i in range(3)]
+ENGINE_OPTIONS = dict(warmup=False, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=10 << 20,
+                      kv_offload_bytes=64 << 20)
+
+
+def generate_all(llm) -> list[list[int]]:
+    """The token ids of every generation of the test, in order (the same calls in one or two processes)."""
+    from jaxinfer.sampling_params import SamplingParams
+
+    greedy = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    for batch in ([LONG], OTHERS, [LONG]):
+        out += [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0, max_tokens=6))]
+    return out
 
 
 def main() -> None:
     process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     multihost.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id, local_device_count=2)
     from jaxinfer.llm import LLM
-    from jaxinfer.sampling_params import SamplingParams
 
     # A 16-token step budget: prompts are prefilled in chunks beside the other sequences' decodes.
-    llm = LLM(tensor_parallel_size=4, warmup=False, max_num_seqs=4, max_num_batched_tokens=16)
+    llm = LLM(tensor_parallel_size=4, **ENGINE_OPTIONS)
     if process_id != 0:
         llm.engine.follow_leader()
         return
-    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS])
+    tokens = generate_all(llm)
     shard_processes = sorted({s.device.process_index for s in llm.runner.weights.layers.wq.global_shards})
+    stats = llm.engine.stats()
     llm.engine.shutdown()
     with open(out, "w") as f:
-        json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "mesh_processes": shard_processes,
-                   "num_devices": int(llm.engine.mesh.devices.size)}, f)
+        json.dump({"tokens": tokens, "mesh_processes": shard_processes,
+                   "num_devices": int(llm.engine.mesh.devices.size),
+                   "host_hits": stats["prefix_cache_host_hits"]}, f)
 
 
 if __name__ == "__main__":
