@@ -276,7 +276,8 @@ def read_hf_config(folder: Path) -> dict:
     """
     path = folder / "config.json"
     if not path.is_file():
-        raise ValueError(f"{folder} is not an HF model folder: config.json is missing")
+        raise ValueError(f"{folder} is not an HF model folder: config.json is missing (nor a `jaxinfer convert` "
+                         "checkpoint: no jaxinfer_checkpoint.json)")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:

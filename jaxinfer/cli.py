@@ -124,12 +124,25 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 def _join_job(args: argparse.Namespace) -> bool:
     """Joins a multi-process job when --num-processes > 1; returns True on a follower (process id > 0)."""
+    if args.num_processes < 1:
+        raise ValueError(f"--num-processes {args.num_processes} must be >= 1")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id {args.process_id} must be in [0, {args.num_processes}) "
+                         f"(--num-processes {args.num_processes})")
     if args.num_processes == 1 and args.coordinator_address is None:
         return False
     if args.coordinator_address is None:
         raise ValueError("--num-processes > 1 needs --coordinator-address host:port")
     from jaxinfer.engine import multihost
 
+    # Gloo's C++ code prints connection lines to stdout: send the process's C-level stdout to stderr and keep
+    # Python's stdout (generated text, --json) on the real one.
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real_stdout, "w", buffering=1)
+    logging.getLogger("jaxinfer").info(
+        "process %d of %d: joining the job at %s (waits until every process has joined)", args.process_id,
+        args.num_processes, args.coordinator_address)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     return not multihost.is_leader()
 

@@ -336,9 +336,16 @@ def read_checkpoint_json(path: str | os.PathLike) -> tuple[ModelConfig, np.dtype
 
 
 def _describe(e: BaseException) -> str:
-    """The first line of an orbax / tensorstore error, short enough for a one-line message."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return f"{type(e).__name__}: {text[:300]}"
+    """The root cause of an orbax / tensorstore error in one short line (wrappers such as "Encountered error while
+    reading array index ..." are skipped for the exception they were raised from)."""
+    chain, seen = [e], {id(e)}
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and id(nxt) not in seen:
+        chain.append(nxt)
+        seen.add(id(nxt))
+    messages = [(x, str(x).strip()) for x in chain if str(x).strip()]
+    x, text = messages[-1] if messages else (e, type(e).__name__)
+    text = text.splitlines()[0].split(" See full TensorStore details")[0]
+    return f"{type(x).__name__}: {text[:300]}"
 
 
 def _stored_arrays(weights_dir: Path, root: Path) -> dict[str, Any]:
@@ -433,6 +440,11 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
             raise ValueError(f"shardings has no sharding for {', '.join('.'.join(p) for p in missing)}")
     targets = [(p, jax.ShapeDtypeStruct(spec.shape, dt, sharding=sharding_of[p])) for p, spec in expected]
 
+    try:  # before the (long) restore: a missing tokenizer fails at once
+        tokenizer = Tokenizer.from_hf_dir(root / TOKENIZER_DIR)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {str(root)!r}: the tokenizer in {TOKENIZER_DIR}/ cannot be loaded: {e}") from None
+
     t0 = time.perf_counter()
     total = sum(int(np.prod(t.shape)) * dt.itemsize for _, t in targets)
     where = "host" if shardings is None else f"{len(jax.tree.leaves(shardings)[0].device_set)} devices"
@@ -459,9 +471,4 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
     except ValueError as e:
         raise ValueError(f"checkpoint {str(root)!r}: restored weights disagree with the config: {e}") from None
     logger.info("restored %.1f MiB in %.2f s", total / 2**20, time.perf_counter() - t0)
-
-    try:
-        tokenizer = Tokenizer.from_hf_dir(root / TOKENIZER_DIR)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint {str(root)!r}: the tokenizer in {TOKENIZER_DIR}/ cannot be loaded: {e}") from None
     return cfg, weights, tokenizer

@@ -79,8 +79,9 @@ def tp_layout(cfg: ModelConfig, tp: int) -> TPLayout:
         raise ValueError(f"tp={tp!r} must be a positive integer")
     N, K, G = cfg.num_heads, cfg.num_kv_heads, cfg.num_queries_per_kv
     if tp > N:
-        raise ValueError(f"tp={tp} is more than the model's {N} query heads: {tp - N} TP ranks would hold only "
-                         f"padding; use tp <= {N}")
+        extra = tp - N
+        raise ValueError(f"tp={tp} is more than the model's {N} query heads: {extra} TP rank{'s' * (extra > 1)} "
+                         f"would hold only padding; use tp <= {N}")
     best: tuple[int, int] | None = None  # (N', K')
     for k_slots in range(-(-K // tp) * tp, K * tp + 1, tp):
         per_slot = -(-G // (k_slots // K))  # a KV head with the fewest slots spreads G query heads over them
@@ -164,7 +165,7 @@ def check_mesh(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> None:
     ep = mesh.shape[EP_AXIS]
     experts = getattr(cfg, "num_experts", 0)
     if ep > 1 and not experts:
-        raise ValueError(f"expert_parallel_size={ep} needs an MoE model; {cfg.name or cfg.architecture} is dense")
+        raise ValueError(f"expert_parallel_size={ep} needs an MoE model; this model ({cfg.architecture}) is dense")
     if experts and experts % ep:
         raise ValueError(f"num_experts={experts} is not a multiple of expert_parallel_size={ep}")
 

@@ -185,8 +185,11 @@ class Engine:
         else:
             sharded = shard_model(cfg, np_weights, self.mesh)
             run_cfg, weights = sharded.cfg, sharded.weights
-            logger.info("sharded over tp=%d x ep=%d devices: %d query heads, %d KV heads (padded from %d / %d)",
-                        tp, ep, run_cfg.num_heads, run_cfg.num_kv_heads, cfg.num_heads, cfg.num_kv_heads)
+            padded = "" if sharded.layout.heads_identity else \
+                f" (padded from {cfg.num_heads} / {cfg.num_kv_heads}: KV heads replicated, so a KV page holds " \
+                f"{run_cfg.num_kv_heads / cfg.num_kv_heads:.2g}x the bytes)"
+            logger.info("sharded over tp=%d x ep=%d devices: %d query heads, %d KV heads%s", tp, ep,
+                        run_cfg.num_heads, run_cfg.num_kv_heads, padded)
         del np_weights
         logger.info("loaded %s (%s) in %.1f s", cfg.name, config.dtype, time.perf_counter() - t0)
 

@@ -335,8 +335,11 @@ class Server:
         except asyncio.CancelledError:  # stopped while loading: the load thread finishes, nothing is served
             logger.info("start-up cancelled")
             raise
-        except Exception as e:  # noqa: BLE001 - reported through health and the log; the server stays up
-            logger.exception("the engine failed to start")
+        except Exception as e:  # noqa: BLE001 - reported through health and the log (`serve` then exits)
+            if isinstance(e, ValueError):  # bad configuration or model: the message says it all
+                logger.error("the engine failed to start: %s", e)
+            else:
+                logger.exception("the engine failed to start")
             self.engine_error = e
             return
         self.async_engine = AsyncEngine(engine)
@@ -384,7 +387,14 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 50
     print(f"jaxinfer: serving gRPC on {server.host}:{server.port}"
           + (f", metrics on http://{server.host}:{server.metrics_port}/metrics" if metrics_port is not None else ""),
           flush=True)
+    # Stop on a signal, or when the engine cannot start (a bad mesh, model or budget): nothing could ever be served.
+    load = server._load_task
+    load.add_done_callback(lambda task: stop.set() if server.engine_error is not None else None)
     await stop.wait()
+    if server.engine_error is not None:
+        await server.stop(0)
+        error = server.engine_error
+        raise error if isinstance(error, ValueError) else RuntimeError(f"the engine failed to start: {error}")
     logger.info("shutting down (grace %.1f s; a second signal cancels the streams in flight now)", grace_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: loop.create_task(server.stop(0)))
@@ -392,6 +402,11 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 50
 
 
 def run(config: EngineConfig, **kw) -> int:
-    """Blocking `serve`; returns the exit status 0 after a graceful shutdown."""
+    """Blocking `serve`; returns the exit status 0 after a graceful shutdown.
+
+    Raises:
+      ValueError: the port cannot be bound, or the engine cannot start from this configuration (the CLI exits 2).
+      RuntimeError: the engine failed to start for another reason.
+    """
     asyncio.run(serve(config, **kw))
     return 0

@@ -62,8 +62,12 @@ def test_committed_stubs_match_the_proto(tmp_path):
 
 def test_bad_serve_flags_exit_2():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one CPU device: --tp 2 cannot start
+    # The last two fail only when the engine starts (after the port is bound): serve must exit, not stay up.
     for args in (["--port", "70000"], ["--max-queued-requests", "0"], ["--model", "/no/such/model.gguf"],
-                 ["--metrics-port", "-5"], ["--grace-seconds", "-1"], ["--host", "nosuchhost.invalid", "--no-warmup"]):
+                 ["--metrics-port", "-5"], ["--grace-seconds", "-1"], ["--host", "nosuchhost.invalid", "--no-warmup"],
+                 ["--process-id", "1"], ["--port", "0", "--no-warmup", "--tp", "2"],
+                 ["--port", "0", "--no-warmup", "--ep", "2"]):
         r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", *args], capture_output=True, text=True,
                            timeout=120, cwd=ROOT, env=env)
         # One line of ours, last (grpc's C core may log the resolver's reason on the line before), no traceback.
