@@ -219,22 +219,52 @@ SHARE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SHARE_CASES, ids=[c[0] for c in SHARE_CASES])
-def test_second_request_shares_prefix(on: LLM, off: LLM, corpus: list[int], case: tuple) -> None:
-    _, len_a, shared, len_b, expected = case
-    firsts = [corpus[0:len_a], corpus[100:100 + len_a]]  # greedy, seeded: different texts
-    seconds = [a if shared == len_a == len_b else with_prefix(corpus, a, shared, len_b, other=300 + 50 * i)
-               for i, a in enumerate(firsts)]
-    params = [GREEDY, SEEDED]
+@dataclasses.dataclass
+class ShareRuns:
+    first: list[RequestOutput]  # per case: greedy, seeded
+    second: list[RequestOutput]
+    cow_copies: int  # copy-on-write copies while the second requests ran
+    hit_tokens: int  # prefix-cache hit tokens while the second requests ran
+
+
+@pytest.fixture(scope="module")
+def share_runs(on: LLM, off: LLM, corpus: list[int]) -> ShareRuns:
+    """Every case at once: all first requests in one batch; after they finished, all second requests in another.
+
+    Case i's first prompts start at corpus token 10 * i (greedy) and 200 + 10 * i (seeded), so no two cases share
+    a first page and every hit comes from the case's own first request. Checked on both engines: same tokens.
+    """
+    on.reset_prefix_cache()
+    firsts, seconds, params = [], [], []
+    for i, (_, len_a, shared, len_b, _) in enumerate(SHARE_CASES):
+        for j, (start, sp) in enumerate(((10 * i, GREEDY), (200 + 10 * i, SEEDED))):
+            a = corpus[start: start + len_a]
+            firsts.append(a)
+            seconds.append(a if shared == len_a == len_b else
+                           with_prefix(corpus, a, shared, len_b, other=320 + 60 * j + 7 * i))
+            params.append(sp)
     first = generate_both(on, off, [prompt(p) for p in firsts], params)
-    assert [o.num_cached_tokens for o in first] == [0, 0]
     cache = on.engine.prefix_cache
     cow0, hit0 = cache.stats.cow_copies, cache.stats.hit_tokens
     second = generate_both(on, off, [prompt(p) for p in seconds], params)
-    assert [o.num_cached_tokens for o in second] == [expected, expected]
-    assert cache.stats.hit_tokens - hit0 == 2 * expected
-    copies = 2 if len_b == shared and len_b % PS == 0 else 0  # one copy-on-write per fully cached prompt
-    assert cache.stats.cow_copies - cow0 == copies
+    return ShareRuns(first, second, cache.stats.cow_copies - cow0, cache.stats.hit_tokens - hit0)
+
+
+def test_share_cases_hit_in_total(share_runs: ShareRuns) -> None:
+    assert [o.num_cached_tokens for o in share_runs.first] == [0] * 2 * len(SHARE_CASES)
+    assert share_runs.hit_tokens == sum(2 * c[-1] for c in SHARE_CASES)
+
+
+@pytest.mark.parametrize("case", SHARE_CASES, ids=[c[0] for c in SHARE_CASES])
+def test_second_request_shares_prefix(share_runs: ShareRuns, case: tuple) -> None:
+    """Tokens equal caching off (checked in `share_runs`) and the second request hit exactly what it shares."""
+    i = SHARE_CASES.index(case)
+    _, len_a, shared, len_b, expected = case
+    assert [o.num_cached_tokens for o in share_runs.second[2 * i: 2 * i + 2]] == [expected, expected]
+    assert [len(o.outputs[0].token_ids) for o in share_runs.second[2 * i: 2 * i + 2]] == [MAX_TOKENS] * 2
+    if len_b == shared == len_a and len_b % PS == 0:
+        # only this case copies: one copy-on-write of the fully cached last page per request
+        assert share_runs.cow_copies == 2
 
 
 def _stop_string(llm: LLM, token_ids: list[int], text: str, first: int) -> str:
@@ -323,16 +353,22 @@ def test_chunked_prefill_and_preemption_together(on: LLM, off: LLM, corpus: list
 
 def test_cache_salt_separates_and_same_salt_hits(on: LLM, off: LLM, corpus: list[int]) -> None:
     ids = corpus[0:50]
-    params = [GREEDY]
-    runs = [("tenant-a", 0), ("tenant-b", 0), (None, 0), ("tenant-a", 3 * PS), ("tenant-b", 3 * PS), (None, 3 * PS)]
-    for salt, expected in runs:
-        (out,) = generate_both(on, off, [prompt(ids, salt)], params)
-        assert out.num_cached_tokens == expected, (salt, expected)
-    # the salt also goes through add_request's keyword
-    on.engine.add_request(prompt(ids), GREEDY, request_id="kw", cache_salt="tenant-c")
+    (first,) = generate_both(on, off, [prompt(ids, "tenant-a")], [GREEDY])
+    # tenant-a's 3 pages are cached: other salts (None is one) miss them, tenant-a hits them
+    salts = ["tenant-b", None, "tenant-a"]
+    second = generate_both(on, off, [prompt(ids, s) for s in salts], [GREEDY] * 3)
+    # now each salt has its own pages: all hit, the salt through add_request's keyword too
+    third = generate_both(on, off, [prompt(ids, s) for s in salts], [GREEDY] * 3)
+    on.engine.add_request(prompt(ids), GREEDY, request_id="kw", cache_salt="tenant-b")
+    on.engine.add_request(prompt(ids), GREEDY, request_id="kw-new", cache_salt="tenant-c")
+    final = {}
     while on.engine.has_unfinished_requests():
-        outs = [o for o in on.engine.step() if o.finished]
-    assert outs[0].num_cached_tokens == 0
+        final.update({o.request_id: o for o in on.engine.step() if o.finished})
+    assert first.num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in second] == [0, 0, 3 * PS]
+    assert [o.num_cached_tokens for o in third] == [3 * PS] * 3
+    assert (final["kw"].num_cached_tokens, final["kw-new"].num_cached_tokens) == (3 * PS, 0)
+    assert final["kw"].outputs[0].token_ids == first.outputs[0].token_ids
 
 
 # ---------------------------------------------------------------------------------------------------------------
