@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
+import jax.numpy as jnp
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -412,3 +413,39 @@ def test_reset_empties_both_tiers(on: LLM, corpus: list[int]) -> None:
     assert on.engine.prefix_cache.num_cached_pages == 0
     (out,) = on.generate([prompt(corpus[0:100])], [GREEDY])
     assert out.num_cached_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A failing request must not damage the cached pages it only read (last: it poisons the weights for a moment)
+
+
+@contextlib.contextmanager
+def nan_embedding(llm: LLM, token: int) -> Iterator[None]:
+    """Makes `token`'s embedding NaN, so that a sequence containing it gets non-finite logits (and K/V)."""
+    weights = llm.runner.weights
+    llm.runner.weights = dataclasses.replace(weights, embed=weights.embed.at[token].set(jnp.nan))
+    try:
+        yield
+    finally:
+        llm.runner.weights = weights
+
+
+def test_failed_request_leaves_shared_cached_pages_intact(on: LLM, off: LLM, corpus: list[int]) -> None:
+    """B hits A's 2 cached pages, then fails on a NaN token: C, hitting the same pages next, must still get A's K/V.
+
+    (The engine clears a failed sequence's pages so that no later owner inherits NaN; pages it shared read-only
+    from the prefix cache hold valid K/V that other requests read.)
+    """
+    marker = next(t for t in range(49000, 49152) if t not in corpus)
+    a = corpus[0:40]
+    bad = corpus[0:2 * PS] + [marker] + corpus[200:207]
+    c = with_prefix(corpus, a, 2 * PS, 40, other=300)
+    (first,) = on.generate([prompt(a)], [GREEDY])
+    with nan_embedding(on, marker):
+        (failed,) = on.generate([prompt(bad)], [GREEDY])
+    assert failed.num_cached_tokens == 2 * PS
+    assert failed.outputs[0].finish_reason == "error"
+    (got,) = on.generate([prompt(c)], [GREEDY])
+    (ref,) = off.generate([prompt(c)], [GREEDY])
+    assert got.num_cached_tokens == 2 * PS
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
