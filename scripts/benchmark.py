@@ -28,6 +28,9 @@ against the bandwidth measured in the same run), and the first scenario also thr
 attention kernels; see `bench_attention`) and, with `--write`, replaces or appends only its own section.
 `--workload checkpoint` times SmolLM2 loads from orbax checkpoints against the GGUF file (`scripts/bench_checkpoint.py`)
 and, with `--write`, likewise replaces or appends only its own section.
+`--workload prefix` measures prefix caching (`scripts/bench_prefix.py`): TTFT of a 1,000-token shared prefix cold vs
+warm, a multi-turn chat workload with caching on and off, and the host tier's load-vs-recompute break-even; with
+`--write` it likewise replaces or appends only its own section.
 
 Results go to stdout as markdown and, with `--write BENCHMARKS.md`, into that file with the command, date, versions
 and machine. A run of one workload keeps the other workload's section of an existing file. Logs go to stderr. The
@@ -65,6 +68,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_checkpoint  # noqa: E402  (scripts/, next to this file)
+import bench_prefix  # noqa: E402
 import bench_serving  # noqa: E402
 from jaxinfer.checkpoint import default_model_path, load_gguf_weights, read_gguf  # noqa: E402
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
@@ -856,6 +860,20 @@ def run_checkpoint(args: argparse.Namespace, command: str, date: str) -> None:
         logger.info("wrote %s", args.write)
 
 
+def run_prefix(args: argparse.Namespace, command: str, date: str) -> None:
+    """`--workload prefix`: prefix caching (TTFT cold/warm, multi-turn chat on/off, host-tier break-even), prints its
+    section, splices it into --write."""
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    r = bench_prefix.run(args.prefix_reps, args.chat_convs, args.chat_turns, args.chat_passes)
+    section = bench_prefix.render(r, command, date, f"machine: nproc {os.cpu_count()}, CPU `{cpu_model()}`",
+                                  time.perf_counter() - t0, (load0, os.getloadavg()[0]))
+    sys.stdout.write(section + "\n")
+    if args.write is not None:
+        old = args.write.read_text() if args.write.is_file() else "# Benchmarks\n"
+        args.write.write_text(bench_prefix.splice(old, section))
+        logger.info("wrote %s", args.write)
+
+
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
@@ -902,11 +920,17 @@ def main() -> None:
     ap.add_argument("--peer-python", default=None,
                     help="Python with torch + transformers (e.g. .venv-golden/bin/python); omitted: no peer")
     ap.add_argument("--peer-timeout", type=int, default=600)
-    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention", "checkpoint"), default="micro",
+    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention", "checkpoint", "prefix"),
+                    default="micro",
                     help="micro: sections 1-6; serving: the serving workload; all: both; attention: the reference "
                          "attention decode step alone (CPU baseline for the kernels); checkpoint: SmolLM2 load "
-                         "time from orbax vs GGUF")
+                         "time from orbax vs GGUF; prefix: prefix caching (scripts/bench_prefix.py)")
     ap.add_argument("--ckpt-reps", type=int, default=5, help="--workload checkpoint: timed loads per kind")
+    ap.add_argument("--prefix-reps", type=int, default=5,
+                    help="--workload prefix: timed cold/warm TTFT pairs, and reps per break-even point")
+    ap.add_argument("--chat-convs", type=int, default=8, help="--workload prefix: conversations of the chat workload")
+    ap.add_argument("--chat-turns", type=int, default=4, help="--workload prefix: turns per conversation")
+    ap.add_argument("--chat-passes", type=int, default=2, help="--workload prefix: timed passes per engine")
     ap.add_argument("--attn-contexts", default="512,4096", help="--workload attention: contexts in tokens")
     ap.add_argument("--attn-batches", default="1,32", help="--workload attention: batch sizes")
     ap.add_argument("--attn-reps", type=int, default=30, help="--workload attention: timed calls per shape")
@@ -951,6 +975,9 @@ def main() -> None:
     if args.workload == "checkpoint":
         run_checkpoint(args, r["command"], r["date"])
         return
+    if args.workload == "prefix":
+        run_prefix(args, r["command"], r["date"])
+        return
     r["bandwidth"] = measure_bandwidth(args.bw_gib, args.bw_reps)
     model_path = args.model or default_model_path()
     if micro:
@@ -982,6 +1009,7 @@ def main() -> None:
             a, b = old.index(ATTN_SECTION_BEGIN), old.index(ATTN_SECTION_END) + len(ATTN_SECTION_END)
             report = report.rstrip("\n") + "\n\n" + old[a:b] + "\n"
         report = bench_checkpoint.keep_section(old, report)  # and the checkpoint section
+        report = bench_prefix.keep_section(old, report)  # and the prefix-caching section
         args.write.write_text(report)
         logger.info("wrote %s", args.write)
 
