@@ -489,13 +489,22 @@ class Engine:
         self.metrics.num_padded_tokens += result.num_padded_tokens
         for i, chunk in enumerate(chunks):
             if not result.finite[i]:
-                self.runner.clear_pages(chunk.page_ids)  # its K/V may hold NaN: no later owner may read them
+                self._discard_pages(chunk)
                 self.scheduler.fail(chunk.seq, "the model produced non-finite logits (NaN or inf)")
                 self.metrics.num_errors += 1
             elif chunk.samples:
                 sampled[chunk.seq.seq_id] = int(result.token_ids[i])
                 if chunk.seq.params.logprobs is not None:
                     logprobs[chunk.seq.seq_id] = result.row_logprobs(i, chunk.seq.params.logprobs)
+
+    def _discard_pages(self, chunk: ScheduledChunk) -> None:
+        """A sequence's own pages may hold NaN K/V: no later request may find them in the prefix cache, and those
+        nobody else holds are zeroed before reuse (a masked 0 * NaN is still NaN). Pages it read from the cache
+        or from its sample 0 were computed by others from the same tokens and stay as they are."""
+        own = chunk.page_ids[chunk.seq.num_shared_pages:]
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_pages(own)
+        self.runner.clear_pages([p for p in own if self.page_allocator.refcount(p) == 1])
 
     def _execute(self, chunks: list[ScheduledChunk]) -> StepResult:
         rows = [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,

@@ -250,6 +250,16 @@ class PrefixCache:
         self.stats.cow_copies += 1
         return new
 
+    def forget_pages(self, pages: Sequence[int]) -> None:
+        """Drops the cache entries of these device pages (e.g. K/V that turned out non-finite): no later request
+        will find them; their owners keep the pages."""
+        for page in pages:
+            entry = self._on_device.pop(page, None)
+            if entry is not None:
+                entry.page = None
+                self._forget(entry)
+                self.allocator.uncache(page)
+
     def reset(self) -> None:
         """Forgets every cached page: evictable pages become plain free pages, the host tier is emptied (DROP ops),
         pages still owned stay with their owners but are no longer found by `match`."""

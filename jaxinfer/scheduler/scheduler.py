@@ -396,6 +396,7 @@ class Scheduler:
         self.allocator.incref(shared)
         seq.page_ids = list(shared)
         seq.num_computed_tokens = shared_tokens
+        seq.num_shared_pages = len(shared)
         self.num_shared_prompt_pages += len(shared)
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
@@ -407,6 +408,7 @@ class Scheduler:
         # The last token is always computed, for its logits: when every token was cached, it is recomputed into
         # a private copy of the last page (copy-on-write in `_make_chunk`).
         seq.num_computed_tokens = min(len(entries) * ps, n - 1)
+        seq.num_shared_pages = seq.num_computed_tokens // ps  # a copied-on-write last page is the sequence's own
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
 
@@ -453,6 +455,7 @@ class Scheduler:
         self.allocator.free(reversed(seq.page_ids))
         seq.page_ids = []
         seq.cached_entries = []
+        seq.num_shared_pages = 0
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
         for seq in reversed(self._running):

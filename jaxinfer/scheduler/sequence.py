@@ -72,6 +72,8 @@ class Sequence:
       cache_salt: requests with different salts never share prefix-cache pages (None is a salt too).
       cached_entries: prefix-cache entries of this sequence's full computed pages, in order (scheduler-owned).
       num_cached_tokens: prompt tokens taken from the prefix cache at first admission (vLLM's name).
+      num_shared_pages: leading pages of `page_ids` taken read-only at admission (prefix cache hits, or sample
+        0's prompt pages); the pages after them are this sequence's own.
     """
 
     seq_id: int
@@ -98,6 +100,7 @@ class Sequence:
     cache_salt: str | None = None
     cached_entries: list = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
+    num_shared_pages: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
