@@ -36,7 +36,7 @@ import numpy as np
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
-           "sample"]
+           "sample", "sample_keys", "top_logprobs"]
 
 GREEDY_TEMPERATURE = 1e-5  # smallest temperature sampled as such; below it, argmax
 MIN_SUPPRESS_WIDTH = 4
@@ -307,6 +307,27 @@ def _no_top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.full((b, MAX_LOGPROBS), -1, jnp.int32)
 
 
+def top_logprobs(raw_logprobs: jax.Array, num_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`SampleOutput.top_logprobs` and `.top_token_ids` of raw log-probabilities f32[B, V], given i32[B] wants.
+
+    Returns:
+      f32[B, MAX_LOGPROBS] and i32[B, MAX_LOGPROBS], filled only when some row has num_logprobs > 0.
+    """
+    return jax.lax.cond(jnp.any(num_logprobs > 0), _top_logprobs, _no_top_logprobs, raw_logprobs)
+
+
+def sample_keys(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
+    """Key[B] of each row's output token: `fold_in(fold_in(key(seed), sample_index), step)` (module docstring, j).
+
+    Args:
+      seed: u32[B], the request's seed.
+      sample_index: i32[B], which of the request's n samples the row is.
+      step: i32[B], index of the output token being sampled.
+    """
+    return jax.vmap(lambda seed, index, step: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index),
+                                                                 step))(seed, sample_index, step)
+
+
 def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     """Samples one token per row (steps a-j of the module docstring).
 
@@ -318,12 +339,11 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
       SampleOutput of B rows.
     """
     raw_logprobs, penalised, truncated = process_logits(logits, s)
-    keys = jax.vmap(lambda seed, index, step: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index),
-                                                                  step))(s.seed, s.sample_index, s.step)
+    keys = sample_keys(s.seed, s.sample_index, s.step)
     sampled = jax.vmap(jax.random.categorical)(keys, truncated).astype(jnp.int32)
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     token_ids = jnp.where(s.temperature > 0, sampled, greedy)
     token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
-    top_values, top_ids = jax.lax.cond(jnp.any(s.num_logprobs > 0), _top_logprobs, _no_top_logprobs, raw_logprobs)
+    top_values, top_ids = top_logprobs(raw_logprobs, s.num_logprobs)
     return SampleOutput(token_ids=token_ids, logprobs=token_logprobs, top_logprobs=top_values,
                         top_token_ids=top_ids)
