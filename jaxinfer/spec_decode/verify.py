@@ -119,7 +119,8 @@ def verify(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: ja
            num_drafts: jax.Array, s: SamplingArrays) -> VerifyOutput:
     """Accepts the longest valid prefix of each row's drafts and picks the token after it (module docstring, 1-5).
 
-    Jittable; shapes only set what is compiled. Rows are independent: a padding row (greedy, num_drafts 0) is inert.
+    Pure and jittable (None and an array for draft_probs compile separately). Rows are independent; a padding row
+    (greedy, num_drafts 0, as `SamplingArrays.build` pads) is inert.
 
     Args:
       target_logits: f32[B, k+1, V] (other float dtypes are upcast), k >= 0. Row b, position j: the target's raw

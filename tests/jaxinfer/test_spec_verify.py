@@ -156,6 +156,8 @@ def test_no_drafts_is_sample_and_bonus_uses_sample_key():
     np.testing.assert_array_equal(first.logprobs[:, 0], expected.logprobs)
     np.testing.assert_array_equal(first.top_logprobs[:, 0], expected.top_logprobs)
     np.testing.assert_array_equal(first.top_token_ids[:, 0], expected.top_token_ids)
+    no_slots = _verify(logits[:, :1], drafts[:, :0], None, np.zeros(b, np.int32), s)  # k = 0
+    np.testing.assert_array_equal(no_slots.token_ids[:, 0], expected.token_ids)
 
     block = _verify(logits, drafts, None, np.full(b, k, np.int32), s)
     assert block.num_accepted.tolist() == [k] * b
