@@ -13,6 +13,7 @@ setup(
         "jaxinfer.scheduler",
         "jaxinfer.serving",
         "jaxinfer.serving.v1",
+        "jaxinfer.spec_decode",
         "models",
         "sharding",
         "pallas_kernels",
