@@ -36,6 +36,8 @@ Expectations, written before measuring (2 shared cores, f32; earlier runs here: 
 
 from __future__ import annotations
 
+import md_sections  # noqa: I001 (scripts/ is on sys.path when these run)
+
 import dataclasses
 import logging
 import statistics
@@ -395,15 +397,9 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
 
 def splice(existing: str, section: str) -> str:
     """`existing` with its prefix-caching section replaced by `section`, or `section` appended."""
-    if SECTION_BEGIN in existing and SECTION_END in existing:
-        a, b = existing.index(SECTION_BEGIN), existing.index(SECTION_END) + len(SECTION_END)
-        return existing[:a] + section + existing[b:]
-    return existing.rstrip("\n") + "\n\n" + section + "\n"
+    return md_sections.splice(existing, section, SECTION_BEGIN, SECTION_END)
 
 
 def keep_section(old: str, report: str) -> str:
     """`report` with `old`'s prefix-caching section appended when `report` has none (a run of another workload)."""
-    if SECTION_BEGIN in old and SECTION_END in old and SECTION_BEGIN not in report:
-        a, b = old.index(SECTION_BEGIN), old.index(SECTION_END) + len(SECTION_END)
-        return report.rstrip("\n") + "\n\n" + old[a:b] + "\n"
-    return report
+    return md_sections.keep_section(old, report, SECTION_BEGIN, SECTION_END)

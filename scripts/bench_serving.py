@@ -26,6 +26,8 @@ Definitions (times on one `perf_counter` clock):
 
 from __future__ import annotations
 
+import md_sections  # noqa: I001 (scripts/ is on sys.path when these run)
+
 import dataclasses
 import functools
 import json
@@ -774,8 +776,4 @@ def compile_notes(r: dict) -> list[str]:
 
 def splice(existing: str, section: str) -> str:
     """Replaces the serving section in an existing report, or appends it."""
-    if SECTION_BEGIN in existing and SECTION_END in existing:
-        a = existing.index(SECTION_BEGIN)
-        b = existing.index(SECTION_END) + len(SECTION_END)
-        return existing[:a] + section + existing[b:]
-    return existing.rstrip("\n") + "\n\n" + section + "\n"
+    return md_sections.splice(existing, section, SECTION_BEGIN, SECTION_END)

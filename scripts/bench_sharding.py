@@ -30,6 +30,8 @@ if not CHILD:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import md_sections  # noqa: E402
+
 import jax  # noqa: E402
 
 from jaxinfer.engine.runner import SequenceChunk  # noqa: E402
@@ -113,11 +115,7 @@ def main() -> None:
     print(section)
     if args.write is not None:
         old = args.write.read_text() if args.write.is_file() else "# Benchmarks\n"
-        if BEGIN in old and END in old:
-            new = old[: old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-        else:
-            new = old.rstrip("\n") + "\n\n" + section + "\n"
-        args.write.write_text(new)
+        args.write.write_text(md_sections.splice(old, section, BEGIN, END))
 
 
 if __name__ == "__main__":

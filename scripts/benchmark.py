@@ -70,6 +70,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_checkpoint  # noqa: E402  (scripts/, next to this file)
 import bench_prefix  # noqa: E402
 import bench_serving  # noqa: E402
+import md_sections  # noqa: E402
 from jaxinfer.checkpoint import default_model_path, load_gguf_weights, read_gguf  # noqa: E402
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
 from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample  # noqa: E402
@@ -834,16 +835,16 @@ def run_attention(args: argparse.Namespace, command: str, date: str) -> None:
     batches = [int(b) for b in args.attn_batches.split(",") if b]
     rows = bench_attention(dtypes, contexts, batches, args.attn_reps)
     section = render_attention(rows, args, command, date, time.perf_counter() - t0, (load0, os.getloadavg()[0]))
+    write_section(args.write, section, lambda old: md_sections.splice(old, section, ATTN_SECTION_BEGIN,
+                                                                      ATTN_SECTION_END))
+
+
+def write_section(path: Path | None, section: str, splice: Callable[[str], str]) -> None:
+    """Prints a workload's section and, with --write, splices it into that file (other sections kept)."""
     sys.stdout.write(section + "\n")
-    if args.write is not None:
-        old = args.write.read_text() if args.write.is_file() else "# Benchmarks\n"
-        if ATTN_SECTION_BEGIN in old and ATTN_SECTION_END in old:
-            a, b = old.index(ATTN_SECTION_BEGIN), old.index(ATTN_SECTION_END) + len(ATTN_SECTION_END)
-            new = old[:a] + section + old[b:]
-        else:
-            new = old.rstrip("\n") + "\n\n" + section + "\n"
-        args.write.write_text(new)
-        logger.info("wrote %s", args.write)
+    if path is not None:
+        path.write_text(splice(path.read_text() if path.is_file() else "# Benchmarks\n"))
+        logger.info("wrote %s", path)
 
 
 def run_checkpoint(args: argparse.Namespace, command: str, date: str) -> None:
@@ -853,11 +854,7 @@ def run_checkpoint(args: argparse.Namespace, command: str, date: str) -> None:
     r = bench_checkpoint.run(args.model or default_model_path(), dtypes, args.ckpt_reps)
     section = bench_checkpoint.render(r, command, date, f"machine: nproc {os.cpu_count()}, CPU `{cpu_model()}`",
                                       time.perf_counter() - t0, (load0, os.getloadavg()[0]))
-    sys.stdout.write(section + "\n")
-    if args.write is not None:
-        old = args.write.read_text() if args.write.is_file() else "# Benchmarks\n"
-        args.write.write_text(bench_checkpoint.splice(old, section))
-        logger.info("wrote %s", args.write)
+    write_section(args.write, section, lambda old: bench_checkpoint.splice(old, section))
 
 
 def run_prefix(args: argparse.Namespace, command: str, date: str) -> None:
@@ -867,11 +864,7 @@ def run_prefix(args: argparse.Namespace, command: str, date: str) -> None:
     r = bench_prefix.run(args.prefix_reps, args.chat_convs, args.chat_turns, args.chat_passes)
     section = bench_prefix.render(r, command, date, f"machine: nproc {os.cpu_count()}, CPU `{cpu_model()}`",
                                   time.perf_counter() - t0, (load0, os.getloadavg()[0]))
-    sys.stdout.write(section + "\n")
-    if args.write is not None:
-        old = args.write.read_text() if args.write.is_file() else "# Benchmarks\n"
-        args.write.write_text(bench_prefix.splice(old, section))
-        logger.info("wrote %s", args.write)
+    write_section(args.write, section, lambda old: bench_prefix.splice(old, section))
 
 
 # --- main -------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ did not exit cleanly, 2 for bad arguments or no SERVING server.
 
 from __future__ import annotations
 
+import md_sections  # noqa: I001 (scripts/ is on sys.path when these run)
+
 import argparse
 import asyncio
 import collections
@@ -262,10 +264,7 @@ def markdown(r: dict) -> str:
 
 def splice(existing: str, section: str) -> str:
     """Replaces the load-test section in an existing report, or appends it."""
-    if SECTION_BEGIN in existing and SECTION_END in existing:
-        a, b = existing.index(SECTION_BEGIN), existing.index(SECTION_END) + len(SECTION_END)
-        return existing[:a] + section + existing[b:]
-    return existing.rstrip("\n") + "\n\n" + section + "\n"
+    return md_sections.splice(existing, section, SECTION_BEGIN, SECTION_END)
 
 
 async def amain(args: argparse.Namespace, server_args: list[str]) -> int:

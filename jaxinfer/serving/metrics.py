@@ -18,6 +18,20 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+_PREFIX_CACHE_METRICS = (
+    (CounterMetricFamily, "jaxinfer_prefix_cache_queried_tokens", "prefix_cache_queried_tokens",
+     "tokens of admitted sequences looked up in the prefix cache"),
+    (CounterMetricFamily, "jaxinfer_prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
+     "of those, tokens taken from the cache"),
+    (GaugeMetricFamily, "jaxinfer_prefix_cache_hit_rate", "prefix_cache_hit_rate", "hit tokens / queried tokens"),
+    (GaugeMetricFamily, "jaxinfer_prefix_cache_pages", "prefix_cache_pages", "device KV pages holding cached prefixes"),
+    (CounterMetricFamily, "jaxinfer_prefix_cache_evictions", "prefix_cache_evictions", "cached pages evicted for reuse"),
+    (GaugeMetricFamily, "jaxinfer_prefix_cache_host_pages", "prefix_cache_host_pages", "pages in the host-memory tier"),
+    (CounterMetricFamily, "jaxinfer_prefix_cache_host_hits", "prefix_cache_host_hits",
+     "pages brought back from the host tier"),
+)
+
+
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict | None]) -> None:
         self._stats = stats
@@ -35,22 +49,8 @@ class _EngineCollector(Collector):
                                   value=s["preemptions"])
         yield CounterMetricFamily("jaxinfer_engine_steps", "engine steps run", value=s["steps"])
         if "prefix_cache_hit_tokens" in s:  # prefix caching on
-            yield CounterMetricFamily("jaxinfer_prefix_cache_queried_tokens",
-                                      "tokens of admitted sequences looked up in the prefix cache",
-                                      value=s["prefix_cache_queried_tokens"])
-            yield CounterMetricFamily("jaxinfer_prefix_cache_hit_tokens", "of those, tokens taken from the cache",
-                                      value=s["prefix_cache_hit_tokens"])
-            yield GaugeMetricFamily("jaxinfer_prefix_cache_hit_rate", "hit tokens / queried tokens",
-                                    value=s["prefix_cache_hit_rate"])
-            yield GaugeMetricFamily("jaxinfer_prefix_cache_pages", "device KV pages holding cached prefixes",
-                                    value=s["prefix_cache_pages"])
-            yield CounterMetricFamily("jaxinfer_prefix_cache_evictions", "cached pages evicted for reuse",
-                                      value=s["prefix_cache_evictions"])
-            yield GaugeMetricFamily("jaxinfer_prefix_cache_host_pages", "pages in the host-memory tier",
-                                    value=s["prefix_cache_host_pages"])
-            yield CounterMetricFamily("jaxinfer_prefix_cache_host_hits", "pages brought back from the host tier",
-                                      value=s["prefix_cache_host_hits"])
-
+            for family, name, key, doc in _PREFIX_CACHE_METRICS:
+                yield family(name, doc, value=s[key])
 
 class ServerMetrics:
     """The server's metrics in their own registry (tests can run several servers in one process).

@@ -1,0 +1,20 @@
+"""Sections of BENCHMARKS.md that each benchmark script owns, between its own begin/end marker comments."""
+
+from __future__ import annotations
+
+
+def splice(existing: str, section: str, begin: str, end: str) -> str:
+    """`existing` with the section between `begin` and `end` (markers included) replaced by `section`, or
+    `section` appended when `existing` has none."""
+    if begin in existing and end in existing:
+        a, b = existing.index(begin), existing.index(end) + len(end)
+        return existing[:a] + section + existing[b:]
+    return existing.rstrip("\n") + "\n\n" + section + "\n"
+
+
+def keep_section(old: str, report: str, begin: str, end: str) -> str:
+    """`report` with `old`'s section appended when `report` has none (a run of another workload rewrote the file)."""
+    if begin in old and end in old and begin not in report:
+        a, b = old.index(begin), old.index(end) + len(end)
+        return report.rstrip("\n") + "\n\n" + old[a:b] + "\n"
+    return report
