@@ -107,21 +107,30 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "expert_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in ("scan_layers", "warmup", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         choices = [b.value for b in AttentionBackend]
         if self.attention_backend not in choices:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {', '.join(choices)}")
-        if not isinstance(self.kv_offload_bytes, int) or self.kv_offload_bytes < 0:
+        if not is_int(self.kv_offload_bytes) or self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes!r} must be an integer >= 0")
-        if self.kv_offload_min_pages is not None and (not isinstance(self.kv_offload_min_pages, int)
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes} needs prefix caching, which is off")
+        if self.kv_offload_min_pages is not None and (not is_int(self.kv_offload_min_pages)
                                                       or self.kv_offload_min_pages < 1):
             raise ValueError(f"kv_offload_min_pages={self.kv_offload_min_pages!r} must be None or an integer >= 1")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be positive")
+        if self.kv_cache_memory_bytes is not None and (not is_int(self.kv_cache_memory_bytes)
+                                                       or self.kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be a positive integer")
 
 
 @dataclasses.dataclass
@@ -215,6 +224,9 @@ class Engine:
         self.prefix_cache = None
         if config.enable_prefix_caching:
             min_pages = config.kv_offload_min_pages or DEFAULT_OFFLOAD_MIN_PAGES.get(jax.default_backend(), 1)
+            if 0 < config.kv_offload_bytes < page_bytes:
+                raise ValueError(f"kv_offload_bytes={config.kv_offload_bytes} is smaller than one KV page "
+                                 f"({page_bytes} bytes)")
             self.prefix_cache = PrefixCache(self.page_allocator, config.page_size,
                                             host_capacity_pages=config.kv_offload_bytes // page_bytes,
                                             host_min_pages=min_pages)
@@ -276,9 +288,11 @@ class Engine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            return self.tokenize_prompt(prompt["prompt"])  # a text prompt dict, as vLLM's {"prompt": text}
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or a text 'prompt'")
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):
                 raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
