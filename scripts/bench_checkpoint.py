@@ -17,7 +17,6 @@ build), then the median and minimum of the following calls. All files stay in th
 
 from __future__ import annotations
 
-import md_sections  # noqa: I001 (scripts/ is on sys.path when these run)
 
 import gc
 import logging
@@ -128,13 +127,3 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
                "decompresses them, but does no dequantization\n")
     out.append(SECTION_END)
     return "\n".join(out)
-
-
-def splice(existing: str, section: str) -> str:
-    """`existing` with its checkpoint section replaced by `section`, or `section` appended."""
-    return md_sections.splice(existing, section, SECTION_BEGIN, SECTION_END)
-
-
-def keep_section(old: str, report: str) -> str:
-    """`report` with `old`'s checkpoint section appended when `report` has none (a run of another workload)."""
-    return md_sections.keep_section(old, report, SECTION_BEGIN, SECTION_END)

@@ -36,7 +36,6 @@ Expectations, written before measuring (2 shared cores, f32; earlier runs here: 
 
 from __future__ import annotations
 
-import md_sections  # noqa: I001 (scripts/ is on sys.path when these run)
 
 import dataclasses
 import logging
@@ -393,13 +392,3 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
                + "\n")
     out.append(SECTION_END)
     return "\n".join(out)
-
-
-def splice(existing: str, section: str) -> str:
-    """`existing` with its prefix-caching section replaced by `section`, or `section` appended."""
-    return md_sections.splice(existing, section, SECTION_BEGIN, SECTION_END)
-
-
-def keep_section(old: str, report: str) -> str:
-    """`report` with `old`'s prefix-caching section appended when `report` has none (a run of another workload)."""
-    return md_sections.keep_section(old, report, SECTION_BEGIN, SECTION_END)

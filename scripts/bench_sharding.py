@@ -40,7 +40,7 @@ from jaxinfer.llm import LLM  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
 logger = logging.getLogger("bench_sharding")
-BEGIN, END = "<!-- sharding:begin -->", "<!-- sharding:end -->"
+BEGIN, END = md_sections.SHARDING_MARKERS
 
 
 def time_decode(tp: int, batch: int, context: int, reps: int, dtype: str) -> dict:

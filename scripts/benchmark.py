@@ -854,7 +854,8 @@ def run_checkpoint(args: argparse.Namespace, command: str, date: str) -> None:
     r = bench_checkpoint.run(args.model or default_model_path(), dtypes, args.ckpt_reps)
     section = bench_checkpoint.render(r, command, date, f"machine: nproc {os.cpu_count()}, CPU `{cpu_model()}`",
                                       time.perf_counter() - t0, (load0, os.getloadavg()[0]))
-    write_section(args.write, section, lambda old: bench_checkpoint.splice(old, section))
+    write_section(args.write, section, lambda old: md_sections.splice(old, section, bench_checkpoint.SECTION_BEGIN,
+                                                                      bench_checkpoint.SECTION_END))
 
 
 def run_prefix(args: argparse.Namespace, command: str, date: str) -> None:
@@ -864,7 +865,8 @@ def run_prefix(args: argparse.Namespace, command: str, date: str) -> None:
     r = bench_prefix.run(args.prefix_reps, args.chat_convs, args.chat_turns, args.chat_passes)
     section = bench_prefix.render(r, command, date, f"machine: nproc {os.cpu_count()}, CPU `{cpu_model()}`",
                                   time.perf_counter() - t0, (load0, os.getloadavg()[0]))
-    write_section(args.write, section, lambda old: bench_prefix.splice(old, section))
+    write_section(args.write, section, lambda old: md_sections.splice(old, section, bench_prefix.SECTION_BEGIN,
+                                                                      bench_prefix.SECTION_END))
 
 
 # --- main -------------------------------------------------------------------------------------------------------------
@@ -998,11 +1000,11 @@ def main() -> None:
         elif not serving and bench_serving.SECTION_BEGIN in old:  # keep the file's serving section
             a, b = old.index(bench_serving.SECTION_BEGIN), old.index(bench_serving.SECTION_END)
             report = bench_serving.splice(report, old[a: b + len(bench_serving.SECTION_END)])
-        if ATTN_SECTION_END in old and ATTN_SECTION_BEGIN not in report:  # keep the attention baseline section
-            a, b = old.index(ATTN_SECTION_BEGIN), old.index(ATTN_SECTION_END) + len(ATTN_SECTION_END)
-            report = report.rstrip("\n") + "\n\n" + old[a:b] + "\n"
-        report = bench_checkpoint.keep_section(old, report)  # and the checkpoint section
-        report = bench_prefix.keep_section(old, report)  # and the prefix-caching section
+        # Keep the sections other workloads and scripts own.
+        for begin, end in ((ATTN_SECTION_BEGIN, ATTN_SECTION_END),
+                           (bench_checkpoint.SECTION_BEGIN, bench_checkpoint.SECTION_END),
+                           (bench_prefix.SECTION_BEGIN, bench_prefix.SECTION_END), md_sections.SHARDING_MARKERS):
+            report = md_sections.keep_section(old, report, begin, end)
         args.write.write_text(report)
         logger.info("wrote %s", args.write)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# bench_sharding.py's markers live here: that script sets up 8 fake devices when imported.
+SHARDING_MARKERS = ("<!-- sharding:begin -->", "<!-- sharding:end -->")
+
 
 def splice(existing: str, section: str, begin: str, end: str) -> str:
     """`existing` with the section between `begin` and `end` (markers included) replaced by `section`, or

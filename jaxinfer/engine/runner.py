@@ -203,6 +203,7 @@ class ModelRunner:
         # Host tier of the prefix cache: slot id -> (k, v) of one page, f[L, K, page_size, H] each. Pages start as
         # device arrays being copied to the host asynchronously and become numpy when next touched.
         self.host_pages: dict[int, tuple] = {}
+        self._unsettled: list[int] = []  # slots whose pages are still device arrays in flight to the host
         self._compiled: dict[tuple, Callable] = {}  # ahead-of-time compiled steps by `_shape_key`
         self._forward_all = jax.jit(
             functools.partial(forward, **model_kwargs), donate_argnames=("kv_cache",),
@@ -359,12 +360,14 @@ class ModelRunner:
     def offload_pages(self, page_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copies device pages to host slots (device-to-host, started asynchronously; the step may run meanwhile)."""
         multihost.send(multihost.Op.OFFLOAD_PAGES, (list(page_ids), list(slots)))
+        self.settle_host_pages()  # earlier offloads have landed (on followers too, which run no engine loop)
         (ids,) = self._padded_ids(page_ids)
         k, v = self._gather_pages(self.kv_cache, self._global_inputs(ids))
         for x in (k, v):
             x.copy_to_host_async()
         for i, slot in enumerate(slots):
             self.host_pages[slot] = (k, v, i)
+        self._unsettled += slots
 
     def _host_page(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         entry = self.host_pages[slot]
@@ -376,8 +379,10 @@ class ModelRunner:
 
     def settle_host_pages(self) -> None:
         """Turns pages offloaded by earlier steps into host numpy arrays, releasing their device copies."""
-        for slot in [s for s, e in self.host_pages.items() if len(e) == 3]:
-            self._host_page(slot)
+        for slot in self._unsettled:
+            if slot in self.host_pages:  # not loaded back or dropped meanwhile
+                self._host_page(slot)
+        self._unsettled = []
 
     def load_pages(self, slots: Sequence[int], page_ids: Sequence[int]) -> None:
         """Copies host slots back into device pages (host-to-device) and frees the slots."""
@@ -406,8 +411,7 @@ class ModelRunner:
         """
         if not page_ids:
             return
-        ids = np.full(next_power_of_two(len(page_ids)), NULL_PAGE, np.int32)  # padded with the (inert) null page
-        ids[: len(page_ids)] = page_ids
+        (ids,) = self._padded_ids(page_ids)
         multihost.send(multihost.Op.CLEAR_PAGES, ids)
         self._clear(ids)
 
