@@ -14,11 +14,11 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-import jax.numpy as jnp
 import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.outputs import RequestOutput
+from tests.jaxinfer.engine.test_engine import nan_embedding
 
 pytestmark = pytest.mark.slow
 
@@ -419,17 +419,6 @@ def test_reset_empties_both_tiers(on: LLM, corpus: list[int]) -> None:
 # A failing request must not damage the cached pages it only read (last: it poisons the weights for a moment)
 
 
-@contextlib.contextmanager
-def nan_embedding(llm: LLM, token: int) -> Iterator[None]:
-    """Makes `token`'s embedding NaN, so that a sequence containing it gets non-finite logits (and K/V)."""
-    weights = llm.runner.weights
-    llm.runner.weights = dataclasses.replace(weights, embed=weights.embed.at[token].set(jnp.nan))
-    try:
-        yield
-    finally:
-        llm.runner.weights = weights
-
-
 def test_failed_request_leaves_shared_cached_pages_intact(on: LLM, off: LLM, corpus: list[int]) -> None:
     """B hits A's 2 cached pages, then fails on a NaN token: C, hitting the same pages next, must still get A's K/V.
 
@@ -441,7 +430,7 @@ def test_failed_request_leaves_shared_cached_pages_intact(on: LLM, off: LLM, cor
     bad = corpus[0:2 * PS] + [marker] + corpus[200:207]
     c = with_prefix(corpus, a, 2 * PS, 40, other=300)
     (first,) = on.generate([prompt(a)], [GREEDY])
-    with nan_embedding(on, marker):
+    with nan_embedding(on.engine, marker):
         (failed,) = on.generate([prompt(bad)], [GREEDY])
     assert failed.num_cached_tokens == 2 * PS
     assert failed.outputs[0].finish_reason == "error"
