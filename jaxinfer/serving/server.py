@@ -336,8 +336,8 @@ class Server:
             logger.info("start-up cancelled")
             raise
         except Exception as e:  # noqa: BLE001 - reported through health and the log (`serve` then exits)
-            if isinstance(e, ValueError):  # bad configuration or model: the message says it all
-                logger.error("the engine failed to start: %s", e)
+            if isinstance(e, ValueError):  # bad configuration or model: `serve` raises it (the CLI prints it once)
+                logger.debug("the engine failed to start: %s", e)
             else:
                 logger.exception("the engine failed to start")
             self.engine_error = e
