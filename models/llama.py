@@ -310,7 +310,9 @@ def forward(
       tokens: i32[T], flat new tokens of all sequences, in [0, V); padding tokens are any valid id.
       metadata: positions, lengths, page table and logits rows of this step (see `AttentionMetadata`).
       kv_cache: cache with layers stacked on axis 0; donate it in the caller's `jit`.
-      cfg: static model config.
+      cfg: static model config. Stacked layer weights (and the cache) may hold more layers than
+        `cfg.num_layers`: only the first `cfg.num_layers` run and only their cache layers are written
+        (self-drafting runs the target's first layers this way, see `jaxinfer.spec_decode.draft`).
       scan_layers: `lax.scan` over layers (compile time flat in depth) instead of an unrolled Python loop; both
         update the stacked cache in place (timings in BENCHMARKS.md).
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); steps marked
@@ -343,14 +345,21 @@ def forward(
         return _attention_output_and_mlp(x, attn, w, cfg, mesh), k_all, v_all
 
     k_all, v_all = kv_cache.k, kv_cache.v
-    if scan_layers:
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    if scan_layers and params.layers.attn_norm.shape[0] == cfg.num_layers:
         def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
             x, k_all, v_all = carry
             w, i = xs
             return layer_step(x, w, k_all, v_all, i), None
 
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (params.layers, layer_ids))
+    elif scan_layers:  # the first cfg.num_layers of deeper stacked weights (self-drafting): index them in the loop
+        def first_layers_body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
+            x, k_all, v_all = carry
+            w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), params.layers)
+            return layer_step(x, w, k_all, v_all, i), None
+
+        (x, k_all, v_all), _ = jax.lax.scan(first_layers_body, (x, k_all, v_all), layer_ids)
     else:
         for i in range(cfg.num_layers):
             w = jax.tree.map(lambda a, i=i: a[i], params.layers)

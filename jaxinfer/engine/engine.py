@@ -30,7 +30,7 @@ import numpy as np
 import psutil
 
 from jaxinfer.engine import multihost
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk, StepResult
+from jaxinfer.engine.runner import ModelRunner, SequenceChunk, StepResult, VerifyResult
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.model_loader import load_model
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -39,6 +39,10 @@ from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind, PrefixCache
 from jaxinfer.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from jaxinfer.scheduler.sequence import Sequence as Seq
+from jaxinfer.spec_decode import draft as draft_lib
+from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.spec_decode.ngram import NgramIndex, NgramProposer
+from jaxinfer.spec_decode.policy import SpeculationPolicy
 from jaxinfer.tokenizer import IncrementalDetokenizer
 from models.llama import KVCache
 from pallas_kernels.dispatch import AttentionBackend, select_attention
@@ -85,6 +89,10 @@ class EngineConfig:
       expert_parallel_size: EP ranks: an MoE model's experts split over this many devices (MoE models only).
         The mesh is `tensor_parallel_size * expert_parallel_size` devices (`sharding.mesh.make_mesh`); on CPU,
         `XLA_FLAGS=--xla_force_host_platform_device_count=N` gives N devices.
+      speculative_config: speculative decoding (`jaxinfer.spec_decode`): a `SpeculativeConfig`, a dict of its
+        fields as vLLM's `speculative_config` (e.g. `{"method": "ngram", "num_speculative_tokens": 4}`), a JSON
+        object string, or None (off). Lossless: outputs keep the target model's distribution (greedy: the same
+        tokens). Single-process only; "draft_model" needs tensor_parallel_size = expert_parallel_size = 1.
     """
 
     model: str | None = None
@@ -103,8 +111,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_offload_bytes: int = 0
     kv_offload_min_pages: int | None = None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size * self.expert_parallel_size > 1:
+            raise ValueError("speculative method 'draft_model' runs on one device; use tensor_parallel_size = "
+                             "expert_parallel_size = 1, or method 'ngram' / 'self_draft'")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         def is_int(x: object) -> bool:
@@ -205,7 +219,11 @@ class Engine:
         self.max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if not 1 <= self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
+        self.spec_config = config.speculative_config
+        draft = self._load_draft(run_cfg, weights) if self.spec_config is not None else None
         page_bytes = KVCache.bytes_per_page(run_cfg, config.page_size, self.dtype)  # over all devices
+        if draft is not None and not draft.shares_target_cache:  # the draft's cache has a page for every page
+            page_bytes += KVCache.bytes_per_page(draft.cfg, config.page_size, self.dtype)
         if self.mesh is not None and jax.default_backend() != "cpu":
             page_bytes //= tp  # the budget is per device there (CPU devices share the host's memory)
         budget = config.kv_cache_memory_bytes or self._default_kv_budget()
@@ -219,7 +237,7 @@ class Engine:
                                   attention=select_attention(config.attention_backend),
                                   vocab_limit=min(cfg.vocab_size, self.tokenizer.vocab_size),
                                   max_pages_per_seq=-(-self.max_model_len // config.page_size),
-                                  mesh=self.mesh, output_vocab=cfg.vocab_size)
+                                  mesh=self.mesh, output_vocab=cfg.vocab_size, draft=draft)
         self.page_allocator = PageAllocator(num_pages)
         self.prefix_cache = None
         if config.enable_prefix_caching:
@@ -235,6 +253,11 @@ class Engine:
                             page_size=config.page_size, max_model_len=self.max_model_len),
             self.page_allocator, eos_ids=frozenset(self.tokenizer.eos_ids), prefix_cache=self.prefix_cache)
         self.metrics = EngineMetrics()
+        self.spec_policy = None
+        if self.spec_config is not None:
+            self.spec_policy = SpeculationPolicy(self.spec_config, jax.default_backend())
+            self._ngram = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
+            self._ngram_indexes: dict[int, NgramIndex] = {}
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._seq_logprobs: dict[int, list[dict[int, float]]] = {}
@@ -247,6 +270,25 @@ class Engine:
                                max_num_batched_tokens=config.max_num_batched_tokens)
         if multihost.is_multi_process() and multihost.is_leader():
             atexit.register(self.runner.release_followers)
+
+    def _load_draft(self, run_cfg, weights) -> draft_lib.DraftModel | None:
+        """The draft model of "self_draft" / "draft_model" (None for "ngram").
+
+        Raises:
+          ValueError: in a multi-process run, or for a draft model whose vocabulary differs from the target's.
+        """
+        spec = self.spec_config
+        if multihost.is_multi_process():
+            raise ValueError("speculative decoding is not supported in multi-process runs yet")
+        if spec.method == "self_draft":
+            return draft_lib.self_draft(run_cfg, weights, spec.num_draft_layers)
+        if spec.method != "draft_model":
+            return None
+        draft_cfg, draft_weights, draft_tokenizer = load_model(spec.model, np.dtype(self.dtype))
+        draft_lib.check_draft_model(draft_cfg, run_cfg, draft_tokenizer.vocab_size, self.tokenizer.vocab_size)
+        logger.info("draft model %s: %d layers", draft_cfg.name, draft_cfg.num_layers)
+        return draft_lib.DraftModel(cfg=draft_cfg, weights=jax.tree.map(jnp.asarray, draft_weights),
+                                    shares_target_cache=False)
 
     def shutdown(self) -> None:
         """Ends a multi-host run: the follower processes return from `follow_leader` (no-op in one process)."""
@@ -414,6 +456,7 @@ class Engine:
             "tpot_s_mean": mean(m.tpot_s),
             "queue_time_s_mean": mean(m.queue_time_s),
             **self._prefix_cache_stats(),
+            **(self.spec_policy.stats.as_dict() if self.spec_policy is not None else {}),
         }
 
     def reset_prefix_cache(self) -> None:
@@ -445,26 +488,38 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns outputs of the requests that produced tokens or finished."""
         t_start = time.perf_counter()
-        plan = self.scheduler.schedule()
+        spec_slots = None
+        if self.spec_policy is not None:
+            spec_slots = self.spec_policy.plan(s.seq_id for s in self.scheduler.running if s.is_decoding)
+        plan = self.scheduler.schedule(spec_slots)
         self._apply_kv_ops(plan.kv_ops)
-        sampled: dict[int, int] = {}
-        logprobs: dict[int, tuple] = {}
+        sampled: dict[int, int | list[int]] = {}
+        logprobs: dict[int, list[dict[int, float]]] = {}
         decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.samples]
         prefills = [c for c in plan.chunks if not (len(c.token_ids) == 1 and c.samples)]
         device_time = 0.0
-        for group in (decodes, prefills):
+        draft_probs = None
+        if plan.num_spec_slots:
+            t0 = time.perf_counter()
+            decodes, draft_probs = self._propose(decodes)
+            device_time += time.perf_counter() - t0
+            if any(c.num_draft_tokens for c in decodes):
+                self.spec_policy.stats.num_verify_steps += 1
+            replaced = {id(c.seq): c for c in decodes}
+            plan.chunks = [replaced.get(id(c.seq), c) for c in plan.chunks]
+        for group, probs in ((decodes, draft_probs), (prefills, None)):
             if group:
                 t0 = time.perf_counter()
-                self._run_group(group, sampled, logprobs)
+                self._run_group(group, sampled, logprobs, probs)
                 device_time += time.perf_counter() - t0
         self.scheduler.update(plan, sampled)  # skips sequences that failed or were aborted meanwhile
         if self.prefix_cache is not None:  # registering pages can free host-tier copies
             self._apply_kv_ops(self.prefix_cache.take_ops())
-        for seq_id, entry in logprobs.items():
-            self._seq_logprobs.setdefault(seq_id, []).append(entry)
+        for seq_id, entries in logprobs.items():
+            self._seq_logprobs.setdefault(seq_id, []).extend(entries)
         self.metrics.num_steps += 1
         self.metrics.num_prefill_tokens += sum(len(c.token_ids) for c in prefills)
-        self.metrics.num_decode_tokens += len(decodes)
+        self.metrics.num_decode_tokens += sum(len(c.token_ids) for c in decodes)
         total = time.perf_counter() - t_start
         self.metrics.step_time_s += total
         self.metrics.host_time_s += total - device_time
@@ -487,29 +542,68 @@ class Engine:
                 calls[kind]([op.src for op in run], [op.dst for op in run])
             i = j
 
-    def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int], logprobs: dict[int, tuple]) -> None:
-        """Runs chunks in one device call; on an exception retries them one by one and fails only the culprit."""
+    def _propose(self, decodes: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], object]:
+        """Drafts for the decode chunks that reserved slots; returns the chunks with their drafts appended and the
+        draft model's probabilities (device, rows in chunk order; None for n-gram drafts or all-greedy rows).
+        A failing draft model costs the step its drafts, never a request."""
+        spec = self.spec_config
+        if spec.method == "ngram":
+            out = []
+            for c in decodes:
+                if c.spec_slots:
+                    index = self._ngram_indexes.setdefault(c.seq.seq_id, self._ngram.new_index())
+                    c = c.with_drafts(index.propose(c.seq.token_ids, c.spec_slots))
+                out.append(c)
+            return out, None
         try:
-            result = self._execute(chunks)
+            ids, probs = self.runner.propose([SequenceChunk(c.token_ids, c.num_computed_tokens, c.page_ids)
+                                              for c in decodes], self._sampling_rows(decodes),
+                                             [c.spec_slots for c in decodes], spec.num_speculative_tokens)
+        except Exception:  # noqa: BLE001 - drafts only ever save time; decode without them
+            logger.exception("the draft model failed; decoding this step without drafts")
+            return decodes, None
+        return [c.with_drafts(ids[i, : c.spec_slots].tolist()) for i, c in enumerate(decodes)], probs
+
+    def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int | list[int]],
+                   logprobs: dict[int, list[dict[int, float]]], draft_probs=None) -> None:
+        """Runs chunks in one device call; on an exception retries them one by one and fails only the culprit.
+
+        draft_probs: the draft model's probabilities for these chunks' drafts (rows in chunk order), or None.
+        """
+        try:
+            result = self._execute(chunks, draft_probs)
         except Exception as e:  # noqa: BLE001 - isolate any failure of the step to the sequences that cause it
             if len(chunks) == 1:
                 logger.exception("step failed for request %s", chunks[0].seq.request_id)
                 self.scheduler.fail(chunks[0].seq, f"engine step failed: {type(e).__name__}: {e}")
                 self.metrics.num_errors += 1
                 return
-            for chunk in chunks:
-                self._run_group([chunk], sampled, logprobs)
+            for i, chunk in enumerate(chunks):
+                self._run_group([chunk], sampled, logprobs, None if draft_probs is None else draft_probs[i : i + 1])
             return
         self.metrics.num_padded_tokens += result.num_padded_tokens
         for i, chunk in enumerate(chunks):
+            seq = chunk.seq
             if not result.finite[i]:
                 self._discard_pages(chunk)
-                self.scheduler.fail(chunk.seq, "the model produced non-finite logits (NaN or inf)")
+                self.scheduler.fail(seq, "the model produced non-finite logits (NaN or inf)")
                 self.metrics.num_errors += 1
-            elif chunk.samples:
-                sampled[chunk.seq.seq_id] = int(result.token_ids[i])
-                if chunk.seq.params.logprobs is not None:
-                    logprobs[chunk.seq.seq_id] = result.row_logprobs(i, chunk.seq.params.logprobs)
+                continue
+            if not chunk.samples:
+                continue
+            if isinstance(result, VerifyResult):
+                sampled[seq.seq_id] = result.emitted(i)
+                if seq.params.logprobs is not None:
+                    logprobs[seq.seq_id] = result.row_logprobs(i, seq.params.logprobs)
+            else:
+                sampled[seq.seq_id] = int(result.token_ids[i])
+                if seq.params.logprobs is not None:
+                    logprobs[seq.seq_id] = [result.row_logprobs(i, seq.params.logprobs)]
+            if self.spec_policy is not None and seq.is_decoding:
+                emitted = sampled[seq.seq_id]
+                self.spec_policy.record(seq.seq_id, chunk.num_draft_tokens,
+                                        len(emitted) - 1 if isinstance(emitted, list) else 0,
+                                        len(emitted) if isinstance(emitted, list) else 1)
 
     def _discard_pages(self, chunk: ScheduledChunk) -> None:
         """A sequence's own pages may hold NaN K/V: no later request may find them in the prefix cache, and those
@@ -520,13 +614,19 @@ class Engine:
             self.prefix_cache.forget_pages(own)
         self.runner.clear_pages([p for p in own if self.page_allocator.refcount(p) == 1])
 
-    def _execute(self, chunks: list[ScheduledChunk]) -> StepResult:
-        rows = [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,
+    def _sampling_rows(self, chunks: list[ScheduledChunk]) -> list[SamplingRow]:
+        return [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,
                             step=len(c.seq.output_token_ids), prompt_token_ids=c.seq.prompt_token_ids,
                             output_token_ids=c.seq.output_token_ids,
                             suppress=self.scheduler.suppressed_token_ids(c.seq)) for c in chunks]
+
+    def _execute(self, chunks: list[ScheduledChunk], draft_probs=None) -> StepResult | VerifyResult:
+        rows = self._sampling_rows(chunks)
         seq_chunks = [SequenceChunk(c.token_ids, c.num_computed_tokens, c.page_ids) for c in chunks]
         self.metrics.num_device_calls += 1
+        if any(c.num_draft_tokens for c in chunks):
+            return self.runner.execute_verify(seq_chunks, rows, [c.token_ids[1:] for c in chunks],
+                                              self.spec_config.num_speculative_tokens, draft_probs)
         return self.runner.execute(seq_chunks, rows)
 
     def _collect_outputs(self) -> list[RequestOutput]:
@@ -543,6 +643,9 @@ class Engine:
                 req.reported_finished = True
                 self.metrics.num_finished += 1
                 for seq in req.seqs:
+                    if self.spec_policy is not None:
+                        self.spec_policy.forget(seq.seq_id)
+                        self._ngram_indexes.pop(seq.seq_id, None)
                     if seq.first_token_time is not None:
                         self.metrics.ttft_s.append(seq.first_token_time - seq.arrival_time)
                         if len(seq.output_token_ids) > 1 and seq.finish_time is not None:

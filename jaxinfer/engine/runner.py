@@ -23,6 +23,8 @@ import numpy as np
 
 from jaxinfer.engine import multihost
 from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow, sample
+from jaxinfer.spec_decode import draft as draft_lib
+from jaxinfer.spec_decode.verify import VerifyOutput, verify
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
@@ -96,10 +98,54 @@ class StepResult:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """Host copy of a verify step (speculative decoding), one row per sequence.
+
+    Attributes:
+      num_accepted: i32[B], drafts accepted; the row emits num_accepted + 1 tokens.
+      token_ids: i32[B, k+1], the emitted tokens at [0, num_accepted], then -1.
+      logprobs: f32[B, k+1], their raw log-probabilities.
+      top_logprobs, top_token_ids: f32/i32[B, k+1, 20], per position (filled when asked).
+      finite: bool[B], False where any of the row's logits held NaN or inf.
+    """
+
+    num_accepted: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_logprobs: np.ndarray
+    top_token_ids: np.ndarray
+    finite: np.ndarray
+    num_padded_tokens: int = 0
+
+    def emitted(self, row: int) -> list[int]:
+        """The row's emitted ids: its accepted drafts, then the target's token."""
+        return self.token_ids[row, : int(self.num_accepted[row]) + 1].tolist()
+
+    def row_logprobs(self, row: int, n: int) -> list[dict[int, float]]:
+        """Per emitted token of the row: {token id: logprob} of the top n raw tokens plus the emitted token."""
+        out = []
+        for j in range(int(self.num_accepted[row]) + 1):
+            entry = {int(t): float(v) for t, v in zip(self.top_token_ids[row, j, :n], self.top_logprobs[row, j, :n])
+                     if t >= 0}
+            entry[int(self.token_ids[row, j])] = float(self.logprobs[row, j])
+            out.append(entry)
+        return out
+
+
 def _shape_key(args: tuple) -> tuple:
     """Pytree structure plus every leaf's shape and dtype: what a compiled step is specialised to."""
     leaves, treedef = jax.tree.flatten(args)
     return treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves)
+
+
+def _mirror(draft_weights: Weights | None, tokens: jax.Array, metadata: AttentionMetadata,
+            draft_cache: KVCache | None, draft_kwargs: dict) -> KVCache | None:
+    """A draft model with a cache of its own computes the K/V of every token the target computes (draft.py)."""
+    if draft_cache is None:
+        return None
+    one_row = metadata.replace(logits_indices=metadata.logits_indices[:1])  # its logits are not needed
+    return forward(draft_weights, tokens, one_row, draft_cache, **draft_kwargs)[1]
 
 
 def _step(
@@ -108,11 +154,39 @@ def _step(
     metadata: AttentionMetadata,
     kv_cache: KVCache,
     sampling: SamplingArrays,
+    draft_weights: Weights | None = None,
+    draft_cache: KVCache | None = None,
+    *,
+    draft_kwargs: dict | None = None,
     **model_kwargs,
-) -> tuple[SampleOutput, jax.Array, KVCache]:
+) -> tuple[SampleOutput, jax.Array, KVCache, KVCache | None]:
     logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    return sample(logits, sampling), finite, kv_cache
+    draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
+    return sample(logits, sampling), finite, kv_cache, draft_cache
+
+
+def _verify_step(
+    weights: Weights,
+    tokens: jax.Array,
+    metadata: AttentionMetadata,
+    kv_cache: KVCache,
+    sampling: SamplingArrays,
+    draft_ids: jax.Array,
+    draft_probs: jax.Array | None,
+    num_drafts: jax.Array,
+    draft_weights: Weights | None = None,
+    draft_cache: KVCache | None = None,
+    *,
+    draft_kwargs: dict | None = None,
+    **model_kwargs,
+) -> tuple[VerifyOutput, jax.Array, KVCache, KVCache | None]:
+    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)  # [B * (k+1), V]
+    b, k = draft_ids.shape
+    logits = logits.reshape(b, k + 1, -1)
+    finite = jnp.all(jnp.isfinite(logits), axis=(1, 2))
+    draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
+    return verify(logits, draft_ids, draft_probs, num_drafts, sampling), finite, kv_cache, draft_cache
 
 
 def _clear_pages(kv_cache: KVCache, page_ids: jax.Array) -> KVCache:
@@ -150,6 +224,10 @@ class ModelRunner:
         device. With a mesh the KV cache is split over KV heads, and every step's outputs (sampled tokens,
         logits) come back replicated, so each process of a multi-host run can read them.
       output_vocab: logits columns `compute_logits` returns; default V. A model padded for TP has a larger V.
+      draft: speculative decoding's draft model (`jaxinfer.spec_decode.draft`), or None. One with a cache of
+        its own gets one here (same pages), and every step also runs it over the step's tokens; copies and
+        clears of pages apply to its cache too (host-tier offloads do not: its K/V there goes stale, which only
+        lowers acceptance).
     """
 
     def __init__(
@@ -166,6 +244,7 @@ class ModelRunner:
         max_pages_per_seq: int | None = None,
         mesh: jax.sharding.Mesh | None = None,
         output_vocab: int | None = None,
+        draft: draft_lib.DraftModel | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the reserved null page)")
@@ -192,9 +271,25 @@ class ModelRunner:
         model_kwargs = dict(cfg=cfg, scan_layers=scan_layers, attention=attention)
         if mesh is not None:
             model_kwargs["mesh"] = mesh  # MoE layers run their experts in a shard_map over it
+        self.draft = draft
+        self.draft_cache = None
+        draft_kwargs = None
+        if draft is not None:
+            draft_kwargs = dict(model_kwargs, cfg=draft.cfg)
+            if not draft.shares_target_cache:
+                self.draft_cache = jax.jit(functools.partial(KVCache.zeros, draft.cfg, num_pages, page_size,
+                                                             kv_dtype))()
+            self._propose = jax.jit(functools.partial(draft_lib.propose, **draft_kwargs),
+                                    static_argnames=("num_tokens", "with_probs"), donate_argnames=("kv_cache",))
         self._step = jax.jit(
-            functools.partial(_step, **model_kwargs), donate_argnames=("kv_cache",),
-            out_shardings=None if mesh is None else (replicated, replicated, cache_out),
+            functools.partial(_step, draft_kwargs=draft_kwargs, **model_kwargs),
+            donate_argnames=("kv_cache", "draft_cache"),
+            out_shardings=None if mesh is None else (replicated, replicated, cache_out, None),
+        )
+        self._verify_step = jax.jit(
+            functools.partial(_verify_step, draft_kwargs=draft_kwargs, **model_kwargs),
+            donate_argnames=("kv_cache", "draft_cache"),
+            out_shardings=None if mesh is None else (replicated, replicated, cache_out, None),
         )
         self._clear_pages = jax.jit(_clear_pages, donate_argnums=0, out_shardings=cache_out)
         self._copy_pages = jax.jit(_copy_pages, donate_argnums=0, out_shardings=cache_out)
@@ -210,8 +305,13 @@ class ModelRunner:
             out_shardings=None if mesh is None else (replicated, cache_out),
         )
 
-    def _prepare(self, chunks: Sequence[SequenceChunk], all_rows: bool) -> tuple[np.ndarray, AttentionMetadata, int]:
-        """Pads a batch to its shape buckets; returns (tokens, metadata, number of logits rows)."""
+    def _prepare(self, chunks: Sequence[SequenceChunk], all_rows: bool,
+                 verify_width: int = 0) -> tuple[np.ndarray, AttentionMetadata, int]:
+        """Pads a batch to its shape buckets; returns (tokens, metadata, padded batch / logits rows).
+
+        verify_width = k + 1 > 0: a verify step of decode blocks; each sequence gets k + 1 logits rows (its block's
+        rows, the last repeated past its length) and the token buckets start at 2 instead of 16.
+        """
         ps = self.page_size
         q_lens = [len(c.token_ids) for c in chunks]
         if not chunks or min(q_lens) < 1:
@@ -221,9 +321,12 @@ class ModelRunner:
         b_pad = next_power_of_two(len(chunks))
         r_pad = max(b_pad, 2)  # >= 2 logits rows: the one-row bf16 LM head is 10x slower on CPU
         max_q = max(q_lens)
-        if max_q > 1:
-            t_pad = next_power_of_two(num_tokens, MIN_PREFILL_TOKENS)
-        max_q_pad = 1 if max_q == 1 else min(next_power_of_two(max_q, MIN_PREFILL_TOKENS), t_pad)
+        if verify_width:
+            max_q_pad = next_power_of_two(max_q)
+        else:
+            if max_q > 1:
+                t_pad = next_power_of_two(num_tokens, MIN_PREFILL_TOKENS)
+            max_q_pad = 1 if max_q == 1 else min(next_power_of_two(max_q, MIN_PREFILL_TOKENS), t_pad)
         kv_lens = [c.num_computed_tokens + q for c, q in zip(chunks, q_lens)]
         pages_needed = [-(-n // ps) for n in kv_lens]
         for c, n in zip(chunks, pages_needed):
@@ -250,7 +353,15 @@ class ModelRunner:
             tokens[start : start + q_lens[b]] = c.token_ids
             positions[start : start + q_lens[b]] = pos
             kv_loc[start : start + q_lens[b]] = page_table[b, pos // ps] * ps + pos % ps
-        if all_rows:
+        if verify_width:
+            # row b * (k+1) + j: sequence b's token min(j, q_len - 1); padding sequences read row 0
+            starts, last = np.zeros(b_pad, np.int32), np.zeros(b_pad, np.int32)
+            starts[: len(chunks)] = cu_q_lens[: len(chunks)]
+            last[: len(chunks)] = np.array(q_lens) - 1
+            block = np.minimum(np.arange(verify_width)[None, :], last[:, None])
+            logits_indices = (starts[:, None] + block).reshape(-1).astype(np.int32)
+            r_pad = b_pad
+        elif all_rows:
             logits_indices = np.arange(t_pad, dtype=np.int32)
         else:
             logits_indices = np.zeros(r_pad, np.int32)
@@ -289,8 +400,104 @@ class ModelRunner:
     def _run_step(self, tokens: np.ndarray, metadata: AttentionMetadata,
                   sampling: SamplingArrays) -> tuple[SampleOutput, jax.Array]:
         tokens, metadata, sampling = self._global_inputs((tokens, metadata, sampling))
-        out, finite, self.kv_cache = self._call_step(self.weights, tokens, metadata, self.kv_cache, sampling)
+        out, finite, self.kv_cache, self.draft_cache = self._call_step(
+            self.weights, tokens, metadata, self.kv_cache, sampling, *self._draft_args())
         return out, finite
+
+    def _draft_args(self) -> tuple:
+        """(draft weights, draft cache) for a step that keeps a draft's own cache in step, else ()."""
+        return () if self.draft_cache is None else (self.draft.weights, self.draft_cache)
+
+    # --- speculative decoding ---------------------------------------------------------------------------------
+
+    def propose(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow], num_slots: Sequence[int],
+                num_tokens: int) -> tuple[np.ndarray, jax.Array | None]:
+        """Drafts tokens with the draft model for decode chunks (`jaxinfer.spec_decode.draft.propose`).
+
+        Args:
+          chunks: one decode chunk per sequence (its last token), pages covering its whole block: positions
+            `[0, num_computed_tokens + 1 + num_slots[b])`.
+          rows: the sequences' sampling rows at the block's first output step.
+          num_slots: drafts wanted per sequence, in [0, num_tokens].
+          num_tokens: k, the draft steps run (static; every row runs them, rows past their slots write nothing).
+
+        Returns:
+          (draft ids i32[len(chunks), k] on the host, draft probabilities f32[B_pad, k, V] on device or None when
+          every row is greedy). Row b's drafts past num_slots[b] are meaningless.
+
+        Raises:
+          ValueError: without a draft model, or for chunks that are not single decode tokens.
+        """
+        if self.draft is None:
+            raise ValueError("this runner has no draft model")
+        if any(len(c.token_ids) != 1 for c in chunks):
+            raise ValueError("drafting starts from decode chunks of one token each")
+        ps = self.page_size
+        b_pad = next_power_of_two(len(chunks))
+        pages = [-(-(c.num_computed_tokens + 1 + n) // ps) for c, n in zip(chunks, num_slots)]
+        p_pad = page_bucket(max(pages), self.max_pages_per_seq)
+        page_table = np.full((b_pad, p_pad), NULL_PAGE, np.int32)
+        tokens = np.zeros(b_pad, np.int32)
+        positions = np.zeros((num_tokens, b_pad), np.int32)
+        kv_loc = np.zeros((num_tokens, b_pad), np.int32)  # null page
+        for b, (c, n, used) in enumerate(zip(chunks, num_slots, pages)):
+            page_table[b, :used] = c.page_ids[:used]
+            tokens[b] = c.token_ids[0]
+            pos = c.num_computed_tokens + np.arange(num_tokens)
+            positions[:, b] = np.minimum(pos, c.num_computed_tokens + n)  # steps past the slots stay in range
+            real = np.arange(num_tokens) < n
+            kv_loc[real, b] = page_table[b, pos[real] // ps] * ps + pos[real] % ps
+        sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
+        with_probs = any(r.params.temperature > 0 for r in rows)
+        cache = self.kv_cache if self.draft.shares_target_cache else self.draft_cache
+        ids, probs, cache = self._propose(self.draft.weights, cache, tokens, positions, kv_loc, page_table, sampling,
+                                          num_tokens=num_tokens, with_probs=with_probs)
+        if self.draft.shares_target_cache:
+            self.kv_cache = cache
+        else:
+            self.draft_cache = cache
+        return np.asarray(ids)[: len(chunks)], probs
+
+    def execute_verify(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow],
+                       draft_token_ids: Sequence[Sequence[int]], num_tokens: int,
+                       draft_probs: jax.Array | None = None) -> VerifyResult:
+        """Runs one verify step: each sequence's last token plus its drafts, and `verify` on their logits.
+
+        Args:
+          chunks: one chunk per sequence: token_ids = [last token] + its drafts (0..k of them), pages covering them.
+          rows: per-sequence sampling rows at the block's first output step.
+          draft_token_ids: each sequence's drafts (the chunk's token_ids after the first).
+          num_tokens: k, the draft width (static shape; >= every sequence's draft count).
+          draft_probs: f32[B_pad, k, V] from `propose` for the same chunks in the same order, or None for
+            deterministic drafts (n-gram) or all-greedy rows.
+
+        Returns:
+          The verification on the host, one row per chunk.
+
+        Raises:
+          ValueError: if rows, chunks and drafts differ in length, or a chunk has more than k drafts.
+        """
+        if not len(rows) == len(chunks) == len(draft_token_ids):
+            raise ValueError(f"{len(rows)} sampling rows and {len(draft_token_ids)} draft lists for "
+                             f"{len(chunks)} sequences")
+        if any(len(d) > num_tokens for d in draft_token_ids):
+            raise ValueError(f"a sequence has more than k={num_tokens} drafts")
+        tokens, metadata, b_pad = self._prepare(chunks, all_rows=False, verify_width=num_tokens + 1)
+        sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
+        ids = np.zeros((b_pad, num_tokens), np.int32)
+        num_drafts = np.zeros(b_pad, np.int32)
+        for b, d in enumerate(draft_token_ids):
+            ids[b, : len(d)] = d
+            num_drafts[b] = len(d)
+        out, finite, self.kv_cache, self.draft_cache = self._verify_step(
+            self.weights, tokens, metadata, self.kv_cache, sampling, ids, draft_probs, num_drafts,
+            *self._draft_args())
+        out, finite = jax.device_get((out, finite))
+        n = len(chunks)
+        padded = int(tokens.shape[0]) - sum(len(c.token_ids) for c in chunks)
+        return VerifyResult(num_accepted=out.num_accepted[:n], token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
+                            top_logprobs=out.top_logprobs[:n], top_token_ids=out.top_token_ids[:n],
+                            finite=finite[:n], num_padded_tokens=padded)
 
     def _global_inputs(self, tree):
         """Host arrays as jax arrays replicated over the mesh when the mesh spans several processes (a multi-process
@@ -356,6 +563,8 @@ class ModelRunner:
         multihost.send(multihost.Op.COPY_PAGES, (list(src), list(dst)))
         s, d = self._padded_ids(src, dst)
         self.kv_cache = self._copy_pages(self.kv_cache, *self._global_inputs((s, d)))
+        if self.draft_cache is not None:
+            self.draft_cache = self._copy_pages(self.draft_cache, s, d)
 
     def offload_pages(self, page_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copies device pages to host slots (device-to-host, started asynchronously; the step may run meanwhile)."""
@@ -417,6 +626,8 @@ class ModelRunner:
 
     def _clear(self, ids: np.ndarray) -> None:
         self.kv_cache = self._clear_pages(self.kv_cache, self._global_inputs(ids))
+        if self.draft_cache is not None:
+            self.draft_cache = self._clear_pages(self.draft_cache, ids)
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> float:
         """Compiles the step for every decode and single-sequence prefill shape bucket; returns seconds taken.
@@ -461,7 +672,7 @@ class ModelRunner:
             tokens, metadata, rows_pad = self._prepare(chunks, all_rows=False)
             sampling = SamplingArrays.build([greedy] * len(chunks), rows_pad, self.cfg.vocab_size, self.vocab_limit)
             args = (self.weights, *self._global_inputs((tokens, metadata)), self.kv_cache,
-                    self._global_inputs(sampling))
+                    self._global_inputs(sampling), *self._draft_args())
             self._compiled[_shape_key(args)] = self._step.lower(*args).compile()
         seconds = time.perf_counter() - t0
         logger.info("compiled %d step shapes in %.1f s", len(shapes), seconds)

@@ -84,6 +84,10 @@ class ScheduledChunk:
       page_ids: pages holding positions `[0, num_computed_tokens + len(token_ids))`, in order, each in
         [1, num_pages); a snapshot taken at schedule time.
       samples: the chunk ends at the sequence's last token, so a token is sampled from its last logits.
+      spec_slots: draft positions reserved after the last token (speculative decoding): pages cover positions
+        `[0, num_computed_tokens + 1 + spec_slots)` and the step's token budget counts them; 0 otherwise.
+      num_draft_tokens: drafts the engine appended to `token_ids` (at most `spec_slots`; see
+        `with_drafts`); the target verifies them and `update` takes the tokens it emitted.
     """
 
     seq: Sequence
@@ -91,6 +95,19 @@ class ScheduledChunk:
     num_computed_tokens: int
     page_ids: list[int]
     samples: bool
+    spec_slots: int = 0
+    num_draft_tokens: int = 0
+
+    def with_drafts(self, draft_token_ids: list[int]) -> ScheduledChunk:
+        """This decode chunk with drafts appended (at most `spec_slots` of them).
+
+        Raises:
+          ValueError: if there are more drafts than reserved slots.
+        """
+        if len(draft_token_ids) > self.spec_slots:
+            raise ValueError(f"{len(draft_token_ids)} drafts for {self.spec_slots} reserved slots")
+        return dataclasses.replace(self, token_ids=self.token_ids[:1] + list(draft_token_ids),
+                                   num_draft_tokens=len(draft_token_ids))
 
 
 @dataclasses.dataclass
@@ -103,6 +120,7 @@ class SchedulerOutput:
       num_batched_tokens: sum of chunk lengths, <= max_num_batched_tokens.
       num_prefill_tokens: tokens in chunks scheduled as prefill (phases 2 and 3).
       num_decode_seqs: chunks scheduled as decodes (phase 1).
+      num_spec_slots: draft positions reserved by decode chunks (counted in num_batched_tokens).
       kv_ops: page transfers to run, in order, before the step's model call (prefix cache host tier and
         copy-on-write).
     """
@@ -112,12 +130,18 @@ class SchedulerOutput:
     num_batched_tokens: int
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+    num_spec_slots: int = 0
     kv_ops: list[KVOp] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """True when there is nothing to run."""
         return not self.chunks
+
+
+def _emitted(value: int | list[int]) -> list[int]:
+    """A `sampled` entry of `Scheduler.update` as a list of ids."""
+    return [int(t) for t in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 def _arrival_key(seq: Sequence) -> tuple[float, int]:
@@ -244,8 +268,16 @@ class Scheduler:
 
     # --- the step ---------------------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, spec_slots: dict[int, int] | None = None) -> SchedulerOutput:
         """Picks this step's chunks (see the module docstring). Call `update` with the results before the next.
+
+        Args:
+          spec_slots: speculative decoding: {seq_id: drafts wanted} for decoding sequences. Each gets up to that
+            many draft positions after its decode token, as the token budget (keeping one token for every
+            decode still to schedule), the free pages (no preemption for drafts), the context, max_tokens and
+            min_tokens allow: a block never reaches past max_tokens or the context, and while the output is
+            shorter than min_tokens, it stays before min_tokens (EOS and stop ids are banned on every position
+            of the block).
 
         Returns:
           The step; its `chunks` may be empty when nothing can run (e.g. nothing is left).
@@ -256,7 +288,9 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         scheduled: set[int] = set()
-        num_decode_seqs = 0
+        num_decode_seqs = num_spec_slots = 0
+        spec_slots = spec_slots or {}
+        decodes_left = sum(1 for s in self._running if s.status is SequenceStatus.RUNNING and s.is_decoding)
 
         # 1. decodes, oldest first
         for seq in list(self._running):
@@ -272,10 +306,13 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            chunks.append(self._make_chunk(seq, 1, now))
+            decodes_left -= 1
+            slots = self._draft_slots(seq, spec_slots.get(seq.seq_id, 0), budget - 1 - max(decodes_left, 0))
+            chunks.append(self._make_chunk(seq, 1, now, spec_slots=slots))
             scheduled.add(seq.seq_id)
-            budget -= 1
+            budget -= 1 + slots
             num_decode_seqs += 1
+            num_spec_slots += slots
 
         # 2. running sequences that are still prefilling
         for seq in list(self._running):
@@ -326,17 +363,25 @@ class Scheduler:
         num_batched = cfg.max_num_batched_tokens - budget
         kv_ops = self.prefix_cache.take_ops() if self.prefix_cache is not None else []
         return SchedulerOutput(chunks=chunks, preempted=preempted, num_batched_tokens=num_batched,
-                               num_prefill_tokens=num_batched - num_decode_seqs, num_decode_seqs=num_decode_seqs,
-                               kv_ops=kv_ops)
+                               num_prefill_tokens=num_batched - num_decode_seqs - num_spec_slots,
+                               num_decode_seqs=num_decode_seqs, num_spec_slots=num_spec_slots, kv_ops=kv_ops)
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
         """Applies a finished step: advances every chunk, appends sampled tokens, applies stop rules.
 
         Sequences that finished meanwhile (aborted, failed) are skipped.
 
+        A chunk with drafts (`num_draft_tokens` = m) gets the tokens its verification emitted: its n accepted
+        drafts then the target's token (n + 1 ids). The cache then holds the last token and the n accepted
+        drafts: `num_computed_tokens` advances by n + 1, and the pages past the new length (those of rejected
+        drafts and unused slots) go back to the allocator. Tokens are appended one at a time through the stop
+        rules: a stop (EOS, stop id, stop string, max_tokens) inside the block ends the sequence there and the
+        tokens after it are dropped.
+
         Args:
-          output: the step from the last `schedule()`.
-          sampled: seq_id -> sampled token id, for every chunk with `samples=True` (extra entries are ignored).
+          output: the step from the last `schedule()` (its chunks may have been replaced by `with_drafts`).
+          sampled: seq_id -> sampled token id, or the list of emitted ids, for every chunk with `samples=True`
+            (extra entries are ignored).
 
         Returns:
           The sequences that got a token this step, in chunk order (finished ones included, pages freed).
@@ -352,20 +397,29 @@ class Scheduler:
                                  f"tokens, the chunk starts at {ch.num_computed_tokens} (update applied twice?)")
             if ch.samples and ch.seq.seq_id not in sampled:
                 raise ValueError(f"no sampled token for sequence {ch.seq.seq_id}")
+            if ch.samples and not 1 <= len(_emitted(sampled[ch.seq.seq_id])) <= ch.num_draft_tokens + 1:
+                raise ValueError(f"sequence {ch.seq.seq_id}: {len(_emitted(sampled[ch.seq.seq_id]))} emitted "
+                                 f"tokens for a chunk with {ch.num_draft_tokens} drafts")
         now = self._clock()
         produced = []
         for ch in live:
             seq = ch.seq
-            seq.num_computed_tokens += len(ch.token_ids)
+            emitted = _emitted(sampled[seq.seq_id]) if ch.samples else [0]
+            # the last token and the accepted drafts (all but the emitted last) are now in the cache
+            seq.num_computed_tokens += len(ch.token_ids) - ch.num_draft_tokens + len(emitted) - 1
             if self.prefix_cache is not None:
                 self._register_full_pages(seq)
             if not ch.samples:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = append_token(seq, int(sampled[seq.seq_id]), self.eos_ids, self.config.max_model_len)
-            if reason is not None:
-                self._finish(seq, reason, now)
+            for token_id in emitted:
+                reason = append_token(seq, token_id, self.eos_ids, self.config.max_model_len)
+                if reason is not None:
+                    self._finish(seq, reason, now)
+                    break
+            if ch.spec_slots and not seq.is_finished:
+                self._trim_pages(seq)
             produced.append(seq)
         return produced
 
@@ -435,20 +489,43 @@ class Scheduler:
         capacity = (len(seq.page_ids) + max(free, 0)) * self.config.page_size
         return max(0, min(n, capacity - seq.num_computed_tokens)) if free >= 0 else 0
 
-    def _make_chunk(self, seq: Sequence, n: int, now: float) -> ScheduledChunk:
+    def _draft_slots(self, seq: Sequence, wanted: int, budget: int) -> int:
+        """Draft positions a decoding sequence gets this step (see `schedule`'s spec_slots)."""
+        if wanted <= 0:
+            return 0
+        p, out = seq.params, len(seq.output_token_ids)
+        caps = [wanted, budget, self.config.max_model_len - seq.num_tokens - 1]
+        if p.max_tokens is not None:
+            caps.append(p.max_tokens - out - 1)
+        if out < p.min_tokens:
+            caps.append(p.min_tokens - out - 1)
+        free = self.allocator.num_free_pages - self._needs_copy(seq)
+        caps.append((len(seq.page_ids) + max(free, 0)) * self.config.page_size - seq.num_tokens)
+        return max(0, min(caps))
+
+    def _trim_pages(self, seq: Sequence) -> None:
+        """Frees the pages past those holding the sequence's tokens (rejected drafts' and unused slots')."""
+        keep = self.config.pages_for(seq.num_tokens)
+        if len(seq.page_ids) > keep:
+            extra = seq.page_ids[keep:]
+            del seq.page_ids[keep:]
+            self.allocator.free(reversed(extra))
+
+    def _make_chunk(self, seq: Sequence, n: int, now: float, spec_slots: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
         if self._needs_copy(seq):
             index = start // self.config.page_size
             if self.prefix_cache is None:
                 raise AssertionError("a shared page would be written without a prefix cache")
             seq.page_ids[index] = self.prefix_cache.copy_on_write(seq.page_ids[index])
-        need = self.config.pages_for(start + n) - len(seq.page_ids)
+        need = self.config.pages_for(start + n + spec_slots) - len(seq.page_ids)
         if need > 0:
             seq.page_ids.extend(self.allocator.allocate(need))
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         return ScheduledChunk(seq=seq, token_ids=seq.token_slice(start, start + n), num_computed_tokens=start,
-                              page_ids=list(seq.page_ids), samples=start + n == seq.num_tokens)
+                              page_ids=list(seq.page_ids), samples=start + n == seq.num_tokens,
+                              spec_slots=spec_slots)
 
     def _release_pages(self, seq: Sequence) -> None:
         """Drops the sequence's pages, last page first: its cached tail pages are evicted before its head."""
