@@ -65,8 +65,8 @@ def test_slots_are_capped_by_context_and_pages_without_preempting() -> None:
     a = decoding(sched, 1, max_tokens=10)  # 2 pages
     b = decoding(sched, 2, prompt_len=2, max_tokens=2)  # 1 page
     out = sched.schedule({1: 8})
-    # one free page: 3 pages hold 12 positions, 7 are taken by a's tokens
-    assert [c.spec_slots for c in out.chunks] == [5, 0] and sched.num_preemptions == 0
+    # a decoded once more during b's prefill (8 tokens); one free page: 3 pages hold 12 positions
+    assert a.num_tokens == 8 and [c.spec_slots for c in out.chunks] == [4, 0] and sched.num_preemptions == 0
     assert not out.preempted and a.status.name == b.status.name == "RUNNING"
 
 
