@@ -28,7 +28,6 @@ ignored.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -141,8 +140,3 @@ def propose(weights: Weights, kv_cache: KVCache, tokens: jax.Array, positions: j
     probs = jnp.zeros((b, num_tokens, vocab), jnp.float32) if with_probs else None
     _, kv_cache, ids, probs = jax.lax.fori_loop(0, num_tokens, body, (tokens.astype(jnp.int32), kv_cache, ids, probs))
     return ids, probs, kv_cache
-
-
-def propose_fn(cfg: ModelConfig, **kwargs) -> functools.partial:
-    """`propose` bound to a draft config and forward options, ready for `jax.jit` (static args via partial)."""
-    return functools.partial(propose, cfg=cfg, **kwargs)

@@ -3,6 +3,8 @@
 Property: greedy decoding is a function of the model, not of the attention implementation, so SmolLM2 must
 produce the same tokens either way over a few steps of a batch that mixes fresh prompts (flash attention),
 chunked-prefill continuations (paged attention with q_len > 1) and decodes (paged attention with q_len 1).
+With speculative decoding the kernels also run verify blocks (q_len 1 + drafts, beside q_len-1 rows) and, for
+self-drafting, the draft's decode steps over the target's own cache.
 """
 
 from __future__ import annotations
@@ -21,15 +23,24 @@ PROMPTS = [
 ]
 
 
+# Copy-heavy: n-gram drafts of these are accepted, so verify blocks of several tokens run through the kernels.
+SPEC_PROMPTS = ["one two three four five six seven eight. one two three four five six seven eight. one two"]
+
+
 @pytest.fixture(scope="module")
 def outputs_by_backend():
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out = {}
-    for backend in ("reference", "pallas"):
+    runs = {"reference": ("reference", None), "pallas": ("pallas", None),
+            "pallas_ngram": ("pallas", {"method": "ngram", "num_speculative_tokens": 3}),
+            "pallas_self_draft": ("pallas", {"method": "self_draft", "num_speculative_tokens": 2,
+                                             "num_draft_layers": 28})}
+    for name, (backend, spec) in runs.items():
         llm = LLM(dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_seqs=4, max_num_batched_tokens=32,
-                  warmup=False, attention_backend=backend)
-        out[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        out[backend + "_ops"] = llm.engine.runner.attention.name
+                  warmup=False, attention_backend=backend, speculative_config=spec)
+        out[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS + SPEC_PROMPTS, params)]
+        out[name + "_ops"] = llm.engine.runner.attention.name
+        out[name + "_stats"] = llm.engine.stats()
     return out
 
 
@@ -41,6 +52,17 @@ def test_pallas_backend_really_runs_the_kernels(outputs_by_backend):
 def test_greedy_tokens_match_reference(outputs_by_backend):
     assert all(len(t) == 6 for t in outputs_by_backend["reference"])
     assert outputs_by_backend["pallas"] == outputs_by_backend["reference"]
+
+
+@pytest.mark.parametrize("run", ["pallas_ngram", "pallas_self_draft"])
+def test_speculative_decoding_on_the_kernels_matches_reference(outputs_by_backend, run):
+    assert outputs_by_backend[run + "_ops"] == "pallas-tpu-interpret"
+    assert outputs_by_backend[run + "_stats"]["spec_draft_tokens"] > 0
+    assert outputs_by_backend[run] == outputs_by_backend["reference"]
+
+
+def test_ngram_drafts_were_accepted_on_the_kernels(outputs_by_backend):
+    assert outputs_by_backend["pallas_ngram_stats"]["spec_accepted_tokens"] > 0
 
 
 def test_auto_picks_reference_on_cpu_and_kernels_elsewhere():
