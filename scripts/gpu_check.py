@@ -586,6 +586,7 @@ def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budge
     # Stay inside the starting page-table bucket: crossing it would compile a new step shape mid-timing.
     max_steps = page_bucket(-(-(ctx + 1) // ps), max_pages) * ps - ctx - 3
     pages_per_seq = -(-(ctx + max_steps + 3) // ps)
+    verify_rows = []  # speculative decoding's verify step beside the decode step (calibrates policy.py's knee)
     for backend in sizes.engine_backends:
         if budget.left() <= 0:
             report.add(lines, f"| {backend} | skipped: section budget spent |||||||||")
@@ -626,9 +627,30 @@ def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budge
                                   f"{num(step_s * 1e3)} | {num(batch / step_s)} | {fmt_bytes(step_bytes)} | "
                                   f"{num(roof) if roof else '-'} | "
                                   f"{f'{100 * batch / step_s / roof:.0f}%' if roof else '-'} |")
+                # A verify step of k drafts per sequence at the same context (drafts are arbitrary ids; the
+                # step's cost does not depend on them): its time over the decode step's is what speculation pays.
+                k = 4
+                chunks = [SequenceChunk([t] + [11] * k, ctx, p) for t, p in zip(tokens, pages)]
+                vt = [0.0] * 3
+                for i in range(3):
+                    t0 = time.perf_counter()
+                    runner.execute_verify(chunks, rows, [[11] * k] * batch, k)
+                    vt[i] = time.perf_counter() - t0
+                verify_s = min(vt[1:])
+                verify_rows.append(f"| {ops.name} | {batch} | {k} | {batch * (k + 1)} | {num(verify_s * 1e3)} | "
+                                   f"{verify_s / step_s:.2f} |")
 
             guarded(report, lines, f"engine {ops.name} batch {batch}", decode)
         del runner
+    if verify_rows:
+        report.add(lines, "\nSpeculative decoding's verify step (last token + k drafts per sequence, "
+                          "`ModelRunner.execute_verify`, best of 2 after a compiling call) against the decode step "
+                          "above: while the ratio stays near 1 the step is bandwidth-bound and drafts are nearly free "
+                          "(`jaxinfer.spec_decode.policy.DEFAULT_MAX_STEP_TOKENS`).\n")
+        report.add(lines, "| attention | batch | k | token rows | verify ms/step | / decode step |")
+        report.add(lines, "|---|---|---|---|---|---|")
+        for row in verify_rows:
+            report.add(lines, row)
 
 
 # --- main -------------------------------------------------------------------------------------------------------------
