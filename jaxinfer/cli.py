@@ -3,7 +3,7 @@
     jaxinfer generate --prompt TEXT [--chat] [--model PATH] [--dtype D] [--max-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--min-p P] [--*-penalty X] [--seed S] [--stop STR ...] [--json]
                       [--max-model-len N] [--page-size N] [--kv-cache-memory-bytes N] [--max-num-batched-tokens N]
-                      [--warmup] [--tp N] [--ep M]
+                      [--warmup] [--tp N] [--ep M] [--speculative-config JSON]
 
     jaxinfer serve [--model PATH] [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-num-seqs N]
                    [--max-queued-requests N] [--grace-seconds S] [--no-warmup] [engine options]
@@ -57,8 +57,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     _add_engine_options(gen)
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing) "
-                          "instead of streaming text")
+                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing; "
+                          "with --speculative-config also the speculative counters) instead of streaming text")
     gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
 
     srv = sub.add_parser("serve", help="serve a model over gRPC",
@@ -120,6 +120,30 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
                         help="auto: Pallas kernels on TPU/GPU, jnp reference on CPU (default); pallas on CPU runs "
                              "the TPU kernels in interpret mode (slow, for testing)")
+    engine.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, a JSON object as vLLM\'s: e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\'; methods ngram, draft_model (with "model": PATH), '
+                             'self_draft (default: off; lossless, see README "Speculative decoding")')
+
+
+def _speculative_config(args: argparse.Namespace):
+    """--speculative-config as a `SpeculativeConfig` (None when not given), checked before the slow imports.
+
+    Raises:
+      ValueError: "--speculative-config: ..." for JSON that does not parse or is not an object, unknown keys, bad
+        values, or a draft model path that does not exist.
+    """
+    if args.speculative_config is None:
+        return None
+    from jaxinfer.spec_decode.config import SpeculativeConfig  # no jax
+
+    try:
+        spec = SpeculativeConfig.from_value(args.speculative_config)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--speculative-config: {e}") from None
+    if spec.method == "draft_model" and not os.path.exists(spec.model):
+        raise ValueError(f"--speculative-config: draft model {spec.model}: no such file or folder")
+    return spec
 
 
 def _join_job(args: argparse.Namespace) -> bool:
@@ -164,12 +188,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--grace-seconds {args.grace_seconds} must be >= 0")
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 1")
+    spec = _speculative_config(args)
     config = EngineConfig(model=args.model, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, warmup=not args.no_warmup,
                           attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
                           expert_parallel_size=args.expert_parallel_size,
-                          enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes)
+                          enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes,
+                          speculative_config=spec)
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
     if _join_job(args):  # a follower serves no requests: it replays process 0's steps
@@ -203,6 +229,7 @@ def _generate(args: argparse.Namespace) -> int:
                             seed=args.seed, stop=args.stop)  # validates before the slow load
     if not args.prompt:
         raise ValueError("--prompt must not be empty")
+    spec = _speculative_config(args)
     logging.getLogger("jaxinfer").info("loading model %s", args.model or "(default SmolLM2-135M-Instruct)")
     t0 = time.perf_counter()
     follower = _join_job(args)
@@ -210,7 +237,8 @@ def _generate(args: argparse.Namespace) -> int:
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
               warmup=args.warmup, attention_backend=args.attention_backend,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
-              enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes)
+              enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes,
+              speculative_config=spec)
     if follower:  # replays process 0's steps; process 0 prints the text
         llm.engine.follow_leader()
         return 0
@@ -228,8 +256,9 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(args.prompt, params, on_output=on_output)
     out = outputs[0]
     completion = out.outputs[0]
+    stats = llm.engine.stats()
     if args.json:
-        print(json.dumps({
+        result = {
             "prompt": args.prompt,
             "prompt_token_ids": out.prompt_token_ids,
             "token_ids": completion.token_ids,
@@ -237,12 +266,20 @@ def _generate(args: argparse.Namespace) -> int:
             "finish_reason": completion.finish_reason,
             "ttft_s": round(out.metrics.ttft_s, 4),
             "decode_tokens_per_s": round(out.metrics.decode_tokens_per_s, 2),
-        }, ensure_ascii=False))
+        }
+        if spec is not None:  # the engine's spec_* counters and ratios (README, "Speculative decoding")
+            result["speculative"] = {k.removeprefix("spec_"): v for k, v in stats.items() if k.startswith("spec_")}
+        print(json.dumps(result, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         logging.getLogger("jaxinfer").info(
             "finish_reason=%s, %d tokens, TTFT %.2f s, decode %.1f tokens/s", completion.finish_reason,
             len(completion.token_ids), out.metrics.ttft_s, out.metrics.decode_tokens_per_s)
+        if spec is not None:
+            logging.getLogger("jaxinfer").info(
+                "speculative (%s, k=%d): %d of %d drafts accepted (%.0f%%), %.2f tokens per decode step",
+                spec.method, spec.num_speculative_tokens, stats["spec_accepted_tokens"], stats["spec_draft_tokens"],
+                100 * stats["spec_acceptance_rate"], stats["spec_tokens_per_decode_step"])
     return 0
 
 

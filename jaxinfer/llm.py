@@ -28,10 +28,16 @@ class LLM:
       **engine_options: the other `EngineConfig` fields: `page_size`, `max_num_seqs`, `max_num_batched_tokens`,
         `max_model_len`, `kv_cache_memory_bytes`, `scan_layers`, `seed`, `warmup`, `attention_backend`,
         `tensor_parallel_size` (TP devices), `expert_parallel_size` (EP devices, MoE models),
-        `enable_prefix_caching` (default True), `kv_offload_bytes` and `kv_offload_min_pages` (host tier).
+        `enable_prefix_caching` (default True), `kv_offload_bytes` and `kv_offload_min_pages` (host tier),
+        `speculative_config` (speculative decoding, as vLLM's: a dict such as
+        `{"method": "ngram", "num_speculative_tokens": 4}`, a JSON object string or a
+        `jaxinfer.spec_decode.config.SpeculativeConfig`; methods "ngram", "draft_model" (with `"model": PATH`) and
+        "self_draft"; default None, off). Speculation is lossless: the same greedy tokens, and sampled tokens from
+        the same distribution with the same per-request seeds; `llm.engine.stats()` has its `spec_*` counters.
 
     Raises:
-      ValueError: bad model path or file, unknown dtype or option value, a budget too small for one page.
+      ValueError: bad model path or file, unknown dtype or option value (a bad `speculative_config`: unknown key,
+        method or out-of-range value, named), a budget too small for one page.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32", **engine_options) -> None:

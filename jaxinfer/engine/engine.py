@@ -7,9 +7,14 @@
 3. The plan runs as one device call for all decodes and one for the prefill chunks (the CPU reference attention
    pads every sequence to the longest query run, so keeping one-token decodes apart from long chunks saves work;
    the Pallas kernels take both in one call).
+   With speculative decoding (`EngineConfig.speculative_config`, `jaxinfer.spec_decode`), the policy first picks
+   how many drafts each decoding sequence may have this step; the scheduler reserves pages and budget for them;
+   the proposer drafts (n-gram lookup on the host, or the draft model on device); and the decodes run as one
+   verify call, which emits each sequence's accepted drafts plus one token of the target's own.
 4. A failing call is retried one sequence at a time so that only the sequence that fails is failed; rows whose
    logits are not finite fail alone too.
-5. The scheduler appends sampled tokens, applies stop rules and frees the pages of finished sequences; `step`
+5. The scheduler appends sampled tokens (one at a time through the stop rules, also inside a verified block),
+   frees the pages of finished sequences and those of rejected drafts; `step`
    returns a `RequestOutput` (cumulative text plus the new delta) for every request that moved.
 """
 

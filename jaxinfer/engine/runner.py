@@ -7,6 +7,10 @@
 3. One jitted step runs the model forward over the ragged batch and samples a token per sequence; the KV cache
    is donated and replaced by the step's output.
 4. Sampled tokens come back to the host as numpy; the logits stay on device unless asked for.
+
+Speculative decoding adds two calls: `propose` (the draft model drafts k tokens per sequence on device) and
+`execute_verify` (the target runs each sequence's last token plus its drafts, and `spec_decode.verify` picks the
+accepted prefix and the next token from the k + 1 rows of logits of each sequence).
 """
 
 from __future__ import annotations

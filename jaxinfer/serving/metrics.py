@@ -2,7 +2,8 @@
 
 Per-request values (TTFT, TPOT, outcomes, tokens) are recorded by the server as streams end; engine gauges
 (running / waiting sequences, KV pages, preemptions) are read from `Engine.stats()` at scrape time by a custom
-collector, so the engine keeps no Prometheus state.
+collector, so the engine keeps no Prometheus state. The prefix cache's (`jaxinfer_prefix_cache_*`) and speculative
+decoding's (`jaxinfer_spec_*`) metrics appear only when the feature is on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,26 @@ _PREFIX_CACHE_METRICS = (
      "pages brought back from the host tier"),
 )
 
+_SPEC_METRICS = (
+    (CounterMetricFamily, "jaxinfer_spec_draft_tokens", "spec_draft_tokens", "speculative draft tokens verified"),
+    (CounterMetricFamily, "jaxinfer_spec_accepted_tokens", "spec_accepted_tokens", "of those, drafts accepted"),
+    (CounterMetricFamily, "jaxinfer_spec_verify_rows", "spec_verify_rows", "sequence-steps that verified drafts"),
+    (CounterMetricFamily, "jaxinfer_spec_emitted_tokens", "spec_emitted_tokens",
+     "tokens those sequence-steps produced (accepted drafts + the target's own token)"),
+    (CounterMetricFamily, "jaxinfer_spec_decode_rows", "spec_decode_rows",
+     "decode sequence-steps, with or without drafts"),
+    (CounterMetricFamily, "jaxinfer_spec_decode_tokens", "spec_decode_tokens", "tokens those sequence-steps produced"),
+    (CounterMetricFamily, "jaxinfer_spec_verify_steps", "spec_verify_steps", "engine steps that verified drafts"),
+    (CounterMetricFamily, "jaxinfer_spec_off_steps", "spec_off_steps",
+     "engine steps with decoding sequences where the batch size turned speculation off"),
+    (GaugeMetricFamily, "jaxinfer_spec_acceptance_rate", "spec_acceptance_rate",
+     "draft acceptance rate: accepted / drafted tokens"),
+    (GaugeMetricFamily, "jaxinfer_spec_mean_accepted_length", "spec_mean_accepted_length",
+     "tokens per sequence-step that verified drafts (accepted drafts + 1)"),
+    (GaugeMetricFamily, "jaxinfer_spec_tokens_per_decode_step", "spec_tokens_per_decode_step",
+     "tokens per decode sequence-step, with or without drafts (1.0 without speculation)"),
+)
+
 
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict | None]) -> None:
@@ -51,6 +72,10 @@ class _EngineCollector(Collector):
         if "prefix_cache_hit_tokens" in s:  # prefix caching on
             for family, name, key, doc in _PREFIX_CACHE_METRICS:
                 yield family(name, doc, value=s[key])
+        if "spec_draft_tokens" in s:  # speculative decoding on
+            for family, name, key, doc in _SPEC_METRICS:
+                yield family(name, doc, value=s[key])
+
 
 class ServerMetrics:
     """The server's metrics in their own registry (tests can run several servers in one process).
