@@ -77,8 +77,8 @@ def run(engine: Engine, reqs: list[Req], arrivals: dict[int, list[Req]] | None =
     plans: list[SchedulerOutput] = []
     real_schedule = engine.scheduler.schedule
 
-    def recording_schedule() -> SchedulerOutput:
-        plan = real_schedule()
+    def recording_schedule(*args, **kwargs) -> SchedulerOutput:
+        plan = real_schedule(*args, **kwargs)
         plans.append(plan)
         return plan
 

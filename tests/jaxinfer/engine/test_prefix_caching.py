@@ -177,8 +177,8 @@ def recorded_plans(llm: LLM) -> Iterator[list]:
     sched, plans = llm.engine.scheduler, []
     real = sched.schedule
 
-    def schedule():
-        plans.append(real())
+    def schedule(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
         return plans[-1]
 
     sched.schedule = schedule
