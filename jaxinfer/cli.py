@@ -177,6 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Until the server installs its own handlers (after the jax/grpc imports), a stop signal exits at once, with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))  # nothing to clean up yet
+    spec = _speculative_config(args)  # before the jax import: a bad config fails at once
     from jaxinfer.engine.engine import EngineConfig
     from jaxinfer.serving.server import ServerLimits, run
 
@@ -188,7 +189,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--grace-seconds {args.grace_seconds} must be >= 0")
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 1")
-    spec = _speculative_config(args)
     config = EngineConfig(model=args.model, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes, warmup=not args.no_warmup,
@@ -220,6 +220,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    spec = _speculative_config(args)  # before the jax import: a bad config fails at once
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
@@ -229,7 +230,6 @@ def _generate(args: argparse.Namespace) -> int:
                             seed=args.seed, stop=args.stop)  # validates before the slow load
     if not args.prompt:
         raise ValueError("--prompt must not be empty")
-    spec = _speculative_config(args)
     logging.getLogger("jaxinfer").info("loading model %s", args.model or "(default SmolLM2-135M-Instruct)")
     t0 = time.perf_counter()
     follower = _join_job(args)
