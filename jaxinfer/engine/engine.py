@@ -97,7 +97,7 @@ class EngineConfig:
       speculative_config: speculative decoding (`jaxinfer.spec_decode`): a `SpeculativeConfig`, a dict of its
         fields as vLLM's `speculative_config` (e.g. `{"method": "ngram", "num_speculative_tokens": 4}`), a JSON
         object string, or None (off). Lossless: outputs keep the target model's distribution (greedy: the same
-        tokens). Single-process only; "draft_model" needs tensor_parallel_size = expert_parallel_size = 1.
+        tokens). "draft_model" runs in one process with tensor_parallel_size = expert_parallel_size = 1.
     """
 
     model: str | None = None
@@ -280,15 +280,16 @@ class Engine:
         """The draft model of "self_draft" / "draft_model" (None for "ngram").
 
         Raises:
-          ValueError: in a multi-process run, or for a draft model whose vocabulary differs from the target's.
+          ValueError: for "draft_model" in a multi-process run, or a draft model whose vocabulary differs from the
+            target's.
         """
         spec = self.spec_config
-        if multihost.is_multi_process():
-            raise ValueError("speculative decoding is not supported in multi-process runs yet")
         if spec.method == "self_draft":
             return draft_lib.self_draft(run_cfg, weights, spec.num_draft_layers)
         if spec.method != "draft_model":
             return None
+        if multihost.is_multi_process():
+            raise ValueError("speculative method 'draft_model' runs in one process; use 'ngram' or 'self_draft'")
         draft_cfg, draft_weights, draft_tokenizer = load_model(spec.model, np.dtype(self.dtype))
         draft_lib.check_draft_model(draft_cfg, run_cfg, draft_tokenizer.vocab_size, self.tokenizer.vocab_size)
         logger.info("draft model %s: %d layers", draft_cfg.name, draft_cfg.num_layers)
@@ -503,19 +504,19 @@ class Engine:
         decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.samples]
         prefills = [c for c in plan.chunks if not (len(c.token_ids) == 1 and c.samples)]
         device_time = 0.0
-        draft_probs = None
+        draft_probs_row = None
         if plan.num_spec_slots:
             t0 = time.perf_counter()
-            decodes, draft_probs = self._propose(decodes)
+            decodes, draft_probs_row = self._propose(decodes)
             device_time += time.perf_counter() - t0
             if any(c.num_draft_tokens for c in decodes):
                 self.spec_policy.stats.num_verify_steps += 1
             replaced = {id(c.seq): c for c in decodes}
             plan.chunks = [replaced.get(id(c.seq), c) for c in plan.chunks]
-        for group, probs in ((decodes, draft_probs), (prefills, None)):
+        for group, probs_row in ((decodes, draft_probs_row), (prefills, None)):
             if group:
                 t0 = time.perf_counter()
-                self._run_group(group, sampled, logprobs, probs)
+                self._run_group(group, sampled, logprobs, probs_row)
                 device_time += time.perf_counter() - t0
         self.scheduler.update(plan, sampled)  # skips sequences that failed or were aborted meanwhile
         if self.prefix_cache is not None:  # registering pages can free host-tier copies
@@ -547,10 +548,10 @@ class Engine:
                 calls[kind]([op.src for op in run], [op.dst for op in run])
             i = j
 
-    def _propose(self, decodes: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], object]:
-        """Drafts for the decode chunks that reserved slots; returns the chunks with their drafts appended and the
-        draft model's probabilities (device, rows in chunk order; None for n-gram drafts or all-greedy rows).
-        A failing draft model costs the step its drafts, never a request."""
+    def _propose(self, decodes: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], int | None]:
+        """Drafts for the decode chunks that reserved slots; returns the chunks with their drafts appended and 0
+        when the runner kept the draft model's probabilities for them (rows in chunk order), None when there are
+        none (n-gram drafts, all-greedy rows). A failing draft model costs the step its drafts, never a request."""
         spec = self.spec_config
         if spec.method == "ngram":
             out = []
@@ -561,22 +562,23 @@ class Engine:
                 out.append(c)
             return out, None
         try:
-            ids, probs = self.runner.propose([SequenceChunk(c.token_ids, c.num_computed_tokens, c.page_ids)
+            ids, has_probs = self.runner.propose([SequenceChunk(c.token_ids, c.num_computed_tokens, c.page_ids)
                                               for c in decodes], self._sampling_rows(decodes),
                                              [c.spec_slots for c in decodes], spec.num_speculative_tokens)
         except Exception:  # noqa: BLE001 - drafts only ever save time; decode without them
             logger.exception("the draft model failed; decoding this step without drafts")
             return decodes, None
-        return [c.with_drafts(ids[i, : c.spec_slots].tolist()) for i, c in enumerate(decodes)], probs
+        return [c.with_drafts(ids[i, : c.spec_slots].tolist()) for i, c in enumerate(decodes)], 0 if has_probs else None
 
     def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int | list[int]],
-                   logprobs: dict[int, list[dict[int, float]]], draft_probs=None) -> None:
+                   logprobs: dict[int, list[dict[int, float]]], draft_probs_row: int | None = None) -> None:
         """Runs chunks in one device call; on an exception retries them one by one and fails only the culprit.
 
-        draft_probs: the draft model's probabilities for these chunks' drafts (rows in chunk order), or None.
+        draft_probs_row: where these chunks' draft probabilities start among the runner's last proposal's rows
+        (`ModelRunner.execute_verify`), or None.
         """
         try:
-            result = self._execute(chunks, draft_probs)
+            result = self._execute(chunks, draft_probs_row)
         except Exception as e:  # noqa: BLE001 - isolate any failure of the step to the sequences that cause it
             if len(chunks) == 1:
                 logger.exception("step failed for request %s", chunks[0].seq.request_id)
@@ -584,7 +586,8 @@ class Engine:
                 self.metrics.num_errors += 1
                 return
             for i, chunk in enumerate(chunks):
-                self._run_group([chunk], sampled, logprobs, None if draft_probs is None else draft_probs[i : i + 1])
+                self._run_group([chunk], sampled, logprobs,
+                                None if draft_probs_row is None else draft_probs_row + i)
             return
         self.metrics.num_padded_tokens += result.num_padded_tokens
         for i, chunk in enumerate(chunks):
@@ -625,13 +628,13 @@ class Engine:
                             output_token_ids=c.seq.output_token_ids,
                             suppress=self.scheduler.suppressed_token_ids(c.seq)) for c in chunks]
 
-    def _execute(self, chunks: list[ScheduledChunk], draft_probs=None) -> StepResult | VerifyResult:
+    def _execute(self, chunks: list[ScheduledChunk], draft_probs_row: int | None = None) -> StepResult | VerifyResult:
         rows = self._sampling_rows(chunks)
         seq_chunks = [SequenceChunk(c.token_ids, c.num_computed_tokens, c.page_ids) for c in chunks]
         self.metrics.num_device_calls += 1
         if any(c.num_draft_tokens for c in chunks):
             return self.runner.execute_verify(seq_chunks, rows, [c.token_ids[1:] for c in chunks],
-                                              self.spec_config.num_speculative_tokens, draft_probs)
+                                              self.spec_config.num_speculative_tokens, draft_probs_row)
         return self.runner.execute(seq_chunks, rows)
 
     def _collect_outputs(self) -> list[RequestOutput]:

@@ -49,6 +49,8 @@ class Op(enum.IntEnum):
     OFFLOAD_PAGES = 6  # payload: (device pages, host slots); every process keeps its own host copy
     LOAD_PAGES = 7  # payload: (host slots, device pages)
     DROP_PAGES = 8  # payload: host slots
+    PROPOSE = 9  # payload: the drafting call's host arrays (speculative decoding)
+    VERIFY = 10  # payload: the verify step's host arrays and which rows of the last proposal's probabilities
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int,

@@ -278,13 +278,18 @@ class ModelRunner:
         self.draft = draft
         self.draft_cache = None
         draft_kwargs = None
+        self._draft_probs = None
         if draft is not None:
             draft_kwargs = dict(model_kwargs, cfg=draft.cfg)
             if not draft.shares_target_cache:
                 self.draft_cache = jax.jit(functools.partial(KVCache.zeros, draft.cfg, num_pages, page_size,
                                                              kv_dtype))()
+            propose_cache_out = cache_out if draft.shares_target_cache else None
             self._propose = jax.jit(functools.partial(draft_lib.propose, **draft_kwargs),
-                                    static_argnames=("num_tokens", "with_probs"), donate_argnames=("kv_cache",))
+                                    static_argnames=("num_tokens", "with_probs"), donate_argnames=("kv_cache",),
+                                    out_shardings=None if mesh is None else (replicated, replicated,
+                                                                             propose_cache_out))
+
         self._step = jax.jit(
             functools.partial(_step, draft_kwargs=draft_kwargs, **model_kwargs),
             donate_argnames=("kv_cache", "draft_cache"),
@@ -426,8 +431,9 @@ class ModelRunner:
           num_tokens: k, the draft steps run (static; every row runs them, rows past their slots write nothing).
 
         Returns:
-          (draft ids i32[len(chunks), k] on the host, draft probabilities f32[B_pad, k, V] on device or None when
-          every row is greedy). Row b's drafts past num_slots[b] are meaningless.
+          (draft ids i32[len(chunks), k] on the host, whether draft probabilities were kept: False when every row
+          is greedy). The probabilities, f32[B_pad, k, V], stay on device for `execute_verify`. Row b's drafts
+          past num_slots[b] are meaningless.
 
         Raises:
           ValueError: without a draft model, or for chunks that are not single decode tokens.
@@ -452,19 +458,40 @@ class ModelRunner:
             real = np.arange(num_tokens) < n
             kv_loc[real, b] = page_table[b, pos[real] // ps] * ps + pos[real] % ps
         sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
-        with_probs = any(r.params.temperature > 0 for r in rows)
+        inputs = (tokens, positions, kv_loc, page_table, sampling, num_tokens,
+                  any(r.params.temperature > 0 for r in rows))
+        multihost.send(multihost.Op.PROPOSE, inputs)
+        ids = self._run_propose(*inputs)
+        return np.asarray(ids)[: len(chunks)], self._draft_probs is not None
+
+    def _run_propose(self, tokens: np.ndarray, positions: np.ndarray, kv_loc: np.ndarray, page_table: np.ndarray,
+                     sampling: SamplingArrays, num_tokens: int, with_probs: bool) -> jax.Array:
+        """The drafting call; keeps the draft probabilities on device for the verify step that follows."""
+        arrays = self._global_inputs((tokens, positions, kv_loc, page_table, sampling))
         cache = self.kv_cache if self.draft.shares_target_cache else self.draft_cache
-        ids, probs, cache = self._propose(self.draft.weights, cache, tokens, positions, kv_loc, page_table, sampling,
-                                          num_tokens=num_tokens, with_probs=with_probs)
+        ids, self._draft_probs, cache = self._propose(self.draft.weights, cache, *arrays, num_tokens=num_tokens,
+                                                      with_probs=with_probs)
         if self.draft.shares_target_cache:
             self.kv_cache = cache
         else:
             self.draft_cache = cache
-        return np.asarray(ids)[: len(chunks)], probs
+        return ids
+
+    def _run_verify(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays, ids: np.ndarray,
+                    num_drafts: np.ndarray, draft_probs_row: int | None) -> tuple[VerifyOutput, jax.Array]:
+        probs = None
+        if draft_probs_row is not None:
+            if self._draft_probs is None:
+                raise ValueError("draft probabilities were asked for but the last proposal kept none")
+            probs = self._draft_probs[draft_probs_row : draft_probs_row + ids.shape[0]]
+        tokens, metadata, sampling, ids, num_drafts = self._global_inputs((tokens, metadata, sampling, ids, num_drafts))
+        out, finite, self.kv_cache, self.draft_cache = self._verify_step(
+            self.weights, tokens, metadata, self.kv_cache, sampling, ids, probs, num_drafts, *self._draft_args())
+        return out, finite
 
     def execute_verify(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow],
                        draft_token_ids: Sequence[Sequence[int]], num_tokens: int,
-                       draft_probs: jax.Array | None = None) -> VerifyResult:
+                       draft_probs_row: int | None = None) -> VerifyResult:
         """Runs one verify step: each sequence's last token plus its drafts, and `verify` on their logits.
 
         Args:
@@ -472,8 +499,9 @@ class ModelRunner:
           rows: per-sequence sampling rows at the block's first output step.
           draft_token_ids: each sequence's drafts (the chunk's token_ids after the first).
           num_tokens: k, the draft width (static shape; >= every sequence's draft count).
-          draft_probs: f32[B_pad, k, V] from `propose` for the same chunks in the same order, or None for
-            deterministic drafts (n-gram) or all-greedy rows.
+          draft_probs_row: None for deterministic drafts (n-gram) or all-greedy rows; else these chunks' drafts
+            are rows `draft_probs_row`, ... of the last `propose` call (which kept their probabilities on device):
+            0 for the whole batch of that call in the same order, i for its i-th chunk alone.
 
         Returns:
           The verification on the host, one row per chunk.
@@ -493,10 +521,9 @@ class ModelRunner:
         for b, d in enumerate(draft_token_ids):
             ids[b, : len(d)] = d
             num_drafts[b] = len(d)
-        out, finite, self.kv_cache, self.draft_cache = self._verify_step(
-            self.weights, tokens, metadata, self.kv_cache, sampling, ids, draft_probs, num_drafts,
-            *self._draft_args())
-        out, finite = jax.device_get((out, finite))
+        inputs = (tokens, metadata, sampling, ids, num_drafts, draft_probs_row)
+        multihost.send(multihost.Op.VERIFY, inputs)
+        out, finite = jax.device_get(self._run_verify(*inputs))
         n = len(chunks)
         padded = int(tokens.shape[0]) - sum(len(c.token_ids) for c in chunks)
         return VerifyResult(num_accepted=out.num_accepted[:n], token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
@@ -538,6 +565,10 @@ class ModelRunner:
                     self.load_pages(*payload)
                 elif op is multihost.Op.DROP_PAGES:
                     self.drop_host_pages(payload)
+                elif op is multihost.Op.PROPOSE:
+                    jax.block_until_ready(self._run_propose(*payload))
+                elif op is multihost.Op.VERIFY:
+                    jax.block_until_ready(self._run_verify(*payload))
                 else:
                     raise RuntimeError(f"unexpected operation {op.name} from the leader")
             except Exception:  # noqa: BLE001 - the leader sees the same failure and fails the request
