@@ -20,9 +20,14 @@ one at a time with `sample` (lossless), and greedy rows emit exactly the tokens 
      sampling rows, n < drafts:   a sample from normalize(max(0, p_n - q_n))  (the rejected draft's residual);
      sampling rows, n == drafts:  a sample from p_n  (the bonus token; Gumbel-max on the processed logits as in
                                   `sample`, under the same key, so num_drafts = 0 reproduces `sample` exactly).
-   A deterministic draft (draft_probs None, e.g. n-gram lookup) has q_j = one-hot(x_j): the test is u_j < p_j(x_j)
-   and the residual is p_j with x_j removed.
-5. Randomness: position j of a row uses output step `step + j` in two streams of the row's request key
+   A deterministic draft (draft_probs None, e.g. n-gram lookup) has q_j = one-hot(x_j), so the rule is: accept
+   with probability p_j(x_j), else emit a sample of p_j with x_j removed. It is run as a coupling with the
+   target's own sampling: s_j = the token `sample` would draw at position j (Gumbel-max on the processed logits
+   under `sample`'s key for output step `step + j`); x_j passes iff x_j == s_j (probability p_j(x_j)), and the
+   row emits s_n at n = num_accepted (given s_n != x_n it is distributed as p_n without x_n; at n == num_drafts
+   it is the bonus token). Every emitted token is then exactly the token decoding without speculation would have
+   drawn with the same seed, so deterministic drafts change neither the distribution nor the tokens.
+5. Randomness (drafts with probabilities): position j of a row uses output step `step + j` in two streams of the row's request key
    `fold_in(key(seed), sample_index)`: the resample / bonus key `fold_in(., step + j)` (the key `sample` uses for
    that step) and the accept-test key `fold_in(fold_in(., ACCEPT_STREAM), step + j)`. Every step above acts on the
    row alone, so a request's tokens depend only on its own seed, logits and drafts, never on the batch.
@@ -162,15 +167,19 @@ def verify(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: ja
     drafts = jnp.clip(draft_token_ids.astype(jnp.int32), 0, vocab - 1)  # [B, k]; padding made a valid index
     is_real = jnp.arange(k)[None, :] < num_drafts[:, None]  # [B, k]
 
+    keys = sample_keys(positions.seed, positions.sample_index, positions.step)  # [B*t], `sample`'s keys
+    if draft_probs is None:  # deterministic drafts: coupled with the target's own sample at each position
+        target_sample = jax.vmap(jax.random.categorical)(keys, truncated.reshape(b * t, vocab))
+        choice = jnp.where(greedy_row, target_argmax, target_sample.astype(jnp.int32).reshape(b, t))  # [B, t]
+        passes = (drafts == choice[:, :k]) & is_real
+        num_accepted = jnp.sum(jnp.cumprod(passes.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        return _emit(drafts, choice, num_accepted, raw_logprobs, positions.num_logprobs)
+
     p = jax.nn.softmax(truncated[:, :k], axis=-1)  # [B, k, V]
     p_draft = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]  # [B, k]
-    if draft_probs is None:
-        q_draft = jnp.ones_like(p_draft)
-        residual = jnp.where(jnp.arange(vocab) == drafts[..., None], 0.0, p)  # [B, k, V]: p without the draft
-    else:
-        q = draft_probs.astype(jnp.float32)
-        q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, k]
-        residual = _residual(p, q)  # [B, k, V]
+    q = draft_probs.astype(jnp.float32)
+    q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, k]
+    residual = _residual(p, q)  # [B, k, V]
     accept_keys = _accept_keys(positions.seed, positions.sample_index, positions.step).reshape(b, t)[:, :k]
     u = jax.vmap(jax.vmap(jax.random.uniform))(accept_keys)  # [B, k], U[0, 1)
     passes = jnp.where(greedy_row, drafts == target_argmax[:, :k], _accepted(u, p_draft, q_draft)) & is_real
@@ -182,16 +191,22 @@ def verify(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: ja
     rejected_at = jnp.arange(k)[None, :, None] < num_drafts[:, None, None]  # [B, k, 1]: a draft was tested here
     resample_logits = jnp.concatenate(
         [jnp.where(rejected_at, residual_logits, truncated[:, :k]), truncated[:, k:]], axis=1)  # [B, t, V]
-    keys = sample_keys(positions.seed, positions.sample_index, positions.step)  # [B*t], `sample`'s keys
     resampled = jax.vmap(jax.random.categorical)(keys, resample_logits.reshape(b * t, vocab))
     final = jnp.where(greedy_row, target_argmax, resampled.astype(jnp.int32).reshape(b, t))  # [B, t]
+    return _emit(drafts, final, num_accepted, raw_logprobs, positions.num_logprobs)
 
+
+def _emit(drafts: jax.Array, final: jax.Array, num_accepted: jax.Array, raw_logprobs: jax.Array,
+          num_logprobs: jax.Array) -> VerifyOutput:
+    """The VerifyOutput of rows that accept `num_accepted` drafts [B, k] and then emit `final` [B, k+1] at that
+    position; raw_logprobs f32[B, k+1, V], num_logprobs i32[B*(k+1)]."""
+    b, t, vocab = raw_logprobs.shape
     position = jnp.arange(t)[None, :]
     n = num_accepted[:, None]
     drafts_then_pad = jnp.pad(drafts, ((0, 0), (0, 1)))  # [B, t]
     token_ids = jnp.where(position < n, drafts_then_pad, jnp.where(position == n, final, -1))  # [B, t]
     logprobs = jnp.take_along_axis(raw_logprobs, jnp.maximum(token_ids, 0)[..., None], axis=-1)[..., 0]
     logprobs = jnp.where(token_ids >= 0, logprobs, 0.0)
-    top_values, top_ids = top_logprobs(raw_logprobs.reshape(b * t, vocab), positions.num_logprobs)
+    top_values, top_ids = top_logprobs(raw_logprobs.reshape(b * t, vocab), num_logprobs)
     return VerifyOutput(num_accepted=num_accepted, token_ids=token_ids, logprobs=logprobs,
                         top_logprobs=top_values.reshape(b, t, -1), top_token_ids=top_ids.reshape(b, t, -1))
