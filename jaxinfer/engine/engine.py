@@ -259,6 +259,7 @@ class Engine:
             self.page_allocator, eos_ids=frozenset(self.tokenizer.eos_ids), prefix_cache=self.prefix_cache)
         self.metrics = EngineMetrics()
         self.spec_policy = None
+        self._max_block = 0  # this step's verify block bound (drafts per sequence + 1), 0 without drafts
         if self.spec_config is not None:
             self.spec_policy = SpeculationPolicy(self.spec_config, jax.default_backend())
             self._ngram = NgramProposer(self.spec_config.prompt_lookup_min, self.spec_config.prompt_lookup_max)
@@ -271,8 +272,10 @@ class Engine:
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
                     num_pages * page_bytes / 2**20)
         if config.warmup:
-            self.runner.warmup(max_num_seqs=config.max_num_seqs,
-                               max_num_batched_tokens=config.max_num_batched_tokens)
+            spec = self.spec_config
+            self.runner.warmup(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                               spec_block=None if spec is None else self.spec_policy.step_k,
+                               num_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
         if multihost.is_multi_process() and multihost.is_leader():
             atexit.register(self.runner.release_followers)
 
@@ -505,6 +508,7 @@ class Engine:
         prefills = [c for c in plan.chunks if not (len(c.token_ids) == 1 and c.samples)]
         device_time = 0.0
         draft_probs_row = None
+        self._max_block = 1 + max(spec_slots.values(), default=0) if spec_slots else 0
         if plan.num_spec_slots:
             t0 = time.perf_counter()
             decodes, draft_probs_row = self._propose(decodes)
@@ -634,7 +638,8 @@ class Engine:
         self.metrics.num_device_calls += 1
         if any(c.num_draft_tokens for c in chunks):
             return self.runner.execute_verify(seq_chunks, rows, [c.token_ids[1:] for c in chunks],
-                                              self.spec_config.num_speculative_tokens, draft_probs_row)
+                                              self.spec_config.num_speculative_tokens, draft_probs_row,
+                                              max_block=self._max_block)
         return self.runner.execute(seq_chunks, rows)
 
     def _collect_outputs(self) -> list[RequestOutput]:

@@ -314,12 +314,14 @@ class ModelRunner:
             out_shardings=None if mesh is None else (replicated, cache_out),
         )
 
-    def _prepare(self, chunks: Sequence[SequenceChunk], all_rows: bool,
-                 verify_width: int = 0) -> tuple[np.ndarray, AttentionMetadata, int]:
+    def _prepare(self, chunks: Sequence[SequenceChunk], all_rows: bool, verify_width: int = 0,
+                 max_block: int = 0) -> tuple[np.ndarray, AttentionMetadata, int]:
         """Pads a batch to its shape buckets; returns (tokens, metadata, padded batch / logits rows).
 
         verify_width = k + 1 > 0: a verify step of decode blocks; each sequence gets k + 1 logits rows (its block's
-        rows, the last repeated past its length) and the token buckets start at 2 instead of 16.
+        rows, the last repeated past its length) and the token buckets start at 2 instead of 16. max_block >= every
+        block's length pads the step as if every sequence of the padded batch had that many tokens, so that a
+        step's shape depends on its batch bucket and max_block alone (the shapes `warmup` compiles).
         """
         ps = self.page_size
         q_lens = [len(c.token_ids) for c in chunks]
@@ -331,6 +333,10 @@ class ModelRunner:
         r_pad = max(b_pad, 2)  # >= 2 logits rows: the one-row bf16 LM head is 10x slower on CPU
         max_q = max(q_lens)
         if verify_width:
+            if max_block:
+                if max_q > max_block:
+                    raise ValueError(f"a verify block of {max_q} tokens exceeds max_block={max_block}")
+                t_pad, max_q = next_power_of_two(b_pad * max_block, 2), max_block
             max_q_pad = next_power_of_two(max_q)
         else:
             if max_q > 1:
@@ -409,8 +415,8 @@ class ModelRunner:
     def _run_step(self, tokens: np.ndarray, metadata: AttentionMetadata,
                   sampling: SamplingArrays) -> tuple[SampleOutput, jax.Array]:
         tokens, metadata, sampling = self._global_inputs((tokens, metadata, sampling))
-        out, finite, self.kv_cache, self.draft_cache = self._call_step(
-            self.weights, tokens, metadata, self.kv_cache, sampling, *self._draft_args())
+        out, finite, self.kv_cache, self.draft_cache = self._call(
+            "step", self.weights, tokens, metadata, self.kv_cache, sampling, *self._draft_args())
         return out, finite
 
     def _draft_args(self) -> tuple:
@@ -442,6 +448,14 @@ class ModelRunner:
             raise ValueError("this runner has no draft model")
         if any(len(c.token_ids) != 1 for c in chunks):
             raise ValueError("drafting starts from decode chunks of one token each")
+        inputs = self._propose_inputs(chunks, rows, num_slots, num_tokens)
+        multihost.send(multihost.Op.PROPOSE, inputs)
+        ids = self._run_propose(*inputs)
+        return np.asarray(ids)[: len(chunks)], self._draft_probs is not None
+
+    def _propose_inputs(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow], num_slots: Sequence[int],
+                        num_tokens: int) -> tuple:
+        """The drafting call's host inputs: (tokens, positions, kv_loc, page_table, sampling, k, with_probs)."""
         ps = self.page_size
         b_pad = next_power_of_two(len(chunks))
         pages = [-(-(c.num_computed_tokens + 1 + n) // ps) for c, n in zip(chunks, num_slots)]
@@ -458,19 +472,23 @@ class ModelRunner:
             real = np.arange(num_tokens) < n
             kv_loc[real, b] = page_table[b, pos[real] // ps] * ps + pos[real] % ps
         sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
-        inputs = (tokens, positions, kv_loc, page_table, sampling, num_tokens,
-                  any(r.params.temperature > 0 for r in rows))
-        multihost.send(multihost.Op.PROPOSE, inputs)
-        ids = self._run_propose(*inputs)
-        return np.asarray(ids)[: len(chunks)], self._draft_probs is not None
+        return tokens, positions, kv_loc, page_table, sampling, num_tokens, any(r.params.temperature > 0 for r in rows)
+
+    def _propose_args(self, tokens: np.ndarray, positions: np.ndarray, kv_loc: np.ndarray, page_table: np.ndarray,
+                      sampling: SamplingArrays) -> tuple:
+        """The drafting call's dynamic arguments: draft weights, the cache it runs on, then the inputs."""
+        cache = self.kv_cache if self.draft.shares_target_cache else self.draft_cache
+        return (self.draft.weights, cache, *self._global_inputs((tokens, positions, kv_loc, page_table, sampling)))
 
     def _run_propose(self, tokens: np.ndarray, positions: np.ndarray, kv_loc: np.ndarray, page_table: np.ndarray,
                      sampling: SamplingArrays, num_tokens: int, with_probs: bool) -> jax.Array:
         """The drafting call; keeps the draft probabilities on device for the verify step that follows."""
-        arrays = self._global_inputs((tokens, positions, kv_loc, page_table, sampling))
-        cache = self.kv_cache if self.draft.shares_target_cache else self.draft_cache
-        ids, self._draft_probs, cache = self._propose(self.draft.weights, cache, *arrays, num_tokens=num_tokens,
-                                                      with_probs=with_probs)
+        args = self._propose_args(tokens, positions, kv_loc, page_table, sampling)
+        compiled = self._compiled.get(("propose", _shape_key(args), num_tokens, with_probs)) if self._compiled else None
+        if compiled is not None:
+            ids, self._draft_probs, cache = compiled(*args)
+        else:
+            ids, self._draft_probs, cache = self._propose(*args, num_tokens=num_tokens, with_probs=with_probs)
         if self.draft.shares_target_cache:
             self.kv_cache = cache
         else:
@@ -485,13 +503,14 @@ class ModelRunner:
                 raise ValueError("draft probabilities were asked for but the last proposal kept none")
             probs = self._draft_probs[draft_probs_row : draft_probs_row + ids.shape[0]]
         tokens, metadata, sampling, ids, num_drafts = self._global_inputs((tokens, metadata, sampling, ids, num_drafts))
-        out, finite, self.kv_cache, self.draft_cache = self._verify_step(
-            self.weights, tokens, metadata, self.kv_cache, sampling, ids, probs, num_drafts, *self._draft_args())
+        out, finite, self.kv_cache, self.draft_cache = self._call(
+            "verify", self.weights, tokens, metadata, self.kv_cache, sampling, ids, probs, num_drafts,
+            *self._draft_args())
         return out, finite
 
     def execute_verify(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow],
                        draft_token_ids: Sequence[Sequence[int]], num_tokens: int,
-                       draft_probs_row: int | None = None) -> VerifyResult:
+                       draft_probs_row: int | None = None, max_block: int = 0) -> VerifyResult:
         """Runs one verify step: each sequence's last token plus its drafts, and `verify` on their logits.
 
         Args:
@@ -502,6 +521,8 @@ class ModelRunner:
           draft_probs_row: None for deterministic drafts (n-gram) or all-greedy rows; else these chunks' drafts
             are rows `draft_probs_row`, ... of the last `propose` call (which kept their probabilities on device):
             0 for the whole batch of that call in the same order, i for its i-th chunk alone.
+          max_block: pad as if every block had this many tokens (>= the longest; 0: no such padding), e.g. the
+          step's drafts per sequence + 1, so the step hits a shape `warmup` compiled.
 
         Returns:
           The verification on the host, one row per chunk.
@@ -514,7 +535,8 @@ class ModelRunner:
                              f"{len(chunks)} sequences")
         if any(len(d) > num_tokens for d in draft_token_ids):
             raise ValueError(f"a sequence has more than k={num_tokens} drafts")
-        tokens, metadata, b_pad = self._prepare(chunks, all_rows=False, verify_width=num_tokens + 1)
+        tokens, metadata, b_pad = self._prepare(chunks, all_rows=False, verify_width=num_tokens + 1,
+                                                max_block=max_block)
         sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
         ids = np.zeros((b_pad, num_tokens), np.int32)
         num_drafts = np.zeros(b_pad, np.int32)
@@ -664,8 +686,14 @@ class ModelRunner:
         if self.draft_cache is not None:
             self.draft_cache = self._clear_pages(self.draft_cache, ids)
 
-    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> float:
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
+               spec_block: Callable[[int], int] | None = None, num_spec_tokens: int = 0) -> float:
         """Compiles the step for every decode and single-sequence prefill shape bucket; returns seconds taken.
+
+        With speculative decoding (`spec_block(b)`: the drafts per sequence a step of batch bucket b gets, and
+        `num_spec_tokens` = k), also the verify step of every decode batch bucket with drafts, padded to that
+        many drafts per sequence (`execute_verify`'s max_block), times every page-table width, and, with a draft
+        model, its drafting call for the same buckets (greedy rows; sampling rows compile on first use).
 
         Decode buckets: batch 1, 2, 4, ... up to max_num_seqs, times every page-table width. Prefill buckets: one
         sequence with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table width, and, when
@@ -695,9 +723,17 @@ class ModelRunner:
         if self.attention.flash is not None:  # a fresh prompt's first chunk is its own bucket
             shapes += [("fresh", t, page_bucket(-(-t // self.page_size), self.max_pages_per_seq))
                        for t in tokens if t <= self.max_pages_per_seq * self.page_size]
+        if spec_block is not None:
+            spec = [(b, spec_block(b)) for b in batches if spec_block(b) > 0]
+            shapes += [("verify", b, p) for p in widths for b, _ in spec]
+            if self.draft is not None:
+                shapes += [("propose", b, p) for p in widths for b, _ in spec]
         t0 = time.perf_counter()
         for kind, n, p in tqdm(shapes, desc="compiling step shapes", unit="shape", leave=False):
             context = p * self.page_size
+            if kind in ("verify", "propose"):
+                self._warm_spec(kind, n, spec_block(n), num_spec_tokens, p, greedy)
+                continue
             if kind == "decode":
                 chunks = [SequenceChunk([0], context - 1, [NULL_PAGE] * p)] * n
             elif kind == "prefill":
@@ -708,15 +744,40 @@ class ModelRunner:
             sampling = SamplingArrays.build([greedy] * len(chunks), rows_pad, self.cfg.vocab_size, self.vocab_limit)
             args = (self.weights, *self._global_inputs((tokens, metadata)), self.kv_cache,
                     self._global_inputs(sampling), *self._draft_args())
-            self._compiled[_shape_key(args)] = self._step.lower(*args).compile()
+            self._compiled[("step", _shape_key(args))] = self._step.lower(*args).compile()
         seconds = time.perf_counter() - t0
         logger.info("compiled %d step shapes in %.1f s", len(shapes), seconds)
         return seconds
 
-    def _call_step(self, *args):
-        """The step, through an ahead-of-time compiled executable when warm-up made one for these shapes."""
-        compiled = self._compiled.get(_shape_key(args)) if self._compiled else None
-        return (compiled or self._step)(*args)
+    def _warm_spec(self, kind: str, batch: int, drafts: int, num_spec_tokens: int, width: int,
+                   greedy: SamplingRow) -> None:
+        """Compiles one verify or drafting shape of `warmup` (batch sequences of `drafts` drafts, page width)."""
+        context = width * self.page_size - drafts - 1
+        if context < 0:
+            return
+        if kind == "verify":
+            chunks = [SequenceChunk([0] * (drafts + 1), context, [NULL_PAGE] * width)] * batch
+            tokens, metadata, b_pad = self._prepare(chunks, all_rows=False, verify_width=num_spec_tokens + 1,
+                                                    max_block=drafts + 1)
+            sampling = SamplingArrays.build([greedy] * batch, b_pad, self.cfg.vocab_size, self.vocab_limit)
+            ids, num_drafts = np.zeros((b_pad, num_spec_tokens), np.int32), np.zeros(b_pad, np.int32)
+            args = (self.weights, *self._global_inputs((tokens, metadata)), self.kv_cache,
+                    *self._global_inputs((sampling, ids)), None, self._global_inputs(num_drafts),
+                    *self._draft_args())
+            self._compiled[("verify", _shape_key(args))] = self._verify_step.lower(*args).compile()
+        else:
+            chunks = [SequenceChunk([0], context, [NULL_PAGE] * width)] * batch
+            inputs = self._propose_inputs(chunks, [greedy] * batch, [drafts] * batch, num_spec_tokens)
+            args = self._propose_args(*inputs[:5])
+            static = dict(num_tokens=num_spec_tokens, with_probs=False)
+            self._compiled[("propose", _shape_key(args), num_spec_tokens, False)] = \
+                self._propose.lower(*args, **static).compile()
+
+    def _call(self, kind: str, *args):
+        """The "step" or "verify" call, through an ahead-of-time compiled executable when warm-up made one for
+        these shapes."""
+        compiled = self._compiled.get((kind, _shape_key(args))) if self._compiled else None
+        return (compiled or {"step": self._step, "verify": self._verify_step}[kind])(*args)
 
     def compute_logits(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         """Runs one step and returns the logits of every new token (for tests and evaluation).

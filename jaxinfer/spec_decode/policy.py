@@ -5,8 +5,10 @@ Speculation is lossless (`verify.py`), so this decides speed only. The rules (se
 1. Batch: with B sequences decoding, a verify step computes up to B * (k + 1) tokens. While that stays within
    `max_step_tokens`, the step is still bound by reading the weights (memory bandwidth) and the extra tokens cost
    little; beyond it the step turns compute-bound and each draft costs about as much as the token it might save.
-   So the step's k is `min(num_speculative_tokens, max_step_tokens // B - 1)`; below 1, no drafts. With
-   `disable_by_batch_size`, more than that many decoding sequences also means no drafts.
+   So the step's k is `min(num_speculative_tokens, max_step_tokens // B' - 1)`, where B' is B rounded up to a
+   power of two (the runner's batch bucket: every step of a bucket then has one verify shape, which warm-up
+   compiles); below 1, no drafts. With `disable_by_batch_size`, more than that many decoding sequences also
+   means no drafts.
 2. Acceptance: each sequence keeps an exponential moving average (weight `EMA_WEIGHT` on the newest step) of its
    acceptance rate, accepted / proposed drafts per verify. Below `min_acceptance_rate`, the sequence gets no
    drafts, except one step in `probe_interval`, which measures again: a sequence that starts copying text
@@ -91,7 +93,8 @@ class SpeculationPolicy:
         c = self.config
         if num_decoding == 0 or (c.disable_by_batch_size is not None and num_decoding > c.disable_by_batch_size):
             return 0
-        return max(0, min(c.num_speculative_tokens, self.max_step_tokens // num_decoding - 1))
+        bucket = 1 << (num_decoding - 1).bit_length()
+        return max(0, min(c.num_speculative_tokens, self.max_step_tokens // bucket - 1))
 
     def plan(self, decoding_seq_ids: Iterable[int]) -> dict[int, int]:
         """Drafts wanted per decoding sequence this step: {seq_id: k}, only entries with k > 0."""
