@@ -1,7 +1,9 @@
 """One process of the two-process test in `test_multihost.py`: `python multihost_worker.py PROCESS_ID PORT OUT`.
 
 Each process exposes 2 CPU devices; the engine's tp=4 mesh spans both. Process 0 generates and writes the tokens
-and the mesh's process indices to OUT (JSON); process 1 follows the leader's steps.
+and the mesh's process indices to OUT (JSON); process 1 follows the leader's steps. Then both build engines with
+speculative decoding (self-drafting, whose drafting calls run on both processes, then n-gram drafts with seeded
+sampling) and generate `SPEC_PROMPTS` with each.
 """
 
 import json
@@ -17,6 +19,20 @@ LONG = "Here is a long document about lighthouses, tides, ships and the people w
 OTHERS = [f"Question {i}: explain why the sky looks blue at noon and red at sunset, in detail." * 2 for i in range(3)]
 ENGINE_OPTIONS = dict(warmup=False, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=10 << 20,
                       kv_offload_bytes=64 << 20)
+
+
+SPEC_PROMPTS = ["Repeat exactly: one two three four five six seven eight nine ten.\none two three four",
+                "def add(a, b):\n    return a + b\n\ndef add("]
+SPEC_CONFIGS = [{"method": "self_draft", "num_speculative_tokens": 2, "num_draft_layers": 28},
+                {"method": "ngram", "num_speculative_tokens": 3}]
+
+
+def generate_spec(llm) -> list[list[int]]:
+    """Greedy and seeded-sampling generations of SPEC_PROMPTS (the same with speculation on or off)."""
+    from jaxinfer.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.8, seed=3, max_tokens=12)]
+    return [o.outputs[0].token_ids for p in params for o in llm.generate(SPEC_PROMPTS, p)]
 
 
 def generate_all(llm) -> list[list[int]]:
@@ -39,15 +55,24 @@ def main() -> None:
     llm = LLM(tensor_parallel_size=4, **ENGINE_OPTIONS)
     if process_id != 0:
         llm.engine.follow_leader()
+        for spec in SPEC_CONFIGS:
+            LLM(tensor_parallel_size=4, speculative_config=spec, **ENGINE_OPTIONS).engine.follow_leader()
         return
     tokens = generate_all(llm)
     shard_processes = sorted({s.device.process_index for s in llm.runner.weights.layers.wq.global_shards})
     stats = llm.engine.stats()
     llm.engine.shutdown()
+    spec_tokens, spec_accepted = [], []
+    for spec in SPEC_CONFIGS:
+        spec_llm = LLM(tensor_parallel_size=4, speculative_config=spec, **ENGINE_OPTIONS)
+        spec_tokens.append(generate_spec(spec_llm))
+        spec_accepted.append(spec_llm.engine.stats()["spec_accepted_tokens"])
+        spec_llm.engine.shutdown()
     with open(out, "w") as f:
         json.dump({"tokens": tokens, "mesh_processes": shard_processes,
                    "num_devices": int(llm.engine.mesh.devices.size),
-                   "host_hits": stats["prefix_cache_host_hits"]}, f)
+                   "host_hits": stats["prefix_cache_host_hits"], "spec_tokens": spec_tokens,
+                   "spec_accepted": spec_accepted}, f)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from jaxinfer.engine import multihost
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from multihost_worker import ENGINE_OPTIONS, generate_all  # noqa: E402
+from multihost_worker import ENGINE_OPTIONS, SPEC_CONFIGS, generate_all, generate_spec  # noqa: E402
 
 
 def _free_port() -> int:
@@ -46,7 +46,15 @@ def test_two_processes_generate_the_single_process_tokens(tmp_path):
     assert got["num_devices"] == 4 and got["mesh_processes"] == [0, 1]  # one mesh over both processes' devices
     assert got["host_hits"] > 0  # prefix-cache pages went to the host tier and came back, on both processes
 
-    assert got["tokens"] == generate_all(LLM(**ENGINE_OPTIONS))
+    plain = LLM(**ENGINE_OPTIONS)
+    assert got["tokens"] == generate_all(plain)
+    # speculative decoding over both processes: drafts were accepted, and greedy and seeded tokens are those of
+    # one process without speculation (self-drafting's seeded row may differ: its drafts carry probabilities)
+    reference = generate_spec(plain)
+    assert all(n > 0 for n in got["spec_accepted"]), got["spec_accepted"]
+    for spec, tokens in zip(SPEC_CONFIGS, got["spec_tokens"]):
+        compared = len(tokens) if spec["method"] == "ngram" else len(tokens) // 2
+        assert tokens[:compared] == reference[:compared], spec
 
 
 def test_initialize_checks_its_arguments():
