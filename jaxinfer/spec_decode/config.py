@@ -14,7 +14,8 @@ Methods:
 Policy (`policy.py`): speculation is lossless, so these only decide speed.
 - Per step, the verify step computes B * (k + 1) tokens for B decoding sequences. While that stays within
   `max_step_tokens` the step is still bound by reading the weights and the drafts are nearly free; beyond it, k
-  shrinks for the step (to max_step_tokens // B - 1), and speculation is off while not even k = 1 fits. Default:
+  shrinks for the step (to max_step_tokens // B' - 1, B' = B rounded up to a power of two), and speculation is
+  off while not even k = 1 fits. Default:
   a per-backend value (`policy.DEFAULT_MAX_STEP_TOKENS`). `disable_by_batch_size` (vLLM's name) also turns it off
   outright when more than that many sequences decode.
 - Per sequence, drafts stop while the sequence's recent acceptance rate (accepted / proposed drafts, an
