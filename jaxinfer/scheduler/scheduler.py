@@ -407,18 +407,23 @@ class Scheduler:
             emitted = _emitted(sampled[seq.seq_id]) if ch.samples else [0]
             # the last token and the accepted drafts (all but the emitted last) are now in the cache
             seq.num_computed_tokens += len(ch.token_ids) - ch.num_draft_tokens + len(emitted) - 1
-            if self.prefix_cache is not None:
+            reason = None
+            if ch.samples:
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                for token_id in emitted:
+                    reason = append_token(seq, token_id, self.eos_ids, self.config.max_model_len)
+                    if reason is not None:
+                        break
+                # a stop inside a block drops the drafts after it, whose K/V then holds no token of the sequence
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            if self.prefix_cache is not None:  # after the tokens: pages completed by accepted drafts have them
                 self._register_full_pages(seq)
             if not ch.samples:
                 continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            for token_id in emitted:
-                reason = append_token(seq, token_id, self.eos_ids, self.config.max_model_len)
-                if reason is not None:
-                    self._finish(seq, reason, now)
-                    break
-            if ch.spec_slots and not seq.is_finished:
+            if reason is not None:
+                self._finish(seq, reason, now)
+            elif ch.spec_slots:
                 self._trim_pages(seq)
             produced.append(seq)
         return produced

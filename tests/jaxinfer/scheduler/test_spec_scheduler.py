@@ -138,3 +138,26 @@ def test_prefix_cache_registers_only_verified_pages() -> None:
     assert seq.num_computed_tokens == 9
     assert sched.prefix_cache.num_cached_pages == 2  # page 1 (positions 4..7) is full and verified; page 2 is not
     assert len(seq.page_ids) == 3  # pages for the 10 tokens
+
+
+def test_pages_completed_by_accepted_drafts_are_cached_with_their_tokens() -> None:
+    sched = make_scheduler(prefix_cache=True)
+    seq = decoding(sched, 1, prompt_len=7)  # 8 tokens, 7 computed
+    out = sched.schedule({1: 8})
+    out.chunks = [out.chunks[0].with_drafts(list(range(11, 19)))]
+    sched.update(out, {1: [11, 12, 13, 14, 50]})  # positions 8..11 (page 2) hold accepted drafts 11..14
+    assert seq.num_computed_tokens == 12 and sched.prefix_cache.num_cached_pages == 3
+    # a later request with the same tokens finds all three pages
+    hits = sched.prefix_cache.acquire(seq.token_ids, None, max_pages=3)
+    assert [e.page for e in hits] == seq.page_ids[:3]
+
+
+def test_stop_inside_a_block_caches_only_the_kept_tokens() -> None:
+    sched = make_scheduler(prefix_cache=True)
+    seq = decoding(sched, 1, prompt_len=7, stop_token_ids=[12])
+    out = sched.schedule({1: 8})
+    out.chunks = [out.chunks[0].with_drafts(list(range(11, 19)))]
+    sched.update(out, {1: [11, 12, 13, 14, 50]})  # stops at 12: 13, 14 are dropped
+    assert seq.output_token_ids == [10, 11, 12] and seq.finish_reason == "stop"
+    assert seq.num_computed_tokens == seq.num_tokens == 10
+    assert sched.prefix_cache.num_cached_pages == 2  # positions 0..7; page 2 would need tokens that were dropped
