@@ -31,6 +31,11 @@ and, with `--write`, likewise replaces or appends only its own section.
 `--workload prefix` measures prefix caching (`scripts/bench_prefix.py`): TTFT of a 1,000-token shared prefix cold vs
 warm, a multi-turn chat workload with caching on and off, and the host tier's load-vs-recompute break-even; with
 `--write` it likewise replaces or appends only its own section.
+`--workload spec` measures speculative decoding (`scripts/bench_spec.py`): batch-1 decode tokens/s with and without
+speculation (ngram k=2/4/8, self_draft) on a copy-heavy and a chat prompt, with acceptance and a check that the tokens
+are identical; end-to-end throughput of 32 concurrent requests with the automatic policy on vs off; and the cost of
+decode and verify steps against their token rows (calibrates `DEFAULT_MAX_STEP_TOKENS`); with `--write` it likewise
+replaces or appends only its own section (about 10 minutes on 2 cores).
 
 Results go to stdout as markdown and, with `--write BENCHMARKS.md`, into that file with the command, date, versions
 and machine. A run of one workload keeps the other workload's section of an existing file. Logs go to stderr. The
@@ -70,6 +75,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_checkpoint  # noqa: E402  (scripts/, next to this file)
 import bench_prefix  # noqa: E402
 import bench_serving  # noqa: E402
+import bench_spec  # noqa: E402
 import md_sections  # noqa: E402
 from jaxinfer.checkpoint import default_model_path, load_gguf_weights, read_gguf  # noqa: E402
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
@@ -869,6 +875,20 @@ def run_prefix(args: argparse.Namespace, command: str, date: str) -> None:
                                                                       bench_prefix.SECTION_END))
 
 
+def run_spec(args: argparse.Namespace, command: str, date: str) -> None:
+    """`--workload spec`: speculative decoding (batch-1 speed-up, 32-request throughput, step cost vs rows), prints
+    its section, splices it into --write; exits with status 1 afterwards if any output differed with speculation."""
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    r = bench_spec.run(args.spec_reps, args.spec_tput_reps, args.spec_step_reps)
+    section = bench_spec.render(r, command, date, f"machine: nproc {os.cpu_count()}, CPU `{cpu_model()}`",
+                                time.perf_counter() - t0, (load0, os.getloadavg()[0]))
+    write_section(args.write, section, lambda old: md_sections.splice(old, section, bench_spec.SECTION_BEGIN,
+                                                                      bench_spec.SECTION_END))
+    if not bench_spec.all_identical(r):
+        logger.error("speculation changed greedy outputs (see the section's 'identical' columns)")
+        sys.exit(1)
+
+
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
@@ -915,17 +935,22 @@ def main() -> None:
     ap.add_argument("--peer-python", default=None,
                     help="Python with torch + transformers (e.g. .venv-golden/bin/python); omitted: no peer")
     ap.add_argument("--peer-timeout", type=int, default=600)
-    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention", "checkpoint", "prefix"),
+    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention", "checkpoint", "prefix", "spec"),
                     default="micro",
                     help="micro: sections 1-6; serving: the serving workload; all: both; attention: the reference "
                          "attention decode step alone (CPU baseline for the kernels); checkpoint: SmolLM2 load "
-                         "time from orbax vs GGUF; prefix: prefix caching (scripts/bench_prefix.py)")
+                         "time from orbax vs GGUF; prefix: prefix caching (scripts/bench_prefix.py); spec: speculative "
+                         "decoding (scripts/bench_spec.py)")
     ap.add_argument("--ckpt-reps", type=int, default=5, help="--workload checkpoint: timed loads per kind")
     ap.add_argument("--prefix-reps", type=int, default=5,
                     help="--workload prefix: timed cold/warm TTFT pairs, and reps per break-even point")
     ap.add_argument("--chat-convs", type=int, default=8, help="--workload prefix: conversations of the chat workload")
     ap.add_argument("--chat-turns", type=int, default=4, help="--workload prefix: turns per conversation")
     ap.add_argument("--chat-passes", type=int, default=2, help="--workload prefix: timed passes per engine")
+    ap.add_argument("--spec-reps", type=int, default=3, help="--workload spec: timed batch-1 rounds")
+    ap.add_argument("--spec-tput-reps", type=int, default=5,
+                    help="--workload spec: timed 32-request runs per setting (on / off)")
+    ap.add_argument("--spec-step-reps", type=int, default=5, help="--workload spec: timed calls per step shape")
     ap.add_argument("--attn-contexts", default="512,4096", help="--workload attention: contexts in tokens")
     ap.add_argument("--attn-batches", default="1,32", help="--workload attention: batch sizes")
     ap.add_argument("--attn-reps", type=int, default=30, help="--workload attention: timed calls per shape")
@@ -973,6 +998,9 @@ def main() -> None:
     if args.workload == "prefix":
         run_prefix(args, r["command"], r["date"])
         return
+    if args.workload == "spec":
+        run_spec(args, r["command"], r["date"])
+        return
     r["bandwidth"] = measure_bandwidth(args.bw_gib, args.bw_reps)
     model_path = args.model or default_model_path()
     if micro:
@@ -1003,7 +1031,8 @@ def main() -> None:
         # Keep the sections other workloads and scripts own.
         for begin, end in ((ATTN_SECTION_BEGIN, ATTN_SECTION_END),
                            (bench_checkpoint.SECTION_BEGIN, bench_checkpoint.SECTION_END),
-                           (bench_prefix.SECTION_BEGIN, bench_prefix.SECTION_END), md_sections.SHARDING_MARKERS):
+                           (bench_prefix.SECTION_BEGIN, bench_prefix.SECTION_END),
+                           (bench_spec.SECTION_BEGIN, bench_spec.SECTION_END), md_sections.SHARDING_MARKERS):
             report = md_sections.keep_section(old, report, begin, end)
         args.write.write_text(report)
         logger.info("wrote %s", args.write)
