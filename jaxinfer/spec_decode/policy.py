@@ -15,9 +15,13 @@ Speculation is lossless (`verify.py`), so this decides speed only. The rules (se
    gets speculation back within `probe_interval` steps.
 
 `DEFAULT_MAX_STEP_TOKENS` per backend is where the step stops being bandwidth-bound. On this project's 2-core CPU
-the engine's decode step costs about the same from 2 to 16 token rows and grows in proportion beyond 32
-(BENCHMARKS.md, "Speculative decoding"); accelerators read their weights hundreds of times faster than a CPU and
-have the compute to match, so their knee lies at a few hundred tokens.
+(SmolLM2-135M, float32; BENCHMARKS.md, "Speculative decoding", step cost vs token rows) a step is flat only to
+about 4 rows: a batch-1 verify step of 8 rows costs 1.35x a decode step, 16 rows 1.9x, and the verify steps a
+limit of 32 would allow at batch 8-16 cost 1.4-2x their batch's decode step, which pays only above ~0.45-0.55
+per-draft acceptance; every verify step of at most 8 rows costs <= 1.35x. So the CPU default is 8. Accelerators
+read their weights hundreds of times faster than a CPU and have the compute to match, so their knee lies at a
+few hundred rows (the GPU value is a guess until `scripts/gpu_check.sh` measures it: its engine section times
+the verify step beside the decode step).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Iterable
 
 from jaxinfer.spec_decode.config import SpeculativeConfig
 
-DEFAULT_MAX_STEP_TOKENS = {"cpu": 32, "gpu": 256, "tpu": 256}
+DEFAULT_MAX_STEP_TOKENS = {"cpu": 8, "gpu": 256, "tpu": 256}
 EMA_WEIGHT = 0.5
 
 

@@ -595,11 +595,11 @@ def test_concurrent_requests_joining_a_running_batch(ngram: Engine, refs: Refs) 
         stats = spec_stats(ngram)
     assert stats["spec_accepted_tokens"] > 0
     assert_all_same(r, ref)
-    assert any(c.num_draft_tokens == 8 for step in r.steps for c in step)
-    shrunk = False  # a step with several sequences decoding reserved the smaller k of rule 1 for them
+    full = shrunk = False  # a block drafted to its step's k; a step with several decoding reserved a smaller k
     for step in r.steps:
         decodes = [c for c in step if c.samples and len(c.token_ids) == c.num_draft_tokens + 1]
         k = policy.step_k(len(decodes)) if decodes else 0
         assert all(c.num_draft_tokens <= c.spec_slots <= k for c in decodes)
+        full |= k > 0 and any(c.num_draft_tokens == k for c in decodes)
         shrunk |= 0 < k < 8 and any(c.spec_slots == k and c.num_draft_tokens for c in decodes)
-    assert shrunk
+    assert full and shrunk
