@@ -43,6 +43,7 @@ from jaxinfer.engine.engine import Engine, EngineConfig
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.scheduler.scheduler import ScheduledChunk
 from jaxinfer.spec_decode.policy import SpeculationPolicy
+from tests.jaxinfer.engine.test_engine import held_pages, scheduler_limits
 
 pytestmark = pytest.mark.slow
 
@@ -214,29 +215,6 @@ def speculation(engine: Engine, **changes) -> Iterator[None]:
         yield
     finally:
         engine.spec_config, engine.spec_policy = config, policy
-
-
-@contextlib.contextmanager
-def scheduler_limits(engine: Engine, **limits: int) -> Iterator[None]:
-    """Temporarily changes the scheduler's limits (max_num_batched_tokens, max_num_seqs)."""
-    old = engine.scheduler.config
-    engine.scheduler.config = dataclasses.replace(old, **limits)
-    try:
-        yield
-    finally:
-        engine.scheduler.config = old
-
-
-@contextlib.contextmanager
-def held_pages(engine: Engine, keep_free: int) -> Iterator[None]:
-    """Takes pages out of the pool so that only `keep_free` stay free (a small pool without another engine)."""
-    alloc = engine.page_allocator
-    assert alloc.num_evictable_pages == 0  # holding must not evict cached pages (the caches were reset)
-    held = alloc.allocate(alloc.num_free_pages - keep_free)
-    try:
-        yield
-    finally:
-        alloc.free(held)
 
 
 # ---------------------------------------------------------------------------------------------------------------
