@@ -277,8 +277,10 @@ def _generate(args: argparse.Namespace) -> int:
             len(completion.token_ids), out.metrics.ttft_s, out.metrics.decode_tokens_per_s)
         if spec is not None:
             logging.getLogger("jaxinfer").info(
-                "speculative (%s, k=%d): %d of %d drafts accepted (%.0f%%), %.2f tokens per decode step",
-                spec.method, spec.num_speculative_tokens, stats["spec_accepted_tokens"], stats["spec_draft_tokens"],
+                "speculative (%s, k=%d, at most %d per step alone under max_step_tokens %d): %d of %d drafts "
+                "accepted (%.0f%%), %.2f tokens per decode step", spec.method, spec.num_speculative_tokens,
+                llm.engine.spec_policy.step_k(1), llm.engine.spec_policy.max_step_tokens,
+                stats["spec_accepted_tokens"], stats["spec_draft_tokens"],
                 100 * stats["spec_acceptance_rate"], stats["spec_tokens_per_decode_step"])
     return 0
 

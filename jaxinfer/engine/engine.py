@@ -199,6 +199,9 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and not Path(spec.model).exists():
+            raise ValueError(f"speculative draft model path {spec.model!r} does not exist")  # before loading the target
         enable_compilation_cache()
         self.config = config
         self.dtype = DTYPES[config.dtype]
@@ -293,7 +296,10 @@ class Engine:
             return None
         if multihost.is_multi_process():
             raise ValueError("speculative method 'draft_model' runs in one process; use 'ngram' or 'self_draft'")
-        draft_cfg, draft_weights, draft_tokenizer = load_model(spec.model, np.dtype(self.dtype))
+        try:
+            draft_cfg, draft_weights, draft_tokenizer = load_model(spec.model, np.dtype(self.dtype))
+        except ValueError as e:
+            raise ValueError(f"speculative draft model: {e}") from None
         draft_lib.check_draft_model(draft_cfg, run_cfg, draft_tokenizer.vocab_size, self.tokenizer.vocab_size)
         logger.info("draft model %s: %d layers", draft_cfg.name, draft_cfg.num_layers)
         return draft_lib.DraftModel(cfg=draft_cfg, weights=jax.tree.map(jnp.asarray, draft_weights),

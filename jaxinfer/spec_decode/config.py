@@ -77,7 +77,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens={k!r} must be an integer in [1, 16]")
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError("speculative method 'draft_model' needs 'model': the draft's .gguf file or HF folder")
+                raise ValueError(f"speculative method 'draft_model' needs 'model': the draft's .gguf file or HF "
+                                 f"folder as a non-empty string (got {self.model!r})")
         elif self.model is not None:
             raise ValueError(f"speculative 'model' is only for method 'draft_model', not {self.method!r}")
         if self.num_draft_layers is not None:
@@ -116,8 +117,8 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative config must be a JSON object / dict, got {type(value).__name__}")
         known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(repr(key) for key in set(value) - known)
         if unknown:
-            raise ValueError(f"unknown speculative config key(s) {', '.join(map(repr, unknown))}; "
+            raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(known))}")
         return SpeculativeConfig(**value)

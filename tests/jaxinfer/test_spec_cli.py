@@ -48,7 +48,7 @@ def test_generate_with_ngram_gives_the_greedy_text_of_plain_decoding(tiny_model:
     streamed = _jaxinfer(*common, "--speculative-config", NGRAM_2)  # streaming mode: same text, stats on stderr
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == want["text"] + "\n"
-    assert "speculative (ngram, k=2):" in streamed.stderr and "drafts accepted" in streamed.stderr
+    assert "speculative (ngram, k=2, at most 2 per step alone" in streamed.stderr and "drafts accepted" in streamed.stderr
 
 
 @pytest.mark.parametrize("config, message", [

@@ -375,7 +375,7 @@ def test_greedy_outputs_equal_spec_off(request: pytest.FixtureRequest, refs: Ref
     engine: Engine = request.getfixturevalue(method)
     reqs = method_reqs(engine, method)
     ref = refs.get(reqs)
-    with speculation(engine, num_speculative_tokens=k):
+    with speculation(engine, num_speculative_tokens=k, max_step_tokens=4 * (k + 1)):  # k for up to 4 decoding
         r = run(engine, reqs)
         stats = spec_stats(engine)
     assert_all_same(r, ref)
