@@ -31,6 +31,7 @@ import jax
 from jaxinfer import orbax_checkpoint
 from jaxinfer.model_loader import load_model
 from sharding.mesh import make_mesh
+import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
 
 logger = logging.getLogger("benchmark.checkpoint")
 
@@ -85,11 +86,6 @@ def run(model_path: Path, dtypes: list[str], reps: int) -> dict:
     return {"rows": rows, "sizes": sizes, "model": model_path.name, "reps": reps}
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, load: tuple[float, float]) -> str:
     """The markdown section of `--workload checkpoint`, between its begin/end markers."""
     out = [SECTION_BEGIN, "## Checkpoint load: orbax vs GGUF (SmolLM2-135M-Instruct)\n"]
@@ -108,7 +104,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
                + ", ".join(f"{d} {sizes[d] / 2**20:.0f} MiB" for d in sizes if d != "gguf") + "\n")
     rows = [[x["dtype"], x["source"], x["target"], f"{x['first']:.2f}", f"{x['median']:.2f}", f"{x['min']:.2f}"]
             for x in r["rows"]]
-    out.append(_table(["dtype", "from", "to", "first call s", "median s", "min s"], rows) + "\n")
+    out.append(md_sections.table(["dtype", "from", "to", "first call s", "median s", "min s"], rows) + "\n")
     converts = {x["dtype"]: x["convert_s"] for x in r["rows"]}
     out.append("- conversion (GGUF load + orbax save + tokenizer), once per dtype: "
                + ", ".join(f"{d} {s:.1f} s" for d, s in converts.items()) + "\n")

@@ -49,6 +49,7 @@ import numpy as np
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.runner import SequenceChunk
 from jaxinfer.engine.sampling import SamplingRow
+import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
 
 logger = logging.getLogger("benchmark.prefix")
 
@@ -291,15 +292,6 @@ def run(reps: int, convs: int, turns: int, chat_passes: int) -> dict:
     return r
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def _vs(x: float, lo: float, hi: float) -> str:
-    return "within" if lo <= x <= hi else ("above" if x > hi else "below")
-
-
 def _ms(s: float) -> str:
     return f"{s * 1e3:.0f}" if s >= 0.01 else f"{s * 1e3:.1f}"
 
@@ -321,7 +313,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
     cold, warm = _median(t["cold"]), _median(t["warm"])
     ratio = warm / cold
     out.append(f"### TTFT: {PREFIX_TOKENS}-token shared prefix + {QUESTION_TOKENS}-token question\n")
-    out.append(_table(["", "median TTFT ms", "min ms", "max ms", "median wall of generate ms", "cached tokens"], [
+    out.append(md_sections.table(["", "median TTFT ms", "min ms", "max ms", "median wall of generate ms", "cached tokens"], [
         ["cold (cache reset)", _ms(cold), _ms(min(t["cold"])), _ms(max(t["cold"])), _ms(_median(t["cold_wall"])),
          "0"],
         ["warm (prefix cached, another question)", _ms(warm), _ms(min(t["warm"])), _ms(max(t["warm"])),
@@ -332,8 +324,8 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
                f"Warm computes {t['prompt_tokens'] - t['cached']} of {t['prompt_tokens']} tokens; cold prefills at "
                f"{t['prompt_tokens'] / cold:.0f} tokens/s.\n")
     out.append(f"- against the expectations written before the first run (docstring): cold 0.8-1.2 s, measured "
-               f"{cold:.2f} s ({_vs(cold, 0.8, 1.2)}); warm 50-100 ms, measured {_ms(warm)} ms ({_vs(warm, 0.05, 0.1)}); "
-               f"ratio 5-10%, measured {ratio:.1%} ({_vs(ratio, 0.05, 0.10)})\n")
+               f"{cold:.2f} s ({md_sections.vs_range(cold, 0.8, 1.2)}); warm 50-100 ms, measured {_ms(warm)} ms ({md_sections.vs_range(warm, 0.05, 0.1)}); "
+               f"ratio 5-10%, measured {ratio:.1%} ({md_sections.vs_range(ratio, 0.05, 0.10)})\n")
 
     c = r["chat"]
     out.append(f"### Multi-turn chat: {c['convs']} conversations x {c['turns']} turns, greedy, max_tokens "
@@ -353,7 +345,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
         rows.append([f"caching {name}", f"{wall:.1f}", " / ".join(f"{x.wall_s:.1f}" for x in runs), str(pt), str(ot),
                      f"{(pt + ot) / wall:.0f}", f"{ot / wall:.1f}", _ms(ttft), _ms(p50),
                      f"{runs[0].hit_rate:.1%}" if name == "on" else "-", str(runs[0].cached_tokens)])
-    out.append(_table(["", "wall s (median)", "each pass s", "prompt tokens", "output tokens",
+    out.append(md_sections.table(["", "wall s (median)", "each pass s", "prompt tokens", "output tokens",
                        "(prompt+output) tok/s", "output tok/s", "mean TTFT ms", "median TTFT ms", "hit rate (stats)",
                        "cached tokens"], rows) + "\n")
     (w_on, t_on), (w_off, t_off) = agg["on"], agg["off"]
@@ -362,9 +354,9 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
                f"token-identical on and off: {'yes' if c['same_tokens'] else 'NO'}\n")
     hit = c["runs"]["on"][0].hit_rate
     out.append(f"- against the expectations written before the first run (docstring): hit rate 75-85%, measured "
-               f"{hit:.1%} ({_vs(hit, 0.75, 0.85)}); throughput 1.5-2x, measured {w_off / w_on:.2f}x "
-               f"({_vs(w_off / w_on, 1.5, 2.0)}); mean TTFT 3-5x lower, measured {t_off / t_on:.1f}x "
-               f"({_vs(t_off / t_on, 3, 5)})\n")
+               f"{hit:.1%} ({md_sections.vs_range(hit, 0.75, 0.85)}); throughput 1.5-2x, measured {w_off / w_on:.2f}x "
+               f"({md_sections.vs_range(w_off / w_on, 1.5, 2.0)}); mean TTFT 3-5x lower, measured {t_off / t_on:.1f}x "
+               f"({md_sections.vs_range(t_off / t_on, 3, 5)})\n")
 
     out.append("### Host tier: load k pages back vs recompute them\n")
     out.append(f"A k-page prefix + a {QUESTION_TOKENS}-token question: TTFT with the prefix recomputed (cache reset), "
@@ -376,7 +368,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
         rows.append([str(x["pages"]), str(x["pages"] * PS), _ms(x["recompute"]), _ms(x["host"]), _ms(x["device"]),
                      _ms(x["host"] - x["device"]), _ms(x["recompute"] - x["device"]), _ms(x["load_call"]),
                      _ms(x["prefill_call"])])
-    out.append(_table(["k pages", "tokens", "TTFT recompute ms", "TTFT host ms", "TTFT device ms",
+    out.append(md_sections.table(["k pages", "tokens", "TTFT recompute ms", "TTFT host ms", "TTFT device ms",
                        "load cost (host - device) ms", "recompute cost (recompute - device) ms",
                        "load_pages call ms", f"prefill step of k x {PS} tokens ms"], rows) + "\n")
     wins = [x["pages"] for x in r["break_even"] if x["host"] < x["recompute"]]

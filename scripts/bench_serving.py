@@ -546,11 +546,6 @@ def run_peer(python: str, model_path: Path, reqs: list[Request], dtypes: list[st
 # --- report --------------------------------------------------------------------------------------------------------
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def render(r: dict) -> str:
     """The serving section of BENCHMARKS.md (between markers, so that a serving-only run can replace it)."""
     scenarios: list[Scenario] = r["scenarios"]
@@ -624,7 +619,7 @@ def render(r: dict) -> str:
                      ratio(s["tpot_p50"], p["tpot_s"], invert=True) + " (p50)" if p else "-"])
         rows.append([dt, "wall s (first arrival to last finish)", f"{s['wall_s']:.1f}",
                      f"{p['total_s']:.1f}" if p else "-", "-"])
-    out.append(_table(["dtype", "metric", "jaxinfer", "HF transformers", "jaxinfer / HF (higher is better)"],
+    out.append(md_sections.table(["dtype", "metric", "jaxinfer", "HF transformers", "jaxinfer / HF (higher is better)"],
                       rows))
     out.append("")
     if peer is None:
@@ -648,7 +643,7 @@ def render(r: dict) -> str:
                          f"{1e3 * s['tpot_p50']:.0f} / {1e3 * s['tpot_p99']:.0f}", f"{s['wall_s']:.1f}",
                          f"{s['steps']} ({s['decode_steps']} decode-only)", str(s["preemptions"]),
                          f"{s['compiled_shapes']} / {s['compile_s']:.1f}", str(s["compiled_calls"])])
-    out.append(_table(["scenario", "dtype", "e2e out tok/s", "decode-only tok/s", "TTFT p50 / p99 s",
+    out.append(md_sections.table(["scenario", "dtype", "e2e out tok/s", "decode-only tok/s", "TTFT p50 / p99 s",
                        "TPOT p50 / p99 ms", "wall s", "steps", "preemptions",
                        "compile run: shapes / s", "compiles in timed run"], rows))
     out.append("")
@@ -682,7 +677,7 @@ def render(r: dict) -> str:
                      f"{g('decode_gb_s', '{:.1f}')} GB/s = "
                      f"{100 * s.get('decode_gb_s', float('nan')) * 1e9 / roof_bw:.0f}%",
                      f"{g('decode_dense_gflop_s', '{:.0f}')} / {g('prefill_dense_gflop_s', '{:.0f}')}"])
-    out.append(_table(["dtype", "decode padding: tokens / attention", "prefill padding: tokens / attention",
+    out.append(md_sections.table(["dtype", "decode padding: tokens / attention", "prefill padding: tokens / attention",
                        "engine host share", "outside jitted step", "decode-only step ms (median)",
                        "decode bytes rate = % of roofline", "dense GFLOP/s: decode / prefill calls"], rows))
     out.append("")
@@ -699,7 +694,7 @@ def render(r: dict) -> str:
                    "`_dense_matmuls` of the breakdown section), and only the attention (`paged_attention_reference`, "
                    "the runner's attention, on the same page tables, timed per call x 30 layers). The parts run "
                    "on their own, so they need not add up exactly to the step.\n")
-        out.append(_table(["dtype", f"execute ctx {lo} ms", f"execute ctx {hi} ms", "dense matmuls only ms",
+        out.append(md_sections.table(["dtype", f"execute ctx {lo} ms", f"execute ctx {hi} ms", "dense matmuls only ms",
                            f"attention only ctx {lo} ms", f"attention only ctx {hi} ms",
                            f"rest at ctx {hi} ms (execute - dense - attention)"],
                           [[dt, f"{p[f'execute_ctx{lo}']:.0f}", f"{p[f'execute_ctx{hi}']:.0f}", f"{p['dense']:.0f}",

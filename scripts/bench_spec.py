@@ -72,6 +72,7 @@ from jaxinfer.engine.engine import Engine, EngineConfig
 from jaxinfer.engine.runner import SequenceChunk
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.spec_decode import policy as spec_policy
+import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
 
 logger = logging.getLogger("benchmark.spec")
 
@@ -406,15 +407,6 @@ def run(reps: int, tput_reps: int, step_reps: int) -> dict:
     return r
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(x) + " |" for x in rows])
-
-
-def _vs(x: float, lo: float, hi: float) -> str:
-    return "within" if lo <= x <= hi else ("above" if x > hi else "below")
-
-
 def all_identical(r: dict) -> bool:
     return r["tput"]["same"] and all(c["same_as_off"] for t in r["single"].values() for c in t.values())
 
@@ -483,7 +475,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
                          f"{d['acceptance']:.2f}" if d else "-", f"{d['mean_len']:.2f}" if d else "-",
                          f"{per_step:.2f}", f"{per_step / (med / base):.2f}",
                          str(len(c["tokens"])), "yes" if c["same_as_off"] else "**NO**"])
-    out.append(_table(["task", "speculation", "decode tok/s", "min-max", "vs off (medians)",
+    out.append(md_sections.table(["task", "speculation", "decode tok/s", "min-max", "vs off (medians)",
                        "vs off, same round (median, min-max)", "acceptance",
                        "mean accepted length", "tokens per decode step", "time per decode step vs off",
                        "output tokens",
@@ -505,7 +497,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
         parts = []
         for name, (lo, hi) in ranges.items():
             x = _median(single[task][name]["tok_s"]) / base
-            parts.append(f"{name} {lo}-{hi}x, measured {x:.2f}x ({_vs(x, lo, hi)})")
+            parts.append(f"{name} {lo}-{hi}x, measured {x:.2f}x ({md_sections.vs_range(x, lo, hi)})")
         lines.append(f"{task}: " + "; ".join(parts))
     out.append("- against the expectations: " + ". ".join(lines) + "\n")
     text = r["single_text"]["copy-heavy"]
@@ -540,7 +532,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
             spec_txt = "-"
         rows.append([name, f"{meds[name]:.1f}", f"{min(rates):.1f}-{max(rates):.1f}",
                      f"{_median([b.wall_s for b in runs]):.1f}", str(runs[0].output_tokens), spec_txt])
-    out.append(_table(["speculation", "output tok/s (median)", "min-max", "wall s (median)", "output tokens",
+    out.append(md_sections.table(["speculation", "output tok/s (median)", "min-max", "wall s (median)", "output tokens",
                        "policy (spec_* stats, per run)"], rows) + "\n")
     ratio = meds["on"] / meds["off"]
     pairs = [a.output_tokens / a.wall_s / (b.output_tokens / b.wall_s)
@@ -552,7 +544,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
                f"{'overlap' if overlap else 'do not overlap'}); from each run against the adjacent run of the other "
                f"setting (ABBA pairs): median **{_median(pairs):.2f}x**, min-max {min(pairs):.2f}-{max(pairs):.2f}; "
                "tokens identical on and off "
-               f"in every run: {'yes' if tp['same'] else '**NO**'}; expected 0.95-1.05x ({_vs(ratio, 0.95, 1.05)})\n")
+               f"in every run: {'yes' if tp['same'] else '**NO**'}; expected 0.95-1.05x ({md_sections.vs_range(ratio, 0.95, 1.05)})\n")
 
     steps = r["steps"]
     suggestion = suggest_max_step_tokens(steps)
@@ -576,7 +568,7 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
             be = "-"
         rows.append([str(s["rows"]), label, f"{s['ms']:.1f}", f"{s['min_ms']:.1f}-{s['max_ms']:.1f}",
                      f"{s['ms'] / base:.2f}x", f"{s['vs_decode']:.2f}x" if s["kind"] == "verify" else "-", be])
-    out.append(_table(["rows", "step", "ms (median)", "min-max", "vs batch-1 decode", "vs decode of batch B",
+    out.append(md_sections.table(["rows", "step", "ms (median)", "min-max", "vs batch-1 decode", "vs decode of batch B",
                        "break-even acceptance"], rows) + "\n")
     cpu = r["default_max_step_tokens"].get("cpu")
     out.append(f"- every measured verify step of up to **{suggestion} rows** costs at most {FREE_RATIO}x the decode "

@@ -510,12 +510,6 @@ def cpu_flags() -> str:
     return ""
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def mode_name(scan: bool) -> str:
     return "scan" if scan else "unrolled"
 
@@ -651,7 +645,7 @@ def render(r: dict) -> str:
     out.append("## Memory read bandwidth\n")
     out.append("Each probe ran at the start and again at the end of the run (median of "
                f"{r['args'].bw_reps} calls each time).\n")
-    out.append(table(["probe", "bytes read", "GB/s at start", "GB/s at end"],
+    out.append(md_sections.table(["probe", "bytes read", "GB/s at start", "GB/s at end"],
                      [[b["label"], f"{b['bytes'] / 2**30:.2f} GiB", f"{b['gb_s']:.1f}",
                        f"{bw_end[k]['gb_s']:.1f}" if k in bw_end else "-"] for k, b in bw.items()]))
     out.append(f"\nThe roofline below uses the best of these, {roof_bw / 1e9:.1f} GB/s.\n")
@@ -663,7 +657,7 @@ def render(r: dict) -> str:
         rows.append([m.dtype, mode_name(m.scan), f"{m.prefill_tok_s:.0f}", f"{m.prefill_ms:.0f}",
                      f"{d64.tok_s:.1f}", f"{d64.step_ms:.1f}", f"{d512.tok_s:.1f}", f"{d512.step_ms:.1f}",
                      f"{m.prefill_compile_s:.1f} / {d64.compile_s:.1f} / {d512.compile_s:.1f}"])
-    out.append(table(["dtype", "layers", f"prefill {r['prefill_len']} tok/s", "prefill ms", "decode ctx~64 tok/s",
+    out.append(md_sections.table(["dtype", "layers", f"prefill {r['prefill_len']} tok/s", "prefill ms", "decode ctx~64 tok/s",
                       "ms/token", "decode ctx~512 tok/s", "ms/token",
                       f"compile s (prefill {r['prefill_len']} / decode 64 / decode 512)"], rows))
     out.append("")
@@ -690,7 +684,7 @@ def render(r: dict) -> str:
             roof = d.batch * roof_bw / (wb + kvb)
             rows.append([dt, m_label, str(d.batch), f"{d.context[0]}-{d.context[1]}", f"{wb / 1e6:.0f}",
                          f"{kvb / 1e6:.1f}", f"{roof:.0f}", f"{d.tok_s:.1f}", f"{100 * d.tok_s / roof:.0f}%"])
-    out.append(table(["dtype", "layers", "batch", "context", "weight MB", "KV MB", "roofline tok/s",
+    out.append(md_sections.table(["dtype", "layers", "batch", "context", "weight MB", "KV MB", "roofline tok/s",
                       "measured tok/s", "% of roofline"], rows))
     out.append("")
 
@@ -701,7 +695,7 @@ def render(r: dict) -> str:
                    "weights, same 2-row shapes), without attention, norms, RoPE or the KV write.\n")
         dts = list(r["breakdown"])
         keys = [k for k in r["breakdown"][dts[0]] if k != "logit_rows"]
-        out.append(table(["part"] + [f"{dt} ms" for dt in dts],
+        out.append(md_sections.table(["part"] + [f"{dt} ms" for dt in dts],
                          [[k] + [f"{r['breakdown'][dt][k]:.2f}" for dt in dts] for k in keys]))
         out.append("")
 
@@ -715,7 +709,7 @@ def render(r: dict) -> str:
         def cell(k: dict, name: str) -> str:
             return f"{k[name + '_ms']:.3f}" if name + "_ms" in k else "fails [^err]"
 
-        out.append(table(["dtype", "KV read MB", "ours [P, K, ps, H] ms", "alternative [P, ps, K, H] ms",
+        out.append(md_sections.table(["dtype", "KV read MB", "ours [P, K, ps, H] ms", "alternative [P, ps, K, H] ms",
                           "ours / alternative", "max abs diff"],
                          [[k["dtype"], f"{k['kv_mb']:.1f}", cell(k, "ours"), cell(k, "alt"),
                            f"{k['ours_ms'] / k['alt_ms']:.2f}" if "ours_ms" in k and "alt_ms" in k else "-",
@@ -747,7 +741,7 @@ def render(r: dict) -> str:
             d = o.decodes["b1_ctx64"]
             rows.append([dt, "decode b1 ctx~64 tok/s", f"{d.tok_s:.1f}", f"{p['decode_tok_s']:.1f}",
                          f"{d.tok_s / p['decode_tok_s']:.2f}"])
-        out.append(table(["dtype", "metric", "jaxinfer", "transformers", "ours / peer"], rows))
+        out.append(md_sections.table(["dtype", "metric", "jaxinfer", "transformers", "ours / peer"], rows))
         out.append("")
     out.append("llama.cpp is not installed on this machine, so it is not compared.\n")
 
@@ -826,7 +820,7 @@ def render_attention(rows: list[dict], args: argparse.Namespace, command: str, d
                f"{os.cpu_count()}, CPU `{cpu_model()}`; run time {elapsed_s:.0f} s; 1-minute load average "
                f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (2 cores: above 2, other jobs competed); a "
                "shared, noisy VM: numbers move by 20% or more between runs\n")
-    out.append(table(["dtype", "batch", "context", "K+V read MB", "ms per call (median)", "GB/s of K+V"],
+    out.append(md_sections.table(["dtype", "batch", "context", "K+V read MB", "ms per call (median)", "GB/s of K+V"],
                      [[r["dtype"], str(r["batch"]), str(r["context"]), f"{r['kv_mb']:.1f}", f"{r['ms']:.3f}",
                        f"{r['gb_s']:.1f}"] for r in rows]) + "\n")
     out.append(ATTN_SECTION_END)

@@ -21,3 +21,14 @@ def keep_section(old: str, report: str, begin: str, end: str) -> str:
         a, b = old.index(begin), old.index(end) + len(end)
         return report.rstrip("\n") + "\n\n" + old[a:b] + "\n"
     return report
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: a header row, the separator, then one row per list of cell strings."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def vs_range(x: float, lo: float, hi: float) -> str:
+    """Where a measurement falls against an expected range [lo, hi]: "within", "above" or "below"."""
+    return "within" if lo <= x <= hi else ("above" if x > hi else "below")
