@@ -568,7 +568,8 @@ class Engine:
             for c in decodes:
                 if c.spec_slots:
                     index = self._ngram_indexes.setdefault(c.seq.seq_id, self._ngram.new_index())
-                    c = c.with_drafts(index.propose(c.seq.token_ids, c.spec_slots))
+                    index.extend(c.seq.token_slice(len(index), c.seq.num_tokens))  # only the new ids
+                    c = c.with_drafts(index.propose_next(c.spec_slots))
                 out.append(c)
             return out, None
         try:
