@@ -20,6 +20,7 @@ import numpy as np
 
 from models import moe
 from models.config import ModelConfig, RopeType
+from models.quant import embed_lookup, qeinsum
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from pallas_kernels.paged_attention import write_kv
 from sharding.rules import EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB  # logical axis names
@@ -272,24 +273,24 @@ def _attention_inputs(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """RMSNorm, q/k/v projections and RoPE of one layer: x[T, D] -> q[T, N, H], k[T, K, H], v[T, K, H]."""
     h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-    q = _add(jnp.einsum("td,dnh->tnh", h, w.wq), w.bq)  # [T, N, H]
-    k = _add(jnp.einsum("td,dkh->tkh", h, w.wk), w.bk)  # [T, K, H]
-    v = _add(jnp.einsum("td,dkh->tkh", h, w.wv), w.bv)  # [T, K, H]
+    q = _add(qeinsum("td,dnh->tnh", h, w.wq), w.bq)  # [T, N, H]
+    k = _add(qeinsum("td,dkh->tkh", h, w.wk), w.bk)  # [T, K, H]
+    v = _add(qeinsum("td,dkh->tkh", h, w.wv), w.bv)  # [T, K, H]
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def _attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig,
                               mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """Output projection with residual, then the SwiGLU (or MoE) MLP block with residual: x[T, D] -> [T, D]."""
-    x = x + jnp.einsum("tnh,nhd->td", attn, w.wo)
+    x = x + qeinsum("tnh,nhd->td", attn, w.wo)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         if cfg.is_moe:
             with jax.named_scope("moe"):
                 return x + moe.moe_block(h, w, cfg, mesh)
-        gate = _add(jnp.einsum("td,df->tf", h, w.w_gate), w.b_gate)  # [T, F]
-        up = _add(jnp.einsum("td,df->tf", h, w.w_up), w.b_up)  # [T, F]
-        return x + _add(jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w.w_down), w.b_down)
+        gate = _add(qeinsum("td,df->tf", h, w.w_gate), w.b_gate)  # [T, F]
+        up = _add(qeinsum("td,df->tf", h, w.w_up), w.b_up)  # [T, F]
+        return x + _add(qeinsum("tf,fd->td", jax.nn.silu(gate) * up, w.w_down), w.b_down)
 
 
 def forward(
@@ -306,7 +307,8 @@ def forward(
     """Runs the decoder on a ragged batch, writing new K/V into the paged cache.
 
     Args:
-      params: weights (activations take `params.embed`'s dtype).
+      params: weights, plain or with `models.quant.QuantizedWeight` projections (activations take
+        `params.final_norm`'s dtype).
       tokens: i32[T], flat new tokens of all sequences, in [0, V); padding tokens are any valid id.
       metadata: positions, lengths, page table and logits rows of this step (see `AttentionMetadata`).
       kv_cache: cache with layers stacked on axis 0; donate it in the caller's `jit`.
@@ -327,7 +329,7 @@ def forward(
     inv_freq = rope_frequencies(cfg)
     sm_scale = cfg.head_dim**-0.5
     with jax.named_scope("embed"):
-        x = jnp.take(params.embed, tokens, axis=0)  # [T, D]
+        x = embed_lookup(params.embed, tokens, params.final_norm.dtype)  # [T, D]
 
     def layer_step(x: jax.Array, w: LayerWeights, k_all: jax.Array, v_all: jax.Array,
                    i: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -371,7 +373,7 @@ def forward(
         x = jnp.take(x, metadata.logits_indices, axis=0)  # [R, D]
         x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
         if params.lm_head is None:
-            logits = jnp.einsum("rd,vd->rv", x, params.embed, preferred_element_type=jnp.float32)
+            logits = qeinsum("rd,vd->rv", x, params.embed, preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("rd,dv->rv", x, params.lm_head, preferred_element_type=jnp.float32)
+            logits = qeinsum("rd,dv->rv", x, params.lm_head, preferred_element_type=jnp.float32)
     return logits, kv_cache

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
+from models.quant import dequantize_if_quantized
 from sharding.mesh import EP_AXIS, TP_AXIS
 from sharding.rules import EMBED, EXPERTS, MLP, ROUTER, logical_to_spec
 
@@ -189,7 +190,9 @@ def moe_block(h: jax.Array, w: LayerWeights, cfg: ModelConfig, mesh: jax.shardin
     names = ["router", "e_gate", "e_up", "e_down"]
     if cfg.shared_expert_intermediate_size:
         names += ["s_gate", "s_up", "s_down", "s_router"]
-    ws = {name: getattr(w, name) for name in names}
+    # Quantized expert weights are stored low-precision and dequantized here, one layer at a time: ragged_dot
+    # has no quantized path yet.
+    ws = {name: dequantize_if_quantized(getattr(w, name), h.dtype) for name in names}
     if mesh is not None:
         missing = [a for a in (EP_AXIS, TP_AXIS) if a not in mesh.axis_names]
         if missing:

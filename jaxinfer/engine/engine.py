@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -49,7 +50,9 @@ from jaxinfer.spec_decode.config import SpeculativeConfig
 from jaxinfer.spec_decode.ngram import NgramIndex, NgramProposer
 from jaxinfer.spec_decode.policy import SpeculationPolicy
 from jaxinfer.tokenizer import IncrementalDetokenizer
-from models.llama import KVCache
+from models import quant
+from models.llama import KVCache, Weights
+from models.quant import QuantizationConfig
 from pallas_kernels.dispatch import AttentionBackend, select_attention
 from sharding.mesh import make_mesh
 from sharding.partition import shard_model
@@ -98,6 +101,12 @@ class EngineConfig:
         fields as vLLM's `speculative_config` (e.g. `{"method": "ngram", "num_speculative_tokens": 4}`), a JSON
         object string, or None (off). Lossless: outputs keep the target model's distribution (greedy: the same
         tokens). "draft_model" runs in one process with tensor_parallel_size = expert_parallel_size = 1.
+      quantization: weight quantization at load (`models.quant`): None (weights in `dtype`), "int8" (symmetric,
+        per output channel, with dynamic per-token int8 activations: the int8 x int8 -> int32 dot), "fp8" (e4m3,
+        per output channel, weight only), or a dict / JSON object of `models.quant.QuantizationConfig` fields
+        (`format`, `group_size`, `quantize_activations`, `quantize_embedding`, `quantize_lm_head`). The weights
+        are read in f32 and quantized once; norms, biases and MoE routers stay in `dtype`, which is also the
+        activation dtype. A draft model (speculative decoding) is quantized the same way.
     """
 
     model: str | None = None
@@ -117,8 +126,10 @@ class EngineConfig:
     kv_offload_bytes: int = 0
     kv_offload_min_pages: int | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
+    quantization: QuantizationConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quantization", QuantizationConfig.from_value(self.quantization))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size * self.expert_parallel_size > 1:
@@ -170,6 +181,11 @@ class EngineMetrics:
     host_time_s: float = 0.0
 
 
+def _quantize(weights, cfg, qcfg: QuantizationConfig, dtype) -> Weights:
+    """Quantizes one device's weights in a single compiled computation (no op-by-op dispatch)."""
+    return jax.jit(functools.partial(quant.quantize_weights, cfg=cfg, qcfg=qcfg, dtype=dtype))(weights)
+
+
 def enable_compilation_cache() -> None:
     """Turns on JAX's persistent compilation cache (unless the user set one): restarts skip XLA compiles."""
     if jax.config.jax_compilation_cache_dir:
@@ -209,20 +225,29 @@ class Engine:
         tp, ep = config.tensor_parallel_size, config.expert_parallel_size
         self.mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
         # numpy weights; for an orbax checkpoint and a mesh, arrays restored straight onto the mesh
-        cfg, np_weights, self.tokenizer = load_model(config.model, np.dtype(self.dtype), mesh=self.mesh)
+        qcfg = config.quantization
+        load_dtype = np.float32 if qcfg is not None else np.dtype(self.dtype)  # quantized from f32
+        cfg, np_weights, self.tokenizer = load_model(config.model, load_dtype, mesh=self.mesh)
         self.model_config = cfg  # as trained; the runner gets the TP-padded config
         if self.mesh is None:
             run_cfg, weights = cfg, jax.tree.map(jnp.asarray, np_weights)
+            if qcfg is not None:
+                weights = _quantize(weights, cfg, qcfg, self.dtype)
         else:
             sharded = shard_model(cfg, np_weights, self.mesh)
             run_cfg, weights = sharded.cfg, sharded.weights
+            if qcfg is not None:
+                weights = quant.quantize_sharded(weights, run_cfg, qcfg, self.dtype)
             padded = "" if sharded.layout.heads_identity else \
                 f" (padded from {cfg.num_heads} / {cfg.num_kv_heads}: KV heads replicated, so a KV page holds " \
                 f"{run_cfg.num_kv_heads / cfg.num_kv_heads:.2g}x the bytes)"
             logger.info("sharded over tp=%d x ep=%d devices: %d query heads, %d KV heads%s", tp, ep,
                         run_cfg.num_heads, run_cfg.num_kv_heads, padded)
         del np_weights
-        logger.info("loaded %s (%s) in %.1f s", cfg.name, config.dtype, time.perf_counter() - t0)
+        self.weight_bytes = quant.weight_bytes(weights)
+        logger.info("loaded %s (%s%s) in %.1f s: %.1f MiB of weights", cfg.name, config.dtype,
+                    "" if qcfg is None else f", {qcfg.format} weights ({self.weight_bytes['quantized_share']:.0%} of "
+                    "parameters quantized)", time.perf_counter() - t0, self.weight_bytes["bytes"] / 2**20)
 
         self.max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if not 1 <= self.max_model_len <= cfg.max_position_embeddings:
@@ -297,12 +322,17 @@ class Engine:
         if multihost.is_multi_process():
             raise ValueError("speculative method 'draft_model' runs in one process; use 'ngram' or 'self_draft'")
         try:
-            draft_cfg, draft_weights, draft_tokenizer = load_model(spec.model, np.dtype(self.dtype))
+            qcfg = self.config.quantization
+            draft_cfg, draft_weights, draft_tokenizer = load_model(
+                spec.model, np.float32 if qcfg is not None else np.dtype(self.dtype))
         except ValueError as e:
             raise ValueError(f"speculative draft model: {e}") from None
         draft_lib.check_draft_model(draft_cfg, run_cfg, draft_tokenizer.vocab_size, self.tokenizer.vocab_size)
         logger.info("draft model %s: %d layers", draft_cfg.name, draft_cfg.num_layers)
-        return draft_lib.DraftModel(cfg=draft_cfg, weights=jax.tree.map(jnp.asarray, draft_weights),
+        draft_weights = jax.tree.map(jnp.asarray, draft_weights)
+        if self.config.quantization is not None:
+            draft_weights = _quantize(draft_weights, draft_cfg, self.config.quantization, self.dtype)
+        return draft_lib.DraftModel(cfg=draft_cfg, weights=draft_weights,
                                     shares_target_cache=False)
 
     def shutdown(self) -> None:

@@ -1,0 +1,445 @@
+"""Quantized weights: int8 and FP8 (e4m3) values with f32 scales, and the matmuls that read them.
+
+A quantized weight is its own pytree type, `QuantizedWeight`, holding the low-precision `values` and the f32
+`scale`s; the model's einsums go through `qeinsum`, which takes either a plain array or a `QuantizedWeight`, so the
+model code is the same for every format. The format is chosen by config (`QuantizationConfig`, from
+`EngineConfig.quantization`), never by file name.
+
+Formats (symmetric, absmax scaling; Jacob et al. 2018 for int8 inference; Micikevicius et al. 2022, "FP8 Formats
+for Deep Learning", for e4m3):
+
+| format | values          | scale                                          | scale = amax / |
+|--------|-----------------|------------------------------------------------|----------------|
+| int8   | int8 in [-127, 127] | f32 per output channel                     | 127            |
+| fp8    | float8_e4m3fn   | f32 per output channel, or per group of `group_size` input channels | 448 |
+
+Layout: `values` keep the weight's non-contracted ("kept") axes in their order, then its contracted (input) axes:
+a `wq` of [L, D, N, H] contracting D is stored [L, N, H, D]. Output-major is the fast layout for XLA:CPU's
+int8 x int8 -> int32 dot (2.4x the input-major one, BENCHMARKS.md), and a leading layer axis stays leading, so
+slicing or scanning stacked layers slices `values` and `scale` alike. `scale` is f32 [*kept, G], G = 1 per
+output channel, G = C / group_size with groups along the flattened contracted axes.
+
+Matmul paths (`qeinsum`):
+- **dynamic activation quantization** (w8a8, `quantize_activations=True`): each token row of the activation is
+  quantized to the weight's format with its own absmax scale, the dot runs natively in low precision
+  (int8 x int8 -> int32, fp8 x fp8 -> f32 via `preferred_element_type`), and the two scales multiply the
+  accumulator. Per output channel only. No full-precision copy of the weight exists at any point.
+- **weight only**: the values are converted to the activation dtype inside the dot's computation. XLA:GPU and
+  XLA:TPU fuse that convert into the matmul; XLA:CPU has no fused convert-dot and materializes one weight at a time
+  as a temporary (XLA's memory analysis in BENCHMARKS.md shows the size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS = ("int8", "fp8")
+_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+_QMAX = {"int8": 127.0, "fp8": 448.0}  # int8 symmetric (no -128); largest finite e4m3fn
+
+
+def format_of(dtype: jnp.dtype) -> str:
+    """"int8" or "fp8" for a values dtype.
+
+    Raises:
+      ValueError: for any other dtype.
+    """
+    for name, d in _DTYPES.items():
+        if jnp.dtype(dtype) == jnp.dtype(d):
+            return name
+    raise ValueError(f"{jnp.dtype(dtype)} is not a quantized weight dtype ({', '.join(FORMATS)})")
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """A weight stored as low-precision values times f32 scales.
+
+    Attributes:
+      values: int8 or float8_e4m3fn, shape [*kept, *contracted] (module docstring: layout).
+      scale: f32 [*kept, G]; G = 1 (per output channel) or prod(contracted) / group_size (per group).
+      contract_axes: static; the contracted (input) axes in the weight's own layout, as negative indices, so they
+        stay valid when leading layer axes are sliced off.
+      group_size: static; input channels per scale, 0 for one scale per output channel.
+      quantize_activations: static; `qeinsum` quantizes activations per token and runs the native low-precision
+        dot (per-channel weights only).
+    """
+
+    values: jax.Array
+    scale: jax.Array
+    contract_axes: tuple[int, ...] = flax.struct.field(pytree_node=False, default=(-2,))
+    group_size: int = flax.struct.field(pytree_node=False, default=0)
+    quantize_activations: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @property
+    def format(self) -> str:
+        return format_of(self.values.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    @property
+    def _num_contracted(self) -> int:
+        return len(self.contract_axes)
+
+    def _order(self) -> list[int]:
+        return _order(self.ndim, self.contract_axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape in its own (unquantized) layout."""
+        out = [0] * self.ndim
+        for src, size in zip(self._order(), self.values.shape):
+            out[src] = size
+        return tuple(out)
+
+    def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """The weight in its own layout and `dtype`: values * scale (materializes it; for references and tests)."""
+        kept = self.values.shape[: self.ndim - self._num_contracted]
+        groups = self.scale.shape[-1]
+        v = self.values.reshape(*kept, groups, -1).astype(jnp.float32) * self.scale[..., None]
+        v = v.reshape(self.values.shape).astype(dtype)
+        return jnp.transpose(v, np.argsort(self._order()))
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+
+def _order(nd: int, contract_axes: Sequence[int]) -> list[int]:
+    """Axis i of a quantized weight's `values` is axis `order[i]` of the weight's own layout."""
+    contracted = [a % nd for a in contract_axes]
+    return [a for a in range(nd) if a not in contracted] + contracted
+
+
+def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size: int = 0,
+             quantize_activations: bool = False) -> QuantizedWeight:
+    """Quantizes one weight symmetrically (absmax) per output channel or per group of input channels.
+
+    Args:
+      w: float weight, any shape; `contract_axes` are the axes the model contracts against activations.
+      fmt: "int8" or "fp8" (float8_e4m3fn).
+      contract_axes: the contracted axes of `w` (any sign; stored negative).
+      group_size: 0 for one scale per output channel; else input channels per scale (fp8 only), which must divide
+        the last contracted axis, so no group spans two axes.
+      quantize_activations: recorded on the result for `qeinsum` (per-channel only).
+
+    Returns:
+      The `QuantizedWeight`; all-zero channels get scale 1 (and values 0), so nothing divides by zero.
+
+    Raises:
+      ValueError: unknown format, contract axes out of range, groups with int8, a group size that does not divide
+        the last contracted axis, or activation quantization with groups.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"quantization format {fmt!r} is not one of {', '.join(FORMATS)}")
+    nd = w.ndim
+    if not contract_axes or any(not -nd <= a < nd for a in contract_axes):
+        raise ValueError(f"contract_axes {tuple(contract_axes)} out of range for a weight of shape {w.shape}")
+    neg = tuple(sorted({a % nd - nd for a in contract_axes}))
+    if group_size:
+        if fmt != "fp8":
+            raise ValueError(f"per-group scales are for fp8; {fmt} uses one scale per output channel")
+        if w.shape[neg[-1]] % group_size:
+            raise ValueError(f"group_size {group_size} does not divide the contracted axis of size "
+                             f"{w.shape[neg[-1]]} (weight shape {w.shape})")
+        if quantize_activations:
+            raise ValueError("activation quantization needs one scale per output channel (group_size 0)")
+    wt = jnp.transpose(jnp.asarray(w, jnp.float32), _order(nd, neg))
+    kept = wt.shape[: nd - len(neg)]
+    contracted = math.prod(wt.shape[nd - len(neg):])
+    groups = contracted // group_size if group_size else 1
+    g = wt.reshape(*kept, groups, -1)
+    amax = jnp.max(jnp.abs(g), axis=-1)
+    scale = jnp.where(amax > 0, amax / _QMAX[fmt], 1.0).astype(jnp.float32)  # [*kept, G]
+    q = g / scale[..., None]
+    q = jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8) if fmt == "int8" else q.astype(jnp.float8_e4m3fn)
+    return QuantizedWeight(values=q.reshape(wt.shape), scale=scale, contract_axes=neg, group_size=group_size,
+                           quantize_activations=quantize_activations)
+
+
+def _parse(eq: str) -> tuple[str, str, str]:
+    inputs, out = eq.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    return lhs, rhs, out
+
+
+def _to_layout(x: jax.Array, labels: str, out: str) -> jax.Array:
+    """Reorders `x` (axes named by `labels`, all of which appear in `out`) to broadcast against an `out` array."""
+    present = [c for c in out if c in labels]
+    x = jnp.transpose(x, [labels.index(c) for c in present])
+    return x.reshape([x.shape[present.index(c)] if c in present else 1 for c in out])
+
+
+def quantize_rows(x: jax.Array, axes: Sequence[int], fmt: str) -> tuple[jax.Array, jax.Array]:
+    """Dynamic symmetric quantization of activations, one scale per slice over `axes` (per token).
+
+    Returns:
+      (values in the format's dtype, f32 scales with `axes` kept as size 1); an all-zero row gets scale 1.
+    """
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=tuple(axes), keepdims=True)
+    scale = jnp.where(amax > 0, amax / _QMAX[fmt], 1.0)
+    q = x32 / scale
+    q = jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8) if fmt == "int8" else q.astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
+            preferred_element_type: jnp.dtype | None = None) -> jax.Array:
+    """`jnp.einsum(eq, x, w)` for a plain or quantized weight `w` (two operands, activation first).
+
+    Args:
+      eq: an einsum "lhs,rhs->out" with `rhs` naming `w`'s axes in its own (unquantized) layout; the quantized
+        weight's contract axes must be summed over (in lhs, not in out).
+      x: activations, f32 or bf16.
+      w: a plain array (then this is `jnp.einsum`) or a `QuantizedWeight`.
+      preferred_element_type: output dtype (default x's dtype).
+
+    Returns:
+      The einsum's result in `preferred_element_type` or x's dtype.
+
+    Raises:
+      ValueError: if the equation does not contract exactly the quantized weight's contract axes.
+    """
+    if not isinstance(w, QuantizedWeight):
+        return jnp.einsum(eq, x, w, preferred_element_type=preferred_element_type)
+    out_dtype = preferred_element_type or x.dtype
+    lhs, rhs, out = _parse(eq)
+    if len(rhs) != w.ndim:
+        raise ValueError(f"einsum {eq!r}: weight has {w.ndim} axes, equation names {len(rhs)}")
+    contracted = "".join(rhs[a] for a in w.contract_axes)
+    if any(c not in lhs or c in out for c in contracted):
+        raise ValueError(f"einsum {eq!r} must contract the quantized weight's axes {contracted!r}")
+    kept = "".join(c for c in rhs if c not in contracted)
+    vals = kept + contracted  # the labels of w.values
+    if w.group_size:  # grouped scales do not factor out of the sum: dequantize inside the computation
+        return jnp.einsum(eq, x, w.dequantize(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
+    w_scale = _to_layout(w.scale[..., 0], kept, out)
+    if w.quantize_activations:
+        xq, x_scale = quantize_rows(x, [lhs.index(c) for c in contracted], w.format)
+        acc_type = jnp.int32 if w.format == "int8" else jnp.float32
+        acc = jnp.einsum(f"{lhs},{vals}->{out}", xq, w.values, preferred_element_type=acc_type)
+        x_scale = _to_layout(jnp.squeeze(x_scale, [lhs.index(c) for c in contracted]),
+                             "".join(c for c in lhs if c not in contracted), out)
+        return (acc.astype(jnp.float32) * x_scale * w_scale).astype(out_dtype)
+    y = jnp.einsum(f"{lhs},{vals}->{out}", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * w_scale).astype(out_dtype)
+
+
+def dequantize_if_quantized(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
+    """A plain array for ops without a quantized path (MoE `ragged_dot`): dequantizes a `QuantizedWeight`."""
+    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
+
+
+def embed_lookup(table: jax.Array | QuantizedWeight, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Rows `tokens` of an embedding table [V, D] (plain, or quantized with contract_axes (-1,)), in `dtype`."""
+    if not isinstance(table, QuantizedWeight):
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+    if table.contract_axes != (-1,) or table.group_size:
+        raise ValueError("a quantized embedding table needs one scale per row (contract_axes (-1,), no groups)")
+    rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)
+    return (rows * jnp.take(table.scale, tokens, axis=0)).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """Which weights are quantized, and how.
+
+    Attributes:
+      format: "int8" (symmetric, per output channel) or "fp8" (e4m3).
+      group_size: fp8 only: input channels per scale (e.g. 128), 0 for per output channel. A weight whose last
+        contracted axis it does not divide keeps per-channel scales (`quantize_weights` logs none; see
+        `weight_bytes`).
+      quantize_activations: dynamic per-token activation quantization with the native low-precision dot
+        (w8a8); None picks it for int8 (XLA:CPU's fastest dot, native on TPU and GPU) and not for fp8.
+      quantize_embedding: the embedding gather reads a quantized table.
+      quantize_lm_head: the output projection is quantized (with tied embeddings and an unquantized gather, an
+        extra quantized copy of the table serves the head).
+    """
+
+    format: str = "int8"
+    group_size: int = 0
+    quantize_activations: bool | None = None
+    quantize_embedding: bool = True
+    quantize_lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"quantization={self.format!r} is not one of {', '.join(FORMATS)} (or None)")
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
+            raise ValueError(f"quantization group_size={self.group_size!r} must be an integer >= 0")
+        if self.group_size and self.format != "fp8":
+            raise ValueError("quantization group_size is for fp8; int8 uses one scale per output channel")
+        if self.group_size and self.quantize_activations:
+            raise ValueError("activation quantization needs per-channel scales (group_size 0)")
+        if self.quantize_activations not in (None, True, False):
+            raise ValueError(f"quantize_activations={self.quantize_activations!r} must be true, false or null")
+        for name in ("quantize_embedding", "quantize_lm_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+
+    @staticmethod
+    def from_value(value: QuantizationConfig | Mapping[str, Any] | str | None) -> QuantizationConfig | None:
+        """A config from a format name ("int8", "fp8"), a dict of the fields, a JSON object string, an instance,
+        or None (no quantization).
+
+        Raises:
+          ValueError: for an unknown format, JSON that does not parse or is not an object, unknown keys (named),
+            or bad values.
+        """
+        if value is None or isinstance(value, QuantizationConfig):
+            return value
+        if isinstance(value, str) and not value.lstrip().startswith("{"):
+            return QuantizationConfig(format=value)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"quantization config is not valid JSON: {e}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"quantization must be None, a format name, or a dict / JSON object, "
+                             f"got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(QuantizationConfig)}
+        unknown = sorted(repr(key) for key in set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown quantization key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return QuantizationConfig(**value)
+
+    @property
+    def activations(self) -> bool:
+        return self.format == "int8" if self.quantize_activations is None else self.quantize_activations
+
+
+# Contracted axes of each quantized projection in its own layout (see models.llama.LayerWeights).
+CONTRACT_AXES = {
+    "wq": (-3,), "wk": (-3,), "wv": (-3,), "wo": (-3, -2),
+    "w_gate": (-2,), "w_up": (-2,), "w_down": (-2,),
+    "e_gate": (-2,), "e_up": (-2,), "e_down": (-2,),
+    "s_gate": (-2,), "s_up": (-2,), "s_down": (-2,),
+}
+
+
+def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
+    """Quantizes a model's projections (and, as configured, its embedding and LM head).
+
+    Norms, biases and routers stay in `dtype` (they are small and sensitive). MoE expert weights are quantized
+    too; their `ragged_dot` dequantizes them (no quantized ragged dot yet).
+
+    Args:
+      weights: `models.llama.Weights` with float arrays (numpy or jax); quantized from f32.
+      cfg: the model's `ModelConfig`.
+      qcfg: what to quantize and how.
+      dtype: the activation dtype; every weight that is not quantized is cast to it.
+
+    Returns:
+      `Weights` with `QuantizedWeight` leaves. For tied embeddings where the gather and the head differ in
+      whether they are quantized, `lm_head` becomes the head's own [D, V] weight (quantized or not).
+    """
+    def q(w, axes, per_row_only=False):
+        group = 0 if per_row_only else qcfg.group_size
+        if group and w.shape[axes[-1]] % group:
+            group = 0  # the group does not divide this weight's input axis: per-channel scales
+        return quantize(w, qcfg.format, axes, group_size=group,
+                        quantize_activations=qcfg.activations and not group)
+
+    def cast(w):
+        return None if w is None else jnp.asarray(w, dtype)
+
+    layers = weights.layers
+    new_layers = {}
+    for field in dataclasses.fields(layers):
+        w = getattr(layers, field.name)
+        if w is None:
+            new_layers[field.name] = None
+        elif field.name in CONTRACT_AXES and not (cfg.is_moe and field.name.startswith("e_")):
+            new_layers[field.name] = q(w, CONTRACT_AXES[field.name])
+        elif field.name in CONTRACT_AXES:  # routed experts: dequantized for ragged_dot, so no activation quant
+            new_layers[field.name] = quantize(w, qcfg.format, CONTRACT_AXES[field.name])
+        else:
+            new_layers[field.name] = cast(w)
+    embed = weights.embed
+    q_embed = q(embed, (-1,), per_row_only=True) if qcfg.quantize_embedding else cast(embed)
+    if weights.lm_head is not None:
+        lm_head = q(weights.lm_head, (-2,)) if qcfg.quantize_lm_head else cast(weights.lm_head)
+    elif qcfg.quantize_lm_head == qcfg.quantize_embedding:
+        lm_head = None  # tied: one table serves the gather and the head
+    else:  # tied, but only one of the two is quantized: the head gets its own [D, V] copy
+        head = jnp.asarray(embed, jnp.float32).T
+        lm_head = q(head, (-2,)) if qcfg.quantize_lm_head else cast(head)
+    return weights.replace(embed=q_embed, layers=layers.replace(**new_layers), final_norm=cast(weights.final_norm),
+                           lm_head=lm_head)
+
+
+def weight_bytes(weights) -> dict[str, float]:
+    """Bytes of a model's weights, and the share of parameters that are quantized.
+
+    Returns:
+      {"bytes": total bytes held (values + scales + unquantized), "quantized_params": parameters stored
+      quantized, "params": all parameters, "quantized_share": their ratio, "quantized_bytes": bytes of the
+      quantized weights (values + scales)}.
+    """
+    leaves = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    total = quantized = nbytes = qbytes = 0
+    for leaf in leaves:
+        if isinstance(leaf, QuantizedWeight):
+            quantized += leaf.values.size
+            total += leaf.values.size
+            qbytes += leaf.nbytes
+            nbytes += leaf.nbytes
+        else:
+            total += leaf.size
+            nbytes += leaf.nbytes
+    return {"bytes": float(nbytes), "params": float(total), "quantized_params": float(quantized),
+            "quantized_share": quantized / total if total else 0.0, "quantized_bytes": float(qbytes)}
+
+
+def _quantized_spec(spec: jax.sharding.PartitionSpec, q: QuantizedWeight) -> QuantizedWeight:
+    """PartitionSpecs of a quantized weight's values and scale from the spec of the weight it quantizes."""
+    parts = list(spec) + [None] * (q.ndim - len(spec))
+    order = q._order()
+    kept = [parts[a] for a in order[: q.ndim - len(q.contract_axes)]]
+    grouped = parts[order[-1]] if q.group_size and len(q.contract_axes) == 1 else None
+    return q.replace(values=jax.sharding.PartitionSpec(*[parts[a] for a in order]),
+                     scale=jax.sharding.PartitionSpec(*kept, grouped))
+
+
+def quantize_sharded(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
+    """`quantize_weights` on device for weights placed on a mesh: each quantized weight's values and scales keep
+    the sharding of the weight they quantize (kept axes as they were, the contracted axes moved last; a scale is
+    replicated over contracted axes, whose absmax XLA reduces across shards).
+
+    Args:
+      weights: `models.llama.Weights` of `jax.Array`s with `NamedSharding`s (from `sharding.partition.shard_model`).
+
+    Returns:
+      Quantized `Weights` on the same mesh.
+    """
+    fn = functools.partial(quantize_weights, cfg=cfg, qcfg=qcfg, dtype=dtype)
+    abstract = jax.eval_shape(fn, weights)
+    mesh = weights.embed.sharding.mesh
+    spec_of = lambda x: None if x is None else x.sharding.spec  # noqa: E731
+    specs = jax.tree.map(spec_of, weights, is_leaf=lambda x: x is None)
+    if abstract.lm_head is not None and weights.lm_head is None:  # tied head's own copy: the embed's spec, transposed
+        embed_spec = list(weights.embed.sharding.spec) + [None] * 2
+        specs = specs.replace(lm_head=jax.sharding.PartitionSpec(embed_spec[1], embed_spec[0]))
+    is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+
+    def one(a, spec):
+        if a is None:
+            return None
+        out = _quantized_spec(spec, a) if is_q(a) else spec
+        return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), out)
+
+    shardings = jax.tree.map(one, abstract, specs, is_leaf=lambda x: x is None or is_q(x))
+    return jax.jit(fn, out_shardings=shardings)(weights)
