@@ -1,0 +1,51 @@
+"""Quantized weights on a mesh (run by `test_sharding.py` in a child process with 8 fake CPU devices): scales shard
+with their weights, and the sharded quantized model computes what the single-device quantized model does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import quant
+from models.llama import KVCache, Weights, forward, init_weights
+from models.quant import QuantizationConfig, QuantizedWeight
+from sharding.mesh import make_mesh
+from sharding.partition import shard_model
+from sharding.rules import logical_to_spec
+from tests.sharding.multi_device_checks import NUM_PAGES, PAGE_SIZE, TINY, _batch
+
+
+@pytest.mark.parametrize("qcfg", [QuantizationConfig("int8"), QuantizationConfig("fp8", group_size=16),
+                                  QuantizationConfig("int8", quantize_embedding=False)])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_quantization_equals_single_device_and_scales_follow_their_weights(qcfg, tp):
+    weights = init_weights(TINY, jax.random.key(0), jnp.float32)
+    tokens, meta = _batch()
+    step = jax.jit(forward, static_argnames=("cfg",))
+    single = quant.quantize_weights(weights, TINY, qcfg, jnp.float32)
+    expected, _ = step(single, tokens, meta, KVCache.zeros(TINY, NUM_PAGES, PAGE_SIZE, jnp.float32), cfg=TINY)
+
+    model = shard_model(TINY, jax.tree.map(np.asarray, weights), make_mesh(tp=tp))
+    sharded = quant.quantize_sharded(model.weights, model.cfg, qcfg, jnp.float32)
+    # values and scales are bit-identical to quantizing on one device (TINY divides every tp: no padding)
+    for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    wq = sharded.layers.wq  # [L, D, N, H] stored [L, N, H, D]: heads split tp ways, and so are their scales
+    assert isinstance(wq, QuantizedWeight)
+    assert wq.values.addressable_shards[0].data.shape == (TINY.num_layers, TINY.num_heads // tp, TINY.head_dim,
+                                                          TINY.hidden_size)
+    groups = TINY.hidden_size // wq.group_size if wq.group_size else 1
+    assert wq.scale.addressable_shards[0].data.shape == (TINY.num_layers, TINY.num_heads // tp, TINY.head_dim,
+                                                         groups)
+    down = sharded.layers.w_down  # [L, F, D] contracts F (split over tp): the scale is replicated over it
+    assert down.values.addressable_shards[0].data.shape == (TINY.num_layers, TINY.hidden_size,
+                                                            TINY.intermediate_size // tp)
+    assert down.scale.sharding.spec[-1] == (None if not down.group_size else "tp")
+    mesh = model.mesh
+    cache_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
+    cache = jax.device_put(KVCache.zeros(TINY, NUM_PAGES, PAGE_SIZE, jnp.float32),
+                           KVCache(k=cache_sharding, v=cache_sharding))
+    got, _ = step(sharded, tokens, meta, cache, cfg=model.cfg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-4, atol=2e-4)
