@@ -74,6 +74,8 @@ class QuantizedWeight:
       group_size: static; input channels per scale, 0 for one scale per output channel.
       quantize_activations: static; `qeinsum` quantizes activations per token and runs the native low-precision
         dot (per-channel weights only).
+      activation_group_size: static; with `quantize_activations`, one activation scale per token per this many
+        channels of the last contracted axis (0: one per token).
     """
 
     values: jax.Array
@@ -81,6 +83,7 @@ class QuantizedWeight:
     contract_axes: tuple[int, ...] = flax.struct.field(pytree_node=False, default=(-2,))
     group_size: int = flax.struct.field(pytree_node=False, default=0)
     quantize_activations: bool = flax.struct.field(pytree_node=False, default=False)
+    activation_group_size: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def format(self) -> str:
@@ -125,7 +128,7 @@ def _order(nd: int, contract_axes: Sequence[int]) -> list[int]:
 
 
 def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size: int = 0,
-             quantize_activations: bool = False) -> QuantizedWeight:
+             quantize_activations: bool = False, activation_group_size: int = 0) -> QuantizedWeight:
     """Quantizes one weight symmetrically (absmax) per output channel or per group of input channels.
 
     Args:
@@ -135,6 +138,7 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
       group_size: 0 for one scale per output channel; else input channels per scale (fp8 only), which must divide
         the last contracted axis, so no group spans two axes.
       quantize_activations: recorded on the result for `qeinsum` (per-channel only).
+      activation_group_size: recorded on the result for `qeinsum` (see `QuantizedWeight`).
 
     Returns:
       The `QuantizedWeight`; all-zero channels get scale 1 (and values 0), so nothing divides by zero.
@@ -167,7 +171,8 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
     q = g / scale[..., None]
     q = jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8) if fmt == "int8" else q.astype(jnp.float8_e4m3fn)
     return QuantizedWeight(values=q.reshape(wt.shape), scale=scale, contract_axes=neg, group_size=group_size,
-                           quantize_activations=quantize_activations)
+                           quantize_activations=quantize_activations,
+                           activation_group_size=activation_group_size if quantize_activations else 0)
 
 
 def _parse(eq: str) -> tuple[str, str, str]:
@@ -229,14 +234,39 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
         return jnp.einsum(eq, x, w.dequantize(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
     w_scale = _to_layout(w.scale[..., 0], kept, out)
     if w.quantize_activations:
-        xq, x_scale = quantize_rows(x, [lhs.index(c) for c in contracted], w.format)
-        acc_type = jnp.int32 if w.format == "int8" else jnp.float32
-        acc = jnp.einsum(f"{lhs},{vals}->{out}", xq, w.values, preferred_element_type=acc_type)
-        x_scale = _to_layout(jnp.squeeze(x_scale, [lhs.index(c) for c in contracted]),
-                             "".join(c for c in lhs if c not in contracted), out)
-        return (acc.astype(jnp.float32) * x_scale * w_scale).astype(out_dtype)
+        return (_activation_quantized(lhs, vals, out, contracted, x, w) * w_scale).astype(out_dtype)
     y = jnp.einsum(f"{lhs},{vals}->{out}", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w_scale).astype(out_dtype)
+
+
+def _activation_quantized(lhs: str, vals: str, out: str, contracted: str, x: jax.Array,
+                          w: QuantizedWeight) -> jax.Array:
+    """f32 sum over `contracted` of x * w.values with x quantized dynamically to w's format (w's scales not applied).
+
+    Activations get one scale per token per group of `w.activation_group_size` channels of the last contracted
+    axis (0: per token over all contracted channels). Each group's dot runs natively in low precision
+    (int8 x int8 -> int32) and the groups are summed in f32 after their scales are applied.
+    """
+    acc_type = jnp.int32 if w.format == "int8" else jnp.float32
+    last, group = contracted[-1], w.activation_group_size
+    size = x.shape[lhs.index(last)]
+    values = w.values
+    if group and size > group and size % group == 0:  # split the last contracted axis into (groups, group)
+        outer, inner = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in lhs + vals + out][:2]
+        i = lhs.index(last)
+        x = x.reshape(*x.shape[:i], size // group, group, *x.shape[i + 1:])
+        values = values.reshape(*values.shape[:-1], size // group, group)
+        lhs, vals = lhs.replace(last, outer + inner), vals.replace(last, outer + inner)
+        contracted = contracted.replace(last, outer + inner)
+        last = inner
+    quantized_axes = contracted if not group else last
+    xq, x_scale = quantize_rows(x, [lhs.index(c) for c in quantized_axes], w.format)
+    grouped = "".join(c for c in contracted if c not in quantized_axes)  # summed after scaling
+    acc = jnp.einsum(f"{lhs},{vals}->{out}{grouped}", xq, values, preferred_element_type=acc_type)
+    x_scale = _to_layout(jnp.squeeze(x_scale, [lhs.index(c) for c in quantized_axes]),
+                         "".join(c for c in lhs if c not in quantized_axes), out + grouped)
+    y = acc.astype(jnp.float32) * x_scale
+    return jnp.sum(y, axis=tuple(range(len(out), len(out) + len(grouped)))) if grouped else y
 
 
 def dequantize_if_quantized(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
@@ -268,6 +298,8 @@ class QuantizationConfig:
       quantize_embedding: the embedding gather reads a quantized table.
       quantize_lm_head: the output projection is quantized (with tied embeddings and an unquantized gather, an
         extra quantized copy of the table serves the head).
+      activation_group_size: with activation quantization, one activation scale per token per this many input
+        channels instead of one per token: closer to the unquantized model, slower on CPU (BENCHMARKS.md).
     """
 
     format: str = "int8"
@@ -275,6 +307,7 @@ class QuantizationConfig:
     quantize_activations: bool | None = None
     quantize_embedding: bool = True
     quantize_lm_head: bool = True
+    activation_group_size: int = 0
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -283,6 +316,9 @@ class QuantizationConfig:
             raise ValueError(f"quantization group_size={self.group_size!r} must be an integer >= 0")
         if self.group_size and self.format != "fp8":
             raise ValueError("quantization group_size is for fp8; int8 uses one scale per output channel")
+        if (not isinstance(self.activation_group_size, int) or isinstance(self.activation_group_size, bool)
+                or self.activation_group_size < 0):
+            raise ValueError(f"activation_group_size={self.activation_group_size!r} must be an integer >= 0")
         if self.group_size and self.quantize_activations:
             raise ValueError("activation quantization needs per-channel scales (group_size 0)")
         if self.quantize_activations not in (None, True, False):
@@ -332,11 +368,32 @@ CONTRACT_AXES = {
 }
 
 
+def fold_norm_scales(layers):
+    """Moves each RMSNorm's gain into the projections that read its output: wq/wk/wv take `attn_norm`, w_gate/w_up
+    take `mlp_norm`, and the norms become ones. Exact in real arithmetic (rms_norm(x) * g @ W =
+    rms_norm(x) @ (diag(g) W)). With dynamic per-token activation quantization it matters: a gain that is large in
+    a few channels makes the normalized activations large there, and one per-token scale then leaves the other
+    channels few int8 steps; folded, the weights' per-output-channel scales absorb it (perplexity in BENCHMARKS.md).
+
+    Args:
+      layers: dense `models.llama.LayerWeights` (f32), stacked over layers.
+    """
+    attn = jnp.asarray(layers.attn_norm, jnp.float32)  # [L, D]
+    mlp = jnp.asarray(layers.mlp_norm, jnp.float32)
+    def scaled(w, g):
+        w = jnp.asarray(w, jnp.float32)
+        return w * g.reshape(g.shape + (1,) * (w.ndim - g.ndim))
+    return layers.replace(wq=scaled(layers.wq, attn), wk=scaled(layers.wk, attn), wv=scaled(layers.wv, attn),
+                          w_gate=scaled(layers.w_gate, mlp), w_up=scaled(layers.w_up, mlp),
+                          attn_norm=jnp.ones_like(attn), mlp_norm=jnp.ones_like(mlp))
+
+
 def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
     """Quantizes a model's projections (and, as configured, its embedding and LM head).
 
     Norms, biases and routers stay in `dtype` (they are small and sensitive). MoE expert weights are quantized
-    too; their `ragged_dot` dequantizes them (no quantized ragged dot yet).
+    too; their `ragged_dot` dequantizes them (no quantized ragged dot yet). With activation quantization, a dense
+    model's norm gains are folded into the projections first (`fold_norm_scales`).
 
     Args:
       weights: `models.llama.Weights` with float arrays (numpy or jax); quantized from f32.
@@ -352,13 +409,15 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
         group = 0 if per_row_only else qcfg.group_size
         if group and w.shape[axes[-1]] % group:
             group = 0  # the group does not divide this weight's input axis: per-channel scales
-        return quantize(w, qcfg.format, axes, group_size=group,
-                        quantize_activations=qcfg.activations and not group)
+        return quantize(w, qcfg.format, axes, group_size=group, quantize_activations=qcfg.activations and not group,
+                        activation_group_size=qcfg.activation_group_size)
 
     def cast(w):
         return None if w is None else jnp.asarray(w, dtype)
 
     layers = weights.layers
+    if qcfg.activations and not cfg.is_moe:
+        layers = fold_norm_scales(layers)
     new_layers = {}
     for field in dataclasses.fields(layers):
         w = getattr(layers, field.name)

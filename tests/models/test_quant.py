@@ -106,8 +106,15 @@ EQUATIONS = [  # (einsum, x shape, w shape, contract axes): every projection of 
 ]
 
 
-def _np_rows_quant(x: np.ndarray, axes: tuple[int, ...], fmt: str) -> np.ndarray:
-    """Reference dynamic per-token quantization in numpy: the dequantized activation."""
+def _np_rows_quant(x: np.ndarray, axes: tuple[int, ...], fmt: str, group: int = 0) -> np.ndarray:
+    """Reference dynamic per-token quantization in numpy (one scale per token, or per token per `group` channels
+    of the last of `axes`): the dequantized activation."""
+    if group and x.shape[axes[-1]] > group:
+        a = axes[-1]
+        split = x.reshape(*x.shape[:a], -1, group, *x.shape[a + 1:])
+        return _np_rows_quant(split, (a + 1,), fmt).reshape(x.shape)
+    if group:
+        axes = axes[-1:]
     qmax = 127.0 if fmt == "int8" else 448.0
     amax = np.abs(x.astype(np.float64)).max(axis=axes, keepdims=True)
     scale = np.where(amax > 0, amax / qmax, 1.0)
@@ -117,15 +124,16 @@ def _np_rows_quant(x: np.ndarray, axes: tuple[int, ...], fmt: str) -> np.ndarray
 
 
 @pytest.mark.parametrize("eq,xs,ws,contract", EQUATIONS)
-@pytest.mark.parametrize("fmt,acts", [("int8", False), ("int8", True), ("fp8", False), ("fp8", True)])
-def test_qeinsum_equals_the_dequantized_reference(eq, xs, ws, contract, fmt, acts):
+@pytest.mark.parametrize("fmt,acts,group", [("int8", False, 0), ("int8", True, 0), ("fp8", False, 0), ("fp8", True, 0),
+                                            ("int8", True, 16)])
+def test_qeinsum_equals_the_dequantized_reference(eq, xs, ws, contract, fmt, acts, group):
     x = np.random.default_rng(1).normal(size=xs).astype(np.float32)
     w = _weight(ws, seed=2)
-    q = quantize(w, fmt, contract, quantize_activations=acts)
+    q = quantize(w, fmt, contract, quantize_activations=acts, activation_group_size=group)
     w_deq = np.asarray(q.dequantize(), np.float64)  # the quantized weight, exactly
     lhs = eq.split(",")[0]
     contracted = [eq.split(",")[1].split("->")[0][a] for a in contract]
-    x_ref = _np_rows_quant(x, tuple(lhs.index(c) for c in contracted), fmt) if acts else x.astype(np.float64)
+    x_ref = _np_rows_quant(x, tuple(lhs.index(c) for c in contracted), fmt, group) if acts else x.astype(np.float64)
     want = np.einsum(eq, x_ref, w_deq)
     got = np.asarray(qeinsum(eq, jnp.asarray(x), q), np.float64)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
@@ -196,6 +204,15 @@ def test_int8_model_is_close_to_f32_and_keeps_greedy_choices():
     q = _logits(quant.quantize_weights(weights, TINY, QuantizationConfig("int8"), jnp.float32), num_tokens=8)
     assert np.abs(q - full).max() < 0.05 * np.abs(full).max()
     assert (q.argmax(-1) == full.argmax(-1)).mean() >= 0.75
+
+
+def test_folding_norm_gains_into_projections_is_exact():
+    weights = init_weights(TINY, jax.random.key(4))
+    gains = jax.random.uniform(jax.random.key(5), weights.layers.attn_norm.shape, minval=0.2, maxval=3.0)
+    weights = weights.replace(layers=weights.layers.replace(attn_norm=gains, mlp_norm=gains[:, ::-1]))
+    folded = weights.replace(layers=quant.fold_norm_scales(weights.layers))
+    assert np.all(np.asarray(folded.layers.attn_norm) == 1)
+    np.testing.assert_allclose(_logits(folded, num_tokens=4), _logits(weights, num_tokens=4), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("embed,head", [(True, True), (True, False), (False, True), (False, False)])
