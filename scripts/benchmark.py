@@ -36,6 +36,10 @@ speculation (ngram k=2/4/8, self_draft) on a copy-heavy and a chat prompt, with 
 are identical; end-to-end throughput of 32 concurrent requests with the automatic policy on vs off; and the cost of
 decode and verify steps against their token rows (calibrates `DEFAULT_MAX_STEP_TOKENS`); with `--write` it likewise
 replaces or appends only its own section (about 10 minutes on 2 cores).
+`--workload quant` measures weight quantization (`scripts/bench_quant.py`): decode step time at batch 1 and 32 of
+f32, bf16, int8 (w8a8 and weight-only) and fp8 weights beside each format's memory roofline (the bandwidth probe runs
+first, in the same process), and XLA's memory analysis of the compiled step; its quality table comes from
+`scripts/eval_perplexity.py --matrix`.
 
 Results go to stdout as markdown and, with `--write BENCHMARKS.md`, into that file with the command, date, versions
 and machine. A run of one workload keeps the other workload's section of an existing file. Logs go to stderr. The
@@ -74,6 +78,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_checkpoint  # noqa: E402  (scripts/, next to this file)
 import bench_prefix  # noqa: E402
+import bench_quant  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_spec  # noqa: E402
 import md_sections  # noqa: E402
@@ -883,6 +888,19 @@ def run_spec(args: argparse.Namespace, command: str, date: str) -> None:
         sys.exit(1)
 
 
+def run_quant(args: argparse.Namespace, command: str, date: str) -> None:
+    """`--workload quant`: decode speed of each weight format beside its memory roofline (bandwidth measured in the
+    same run), and the memory analysis of the compiled step; prints its section, splices it into --write."""
+    t0 = time.perf_counter()
+    bandwidth = measure_bandwidth(args.bw_gib, args.bw_reps)
+    gb_s = max(b["gb_s"] for b in bandwidth.values())
+    rows = bench_quant.measure(args.quant_reps, gb_s)
+    section = bench_quant.render(rows, command, date, f"machine: nproc {os.cpu_count()}, CPU `{cpu_model()}`", gb_s,
+                                 time.perf_counter() - t0)
+    write_section(args.write, section, lambda old: md_sections.splice(old, section, bench_quant.SECTION_BEGIN,
+                                                                      bench_quant.SECTION_END))
+
+
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
@@ -929,7 +947,8 @@ def main() -> None:
     ap.add_argument("--peer-python", default=None,
                     help="Python with torch + transformers (e.g. .venv-golden/bin/python); omitted: no peer")
     ap.add_argument("--peer-timeout", type=int, default=600)
-    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention", "checkpoint", "prefix", "spec"),
+    ap.add_argument("--workload", choices=("micro", "serving", "all", "attention", "checkpoint", "prefix", "spec",
+                                           "quant"),
                     default="micro",
                     help="micro: sections 1-6; serving: the serving workload; all: both; attention: the reference "
                          "attention decode step alone (CPU baseline for the kernels); checkpoint: SmolLM2 load "
@@ -941,6 +960,7 @@ def main() -> None:
     ap.add_argument("--chat-convs", type=int, default=8, help="--workload prefix: conversations of the chat workload")
     ap.add_argument("--chat-turns", type=int, default=4, help="--workload prefix: turns per conversation")
     ap.add_argument("--chat-passes", type=int, default=2, help="--workload prefix: timed passes per engine")
+    ap.add_argument("--quant-reps", type=int, default=15, help="--workload quant: timed calls per format and batch")
     ap.add_argument("--spec-reps", type=int, default=3, help="--workload spec: timed batch-1 rounds")
     ap.add_argument("--spec-tput-reps", type=int, default=5,
                     help="--workload spec: timed 32-request runs per setting (on / off)")
@@ -994,6 +1014,9 @@ def main() -> None:
         return
     if args.workload == "spec":
         run_spec(args, r["command"], r["date"])
+        return
+    if args.workload == "quant":
+        run_quant(args, r["command"], r["date"])
         return
     r["bandwidth"] = measure_bandwidth(args.bw_gib, args.bw_reps)
     model_path = args.model or default_model_path()

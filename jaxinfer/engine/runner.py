@@ -412,6 +412,15 @@ class ModelRunner:
                           top_token_ids=out.top_token_ids[:n], finite=finite[:n],
                           num_padded_tokens=padded)
 
+    def compile_step(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow]) -> jax.stages.Compiled:
+        """The compiled step `execute` runs for this batch's shapes, without running it: for XLA's memory analysis
+        (`.memory_analysis()`) and the optimized HLO (`.as_text()`)."""
+        tokens, metadata, b_pad = self._prepare(chunks, all_rows=False)
+        sampling = SamplingArrays.build(rows, b_pad, self.cfg.vocab_size, self.vocab_limit)
+        tokens, metadata, sampling = self._global_inputs((tokens, metadata, sampling))
+        return self._step.lower(self.weights, tokens, metadata, self.kv_cache, sampling,
+                                *self._draft_args()).compile()
+
     def _run_step(self, tokens: np.ndarray, metadata: AttentionMetadata,
                   sampling: SamplingArrays) -> tuple[SampleOutput, jax.Array]:
         tokens, metadata, sampling = self._global_inputs((tokens, metadata, sampling))
