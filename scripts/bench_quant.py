@@ -1,10 +1,11 @@
 """Quantization workload of `scripts/benchmark.py --workload quant`: decode speed of each weight format of
 SmolLM2-135M-Instruct on this CPU, beside the memory roofline of its bytes, and XLA's memory analysis of the step.
 
-Weight formats (all in one process, one engine at a time, each with `warmup=False` and the same KV budget):
-f32 and bf16 (unquantized), int8 (w8a8: dynamic per-token int8 activations, int8 x int8 -> int32 dots, norm gains
-folded), int8 weight-only, int8 with the embedding and LM head left in bf16, fp8 (e4m3, weight-only), fp8 with
-groups of 128 input channels (where they divide). Quantized formats run with bf16 activations.
+Weight formats (all in one process, each with `warmup=False` and the same KV budget): f32 and bf16 (unquantized),
+int8 (w8a8: dynamic per-token int8 activations, int8 x int8 -> int32 dots, norm gains folded; embedding and LM head
+int8), int8 weight-only, int8 with the embedding and LM head left in bf16, fp8 (e4m3, weight-only; embedding and
+LM head bf16, its default), fp8 with them quantized too, fp8 with groups of 128 input channels (where they
+divide). Quantized formats run with bf16 activations.
 
 1. **Decode step time** at batch 1 (padded to 2 rows, as the runner does) and batch 32: `ModelRunner.execute` of
    one decode token per sequence at context 128 (distinct pages per sequence), greedy; one untimed call (compiles),
@@ -54,7 +55,9 @@ FORMATS = {  # name -> (dtype, quantization)
     "int8 weight-only": ("bfloat16", {"format": "int8", "quantize_activations": False}),
     "int8, embedding + LM head bf16": ("bfloat16", {"format": "int8", "quantize_embedding": False,
                                                     "quantize_lm_head": False}),
-    "fp8": ("bfloat16", "fp8"),
+    "fp8 (embedding + LM head bf16)": ("bfloat16", "fp8"),
+    "fp8, embedding + LM head fp8": ("bfloat16", {"format": "fp8", "quantize_embedding": True,
+                                                  "quantize_lm_head": True}),
     "fp8 g128": ("bfloat16", {"format": "fp8", "group_size": 128}),
 }
 BATCHES = (1, 32)

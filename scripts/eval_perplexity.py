@@ -7,6 +7,7 @@ log-likelihood is over the `--tokens - 1` next-token predictions (position i pre
 `model(ids, labels=ids).loss` convention; perplexity = exp(mean NLL).
 
 Reference (issue 9): SmolLM2-135M-Instruct in f32 on the first 2,048 tokens of /usr/share/common-licenses/GPL-3
+(copied verbatim to tests/data/GPL-3.txt)
 scores perplexity 19.66 (mean NLL 2.9786) in HF transformers; ours must agree within 0.5%.
 
 Quantization (issue 9): `--quantization int8|fp8|JSON` and `--kv-cache-dtype int8|fp8` evaluate one configuration;
@@ -32,7 +33,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
 
-GPL3 = Path("/usr/share/common-licenses/GPL-3")
+# A verbatim copy of Debian's /usr/share/common-licenses/GPL-3 (its licence allows verbatim copies; source and hash
+# in tests/data/GPL-3.README.md), so the evaluation does not depend on the system's files.
+GPL3 = Path(__file__).resolve().parents[1] / "tests" / "data" / "GPL-3.txt"
 REFERENCE_PPL = 19.66  # HF transformers, SmolLM2-135M-Instruct f32, first 2,048 GPL-3 tokens (issue 9)
 
 
@@ -82,9 +85,13 @@ def make_llm(model: str | None, dtype: str, chunk: int, quantization=None, kv_ca
 
 
 # The formats of the issue-9 table: bf16 is the baseline; int8 is the CPU/TPU format (w8a8); fp8 the GPU format.
-MATRIX_WEIGHTS = {"bf16": None, "int8": "int8", "int8 weight-only": {"format": "int8", "quantize_activations": False},
-                  "int8, LM head bf16": {"format": "int8", "quantize_lm_head": False, "quantize_embedding": False},
-                  "fp8": "fp8", "fp8 g128": {"format": "fp8", "group_size": 128}}
+# Defaults: int8 quantizes the embedding and LM head too, fp8 keeps them in bf16; the other setting of each is a row.
+HEAD_BF16 = {"quantize_lm_head": False, "quantize_embedding": False}
+HEAD_QUANTIZED = {"quantize_lm_head": True, "quantize_embedding": True}
+MATRIX_WEIGHTS = {"bf16": None, "int8 (w8a8)": "int8", "int8 weight-only": {"format": "int8", "quantize_activations": False},
+                  "int8, embedding + LM head bf16": {"format": "int8", **HEAD_BF16},
+                  "fp8 (embedding + LM head bf16)": "fp8", "fp8, embedding + LM head fp8": {"format": "fp8", **HEAD_QUANTIZED},
+                  "fp8 g128": {"format": "fp8", "group_size": 128}}
 MATRIX_KV = ("auto", "int8", "fp8")
 MARKERS = ("<!-- quant-quality:begin -->", "<!-- quant-quality:end -->")
 
