@@ -341,3 +341,28 @@ def _hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
                     shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
     return {}
+
+
+def options_from_value(cls: type, value: Any, what: str) -> Any:
+    """An options dataclass `cls` from an instance, a dict of its fields or a JSON object string; None stays None.
+
+    Raises:
+      ValueError: naming `what`, for JSON that does not parse or is not an object, unknown keys (named), or the
+        dataclass's own value errors.
+    """
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what} must be a JSON object / dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(repr(key) for key in set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**value)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -44,6 +43,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from models.config import options_from_value
 
 FORMATS = ("int8", "fp8")
 _DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -338,23 +339,12 @@ class QuantizationConfig:
           ValueError: for an unknown format, JSON that does not parse or is not an object, unknown keys (named),
             or bad values.
         """
-        if value is None or isinstance(value, QuantizationConfig):
-            return value
         if isinstance(value, str) and not value.lstrip().startswith("{"):
             return QuantizationConfig(format=value)
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"quantization config is not valid JSON: {e}") from None
-        if not isinstance(value, Mapping):
+        if value is not None and not isinstance(value, (str, Mapping, QuantizationConfig)):
             raise ValueError(f"quantization must be None, a format name, or a dict / JSON object, "
                              f"got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(QuantizationConfig)}
-        unknown = sorted(repr(key) for key in set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown quantization key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return QuantizationConfig(**value)
+        return options_from_value(QuantizationConfig, value, "quantization config")
 
     @property
     def activations(self) -> bool:

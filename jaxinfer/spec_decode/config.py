@@ -26,9 +26,10 @@ Policy (`policy.py`): speculation is lossless, so these only decide speed.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from models.config import options_from_value
 
 METHODS = ("ngram", "draft_model", "self_draft")
 
@@ -107,18 +108,4 @@ class SpeculativeConfig:
         Raises:
           ValueError: for JSON that does not parse or is not an object, unknown keys (named), or bad values.
         """
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative config is not valid JSON: {e}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"speculative config must be a JSON object / dict, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-        unknown = sorted(repr(key) for key in set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        return SpeculativeConfig(**value)
+        return options_from_value(SpeculativeConfig, value, "speculative config")
