@@ -49,3 +49,29 @@ def test_sharded_quantization_equals_single_device_and_scales_follow_their_weigh
                            KVCache(k=cache_sharding, v=cache_sharding))
     got, _ = step(sharded, tokens, meta, cache, cfg=model.cfg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2)])
+def test_quantized_moe_on_an_expert_parallel_mesh_equals_single_device(ep, tp):
+    from jaxinfer.checkpoint import load_hf_weights
+    from tests.sharding.multi_device_moe_checks import DATA
+
+    cfg, weights = load_hf_weights(DATA / "tiny_mixtral")
+    weights = jax.tree.map(np.asarray, weights)
+    qcfg = QuantizationConfig("int8")
+    tokens, meta = _batch(cfg.vocab_size)
+    step = jax.jit(forward, static_argnames=("cfg", "mesh"))
+    single = quant.quantize_weights(jax.tree.map(jnp.asarray, weights), cfg, qcfg, jnp.float32)
+    assert isinstance(single.layers.e_gate, QuantizedWeight)  # experts stored int8, dequantized for ragged_dot
+    expected, _ = step(single, tokens, meta, KVCache.zeros(cfg, NUM_PAGES, PAGE_SIZE, jnp.float32), cfg=cfg)
+
+    mesh = make_mesh(tp=tp, ep=ep)
+    model = shard_model(cfg, weights, mesh)
+    sharded = quant.quantize_sharded(model.weights, model.cfg, qcfg, jnp.float32)
+    e_gate = sharded.layers.e_gate  # [L, E, D, Fe] stored [L, E, Fe, D]: experts split over ep, scales with them
+    assert e_gate.values.sharding.spec[1] == "ep" and e_gate.scale.sharding.spec[1] == "ep"
+    cache_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
+    cache = jax.device_put(KVCache.zeros(model.cfg, NUM_PAGES, PAGE_SIZE, jnp.float32),
+                           KVCache(k=cache_sharding, v=cache_sharding))
+    got, _ = step(sharded, tokens, meta, cache, cfg=model.cfg, mesh=mesh)
+    np.testing.assert_allclose(np.asarray(got)[:, : cfg.vocab_size], np.asarray(expected), rtol=2e-4, atol=2e-4)
