@@ -1,7 +1,7 @@
 """One-call device check for a lent GPU (run by `scripts/gpu_check.sh`): tests, kernel accuracy, kernel speed, engine.
 
 The machine has no network and nothing over 64 MiB can be sent to it, so models are random weights of real shapes
-(the shapes, not the values, set the speed). Four sections, each with its own time budget and its own try/except,
+(the shapes, not the values, set the speed). Five sections, each with its own time budget and its own try/except,
 so that one failure keeps the others; the markdown report is rewritten after every row, so a run killed by the
 outer timeout still leaves everything measured so far.
 
@@ -19,8 +19,12 @@ outer timeout still leaves everything measured so far.
 4. engine: `ModelRunner` with random Llama-3-8B-shaped bf16 weights decoding for a few seconds at batch 1 and 64
    (Pallas kernels, then the XLA reference if time is left): tokens/s beside the HBM roofline, bytes one step
    must read (weights + the batch's KV) / peak bandwidth (`PEAK_HBM_BYTES_S`, or `--peak-hbm-gbs`).
+5. quant: the same model with its weights quantized on device (`models.quant`): bf16, fp8 weight-only, fp8 w8a8,
+   int8 w8a8, each decoding at batch 1 and the largest engine batch beside its own roofline (its weight bytes),
+   with XLA's memory analysis of the batch-1 decode step, the full-precision weight copies in it (XLA:GPU should
+   fuse the converts into the dots: none), and its prefill logits' largest difference from bf16's.
 
-    python scripts/gpu_check.py [--quick] [--out FILE] [--budget-s 250] [--sections tests,kernels,timing,engine]
+    python scripts/gpu_check.py [--quick] [--out FILE] [--budget-s 235] [--sections tests,kernels,timing,engine,quant]
     python scripts/gpu_check.py --dry-run    # everything on CPU at tiny sizes, the GPU kernels in interpret mode
 """
 
@@ -73,6 +77,7 @@ class Sizes:
     engine_context: int
     engine_seconds: float
     engine_backends: tuple[str, ...]
+    quant_seconds: float  # decode timed per format and batch in section 5
     ref_limit_bytes: float  # largest reference score matrix computed in one call
     xla_limit_bytes: float  # largest [B, N, T, T] f32 score matrix XLA's own prefill attention may materialise
     min_time_s: float  # per timing sample
@@ -92,14 +97,14 @@ GPU = Sizes(
     time_decode=((1, 1024), (64, 1024), (1, 32768), (64, 4096), (16, 16384), (64, 32768), (1, 4096), (8, 16384)),
     time_prefill=((1, 1024), (1, 4096), (1, 16384), (1, 32768), (8, 4096)),
     model=LLAMA3_8B, engine_batches=(1, 64), engine_context=1024, engine_seconds=3.0,
-    engine_backends=("pallas", "reference"), ref_limit_bytes=12e9, xla_limit_bytes=24e9, min_time_s=0.05,
-    budgets_s=dict(tests=55, kernels=40, timing=50, engine=85),
+    engine_backends=("pallas", "reference"), quant_seconds=1.5, ref_limit_bytes=12e9, xla_limit_bytes=24e9,
+    min_time_s=0.05, budgets_s=dict(tests=55, kernels=35, timing=42, engine=58, quant=45),
 )
 QUICK = dataclasses.replace(
     GPU, name="quick", decode=((1, 1024), (32, 4096), (1, 32768)), mixed=GPU.mixed[:1],
     flash=((1024,), (1000, 3000, 77), (16384,)), time_decode=((1, 1024), (64, 4096), (1, 32768)),
-    time_prefill=((1, 4096), (1, 16384)), engine_seconds=2.0, engine_backends=("pallas",),
-    budgets_s=dict(tests=55, kernels=25, timing=30, engine=70),
+    time_prefill=((1, 4096), (1, 16384)), engine_seconds=2.0, engine_backends=("pallas",), quant_seconds=1.0,
+    budgets_s=dict(tests=55, kernels=25, timing=30, engine=65, quant=45),
 )
 TINY = Sizes(
     name="tiny", heads=(8, 2, 32), page_size=16,
@@ -109,7 +114,8 @@ TINY = Sizes(
                num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=5e5, max_position_embeddings=512,
                tie_word_embeddings=False, name="tiny-llama3-shaped"),
     engine_batches=(1, 4), engine_context=48, engine_seconds=0.3, engine_backends=("pallas", "reference"),
-    ref_limit_bytes=50e3, xla_limit_bytes=1e9, min_time_s=0.01, budgets_s=dict(tests=120, kernels=120, timing=120, engine=120),
+    quant_seconds=0.2, ref_limit_bytes=50e3, xla_limit_bytes=1e9, min_time_s=0.01,
+    budgets_s=dict(tests=120, kernels=120, timing=120, engine=120, quant=120),
 )
 
 
@@ -547,6 +553,100 @@ def section_timing(report: Report, sizes: Sizes, args: argparse.Namespace, budge
 
 # --- 4. engine --------------------------------------------------------------------------------------------------------
 
+_MODELS: dict[str, tuple] = {}  # sizes.name -> (cfg, weights, init seconds): sections 4 and 5 share one model
+
+
+def random_model(sizes: Sizes) -> tuple:
+    """(ModelConfig, random bf16 `Weights` on device, seconds the first initialisation took) of `sizes.model`,
+    made once per run."""
+    if sizes.name not in _MODELS:
+        import jax
+        import jax.numpy as jnp
+
+        from models.config import ModelConfig
+        from models.llama import init_weights
+
+        cfg = ModelConfig(**sizes.model)
+        t0 = time.perf_counter()
+        weights = jax.block_until_ready(init_weights(cfg, jax.random.key(0), jnp.bfloat16))
+        _MODELS[sizes.name] = (cfg, weights, time.perf_counter() - t0)
+    return _MODELS[sizes.name]
+
+
+def attention_ops(backend: str, interpret: bool):
+    """The `AttentionOps` of "pallas" (the GPU kernels in interpret mode when `interpret`) or "reference"."""
+    from pallas_kernels.dispatch import AttentionOps, select_attention
+
+    if backend == "pallas" and interpret:
+        from pallas_kernels.flash_attention import flash_attention_gpu
+        from pallas_kernels.paged_attention import paged_attention_gpu
+
+        return AttentionOps("pallas-gpu-interpret", functools.partial(paged_attention_gpu, interpret=True),
+                            functools.partial(flash_attention_gpu, interpret=True))
+    return select_attention(backend)
+
+
+def kv_token_bytes(cfg) -> int:
+    """Bytes of one token's bf16 K and V over all layers."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def step_weight_bytes(cfg, weights) -> float:
+    """Weight bytes one decode step reads (plain or quantized): all but the embedding table, of which it gathers
+    one row per token (a tied table is the LM head too, read whole)."""
+    from models import quant
+
+    return quant.weight_bytes(weights)["bytes"] - (0 if cfg.tie_word_embeddings else weights.embed.nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Where the engine sections' decode runs: every sequence starts at `sizes.engine_context` on pages of its own
+    and steps at most `max_steps` times, inside the starting page-table bucket (crossing it would compile a new
+    step shape mid-timing)."""
+
+    context: int
+    max_steps: int
+    pages_per_seq: int
+    max_pages: int
+
+    @staticmethod
+    def of(cfg, sizes: Sizes) -> DecodePlan:
+        from jaxinfer.engine.runner import page_bucket
+
+        ps, ctx = sizes.page_size, sizes.engine_context
+        max_pages = -(-cfg.max_position_embeddings // ps)
+        max_steps = page_bucket(-(-(ctx + 1) // ps), max_pages) * ps - ctx - 3
+        return DecodePlan(ctx, max_steps, -(-(ctx + max_steps + 3) // ps), max_pages)
+
+    def num_pages(self, max_batch: int) -> int:
+        return 1 + max_batch * self.pages_per_seq
+
+    def chunks(self, tokens: list[int], pos: int) -> list:
+        from jaxinfer.engine.runner import SequenceChunk
+
+        return [SequenceChunk([t], pos, list(range(1 + b * self.pages_per_seq, 1 + (b + 1) * self.pages_per_seq)))
+                for b, t in enumerate(tokens)]
+
+    def decode(self, runner, batch: int, seconds: float) -> tuple[list[float], list[int], int]:
+        """Greedy decode of `batch` sequences, each feeding back its token: at least 3 steps, then until the
+        timed ones (all but the first 2) took about `seconds`. Returns (seconds per `execute` call, the last
+        tokens, the position after the last step)."""
+        from jaxinfer.engine.sampling import SamplingRow
+        from jaxinfer.sampling_params import SamplingParams
+
+        rows = [SamplingRow(SamplingParams(temperature=0), 0)] * batch
+        tokens, pos = [7 + b for b in range(batch)], self.context
+        times: list[float] = []
+        t_start = time.perf_counter()
+        while len(times) < 2 + self.max_steps and (len(times) < 3 or time.perf_counter() - t_start
+                                                    < seconds + sum(times[:2])):
+            t0 = time.perf_counter()
+            res = runner.execute(self.chunks(tokens, pos), rows)
+            times.append(time.perf_counter() - t0)
+            tokens, pos = [int(t) for t in res.token_ids], pos + 1
+        return times, tokens, pos
+
 
 def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budget: Budget, peak: float | None) -> None:
     lines = report.section(f"4. Engine decode ({sizes.model['name']}, random bf16 weights, `ModelRunner`, "
@@ -554,74 +654,50 @@ def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budge
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.engine.runner import ModelRunner, SequenceChunk, page_bucket
+    from jaxinfer.engine.runner import ModelRunner, SequenceChunk
     from jaxinfer.engine.sampling import SamplingRow
     from jaxinfer.sampling_params import SamplingParams
-    from models.config import ModelConfig
-    from models.llama import init_weights
-    from pallas_kernels.dispatch import AttentionOps, select_attention
 
-    cfg = ModelConfig(**sizes.model)
-    t0 = time.perf_counter()
-    weights = jax.block_until_ready(init_weights(cfg, jax.random.key(0), jnp.bfloat16))
+    cfg, weights, init_s = random_model(sizes)
     leaves = jax.tree.leaves(weights)
     w_bytes = sum(x.nbytes for x in leaves)
-    # One decode step reads every weight except the embedding table, of which it gathers one row per token.
-    step_w_bytes = w_bytes - (0 if cfg.tie_word_embeddings else weights.embed.nbytes)
-    kv_token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    step_w_bytes = step_weight_bytes(cfg, weights)
+    kv_tok = kv_token_bytes(cfg)
     report.add(lines, f"Weights: {fmt_bytes(w_bytes)} ({sum(x.size for x in leaves) / 1e6:,.1f} M params), "
-                      f"initialised on device in {time.perf_counter() - t0:.1f} s. Each sequence starts at context "
+                      f"initialised on device in {init_s:.1f} s. Each sequence starts at context "
                       f"{sizes.engine_context} (its cache is zeros: attention reads it all the same) and feeds back "
                       f"its greedy token; steps timed for ~{sizes.engine_seconds:g} s after 2 untimed ones (the first "
                       "compiles). Times are whole `execute` calls (host padding, transfer, step, sampling, sync). "
                       f"Roofline = batch / (bytes per step / peak): weights {fmt_bytes(step_w_bytes)} (the "
-                      f"embedding table is gathered, not read) + KV {fmt_bytes(kv_token_bytes)} per context "
+                      f"embedding table is gathered, not read) + KV {fmt_bytes(kv_tok)} per context "
                       f"token; peak {f'{peak / 1e12:.2f} TB/s' if peak else 'unknown (--peak-hbm-gbs)'}.\n")
     report.add(lines, "| attention | batch | context | compile s | steps | ms/step | tok/s | bytes read/step "
                       "| roofline tok/s | % of roofline |")
     report.add(lines, "|---|---|---|---|---|---|---|---|---|---|")
     greedy = SamplingParams(temperature=0)
-    ps, ctx = sizes.page_size, sizes.engine_context
-    max_pages = -(-cfg.max_position_embeddings // ps)
-    # Stay inside the starting page-table bucket: crossing it would compile a new step shape mid-timing.
-    max_steps = page_bucket(-(-(ctx + 1) // ps), max_pages) * ps - ctx - 3
-    pages_per_seq = -(-(ctx + max_steps + 3) // ps)
+    plan = DecodePlan.of(cfg, sizes)
+    ctx = plan.context
     verify_rows = []  # speculative decoding's verify step beside the decode step (calibrates policy.py's knee)
     for backend in sizes.engine_backends:
         if budget.left() <= 0:
             report.add(lines, f"| {backend} | skipped: section budget spent |||||||||")
             continue
-        if backend == "pallas" and args.interpret:
-            from pallas_kernels.flash_attention import flash_attention_gpu
-            from pallas_kernels.paged_attention import paged_attention_gpu
-
-            ops = AttentionOps("pallas-gpu-interpret", functools.partial(paged_attention_gpu, interpret=True),
-                               functools.partial(flash_attention_gpu, interpret=True))
-        else:
-            ops = select_attention(backend)
-        runner = ModelRunner(cfg, weights, num_pages=1 + max(sizes.engine_batches) * pages_per_seq, page_size=ps,
-                             kv_dtype=jnp.bfloat16, scan_layers=True, attention=ops, max_pages_per_seq=max_pages)
+        ops = attention_ops(backend, args.interpret)
+        runner = ModelRunner(cfg, weights, num_pages=plan.num_pages(max(sizes.engine_batches)),
+                             page_size=sizes.page_size, kv_dtype=jnp.bfloat16, scan_layers=True, attention=ops,
+                             max_pages_per_seq=plan.max_pages)
         for batch in sizes.engine_batches:
             if budget.left() <= 0:
                 report.add(lines, f"| {ops.name} | {batch} | skipped: section budget spent ||||||||")
                 continue
 
             def decode(batch=batch, runner=runner, ops=ops):
-                pages = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(batch)]
-                tokens, pos = [7 + b for b in range(batch)], ctx
+                times, tokens, pos = plan.decode(runner, batch, sizes.engine_seconds)
                 rows = [SamplingRow(greedy, 0)] * batch
-                times = []
-                t_start = time.perf_counter()
-                while len(times) < 2 + max_steps and (len(times) < 3 or time.perf_counter() - t_start
-                                                       < sizes.engine_seconds + sum(times[:2])):
-                    t0 = time.perf_counter()
-                    res = runner.execute([SequenceChunk([t], pos, p) for t, p in zip(tokens, pages)], rows)
-                    times.append(time.perf_counter() - t0)
-                    tokens, pos = [int(t) for t in res.token_ids], pos + 1
                 timed = times[2:]
                 step_s = sum(timed) / len(timed)
                 mean_ctx = ctx + 2 + len(timed) / 2
-                step_bytes = step_w_bytes + batch * mean_ctx * kv_token_bytes
+                step_bytes = step_w_bytes + batch * mean_ctx * kv_tok
                 roof = batch * peak / step_bytes if peak else None
                 report.add(lines, f"| {ops.name} | {batch} | {ctx}-{pos} | {times[0] - step_s:.1f} | {len(timed)} | "
                                   f"{num(step_s * 1e3)} | {num(batch / step_s)} | {fmt_bytes(step_bytes)} | "
@@ -630,7 +706,8 @@ def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budge
                 # A verify step of k drafts per sequence at the same context (drafts are arbitrary ids; the
                 # step's cost does not depend on them): its time over the decode step's is what speculation pays.
                 k = 4
-                chunks = [SequenceChunk([t] + [11] * k, ctx, p) for t, p in zip(tokens, pages)]
+                chunks = [SequenceChunk([c.token_ids[0]] + [11] * k, ctx, c.page_ids)
+                          for c in plan.chunks(tokens, ctx)]
                 vt = [0.0] * 3
                 for i in range(3):
                     t0 = time.perf_counter()
@@ -651,6 +728,128 @@ def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budge
         report.add(lines, "|---|---|---|---|---|---|")
         for row in verify_rows:
             report.add(lines, row)
+
+
+# --- 5. quantized weights ---------------------------------------------------------------------------------------------
+
+# (label, QuantizationConfig kwargs or None for the unquantized baseline), the baseline first.
+QUANT_FORMATS = (
+    ("bf16", None),
+    ("fp8 weight-only", dict(format="fp8")),
+    ("fp8 w8a8", dict(format="fp8", quantize_activations=True)),
+    ("int8 w8a8", dict(format="int8")),
+)
+QUANT_PROMPT_TOKENS = 12  # the prefill whose logits are compared with bf16's
+QUANT_MAX_LOGIT_ERR = 0.5  # max |logits - bf16| / max |bf16| above this: a broken matmul path, not rounding
+
+
+def section_quant(report: Report, sizes: Sizes, args: argparse.Namespace, budget: Budget, peak: float | None) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+    from jaxinfer.engine.sampling import SamplingRow
+    from jaxinfer.sampling_params import SamplingParams
+    from models import quant
+
+    backend = "reference" if args.interpret else "pallas"
+    lines = report.section(f"5. Quantized weights ({sizes.model['name']}, the random model of section 4, "
+                           f"`ModelRunner` with {backend} attention, greedy)")
+    cfg, weights, _ = random_model(sizes)
+    plan = DecodePlan.of(cfg, sizes)
+    batches = (1, max(sizes.engine_batches))
+    kv_tok = kv_token_bytes(cfg)
+    on_cpu = jax.default_backend() == "cpu"
+    report.add(lines, "Each format's weights are quantized on device from the bf16 ones (`models.quant."
+                      "quantize_weights` under `jax.jit`; fp8 keeps the embedding and LM head bf16, int8 quantizes "
+                      "them; w8a8 folds the norm gains first), then decoded as in section 4 for "
+                      f"~{sizes.quant_seconds:g} s per batch after 2 untimed steps (the first compiles). Roofline: the "
+                      "format's own weight "
+                      f"bytes (less the gathered embedding) + KV {fmt_bytes(kv_tok)} per context token, at "
+                      f"{f'{peak / 1e12:.2f} TB/s' if peak else 'unknown peak'}. `step temp`: XLA's temporary "
+                      "buffers of the compiled batch-1 decode step (`compile_step(...).memory_analysis()`); `weight "
+                      "copies`: full-precision copies of quantized weights among its buffers "
+                      "(`quant.materialized_weight_copies`; XLA:GPU should fuse the converts into the dots: 0"
+                      f"{', while XLA:CPU materializes them' if on_cpu else ''}). `logit err`: max |logits - bf16 "
+                      f"logits| / max |bf16 logits| over one {QUANT_PROMPT_TOKENS}-token prefill "
+                      f"(`compute_logits`). Each format gets an equal share of the section's time left; past it, "
+                      f"batch {batches[-1]} is skipped.\n")
+    report.add(lines, "| format | batch | weights (quantized share) | quantize s | compile s | steps | ms/step | tok/s "
+                      "| vs bf16 | roofline tok/s | % of roofline | step temp | weight copies | logit err |")
+    report.add(lines, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    prompt = [SequenceChunk([(31 * i + 5) % cfg.vocab_size for i in range(QUANT_PROMPT_TOKENS)], 0,
+                            list(range(1, 1 + -(-QUANT_PROMPT_TOKENS // sizes.page_size))))]
+    greedy = [SamplingRow(SamplingParams(temperature=0), 0)]
+    base: dict = {}  # "logits" and tok/s by batch of bf16, for the other formats' comparisons
+    for i, (label, qkw) in enumerate(QUANT_FORMATS):
+        if budget.left() <= 0:
+            report.add(lines, f"| {label} | skipped: section budget spent |||||||||||||")
+            continue
+        share = Budget(budget.left() / (len(QUANT_FORMATS) - i))
+
+        def one_format(label=label, qkw=qkw, share=share):
+            t0 = time.perf_counter()
+            if qkw is None:
+                qweights = weights
+            else:
+                fn = functools.partial(quant.quantize_weights, cfg=cfg, qcfg=quant.QuantizationConfig(**qkw),
+                                       dtype=jnp.bfloat16)
+                qweights = jax.block_until_ready(jax.jit(fn)(weights))
+            quantize_s = time.perf_counter() - t0
+            wb = quant.weight_bytes(qweights)
+            w_cell = f"{fmt_bytes(wb['bytes'])} ({100 * wb['quantized_share']:.0f}%)"
+            step_w = step_weight_bytes(cfg, qweights)
+            runner = ModelRunner(cfg, qweights, num_pages=plan.num_pages(batches[-1]), page_size=sizes.page_size,
+                                 kv_dtype=jnp.bfloat16, scan_layers=True, attention=attention_ops(backend, False),
+                                 max_pages_per_seq=plan.max_pages)
+            logits = runner.compute_logits(prompt).astype(np.float32)
+            if qkw is None:
+                base["logits"] = logits
+            if not np.isfinite(logits).all():
+                err_cell = "**not finite**"
+                report.problem(f"quant {label}: non-finite logits")
+            elif qkw is None:
+                err_cell = "(baseline)"
+            elif "logits" in base:
+                err = float(np.max(np.abs(logits - base["logits"])) / np.max(np.abs(base["logits"])))
+                err_cell = f"{err:.2e}" if err <= QUANT_MAX_LOGIT_ERR else f"**{err:.2e}**"
+                if err > QUANT_MAX_LOGIT_ERR:
+                    report.problem(f"quant {label}: logits differ from bf16 by {err:.2f} of their max")
+            else:
+                err_cell = "no bf16 baseline"
+            for batch in batches:
+                if batch != batches[0] and share.left() <= 0:
+                    report.add(lines, f"| {label} | {batch} | skipped: the format's share of the section budget "
+                                      "spent ||||||||||||")
+                    continue
+                times, _, pos = plan.decode(runner, batch, sizes.quant_seconds)
+                timed = times[2:]
+                step_s = sum(timed) / len(timed)
+                tok_s = batch / step_s
+                step_bytes = step_w + batch * (plan.context + 2 + len(timed) / 2) * kv_tok
+                roof = batch * peak / step_bytes if peak else None
+                if qkw is None:
+                    base[batch] = tok_s
+                mem_cells = ["", "", ""]
+                if batch == batches[0]:  # the step just run, compiled again for its analysis (XLA's cache: instant)
+                    compiled = runner.compile_step(plan.chunks([7], plan.context), greedy)
+                    copies = quant.materialized_weight_copies(compiled.as_text(), runner.weights)
+                    mem_cells = [fmt_bytes(compiled.memory_analysis().temp_size_in_bytes),
+                                 "-" if qkw is None else str(len(copies)) if not copies or on_cpu
+                                 else f"**{len(copies)}**", err_cell]
+                    if copies and not on_cpu:
+                        report.problem(f"quant {label}: {len(copies)} full-precision weight copies in the decode "
+                                       f"step, e.g. `{copies[0]}`")
+                report.add(lines, f"| {label} | {batch} | {w_cell} | {'-' if qkw is None else f'{quantize_s:.1f}'} | "
+                                  f"{times[0] - step_s:.1f} | "
+                                  f"{len(timed)} | {num(step_s * 1e3)} | {num(tok_s)} | "
+                                  f"{f'{tok_s / base[batch]:.2f}x' if batch in base else '-'} | "
+                                  f"{num(roof) if roof else '-'} | "
+                                  f"{f'{100 * tok_s / roof:.0f}%' if roof else '-'} | " + " | ".join(mem_cells) + " |")
+            del runner, qweights  # the next format's weights and cache take their place
+
+        guarded(report, lines, f"quant {label}", one_format)
 
 
 # --- main -------------------------------------------------------------------------------------------------------------
@@ -675,7 +874,7 @@ def main() -> int:
     ap.add_argument("--platform", default=None, help="force a jax platform, e.g. cpu")
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
     ap.add_argument("--dry-run", action="store_true", help="= --platform cpu --tiny --interpret")
-    ap.add_argument("--sections", default="tests,kernels,timing,engine")
+    ap.add_argument("--sections", default="tests,kernels,timing,engine,quant")
     ap.add_argument("--budget-s", type=float, default=235.0, help="whole run; sections also have their own")
     ap.add_argument("--peak-hbm-gbs", type=float, default=None, help="HBM peak GB/s (default: by device kind)")
     args = ap.parse_args()
@@ -734,6 +933,7 @@ def main() -> int:
     run("kernels", lambda: section_kernels(report, sizes, args, budget("kernels")))
     run("timing", lambda: section_timing(report, sizes, args, budget("timing"), peak))
     run("engine", lambda: section_engine(report, sizes, args, budget("engine"), peak))
+    run("quant", lambda: section_quant(report, sizes, args, budget("quant"), peak))
 
     lines = report.section("Summary")
     report.add(lines, f"- run time {time.perf_counter() - t_start:.0f} s; "

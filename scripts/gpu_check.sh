@@ -6,7 +6,7 @@
 # missing there (from ./wheelhouse if one was carried along: see --make-wheelhouse), then runs
 # scripts/gpu_check.py: the accelerator-marked tests, the GPU attention kernels against their references at
 # Llama-3-8B head shapes and contexts 1k-32k, kernel speed beside XLA's attention, and whole-engine decode of a
-# random Llama-3-8B-shaped model against the HBM roofline. Every section has its own time budget; the report is
+# random Llama-3-8B-shaped model (bf16, fp8, int8 weights) vs HBM rooflines. Each section has a budget; the report is
 # rewritten after each row, so a run cut short still leaves what it measured.
 #
 #   bash scripts/gpu_check.sh --make-wheelhouse   # on a machine with a package index: wheels of our pure
