@@ -79,9 +79,12 @@ def test_eight_devices():
 
 @pytest.mark.parametrize("name, quantization, tp", [
     ("tiny_llama3", FP8_G16, 2),  # per-group scales split with their weights' contracted axis
+    # 2 groups of w_down's 128 inputs do not split 4 ways: its scale is replicated (quantize_sharded too); the 2 KV
+    # heads are replicated into 4 slots
+    ("tiny_llama3", {"format": "fp8", "group_size": 64}, 4),
     ("tiny_qwen2", INT8_TIED_FLOAT_HEAD, 2),  # tied, with the head a separate float weight
     ("tiny_llama3", INT8, 3),  # padded: 4 -> 6 query heads (2 zero slots), 2 -> 3 KV heads, MLP and vocab 128 -> 129
-], ids=["fp8-g16-tp2", "int8-tied-float-head-tp2", "int8-tp3-padded"])
+], ids=["fp8-g16-tp2", "fp8-g64-tp4", "int8-tied-float-head-tp2", "int8-tp3-padded"])
 def test_quantized_checkpoint_restores_sharded(name, quantization, tp, sources, checkpoints):
     ckpt = checkpoints(name, quantization)
     mesh = make_mesh(tp=tp)
@@ -116,7 +119,7 @@ def test_quantized_checkpoint_restores_sharded(name, quantization, tp, sources, 
     assert w_down.values.sharding.spec == P(None, None, "tp")  # [L, D, F]: contracted F split
     groups = F // quantization.get("group_size", F)
     assert w_down.scale.shape == (L, D, groups)
-    assert w_down.scale.sharding.spec == (P(None, None, "tp") if groups > 1 else P(None, None, None))
+    assert w_down.scale.sharding.spec == (P(None, None, "tp") if groups % tp == 0 else P(None, None, None))
     head = sharded.weights.lm_head
     if is_q(sharded.weights.embed):
         assert sharded.weights.embed.scale.addressable_shards[0].data.shape == (V // tp, 1)
