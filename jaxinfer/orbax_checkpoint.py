@@ -20,7 +20,7 @@ arrays in their own dtypes, {"values": int8 or float8_e4m3fn [*kept, *contracted
     "quantization": {"config": {"format": "int8", "group_size": 0, "quantize_activations": true,
                                 "quantize_embedding": true, "quantize_lm_head": true},   (resolved: no null)
                      "separate_lm_head": false,   (a tied model whose head is its own [D, V] weight)
-                     "weights": {"embed": {"contract_axes": [-1], "group_size": 0, "quantize_activations": false},
+                     "weights": {"embed": {"contract_axes": [-1], "group_size": 0, "quantize_activations": true},
                                  "layers.wq": {"contract_axes": [-3], "group_size": 0, "quantize_activations": true},
                                  ...}}   (every quantized weight by its dotted path, with its static fields)
 
