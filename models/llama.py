@@ -20,7 +20,7 @@ import numpy as np
 
 from models import moe
 from models.config import ModelConfig, RopeType
-from models.quant import embed_lookup, qeinsum
+from models.quant import QuantizedWeight, embed_lookup, qeinsum
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from pallas_kernels.paged_attention import write_kv
 from sharding.rules import EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB  # logical axis names
@@ -78,8 +78,15 @@ class Weights:
     lm_head: jax.Array | None = None  # [D, V]
 
     @staticmethod
-    def abstract(cfg: ModelConfig) -> Weights:
-        """The `WeightSpec` of every weight, in the same pytree structure as the real weights."""
+    def abstract(cfg: ModelConfig, separate_head: bool = False) -> Weights:
+        """The `WeightSpec` of every weight, in the same pytree structure as the real weights.
+
+        Args:
+          cfg: the model config.
+          separate_head: also give a tied model (`cfg.tie_word_embeddings`) an `lm_head` [D, V]: quantization
+            gives a tied model its own head when only one of the gather and the head is quantized
+            (`models.quant.quantize_weights`).
+        """
         L, V, D, F = cfg.num_layers, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         std_in, std_attn_out, std_mlp_out = D**-0.5, (N * H) ** -0.5, F**-0.5
@@ -124,7 +131,7 @@ class Weights:
             embed=spec((V, D), (VOCAB, EMBED), 1.0),
             layers=layers,
             final_norm=spec((D,), (EMBED,), None),
-            lm_head=None if cfg.tie_word_embeddings else spec((D, V), (EMBED, VOCAB), std_in),
+            lm_head=None if cfg.tie_word_embeddings and not separate_head else spec((D, V), (EMBED, VOCAB), std_in),
         )
 
 
@@ -150,14 +157,17 @@ def logical_axes(cfg: ModelConfig) -> Weights:
     return jax.tree.map(lambda s: s.logical_axes, Weights.abstract(cfg), is_leaf=_is_spec)
 
 
-def check_weights(weights: Weights, cfg: ModelConfig) -> None:
-    """Checks every weight's shape against `Weights.abstract(cfg)`.
+def check_weights(weights: Weights, cfg: ModelConfig, separate_head: bool = False) -> None:
+    """Checks every weight's shape against `Weights.abstract(cfg, separate_head)`; a `models.quant.QuantizedWeight`
+    is checked by its shape in the weight's own layout.
 
     Raises:
       ValueError: naming the first weight whose presence or shape disagrees with the config.
     """
-    specs = jax.tree_util.tree_flatten_with_path(Weights.abstract(cfg), is_leaf=lambda x: x is None or _is_spec(x))[0]
-    values = dict(jax.tree_util.tree_flatten_with_path(weights, is_leaf=lambda x: x is None)[0])
+    specs = jax.tree_util.tree_flatten_with_path(Weights.abstract(cfg, separate_head),
+                                                 is_leaf=lambda x: x is None or _is_spec(x))[0]
+    values = dict(jax.tree_util.tree_flatten_with_path(
+        weights, is_leaf=lambda x: x is None or isinstance(x, QuantizedWeight))[0])
     for path, spec in specs:
         value = values.get(path)
         name = jax.tree_util.keystr(path)

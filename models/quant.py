@@ -358,6 +358,12 @@ class QuantizationConfig:
     def lm_head(self) -> bool:
         return self.format == "int8" if self.quantize_lm_head is None else self.quantize_lm_head
 
+    def resolved(self) -> QuantizationConfig:
+        """This config with every None default decided (activations, embedding, LM head): two configs that
+        quantize the same way compare equal once resolved."""
+        return dataclasses.replace(self, quantize_activations=self.activations, quantize_embedding=self.embedding,
+                                   quantize_lm_head=self.lm_head)
+
 
 # Contracted axes of each quantized projection in its own layout (see models.llama.LayerWeights).
 CONTRACT_AXES = {
@@ -465,14 +471,35 @@ def weight_bytes(weights) -> dict[str, float]:
             "quantized_share": quantized / total if total else 0.0, "quantized_bytes": float(qbytes)}
 
 
-def _quantized_spec(spec: jax.sharding.PartitionSpec, q: QuantizedWeight) -> QuantizedWeight:
-    """PartitionSpecs of a quantized weight's values and scale from the spec of the weight it quantizes."""
+def _quantized_spec(spec: jax.sharding.PartitionSpec, q: QuantizedWeight,
+                    mesh: jax.sharding.Mesh | None = None) -> QuantizedWeight:
+    """PartitionSpecs of a quantized weight's values and scale from the spec of the weight it quantizes.
+
+    A per-group scale's group axis is split like the contracted axis when there is one contracted axis and (given
+    `mesh`) the number of groups divides over it; otherwise it is replicated.
+    """
     parts = list(spec) + [None] * (q.ndim - len(spec))
     order = q._order()
     kept = [parts[a] for a in order[: q.ndim - len(q.contract_axes)]]
     grouped = parts[order[-1]] if q.group_size and len(q.contract_axes) == 1 else None
+    if grouped is not None and mesh is not None:
+        names = grouped if isinstance(grouped, tuple) else (grouped,)
+        if q.scale.shape[-1] % math.prod(mesh.shape[n] for n in names):
+            grouped = None  # fewer groups than shards, or an uneven split: every device holds all groups
     return q.replace(values=jax.sharding.PartitionSpec(*[parts[a] for a in order]),
                      scale=jax.sharding.PartitionSpec(*kept, grouped))
+
+
+def quantized_sharding(sharding: jax.sharding.NamedSharding, q: QuantizedWeight) -> QuantizedWeight:
+    """The `NamedSharding`s of a quantized weight's values and scale (a `QuantizedWeight` of shardings, with `q`'s
+    static fields) from the sharding of the weight it quantizes, as `quantize_sharded` places them.
+
+    Args:
+      sharding: the sharding of the weight in its own layout.
+      q: the quantized weight, or one of `jax.ShapeDtypeStruct`s (only shapes and static fields are read).
+    """
+    specs = _quantized_spec(sharding.spec, q, sharding.mesh)
+    return jax.tree.map(lambda s: jax.sharding.NamedSharding(sharding.mesh, s), specs)
 
 
 def quantize_sharded(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
@@ -499,7 +526,7 @@ def quantize_sharded(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
     def one(a, spec):
         if a is None:
             return None
-        out = _quantized_spec(spec, a) if is_q(a) else spec
+        out = _quantized_spec(spec, a, mesh) if is_q(a) else spec
         return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), out)
 
     shardings = jax.tree.map(one, abstract, specs, is_leaf=lambda x: x is None or is_q(x))

@@ -38,7 +38,7 @@ import psutil
 from jaxinfer.engine import multihost
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk, StepResult, VerifyResult
 from jaxinfer.engine.sampling import SamplingRow
-from jaxinfer.model_loader import load_model
+from jaxinfer.model_loader import load_model, stored_quantization
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler.page_allocator import PageAllocator
@@ -106,7 +106,10 @@ class EngineConfig:
         per output channel, weight only), or a dict / JSON object of `models.quant.QuantizationConfig` fields
         (`format`, `group_size`, `quantize_activations`, `quantize_embedding`, `quantize_lm_head`). The weights
         are read in f32 and quantized once; norms, biases and MoE routers stay in `dtype`, which is also the
-        activation dtype. A draft model (speculative decoding) is quantized the same way.
+        activation dtype. A draft model (speculative decoding) is quantized the same way. A quantized checkpoint
+        (`jaxinfer convert --quantization`) is loaded as stored, never quantized again: None then means the
+        checkpoint's quantization, and any other value must equal it (ValueError naming both). The effective
+        config is `Engine.quantization`.
     """
 
     model: str | None = None
@@ -225,18 +228,19 @@ class Engine:
         tp, ep = config.tensor_parallel_size, config.expert_parallel_size
         self.mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
         # numpy weights; for an orbax checkpoint and a mesh, arrays restored straight onto the mesh
-        qcfg = config.quantization
-        load_dtype = np.float32 if qcfg is not None else np.dtype(self.dtype)  # quantized from f32
+        self.quantization, quantize_at_load = self._quantization(config)
+        qcfg = self.quantization
+        load_dtype = np.float32 if quantize_at_load else np.dtype(self.dtype)  # quantized from f32
         cfg, np_weights, self.tokenizer = load_model(config.model, load_dtype, mesh=self.mesh)
         self.model_config = cfg  # as trained; the runner gets the TP-padded config
         if self.mesh is None:
             run_cfg, weights = cfg, jax.tree.map(jnp.asarray, np_weights)
-            if qcfg is not None:
+            if quantize_at_load:
                 weights = _quantize(weights, cfg, qcfg, self.dtype)
         else:
-            sharded = shard_model(cfg, np_weights, self.mesh)
+            sharded = shard_model(cfg, np_weights, self.mesh)  # a quantized checkpoint's weights padded as stored
             run_cfg, weights = sharded.cfg, sharded.weights
-            if qcfg is not None:
+            if quantize_at_load:
                 weights = quant.quantize_sharded(weights, run_cfg, qcfg, self.dtype)
             padded = "" if sharded.layout.heads_identity else \
                 f" (padded from {cfg.num_heads} / {cfg.num_kv_heads}: KV heads replicated, so a KV page holds " \
@@ -247,7 +251,10 @@ class Engine:
         self.weight_bytes = quant.weight_bytes(weights)
         logger.info("loaded %s (%s%s) in %.1f s: %.1f MiB of weights", cfg.name, config.dtype,
                     "" if qcfg is None else f", {qcfg.format} weights ({self.weight_bytes['quantized_share']:.0%} of "
-                    "parameters quantized)", time.perf_counter() - t0, self.weight_bytes["bytes"] / 2**20)
+                    f"parameters quantized{'' if quantize_at_load else ', as stored in the checkpoint'})",
+                    time.perf_counter() - t0, self.weight_bytes["bytes"] / 2**20)
+        if qcfg is not None:
+            logger.info("quantization: %s", qcfg)
 
         self.max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if not 1 <= self.max_model_len <= cfg.max_position_embeddings:
@@ -307,6 +314,26 @@ class Engine:
         if multihost.is_multi_process() and multihost.is_leader():
             atexit.register(self.runner.release_followers)
 
+    @staticmethod
+    def _quantization(config: EngineConfig) -> tuple[QuantizationConfig | None, bool]:
+        """(the effective quantization, resolved, or None; whether the weights are quantized at load).
+
+        A quantized checkpoint's own quantization wins: `config.quantization` None takes it, an equal one is
+        accepted, a different one is refused.
+
+        Raises:
+          ValueError: `config.quantization` differs from the checkpoint's (both named), or a malformed checkpoint.
+        """
+        stored = stored_quantization(config.model)
+        wanted = None if config.quantization is None else config.quantization.resolved()
+        if stored is None:
+            return wanted, wanted is not None
+        if wanted is not None and wanted != stored:
+            raise ValueError(f"quantization={wanted} differs from the quantization the checkpoint {config.model!r} "
+                             f"is stored with, {stored}; pass quantization=None to use the checkpoint's, or convert "
+                             f"the original model again")
+        return stored, False
+
     def _load_draft(self, run_cfg, weights) -> draft_lib.DraftModel | None:
         """The draft model of "self_draft" / "draft_model" (None for "ngram").
 
@@ -322,7 +349,8 @@ class Engine:
         if multihost.is_multi_process():
             raise ValueError("speculative method 'draft_model' runs in one process; use 'ngram' or 'self_draft'")
         try:
-            qcfg = self.config.quantization
+            # a quantized draft checkpoint is used as stored; other drafts are quantized like the target
+            qcfg = None if stored_quantization(spec.model) is not None else self.quantization
             draft_cfg, draft_weights, draft_tokenizer = load_model(
                 spec.model, np.float32 if qcfg is not None else np.dtype(self.dtype))
         except ValueError as e:
@@ -330,8 +358,8 @@ class Engine:
         draft_lib.check_draft_model(draft_cfg, run_cfg, draft_tokenizer.vocab_size, self.tokenizer.vocab_size)
         logger.info("draft model %s: %d layers", draft_cfg.name, draft_cfg.num_layers)
         draft_weights = jax.tree.map(jnp.asarray, draft_weights)
-        if self.config.quantization is not None:
-            draft_weights = _quantize(draft_weights, draft_cfg, self.config.quantization, self.dtype)
+        if qcfg is not None:
+            draft_weights = _quantize(draft_weights, draft_cfg, qcfg, self.dtype)
         return draft_lib.DraftModel(cfg=draft_cfg, weights=draft_weights,
                                     shares_target_cache=False)
 

@@ -1,0 +1,272 @@
+"""Quantized orbax checkpoints (`orbax_checkpoint.convert(..., quantization=...)`, `jaxinfer convert --quantization`):
+bit-identical restores, the same greedy tokens as quantizing at load, refusals, exact padding of quantized weights
+for tensor parallelism, and (in a child process with 8 fake CPU devices,
+tests/sharding/multi_device_quant_checkpoint_checks.py) sharded restores."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams, orbax_checkpoint
+from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.model_loader import load_model, stored_quantization
+from models.config import ModelConfig
+from models.llama import Weights, init_weights
+from models.quant import QuantizationConfig, QuantizedWeight, quantize, quantize_weights
+from sharding.partition import pad_weights, tp_layout
+from tests.sharding.multi_device_orbax_checks import make_tiny_hf_folder
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "tests" / "data"
+F32 = np.dtype(np.float32)
+
+# name -> (source model, quantization as a user gives it)
+CASES = {
+    "int8": ("tiny_llama3", "int8"),
+    "fp8": ("tiny_llama3", "fp8"),
+    "fp8-g16": ("tiny_llama3", '{"format": "fp8", "group_size": 16}'),
+    "int8-tied-float-head": ("tiny_qwen2", {"format": "int8", "quantize_lm_head": False}),
+}
+
+is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("src")
+    return {name: make_tiny_hf_folder(root / name, DATA / name) for name in ("tiny_llama3", "tiny_qwen2")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(sources, tmp_path_factory):
+    """case name -> its quantized checkpoint, converted once per module."""
+    @functools.cache
+    def get(case: str) -> Path:
+        src, quantization = CASES[case]
+        return orbax_checkpoint.convert(sources[src], tmp_path_factory.mktemp("ckpt") / case,
+                                        quantization=quantization)
+
+    return get
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint8) if x.dtype.itemsize == 1 else x
+
+
+def _assert_identical(got, want) -> None:
+    """Same pytree structure (QuantizedWeight static fields included), dtypes, shapes and bits."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        where = jax.tree_util.keystr(path)
+        assert x.dtype == y.dtype and x.shape == y.shape, (where, x.dtype, y.dtype, x.shape, y.shape)
+        np.testing.assert_array_equal(_bits(x), _bits(y), err_msg=where)
+
+
+def _quantized_at_load(src: Path, quantization, dtype=jnp.float32):
+    """What the engine does with `EngineConfig.quantization`: float32 weights quantized in one jitted call."""
+    cfg, weights, _ = load_model(src, F32)
+    qcfg = QuantizationConfig.from_value(quantization)
+    return jax.device_get(jax.jit(functools.partial(quantize_weights, cfg=cfg, qcfg=qcfg, dtype=dtype))(weights))
+
+
+# --- bit-identical restores --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_quantized_checkpoint_restores_bit_identical(case, sources, checkpoint):
+    src, quantization = CASES[case]
+    ckpt = checkpoint(case)
+    qcfg = QuantizationConfig.from_value(quantization)
+    meta = json.loads((ckpt / orbax_checkpoint.CHECKPOINT_JSON).read_text())
+    assert meta["dtype"] == "float32"
+    assert QuantizationConfig(**meta["quantization"]["config"]) == qcfg.resolved()
+    assert meta["quantization"]["config"]["quantize_activations"] is (qcfg.format == "int8")  # resolved, not null
+    assert stored_quantization(ckpt) == qcfg.resolved() and stored_quantization(sources[src]) is None
+
+    expected = _quantized_at_load(sources[src], quantization)
+    cfg, restored, _ = orbax_checkpoint.load(ckpt, "float32")
+    _assert_identical(restored, expected)
+    assert isinstance(restored.layers.wq, QuantizedWeight) and isinstance(restored.layers.wq.values, np.ndarray)
+    assert (restored.lm_head is not None) is (case == "int8-tied-float-head" or not cfg.tie_word_embeddings)
+    assert meta["quantization"]["separate_lm_head"] is (case == "int8-tied-float-head")
+
+    # On disk the arrays have their real dtypes (orbax metadata, not what `load` asks for).
+    stored = orbax_checkpoint._stored_arrays(ckpt / "weights", ckpt)
+    values_dtype = {"int8": np.int8, "fp8": jnp.float8_e4m3fn}[qcfg.format]
+    assert np.dtype(stored["layers"]["wq"]["values"].dtype) == values_dtype
+    assert np.dtype(stored["layers"]["wq"]["scale"].dtype) == np.float32
+    assert np.dtype(stored["layers"]["attn_norm"].dtype) == np.float32
+    assert set(meta["quantization"]["weights"]) == {".".join(p) for p in orbax_checkpoint._quantized_leaves(restored)}
+
+
+def test_int8_values_and_scales_match_a_numpy_reference(sources, checkpoint):
+    # An independent check of the stored layout and arithmetic (not through models.quant): wq [L, D, N, H] is
+    # stored output-major [L, N, H, D] with one scale per (layer, head, head-dim) channel, absmax / 127.
+    _, src_weights, _ = load_model(sources["tiny_llama3"], F32)
+    _, restored, _ = orbax_checkpoint.load(checkpoint("int8"), "float32")
+    w = np.transpose(src_weights.layers.wq, (0, 2, 3, 1))
+    scale = restored.layers.wq.scale
+    # XLA may compute amax / 127 as amax * (1 / 127): within one float32 rounding of the exact quotient
+    np.testing.assert_allclose(scale, np.abs(w).max(-1, keepdims=True) / np.float32(127), rtol=2**-23, atol=0)
+    np.testing.assert_array_equal(restored.layers.wq.values, np.clip(np.rint(w / scale), -127, 127).astype(np.int8))
+    assert restored.layers.wq.contract_axes == (-3,) and restored.layers.wq.quantize_activations
+
+
+def test_unquantized_weights_restore_in_the_requested_dtype(sources, checkpoint):
+    _, restored, _ = orbax_checkpoint.load(checkpoint("int8"), "bfloat16")
+    assert restored.final_norm.dtype == jnp.bfloat16 and restored.layers.wq.values.dtype == np.int8
+    _assert_identical(restored, _quantized_at_load(sources["tiny_llama3"], "int8", dtype=jnp.bfloat16))
+
+
+# --- through the engine ----------------------------------------------------------------------------------------------
+
+
+def test_generation_from_the_checkpoint_equals_quantization_at_load(sources, checkpoint):
+    # The tied model with its separate float head (the other cases restore bit-identical weights as well, and the
+    # engine's computation is a function of the weights). The config spelled out is accepted: quantize_activations
+    # resolves to int8's default.
+    case, engine_quantization = "int8-tied-float-head", {"format": "int8", "quantize_lm_head": False,
+                                                         "quantize_activations": True}
+    src, quantization = CASES[case]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompt = {"prompt_token_ids": [1, 40, 50, 60, 70, 33, 21]}
+    options = dict(warmup=False, kv_cache_memory_bytes=1 << 20)
+    at_load = LLM(str(sources[src]), quantization=quantization, **options)
+    from_ckpt = LLM(str(checkpoint(case)), quantization=engine_quantization, **options)
+    assert from_ckpt.engine.quantization == at_load.engine.quantization == \
+        QuantizationConfig.from_value(quantization).resolved()
+    assert from_ckpt.engine.weight_bytes == at_load.engine.weight_bytes
+    assert from_ckpt.engine.weight_bytes["quantized_share"] > 0.5
+    _assert_identical(from_ckpt.runner.weights, at_load.runner.weights)
+    want = at_load.generate(prompt, params)[0].outputs[0].token_ids
+    got = from_ckpt.generate(prompt, params)[0].outputs[0].token_ids
+    assert len(got) == 12 and got == want
+
+
+@pytest.mark.parametrize("engine_quantization, message", [
+    ("fp8", r"quantization=QuantizationConfig\(format='fp8'.* differs from the quantization the checkpoint .* is "
+            r"stored with, QuantizationConfig\(format='int8'"),
+    ({"format": "int8", "quantize_activations": False}, r"quantize_activations=False.* differs .* "
+                                                        r"quantize_activations=True"),
+])
+def test_a_different_quantization_than_the_checkpoints_is_refused(engine_quantization, message, checkpoint):
+    with pytest.raises(ValueError, match=message):
+        Engine(EngineConfig(model=str(checkpoint("int8")), quantization=engine_quantization, warmup=False))
+
+
+# --- refusals and broken checkpoints ---------------------------------------------------------------------------------
+
+
+def test_save_and_convert_refusals(sources, checkpoint, tmp_path):
+    cfg, weights, tokenizer = load_model(sources["tiny_llama3"], F32)
+    quantized = _quantized_at_load(sources["tiny_llama3"], "int8")
+    with pytest.raises(ValueError, match=r"weights hold quantized weights \(embed, layers.wq, .*pass the quantization"):
+        orbax_checkpoint.save(tmp_path / "a", cfg, quantized, tokenizer)
+    with pytest.raises(ValueError, match="quantization='int8' given, but no weight is quantized"):
+        orbax_checkpoint.save(tmp_path / "b", cfg, weights, tokenizer, quantization="int8")
+    with pytest.raises(ValueError, match="int8 values with float32 scales do not fit quantization format 'fp8'"):
+        orbax_checkpoint.save(tmp_path / "c", cfg, quantized, tokenizer, quantization="fp8")
+    with pytest.raises(ValueError, match="is a quantized checkpoint already"):
+        orbax_checkpoint.convert(checkpoint("int8"), tmp_path / "d", quantization="fp8")
+    with pytest.raises(ValueError, match="unknown quantization key"):
+        orbax_checkpoint.convert(sources["tiny_llama3"], tmp_path / "e", quantization='{"format": "int8", "bits": 8}')
+    assert not any((tmp_path / name).exists() and any((tmp_path / name).iterdir()) for name in "abcde")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda q: q["weights"]["layers.wq"].update(group_size=7),
+     r"quantization.weights.layers.wq: .* does not fit a int8 weight of shape \(2, 64, 4, 16\)"),
+    (lambda q: q["weights"].update({"layers.w_made_up": q["weights"]["layers.wq"]}),
+     "'layers.w_made_up' is not a weight of this model"),
+    (lambda q: q["config"].update(quantize_activations=None), "expected a resolved quantization config"),
+    (lambda q: q["config"].update(format="fp8"), r"weight .embed.values is stored as int8, expected float8_e4m3fn"),
+    (lambda q: q.update(separate_lm_head=True), r"separate_lm_head: True \(true only for tied embeddings\)"),
+], ids=["bad-group", "unknown-weight", "unresolved", "wrong-format", "separate-head-untied"])
+def test_a_malformed_quantization_record_is_one_clear_value_error(edit, message, checkpoint, tmp_path):
+    import shutil
+
+    ckpt = Path(shutil.copytree(checkpoint("int8"), tmp_path / "broken"))
+    meta = json.loads((ckpt / orbax_checkpoint.CHECKPOINT_JSON).read_text())
+    edit(meta["quantization"])
+    (ckpt / orbax_checkpoint.CHECKPOINT_JSON).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=message) as e:
+        orbax_checkpoint.load(ckpt, "float32")
+    assert str(ckpt) in str(e.value) and "\n" not in str(e.value)
+
+
+# --- tensor-parallel padding of quantized weights (one device) ---------------------------------------------------
+
+
+TIED_9_OVER_3 = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=70, num_layers=2,
+                            num_heads=9, num_kv_heads=3, head_dim=16, max_position_embeddings=64,
+                            tie_word_embeddings=True, name="9-over-3")
+
+
+@pytest.mark.parametrize("quantization, tp", [
+    ({"format": "int8", "quantize_lm_head": False}, 2),  # separate float head [D, V], padded along V
+    ({"format": "int8", "quantize_lm_head": False}, 4),
+    ({"format": "fp8"}, 4),
+    ({"format": "fp8", "group_size": 8, "quantize_embedding": False}, 4),  # wo's groups move with their heads
+    ({"format": "fp8", "group_size": 2}, 4),  # w_down grouped along the padded MLP axis (70 -> 72: whole groups)
+], ids=["int8-float-head-tp2", "int8-float-head-tp4", "fp8-tp4", "fp8-g8-tp4", "fp8-g2-tp4"])
+def test_padding_quantized_weights_equals_quantizing_padded_weights(quantization, tp):
+    # 9 query heads over 3 KV heads: tp=2 and tp=4 pad query heads (zero slots), replicate KV heads and pad MLP
+    # (70) and vocabulary (101). Quantizing the padded float weights is the reference; bit for bit, +-0 included.
+    cfg, layout = TIED_9_OVER_3, tp_layout(TIED_9_OVER_3, tp)
+    weights = init_weights(cfg, jax.random.key(tp))
+    weights = weights.replace(embed=weights.embed.at[3].set(0.0))  # an all-zero channel before padding too
+    qcfg = QuantizationConfig.from_value(quantization)
+    quantized = jax.jit(functools.partial(quantize_weights, cfg=cfg, qcfg=qcfg, dtype=jnp.float32))(weights)
+    separate = quantized.lm_head is not None
+    specs = Weights.abstract(cfg, separate)
+    pad = jax.jit(lambda w: pad_weights(w, specs, layout))  # one compiled call instead of op-by-op dispatch
+
+    @jax.jit
+    def reference(weights):  # the padded float weights quantized with the same static fields
+        padded = pad_weights(weights.replace(lm_head=weights.embed.T) if separate else weights, specs, layout)
+        return jax.tree.map(lambda q, w: quantize(w, q.format, q.contract_axes, group_size=q.group_size,
+                                                  quantize_activations=q.quantize_activations) if is_q(q) else w,
+                            jax.eval_shape(pad, quantized), padded, is_leaf=is_q)
+
+    want = reference(weights)
+    for host in (False, True):
+        got = pad_weights(jax.device_get(quantized), specs, layout) if host else pad(quantized)
+        assert isinstance(got.layers.wq.values, np.ndarray) is host
+        _assert_identical(got, want)
+    assert got.layers.wq.values.shape[1] == layout.num_heads > cfg.num_heads
+    assert not got.layers.wq.values[:, ~layout.q_valid].astype(np.float32).any()
+    assert (got.layers.wq.scale[:, ~layout.q_valid] == 1).all()  # zero slots: scale 1, as quantize gives them
+    if qcfg.group_size == 2 and tp == 4:
+        assert got.layers.w_down.group_size == 2 and got.layers.w_down.scale.shape[-1] == 36
+
+
+def test_padding_that_would_split_a_group_is_refused():
+    cfg, layout = TIED_9_OVER_3, tp_layout(TIED_9_OVER_3, 4)
+    quantized = quantize_weights(init_weights(cfg, jax.random.key(0)), cfg,
+                                 QuantizationConfig(format="fp8", group_size=5), jnp.float32)
+    assert quantized.layers.w_down.group_size == 5  # 70 = 14 groups of 5; padded to 72: not whole groups
+    with pytest.raises(ValueError, match="group_size 5 along its mlp axis of size 70 cannot be padded to 72 for tp=4"):
+        pad_weights(quantized, Weights.abstract(cfg), layout)
+
+
+# --- meshes of 8 fake devices ----------------------------------------------------------------------------------------
+
+
+def test_quantized_restore_onto_meshes_on_eight_fake_devices():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(REPO / "tests" / "sharding" / "multi_device_quant_checkpoint_checks.py")],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout and "skipped" not in r.stdout
