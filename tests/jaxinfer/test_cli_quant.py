@@ -47,7 +47,7 @@ def test_convert_quantized_then_generate_from_it(tmp_path):
     assert len(got["token_ids"]) == 8 and got["token_ids"] == want["token_ids"]
     assert got["quantization"] == want["quantization"] == {
         "format": "int8", "group_size": 0, "quantize_activations": True, "quantize_embedding": True,
-        "quantize_lm_head": True}
+        "quantize_lm_head": True, "activation_group_size": 0}
     assert got["weight_bytes"] == want["weight_bytes"] and got["weight_bytes"]["quantized_share"] > 0.9
     # int8 values + f32 scales: about a quarter of the float32 bytes of the quantized weights
     assert got["weight_bytes"]["quantized_bytes"] < 0.3 * 4 * got["weight_bytes"]["quantized_params"]
@@ -57,7 +57,7 @@ def test_convert_quantized_then_generate_from_it(tmp_path):
     ("generate", "int4", "quantization='int4' is not one of int8, fp8"),
     ("generate", '{"format": "fp8", "group_size": -1', "quantization config is not valid JSON"),
     ("convert", '{"format": "int8", "group_size": 128}', "group_size is for fp8"),
-    ("serve", '{"format": "int8", "bits": 8}', "unknown quantization key(s) 'bits'; known:"),
+    ("serve", '{"format": "int8", "bits": 8}', "unknown quantization config key(s) 'bits'; known:"),
 ])
 def test_bad_quantization_exits_2_with_one_line(command, value, message, tmp_path):
     args = {"generate": ["--prompt", "x"], "convert": ["--output", str(tmp_path / "out")],

@@ -112,10 +112,13 @@ def test_quantized_checkpoint_restores_bit_identical(case, sources, checkpoint):
 
 def test_int8_values_and_scales_match_a_numpy_reference(sources, checkpoint):
     # An independent check of the stored layout and arithmetic (not through models.quant): wq [L, D, N, H] is
-    # stored output-major [L, N, H, D] with one scale per (layer, head, head-dim) channel, absmax / 127.
+    # stored output-major [L, N, H, D] with one scale per (layer, head, head-dim) channel, absmax / 127; int8 w8a8
+    # first folds the attention norm's gain into wq (its rows scaled by attn_norm), and stores the norm as ones.
     _, src_weights, _ = load_model(sources["tiny_llama3"], F32)
     _, restored, _ = orbax_checkpoint.load(checkpoint("int8"), "float32")
-    w = np.transpose(src_weights.layers.wq, (0, 2, 3, 1))
+    gain = np.asarray(src_weights.layers.attn_norm, np.float32)[:, :, None, None]
+    w = np.transpose(np.asarray(src_weights.layers.wq) * gain, (0, 2, 3, 1))
+    assert np.all(np.asarray(restored.layers.attn_norm) == 1)
     scale = restored.layers.wq.scale
     # XLA may compute amax / 127 as amax * (1 / 127): within one float32 rounding of the exact quotient
     np.testing.assert_allclose(scale, np.abs(w).max(-1, keepdims=True) / np.float32(127), rtol=2**-23, atol=0)
@@ -179,7 +182,7 @@ def test_save_and_convert_refusals(sources, checkpoint, tmp_path):
         orbax_checkpoint.save(tmp_path / "c", cfg, quantized, tokenizer, quantization="fp8")
     with pytest.raises(ValueError, match="is a quantized checkpoint already"):
         orbax_checkpoint.convert(checkpoint("int8"), tmp_path / "d", quantization="fp8")
-    with pytest.raises(ValueError, match="unknown quantization key"):
+    with pytest.raises(ValueError, match="unknown quantization config key"):
         orbax_checkpoint.convert(sources["tiny_llama3"], tmp_path / "e", quantization='{"format": "int8", "bits": 8}')
     assert not any((tmp_path / name).exists() and any((tmp_path / name).iterdir()) for name in "abcde")
 
