@@ -29,6 +29,7 @@ class LLM:
         `max_model_len`, `kv_cache_memory_bytes`, `scan_layers`, `seed`, `warmup`, `attention_backend`,
         `tensor_parallel_size` (TP devices), `expert_parallel_size` (EP devices, MoE models),
         `enable_prefix_caching` (default True), `kv_offload_bytes` and `kv_offload_min_pages` (host tier),
+        `kv_cache_dtype` ("auto": the model dtype; "int8" or "fp8": quantized KV pages with per-token scales),
         `speculative_config` (speculative decoding, as vLLM's: a dict such as
         `{"method": "ngram", "num_speculative_tokens": 4}`, a JSON object string or a
         `jaxinfer.spec_decode.config.SpeculativeConfig`; methods "ngram", "draft_model" (with `"model": PATH`) and

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import load_values
 from pallas_kernels.ragged import DEFAULT_MASK_VALUE, soft_cap_scores
 
 Carry = tuple[jax.Array, jax.Array, jax.Array]  # m f32[R, 1], l f32[R, 1], acc f32[R, H]
@@ -31,8 +32,8 @@ def update(carry: Carry, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
 
     Args:
       carry: (m, l, acc) from `init` or the previous tile.
-      q: [R, H] query tile; k, v: [block_kv, H] key/value tile (same dtype as q, or int8 / fp8 values with
-        scales, converted to q's dtype for the dots; products accumulate in f32).
+      q: [R, H] query tile; k, v: [block_kv, H] key/value tile (same dtype as q, or quantized values with
+        scales, turned into q's dtype by `kv_quant.load_values` for the dots; products accumulate in f32).
       mask: bool, broadcastable to [R, block_kv]: which keys each row may see.
       sm_scale: score scale; soft_cap: Gemma 2 soft cap applied after scaling, or None.
       k_scale, v_scale: f32[1, block_kv] per-key scales of quantized k / v tiles, or None. Key scales multiply the
@@ -44,7 +45,7 @@ def update(carry: Carry, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     """
     m_prev, l_prev, acc_prev = carry
     if k_scale is not None:
-        k = k.astype(q.dtype)
+        k = load_values(k, q.dtype)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if k_scale is not None:
         s = s * k_scale
@@ -55,7 +56,7 @@ def update(carry: Carry, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     alpha = jnp.exp(m_prev - m)
     l = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
     if v_scale is not None:
-        p, v = p * v_scale, v.astype(q.dtype)
+        p, v = p * v_scale, load_values(v, q.dtype)
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m, l, alpha * acc_prev + pv
 

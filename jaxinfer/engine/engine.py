@@ -57,6 +57,8 @@ from sharding.partition import shard_model
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# KV cache dtypes besides "auto" (the model dtype): quantized pages with per-token scales (models.llama.KVCache)
+KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 DEFAULT_KV_CACHE_HOST_FRACTION = 0.1  # of available host memory, when no budget is given on CPU
 DEFAULT_KV_CACHE_DEVICE_FRACTION = 0.8  # of free accelerator memory after the weights
 # Shortest run of host-tier pages worth copying back instead of recomputing, per backend (BENCHMARKS.md,
@@ -98,6 +100,9 @@ class EngineConfig:
         fields as vLLM's `speculative_config` (e.g. `{"method": "ngram", "num_speculative_tokens": 4}`), a JSON
         object string, or None (off). Lossless: outputs keep the target model's distribution (greedy: the same
         tokens). "draft_model" runs in one process with tensor_parallel_size = expert_parallel_size = 1.
+      kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8" (float8_e4m3fn): quantized KV pages with one f32
+        scale per token per KV head, used on every path that reads or moves pages (prefix-cache hits, copies,
+        the host tier, the draft model's cache); README "KV cache quantization".
     """
 
     model: str | None = None
@@ -117,6 +122,7 @@ class EngineConfig:
     kv_offload_bytes: int = 0
     kv_offload_min_pages: int | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
@@ -126,6 +132,9 @@ class EngineConfig:
                              "expert_parallel_size = 1, or method 'ngram' / 'self_draft'")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of auto, "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
@@ -205,6 +214,7 @@ class Engine:
         enable_compilation_cache()
         self.config = config
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         t0 = time.perf_counter()
         tp, ep = config.tensor_parallel_size, config.expert_parallel_size
         self.mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
@@ -229,9 +239,9 @@ class Engine:
             raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
         self.spec_config = config.speculative_config
         draft = self._load_draft(run_cfg, weights) if self.spec_config is not None else None
-        page_bytes = KVCache.bytes_per_page(run_cfg, config.page_size, self.dtype)  # over all devices
+        page_bytes = KVCache.bytes_per_page(run_cfg, config.page_size, self.kv_dtype)  # over all devices
         if draft is not None and not draft.shares_target_cache:  # the draft's cache has a page for every page
-            page_bytes += KVCache.bytes_per_page(draft.cfg, config.page_size, self.dtype)
+            page_bytes += KVCache.bytes_per_page(draft.cfg, config.page_size, self.kv_dtype)
         if self.mesh is not None and jax.default_backend() != "cpu":
             page_bytes //= tp  # the budget is per device there (CPU devices share the host's memory)
         budget = config.kv_cache_memory_bytes or self._default_kv_budget()
@@ -241,7 +251,7 @@ class Engine:
             raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV page ({page_bytes} bytes)")
         self.page_size = config.page_size
         self.runner = ModelRunner(run_cfg, weights, num_pages=num_pages, page_size=config.page_size,
-                                  kv_dtype=self.dtype, scan_layers=config.scan_layers,
+                                  kv_dtype=self.kv_dtype, scan_layers=config.scan_layers,
                                   attention=select_attention(config.attention_backend),
                                   vocab_limit=min(cfg.vocab_size, self.tokenizer.vocab_size),
                                   max_pages_per_seq=-(-self.max_model_len // config.page_size),
@@ -272,8 +282,8 @@ class Engine:
         self._seq_logprobs: dict[int, list[dict[int, float]]] = {}
         self._auto_request_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
-                    num_pages * page_bytes / 2**20)
+        logger.info("KV cache: %d pages of %d tokens, %s (%.1f MiB)", num_pages, config.page_size,
+                    jnp.dtype(self.kv_dtype).name, num_pages * page_bytes / 2**20)
         if config.warmup:
             spec = self.spec_config
             self.runner.warmup(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -24,9 +24,10 @@ Mosaic GPU is the follow-up once the Triton backend is removed.
    normalisation, arXiv:2307.08691), carries in f32. With `num_splits > 1` each split writes its normalised
    partial output and log-sum-exp, and the wrapper merges them (`pallas_kernels.ragged.combine_splits`,
    FlashDecoding).
-5. Quantized pages (int8 / fp8, `quant`): the block's key and value scales, `[block_kv / page_size, page_size]`
-   f32, are gather-loaded beside its pages and flattened to one `[1, block_kv]` row each; key scales multiply the
-   scores, value scales the probabilities, and the values enter the dots in q's dtype.
+5. Quantized pages (int8 / fp8, `pallas_kernels.kv_quant`): the block's key and value scales,
+   `[block_kv / page_size, page_size]` f32, are gather-loaded beside its pages and flattened to one `[1, block_kv]`
+   row each; key scales multiply the scores, value scales the probabilities, and the values enter the dots in q's
+   dtype (`kv_quant.load_values`).
 """
 
 from __future__ import annotations

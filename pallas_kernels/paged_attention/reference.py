@@ -10,8 +10,9 @@ read, and kv heads come before page positions so that one page of one kv head, `
 the kernels copy exactly that unit (one DMA on TPU, one load on GPU), and the reference's gathered context
 reshapes to `[B, K, S, H]` (batch and kv heads leading, the fast order for XLA:CPU einsums).
 
-Quantized pages (int8 or float8_e4m3fn, `quant`) come with one f32 scale per token per kv head, laid out like the
-pages without their head dim, so that a page's scales travel with it by the same page index:
+Quantized pages (int8, or fp8 stored as float8_e4m3fn bit patterns in uint8: `pallas_kernels.kv_quant`) come with
+one f32 scale per token per kv head, laid out like the pages without their head dim, so that a page's scales
+travel with it by the same page index:
 
     k_scale, v_scale: f32[P, K, page_size]   one layer; stacked: f32[L, P, K, page_size]
 
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.paged_attention.quant import SCALE_DTYPE, is_quantized, quantize
+from pallas_kernels.kv_quant import SCALE_DTYPE, is_quantized, load_values, quantize
 from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, queries_by_sequence,
                                    rows_from_sequences, soft_cap_scores, visible)
 
@@ -135,7 +136,8 @@ def write_kv(
     Args:
       k_pages, v_pages: [P, K, page_size, H] one layer's cache, or [L, P, K, page_size, H] all layers' (then
         `layer` picks the layer written, so the stacked cache is updated in place without slicing it). Float
-        pages take k / v cast to their dtype; int8 / float8_e4m3fn pages take `quant.quantize(k)` and its scales.
+        pages take k / v cast to their dtype; quantized ones (int8, uint8 fp8 bits, float8_e4m3fn) take
+        `kv_quant.quantize(k)` and its scales.
       k, v: [T, K, H] new keys/values, one row per flat token.
       kv_loc: i32[T], flat address `page * page_size + offset` of each token, in [0, P * page_size). Padding tokens
         point into the null page 0.
@@ -231,8 +233,8 @@ def paged_attention_reference(
         return ctx.reshape(num_seqs, num_kv_heads, max_kv_len, *ctx.shape[4:])  # [B, K, S, H] or scales [B, K, S]
 
     k_ctx, v_ctx = gather(k_pages), gather(v_pages)
-    if k_scale is not None:  # integer / fp8 values take part in the dots in q's dtype (exactly: <= 8 bits)
-        k_ctx, v_ctx = k_ctx.astype(q.dtype), v_ctx.astype(q.dtype)
+    if k_scale is not None:  # int8 / fp8 values take part in the dots in q's dtype (exactly: <= 8 bits)
+        k_ctx, v_ctx = load_values(k_ctx, q.dtype), load_values(v_ctx, q.dtype)
     scores = jnp.einsum("btkgh,bksh->bkgts", q_seq, k_ctx, preferred_element_type=jnp.float32)
     if k_scale is not None:
         scores = scores * gather(k_scale)[:, :, None, None, :]  # q . (k_int * k_scale)

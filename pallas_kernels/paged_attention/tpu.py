@@ -12,10 +12,12 @@
    normalisation, arXiv:2307.08691). With `num_splits > 1` each split writes its normalised partial output and
    log-sum-exp, and the wrapper merges them (`pallas_kernels.ragged.combine_splits`, FlashDecoding).
 
-Quantized pages (int8 / fp8, `quant`): each page's key and value scale rows (`[1, page_size]` f32 of its kv
-head) are DMA'd beside the page into buffers of their own, and the online softmax runs page by page inside a KV
-block, each page's scores multiplied by its key scale row and its probabilities by its value scale row (a row
-vector per page needs no lane relayout, which a `[1, block_kv]` row gathered from several pages would).
+Quantized pages (int8 / fp8, `pallas_kernels.kv_quant`): each page's key and value scale rows (`[1, page_size]` f32
+of its kv head) are DMA'd beside the page into buffers of their own, and the online softmax runs page by page
+inside a KV block, each page's scores multiplied by its key scale row and its probabilities by its value scale row
+(a row vector per page needs no lane relayout, which a `[1, block_kv]` row gathered from several pages would).
+Values enter the dots in q's dtype (`kv_quant.load_values`: fp8 bit patterns decode with integer ops, so no
+float8 support is needed from the chip).
 
 Head dim 64 (SmolLM2) lowers because no block has a last dim below the array's: the query/output tiles and the
 page buffers span the whole head dim.
