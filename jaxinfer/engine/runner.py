@@ -682,7 +682,8 @@ class ModelRunner:
             self.host_pages.pop(slot, None)
 
     def clear_pages(self, page_ids: Sequence[int]) -> None:
-        """Zeroes pages (all layers, K and V and their scales), e.g. those a sequence filled with NaN K/V, before they are reused.
+        """Zeroes pages (all layers, K and V and their scales), e.g. those a sequence filled with NaN K/V, before
+        they are reused.
 
         Attention masks the slots past a sequence's length, but a masked weight of 0 times a stale NaN is still
         NaN: without this, the next owner of such a page would inherit the failure.
