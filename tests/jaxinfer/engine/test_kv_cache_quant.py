@@ -111,43 +111,51 @@ def _cold(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
-@pytest.mark.slow
-def test_prefix_hits_host_tier_and_preemption_give_the_cold_tokens(quantized: LLM, corpus: list[int]) -> None:
-    llm, cache = quantized, quantized.engine.prefix_cache
+def _prompts(corpus: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """a; b sharing a's first 3 pages; c of 3 whole pages (a second run hits all and copies the last)."""
     a = corpus[0:60]
-    b = with_prefix(corpus, a, 48, 60, other=400)  # shares a's first 3 pages
-    c = corpus[100:148]  # 3 whole pages: the second run hits all and copies the last (copy-on-write)
-    t1, t2 = corpus[150:250], corpus[260:360]  # no prefix in common with a
-    cold_b, cold_c = _cold(llm, [b, c])
+    return a, with_prefix(corpus, a, 48, 60, other=400), corpus[100:148]
 
-    # device hits, one with a copy-on-write of the last page
+
+@pytest.mark.slow
+def test_prefix_hits_give_the_cold_tokens(quantized: LLM, corpus: list[int]) -> None:
+    llm, cache = quantized, quantized.engine.prefix_cache
+    a, b, c = _prompts(corpus)
+    cold_b, cold_c = _cold(llm, [b, c])
     cow0 = cache.stats.cow_copies
     llm.generate([prompt(a), prompt(c)], [SHORT] * 2)
     hits = llm.generate([prompt(b), prompt(c)], [SHORT] * 2)
     assert [o.num_cached_tokens for o in hits] == [48, 47] and cache.stats.cow_copies == cow0 + 1
     assert tokens(hits) == [cold_b, cold_c]
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantized", ["int8"], indirect=True)  # fp8 pages move through the same tree maps
+def test_host_tier_and_preemption_give_the_cold_tokens(quantized: LLM, corpus: list[int]) -> None:
+    llm = quantized
+    a, b, _ = _prompts(corpus)
+    t1, t2 = corpus[150:250], corpus[260:360]  # no prefix in common with a
+    family = [b] + [with_prefix(corpus, b, 32, 60, other=200 + 40 * i) for i in range(2)]
+    cold = _cold(llm, family)  # cold[0]: b's
+
     # host tier: t1 and t2 evict a's pages to the host; b brings them back
-    llm.reset_prefix_cache()
     host0 = llm.engine.stats()["prefix_cache_host_hits"]
     with held_pages(llm, keep_free=12):
         for p in (a, t1, t2):
             drive(llm, [prompt(p)], [SHORT])
         (back,) = drive(llm, [prompt(b)], [SHORT])
     assert back.num_cached_tokens == 48 and llm.engine.stats()["prefix_cache_host_hits"] - host0 == 3
-    assert back.outputs[0].token_ids == cold_b
+    assert back.outputs[0].token_ids == cold[0]
 
     # preemption: 3 requests sharing b's first 2 pages need 2 + 3 x 3 pages at their longest (76 tokens) but get
     # 8; a preempted one is recomputed (or re-hits its own cached pages) and must continue as it would have
     llm.reset_prefix_cache()
-    family = [b] + [with_prefix(corpus, b, 32, 60, other=200 + 40 * i) for i in range(2)]
-    cold_family = [cold_b] + _cold(llm, family[1:])
     before = llm.engine.scheduler.num_preemptions
     with held_pages(llm, keep_free=8):
         outs = llm.generate([prompt(p) for p in family],
                             [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 3)
     assert llm.engine.scheduler.num_preemptions > before
-    assert [t[:4] for t in tokens(outs)] == cold_family
+    assert [t[:4] for t in tokens(outs)] == cold
 
 
 WINDOWS = [(s, s + 40) for s in range(0, 400, 50)]  # 8 corpus windows of 40 tokens
