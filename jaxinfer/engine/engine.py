@@ -72,7 +72,7 @@ class EngineConfig:
 
     Attributes:
       model: `.gguf` file, HF folder, or None for the default SmolLM2-135M-Instruct.
-      dtype: "float32" or "bfloat16" (weights, activations, KV cache).
+      dtype: "float32" or "bfloat16" (weights, activations, and the KV cache unless `kv_cache_dtype` is set).
       page_size: tokens per KV page.
       max_num_seqs: most sequences in one step.
       max_num_batched_tokens: most tokens (decodes + prefill chunks) in one step.
