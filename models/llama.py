@@ -22,7 +22,8 @@ from models import moe
 from models.config import ModelConfig, RopeType
 from models.quant import QuantizedWeight, embed_lookup, qeinsum
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
-from pallas_kernels.paged_attention import write_kv
+from pallas_kernels.paged_attention import fake_quantize, write_kv
+from pallas_kernels.kv_quant import SCALE_DTYPE, is_quantized, storage_dtype
 from sharding.rules import EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB  # logical axis names
 
 
@@ -180,13 +181,22 @@ def check_weights(weights: Weights, cfg: ModelConfig, separate_head: bool = Fals
 
 @flax.struct.dataclass
 class KVCache:
-    """Paged KV cache of all layers; per-layer layout is defined in `pallas_kernels.paged_attention`."""
+    """Paged KV cache of all layers; per-layer layout is defined in `pallas_kernels.paged_attention`.
+
+    Float caches (f32, bf16) hold K/V as they are; int8 and fp8 caches hold quantized values (fp8 as float8_e4m3fn
+    bit patterns in uint8) and one f32 scale per token per kv head (`pallas_kernels.kv_quant`), None for float
+    caches. Every leaf leads
+    with [L, P], so page copies, clears and host transfers are the same indexing on every leaf (`jax.tree.map`).
+    """
 
     k: jax.Array  # [L, P, K, page_size, H]
     v: jax.Array  # [L, P, K, page_size, H]
+    k_scale: jax.Array | None = None  # f32[L, P, K, page_size] (int8 / fp8 caches)
+    v_scale: jax.Array | None = None  # f32[L, P, K, page_size]
 
     # Logical axes of k and v: split over kv heads like wk / wv, so attention runs without communication.
     LOGICAL_AXES = (LAYERS, "pages", KV_HEADS, "page_slots", HEAD_DIM)
+    SCALE_LOGICAL_AXES = (LAYERS, "pages", KV_HEADS, "page_slots")  # of k_scale and v_scale, split like k and v
 
     @property
     def num_pages(self) -> int:
@@ -196,16 +206,39 @@ class KVCache:
     def page_size(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def scale_args(self) -> dict[str, jax.Array]:
+        """`k_scale`, `v_scale` as keyword arguments of `write_kv` and the attention ops; {} for a float cache."""
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale) if self.quantized else {}
+
     @staticmethod
     def zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
-        """An empty cache of `num_pages` pages (page 0 is the null page) of `page_size` tokens."""
+        """An empty cache of `num_pages` pages (page 0 is the null page) of `page_size` tokens.
+
+        `dtype`: float32 / bfloat16, or int8 / float8_e4m3fn for a quantized cache with zero scales (fp8 pages are
+        stored as uint8 bit patterns, `kv_quant.storage_dtype`).
+        """
         shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        pages = [jnp.zeros(shape, storage_dtype(dtype)) for _ in "kv"]  # distinct buffers: k and v are donated
+        scales = [jnp.zeros(shape[:-1], SCALE_DTYPE) for _ in "kv"] if is_quantized(dtype) else [None, None]
+        return KVCache(*pages, *scales)
+
+    @staticmethod
+    def per_leaf(kv: object, scale: object, dtype: jnp.dtype) -> KVCache:
+        """A cache-shaped tree for a `dtype` cache: `kv` at k and v, `scale` at the scales (None for a float
+        cache); e.g. the shardings of a cache, for `out_shardings` or `device_put`."""
+        quantized = is_quantized(dtype)
+        return KVCache(k=kv, v=kv, k_scale=scale if quantized else None, v_scale=scale if quantized else None)
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype) -> int:
-        """Bytes one page takes over all layers, K and V."""
-        return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+        """Bytes one page takes over all layers, K and V (and their f32 scales for int8 / fp8)."""
+        scale_bytes = jnp.dtype(SCALE_DTYPE).itemsize if is_quantized(dtype) else 0
+        per_token = cfg.head_dim * jnp.dtype(dtype).itemsize + scale_bytes
+        return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * per_token
 
 
 @flax.struct.dataclass
@@ -321,7 +354,9 @@ def forward(
         `params.final_norm`'s dtype).
       tokens: i32[T], flat new tokens of all sequences, in [0, V); padding tokens are any valid id.
       metadata: positions, lengths, page table and logits rows of this step (see `AttentionMetadata`).
-      kv_cache: cache with layers stacked on axis 0; donate it in the caller's `jit`.
+      kv_cache: cache with layers stacked on axis 0; donate it in the caller's `jit`. An int8 / fp8 cache is
+        written quantized with its scales, and every attention path reads the values it holds (the flash path of
+        fresh prefills attends over quantized-then-dequantized K/V, so it agrees with a later prefix-cache hit).
       cfg: static model config. Stacked layer weights (and the cache) may hold more layers than
         `cfg.num_layers`: only the first `cfg.num_layers` run and only their cache layers are written
         (self-drafting runs the target's first layers this way, see `jaxinfer.spec_decode.draft`).
@@ -341,43 +376,42 @@ def forward(
     with jax.named_scope("embed"):
         x = embed_lookup(params.embed, tokens, params.final_norm.dtype)  # [T, D]
 
-    def layer_step(x: jax.Array, w: LayerWeights, k_all: jax.Array, v_all: jax.Array,
-                   i: int | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def layer_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array) -> tuple[jax.Array, KVCache]:
         # Layer i writes into and reads from the stacked cache in place (no per-layer slice copies).
         with jax.named_scope("attention"):
             q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
-            k_all, v_all = write_kv(k_all, v_all, k, v, metadata.kv_loc, layer=i)
+            kv = KVCache(*write_kv(kv.k, kv.v, k, v, metadata.kv_loc, layer=i, **kv.scale_args()))
             if metadata.fresh_prefill and attention.flash is not None:
+                if kv.quantized:  # attend over the numbers the cache holds, as a later prefix-cache hit will
+                    k, v = fake_quantize(k, kv.k.dtype), fake_quantize(v, kv.v.dtype)
                 attn = attention.flash(q, k, v, metadata.cu_q_lens, sm_scale=sm_scale,
                                        sliding_window=cfg.sliding_window)  # [T, N, H]
             else:
-                attn = attention.paged(q, k_all, v_all, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
+                attn = attention.paged(q, kv.k, kv.v, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
                                        i, max_q_len=metadata.max_q_len, sm_scale=sm_scale,
-                                       sliding_window=cfg.sliding_window)  # [T, N, H]
-        return _attention_output_and_mlp(x, attn, w, cfg, mesh), k_all, v_all
+                                       sliding_window=cfg.sliding_window, **kv.scale_args())  # [T, N, H]
+        return _attention_output_and_mlp(x, attn, w, cfg, mesh), kv
 
-    k_all, v_all = kv_cache.k, kv_cache.v
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     if scan_layers and params.layers.attn_norm.shape[0] == cfg.num_layers:
         def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
-            x, k_all, v_all = carry
+            x, kv = carry
             w, i = xs
-            return layer_step(x, w, k_all, v_all, i), None
+            return layer_step(x, w, kv, i), None
 
-        (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (params.layers, layer_ids))
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params.layers, layer_ids))
     elif scan_layers:  # the first cfg.num_layers of deeper stacked weights (self-drafting): index them in the loop
         def first_layers_body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
-            x, k_all, v_all = carry
+            x, kv = carry
             w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), params.layers)
-            return layer_step(x, w, k_all, v_all, i), None
+            return layer_step(x, w, kv, i), None
 
-        (x, k_all, v_all), _ = jax.lax.scan(first_layers_body, (x, k_all, v_all), layer_ids)
+        (x, kv_cache), _ = jax.lax.scan(first_layers_body, (x, kv_cache), layer_ids)
     else:
         for i in range(cfg.num_layers):
             w = jax.tree.map(lambda a, i=i: a[i], params.layers)
             with jax.named_scope(f"layer_{i}"):
-                x, k_all, v_all = layer_step(x, w, k_all, v_all, i)
-    kv_cache = KVCache(k=k_all, v=v_all)
+                x, kv_cache = layer_step(x, w, kv_cache, i)
 
     with jax.named_scope("lm_head"):
         x = jnp.take(x, metadata.logits_indices, axis=0)  # [R, D]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import load_values
 from pallas_kernels.ragged import DEFAULT_MASK_VALUE, soft_cap_scores
 
 Carry = tuple[jax.Array, jax.Array, jax.Array]  # m f32[R, 1], l f32[R, 1], acc f32[R, H]
@@ -26,26 +27,36 @@ def init(rows: int, head_dim: int) -> Carry:
 
 
 def update(carry: Carry, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, sm_scale: float,
-           soft_cap: float | None) -> Carry:
+           soft_cap: float | None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> Carry:
     """Folds one KV tile into the state.
 
     Args:
       carry: (m, l, acc) from `init` or the previous tile.
-      q: [R, H] query tile; k, v: [block_kv, H] key/value tile (same dtype as q; products accumulate in f32).
+      q: [R, H] query tile; k, v: [block_kv, H] key/value tile (same dtype as q, or quantized values with
+        scales, turned into q's dtype by `kv_quant.load_values` for the dots; products accumulate in f32).
       mask: bool, broadcastable to [R, block_kv]: which keys each row may see.
       sm_scale: score scale; soft_cap: Gemma 2 soft cap applied after scaling, or None.
+      k_scale, v_scale: f32[1, block_kv] per-key scales of quantized k / v tiles, or None. Key scales multiply the
+        raw scores, value scales the probabilities in the PV product (not the running sum l):
+        `q . (k_int s_k) = (q . k_int) s_k`, `sum p (v_int s_v) = sum (p s_v) v_int`.
 
     A row that sees no key of this tile gains exp(MASK - m) terms: 1 each while m is still the mask value, but
     the row's first visible key raises m and its alpha = exp(MASK - m) = 0 erases them.
     """
     m_prev, l_prev, acc_prev = carry
+    if k_scale is not None:
+        k = load_values(k, q.dtype)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        s = s * k_scale
     s = soft_cap_scores(s * sm_scale, soft_cap)  # [R, block_kv]
     s = jnp.where(mask, s, DEFAULT_MASK_VALUE)
     m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 1]
     p = jnp.exp(s - m)
     alpha = jnp.exp(m_prev - m)
     l = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    if v_scale is not None:
+        p, v = p * v_scale, load_values(v, q.dtype)
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m, l, alpha * acc_prev + pv
 

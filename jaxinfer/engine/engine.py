@@ -60,6 +60,8 @@ from sharding.partition import shard_model
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# KV cache dtypes besides "auto" (the model dtype): quantized pages with per-token scales (models.llama.KVCache)
+KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 DEFAULT_KV_CACHE_HOST_FRACTION = 0.1  # of available host memory, when no budget is given on CPU
 DEFAULT_KV_CACHE_DEVICE_FRACTION = 0.8  # of free accelerator memory after the weights
 # Shortest run of host-tier pages worth copying back instead of recomputing, per backend (BENCHMARKS.md,
@@ -73,7 +75,7 @@ class EngineConfig:
 
     Attributes:
       model: `.gguf` file, HF folder, or None for the default SmolLM2-135M-Instruct.
-      dtype: "float32" or "bfloat16" (weights, activations, KV cache).
+      dtype: "float32" or "bfloat16" (weights, activations, and the KV cache unless `kv_cache_dtype` is set).
       page_size: tokens per KV page.
       max_num_seqs: most sequences in one step.
       max_num_batched_tokens: most tokens (decodes + prefill chunks) in one step.
@@ -110,6 +112,9 @@ class EngineConfig:
         (`jaxinfer convert --quantization`) is loaded as stored, never quantized again: None then means the
         checkpoint's quantization, and any other value must equal it (ValueError naming both). The effective
         config is `Engine.quantization`.
+      kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8" (float8_e4m3fn): quantized KV pages with one f32
+        scale per token per KV head, used on every path that reads or moves pages (prefix-cache hits, copies,
+        the host tier, the draft model's cache); README "KV cache quantization".
     """
 
     model: str | None = None
@@ -130,6 +135,7 @@ class EngineConfig:
     kv_offload_min_pages: int | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
     quantization: QuantizationConfig | dict | str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantization", QuantizationConfig.from_value(self.quantization))
@@ -140,6 +146,9 @@ class EngineConfig:
                              "expert_parallel_size = 1, or method 'ngram' / 'self_draft'")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of auto, "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
@@ -224,6 +233,7 @@ class Engine:
         enable_compilation_cache()
         self.config = config
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         t0 = time.perf_counter()
         tp, ep = config.tensor_parallel_size, config.expert_parallel_size
         self.mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
@@ -261,9 +271,9 @@ class Engine:
             raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
         self.spec_config = config.speculative_config
         draft = self._load_draft(run_cfg, weights) if self.spec_config is not None else None
-        page_bytes = KVCache.bytes_per_page(run_cfg, config.page_size, self.dtype)  # over all devices
+        page_bytes = KVCache.bytes_per_page(run_cfg, config.page_size, self.kv_dtype)  # over all devices
         if draft is not None and not draft.shares_target_cache:  # the draft's cache has a page for every page
-            page_bytes += KVCache.bytes_per_page(draft.cfg, config.page_size, self.dtype)
+            page_bytes += KVCache.bytes_per_page(draft.cfg, config.page_size, self.kv_dtype)
         if self.mesh is not None and jax.default_backend() != "cpu":
             page_bytes //= tp  # the budget is per device there (CPU devices share the host's memory)
         budget = config.kv_cache_memory_bytes or self._default_kv_budget()
@@ -273,7 +283,7 @@ class Engine:
             raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV page ({page_bytes} bytes)")
         self.page_size = config.page_size
         self.runner = ModelRunner(run_cfg, weights, num_pages=num_pages, page_size=config.page_size,
-                                  kv_dtype=self.dtype, scan_layers=config.scan_layers,
+                                  kv_dtype=self.kv_dtype, scan_layers=config.scan_layers,
                                   attention=select_attention(config.attention_backend),
                                   vocab_limit=min(cfg.vocab_size, self.tokenizer.vocab_size),
                                   max_pages_per_seq=-(-self.max_model_len // config.page_size),
@@ -304,8 +314,8 @@ class Engine:
         self._seq_logprobs: dict[int, list[dict[int, float]]] = {}
         self._auto_request_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, config.page_size,
-                    num_pages * page_bytes / 2**20)
+        logger.info("KV cache: %d pages of %d tokens, %s (%.1f MiB)", num_pages, config.page_size,
+                    jnp.dtype(self.kv_dtype).name, num_pages * page_bytes / 2**20)
         if config.warmup:
             spec = self.spec_config
             self.runner.warmup(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -193,20 +193,24 @@ def _verify_step(
     return verify(logits, draft_ids, draft_probs, num_drafts, sampling), finite, kv_cache, draft_cache
 
 
+# Page operations: every cache leaf (K, V and, for int8 / fp8 caches, their scales) leads with [L, P], so each is
+# the same indexing on every leaf and a page's scales always travel with it.
+
+
 def _clear_pages(kv_cache: KVCache, page_ids: jax.Array) -> KVCache:
-    return KVCache(k=kv_cache.k.at[:, page_ids].set(0), v=kv_cache.v.at[:, page_ids].set(0))
+    return jax.tree.map(lambda a: a.at[:, page_ids].set(0), kv_cache)
 
 
 def _copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    return KVCache(k=kv_cache.k.at[:, dst].set(kv_cache.k[:, src]), v=kv_cache.v.at[:, dst].set(kv_cache.v[:, src]))
+    return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), kv_cache)
 
 
-def _gather_pages(kv_cache: KVCache, page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return kv_cache.k[:, page_ids], kv_cache.v[:, page_ids]  # [L, n, K, page_size, H] each
+def _gather_pages(kv_cache: KVCache, page_ids: jax.Array) -> KVCache:
+    return jax.tree.map(lambda a: a[:, page_ids], kv_cache)  # leaves [L, n, ...]
 
 
-def _scatter_pages(kv_cache: KVCache, page_ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    return KVCache(k=kv_cache.k.at[:, page_ids].set(k), v=kv_cache.v.at[:, page_ids].set(v))
+def _scatter_pages(kv_cache: KVCache, page_ids: jax.Array, pages: KVCache) -> KVCache:
+    return jax.tree.map(lambda a, x: a.at[:, page_ids].set(x), kv_cache, pages)
 
 
 class ModelRunner:
@@ -217,7 +221,8 @@ class ModelRunner:
       weights: device weights.
       num_pages: pages in the cache, including the null page 0.
       page_size: tokens per page.
-      kv_dtype: cache dtype.
+      kv_dtype: cache dtype: float32 / bfloat16, or int8 / float8_e4m3fn for a quantized cache with per-token
+        scales (`models.llama.KVCache`); a draft model's own cache takes the same dtype.
       scan_layers: scan over layers instead of unrolling them (see `models.llama.forward`).
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); with a flash kernel,
         prefill steps of fresh prompts only (no cached context) compile as their own shape bucket.
@@ -267,8 +272,9 @@ class ModelRunner:
         if mesh is not None:
             from sharding.rules import logical_to_spec
 
-            cache_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
-            cache_out = KVCache(k=cache_sharding, v=cache_sharding)
+            cache_out = KVCache.per_leaf(jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES)),
+                                         jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES)),
+                                         kv_dtype)
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.kv_cache = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
                                 out_shardings=cache_out)()
@@ -303,10 +309,11 @@ class ModelRunner:
         self._clear_pages = jax.jit(_clear_pages, donate_argnums=0, out_shardings=cache_out)
         self._copy_pages = jax.jit(_copy_pages, donate_argnums=0, out_shardings=cache_out)
         self._scatter_pages = jax.jit(_scatter_pages, donate_argnums=0, out_shardings=cache_out)
-        self._gather_pages = jax.jit(_gather_pages, out_shardings=None if mesh is None else (replicated, replicated))
-        # Host tier of the prefix cache: slot id -> (k, v) of one page, f[L, K, page_size, H] each. Pages start as
-        # device arrays being copied to the host asynchronously and become numpy when next touched.
-        self.host_pages: dict[int, tuple] = {}
+        self._gather_pages = jax.jit(_gather_pages, out_shardings=replicated)
+        # Host tier of the prefix cache: slot id -> one page, a `KVCache` of numpy leaves without the page axis
+        # (k, v [L, K, page_size, H], scales f32[L, K, page_size] for int8 / fp8). Pages start as (device batch
+        # being copied to the host asynchronously, index in it) and become numpy when next touched.
+        self.host_pages: dict[int, KVCache | tuple[KVCache, int]] = {}
         self._unsettled: list[int] = []  # slots whose pages are still device arrays in flight to the host
         self._compiled: dict[tuple, Callable] = {}  # ahead-of-time compiled steps by `_shape_key`
         self._forward_all = jax.jit(
@@ -625,7 +632,8 @@ class ModelRunner:
         return out
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copies device pages src[i] -> dst[i] (all layers, K and V): copy-on-write of shared pages."""
+        """Copies device pages src[i] -> dst[i] (all layers, K and V and their scales): copy-on-write of shared
+        pages."""
         multihost.send(multihost.Op.COPY_PAGES, (list(src), list(dst)))
         s, d = self._padded_ids(src, dst)
         self.kv_cache = self._copy_pages(self.kv_cache, *self._global_inputs((s, d)))
@@ -637,18 +645,18 @@ class ModelRunner:
         multihost.send(multihost.Op.OFFLOAD_PAGES, (list(page_ids), list(slots)))
         self.settle_host_pages()  # earlier offloads have landed (on followers too, which run no engine loop)
         (ids,) = self._padded_ids(page_ids)
-        k, v = self._gather_pages(self.kv_cache, self._global_inputs(ids))
-        for x in (k, v):
+        batch = self._gather_pages(self.kv_cache, self._global_inputs(ids))
+        for x in jax.tree.leaves(batch):
             x.copy_to_host_async()
         for i, slot in enumerate(slots):
-            self.host_pages[slot] = (k, v, i)
+            self.host_pages[slot] = (batch, i)
         self._unsettled += slots
 
-    def _host_page(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    def _host_page(self, slot: int) -> KVCache:
         entry = self.host_pages[slot]
-        if len(entry) == 3:  # still the device batch it was gathered in: materialize this page on the host
-            k, v, i = entry
-            entry = (np.asarray(k)[:, i], np.asarray(v)[:, i])
+        if isinstance(entry, tuple):  # still the device batch it was gathered in: materialize this page on the host
+            batch, i = entry
+            entry = jax.tree.map(lambda x: np.asarray(x)[:, i], batch)
             self.host_pages[slot] = entry
         return entry
 
@@ -664,11 +672,15 @@ class ModelRunner:
         multihost.send(multihost.Op.LOAD_PAGES, (list(slots), list(page_ids)))
         pages = [self._host_page(slot) for slot in slots]
         (ids,) = self._padded_ids(page_ids)
-        k = np.zeros((self.kv_cache.k.shape[0], len(ids), *self.kv_cache.k.shape[2:]), self.kv_cache.k.dtype)
-        v = np.zeros_like(k)
-        for i, (pk, pv) in enumerate(pages):
-            k[:, i], v[:, i] = pk, pv
-        self.kv_cache = self._scatter_pages(self.kv_cache, *self._global_inputs((ids, k, v)))
+
+        def stack(cache_leaf: jax.Array, *page_leaves: np.ndarray) -> np.ndarray:
+            out = np.zeros((cache_leaf.shape[0], len(ids), *cache_leaf.shape[2:]), cache_leaf.dtype)  # [L, n, ...]
+            for i, x in enumerate(page_leaves):
+                out[:, i] = x
+            return out
+
+        batch = jax.tree.map(stack, self.kv_cache, *pages)
+        self.kv_cache = self._scatter_pages(self.kv_cache, *self._global_inputs((ids, batch)))
         self.drop_host_pages(slots, broadcast=False)
 
     def drop_host_pages(self, slots: Sequence[int], broadcast: bool = True) -> None:
@@ -679,7 +691,8 @@ class ModelRunner:
             self.host_pages.pop(slot, None)
 
     def clear_pages(self, page_ids: Sequence[int]) -> None:
-        """Zeroes pages (all layers, K and V), e.g. those a sequence filled with NaN K/V, before they are reused.
+        """Zeroes pages (all layers, K and V and their scales), e.g. those a sequence filled with NaN K/V, before
+        they are reused.
 
         Attention masks the slots past a sequence's length, but a masked weight of 0 times a stale NaN is still
         NaN: without this, the next owner of such a page would inherit the failure.

@@ -24,6 +24,10 @@ Mosaic GPU is the follow-up once the Triton backend is removed.
    normalisation, arXiv:2307.08691), carries in f32. With `num_splits > 1` each split writes its normalised
    partial output and log-sum-exp, and the wrapper merges them (`pallas_kernels.ragged.combine_splits`,
    FlashDecoding).
+5. Quantized pages (int8 / fp8, `pallas_kernels.kv_quant`): the block's key and value scales,
+   `[block_kv / page_size, page_size]` f32, are gather-loaded beside its pages and flattened to one `[1, block_kv]`
+   row each; key scales multiply the scores, value scales the probabilities, and the values enter the dots in q's
+   dtype (`kv_quant.load_values`).
 """
 
 from __future__ import annotations
@@ -53,9 +57,8 @@ def _paged_attention_kernel(
     q_ref,  # [block_q * G_pad, H]
     k_ref,  # [L, P, K, page_size, H] (whole cache)
     v_ref,  # [L, P, K, page_size, H] (whole cache)
-    # outputs
-    o_ref,  # [block_q * G_pad, H]: q's dtype, or f32 when split
-    *lse_refs,  # (f32[block_q * G_pad],) when split, else ()
+    *rest,  # quantized: k_scale_ref, v_scale_ref f32[L, P, K, page_size] (whole); then the outputs
+    quantized: bool,
     group_pad: int,
     block_q: int,
     page_size: int,
@@ -66,6 +69,9 @@ def _paged_attention_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
+    scale_refs, (o_ref, *lse_refs) = (rest[:2], rest[2:]) if quantized else ((), rest)
+    # outputs: o_ref [block_q * G_pad, H] (q's dtype, or f32 when split); lse_refs (f32[block_q * G_pad],) when
+    # split, else ()
     b, kv_head, i = (pl.program_id(a) for a in range(3))
     q_block, split = jax.lax.div(i, num_splits), jax.lax.rem(i, num_splits)
     block_kv = pages_per_block * page_size
@@ -87,7 +93,11 @@ def _paged_attention_kernel(
         v = v_ref[layer, pages, kv_head].reshape(block_kv, head_dim)
         kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         mask = visible(q_pos, kv_pos, kv_len, sliding_window)
-        return online_softmax.update(carry, q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap)
+        k_scale = v_scale = None
+        if quantized:  # f32[1, block_kv] each
+            k_scale, v_scale = (ref[layer, pages, kv_head].reshape(1, block_kv) for ref in scale_refs)
+        return online_softmax.update(carry, q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale,
+                                     v_scale=v_scale)
 
     out, lse = online_softmax.finish(jax.lax.fori_loop(lo, hi, body, online_softmax.init(rows, head_dim)))
     o_ref[...] = out.astype(o_ref.dtype)
@@ -112,6 +122,8 @@ def paged_attention_gpu(
     soft_cap: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Causal paged attention of a ragged batch on GPU; same contract as `paged_attention_reference`.
 
@@ -131,20 +143,27 @@ def paged_attention_gpu(
         >= 16); default from `pallas_kernels.block_sizes.paged_block_sizes("gpu", ...)`, block_q rounded up
         to a power of two and block_kv down to a power-of-two number of pages.
       interpret: False on GPU; True runs the same kernel in Pallas' generic interpret mode (CPU).
+      k_scale, v_scale: f32[P, K, page_size] (or [L, ...] with `layer`) scales of int8 / fp8 pages; None for
+        float pages (see `reference`).
 
     Returns:
       [T, N, H] in q's dtype; padding rows are 0.
 
     Raises:
       ValueError: at trace time, on the shape errors of `reference.check_paged_args` (mismatched heads, head
-        dims, k/v shapes, batch sizes, cache rank vs layer index, bad sliding_window / soft_cap), a page_size,
+        dims, k/v shapes, batch sizes, cache rank vs layer index, bad sliding_window / soft_cap, missing or
+        misshapen scales), a page_size,
         head dim, block_q or block_kv that is not a power of two, a `block_kv` that is not a multiple of
         page_size, or a head dim or block_kv below 16 when not interpreting.
     """
-    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap)
+    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap,
+                     k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
+    quantized = k_scale is not None
+    scales = (k_scale, v_scale) if quantized else ()
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        scales = tuple(x[None] for x in scales)
     _, _, num_kv_heads, page_size, _ = k_pages.shape
     if not (is_pow2(page_size) and is_pow2(head_dim)):
         raise ValueError(f"{page_size=} and {head_dim=} must be powers of two (Triton tile sizes)")
@@ -189,20 +208,20 @@ def paged_attention_gpu(
         out_shape, out_specs = jax.ShapeDtypeStruct(q_seq.shape, q.dtype), q_spec
     whole = pl.BlockSpec()  # no block shape: the whole array, indexed in the kernel
     kernel = functools.partial(
-        _paged_attention_kernel, group_pad=group_pad, block_q=block_q, page_size=page_size,
+        _paged_attention_kernel, quantized=quantized, group_pad=group_pad, block_q=block_q, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_seq=width, num_splits=splits, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap)
     out = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_q_blocks * splits),
-        in_specs=[whole, whole, whole, whole, q_spec, whole, whole],
+        in_specs=[whole, whole, whole, whole, q_spec, whole, whole] + [whole] * len(scales),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu_triton.CompilerParams(num_warps=4 if rows * head_dim <= 64 * 128 else 8,
                                                     num_stages=2),
         interpret=interpret,
         name="paged_attention_gpu",
-    )(kv_lens.astype(jnp.int32), q_lens, table, layer_arr, q_seq, k_pages, v_pages)
+    )(kv_lens.astype(jnp.int32), q_lens, table, layer_arr, q_seq, k_pages, v_pages, *scales)
     if splits > 1:
         out = combine_splits(*out)  # [B, K, Tq * G_pad, H]
     return unpack_outputs(out, cu_q_lens, num_tokens, group, group_pad).astype(q.dtype)

@@ -9,6 +9,16 @@ every index stays valid; nothing reads it unmasked. Pages lead so that a sequenc
 read, and kv heads come before page positions so that one page of one kv head, `[page_size, H]`, is contiguous:
 the kernels copy exactly that unit (one DMA on TPU, one load on GPU), and the reference's gathered context
 reshapes to `[B, K, S, H]` (batch and kv heads leading, the fast order for XLA:CPU einsums).
+
+Quantized pages (int8, or fp8 stored as float8_e4m3fn bit patterns in uint8: `pallas_kernels.kv_quant`) come with
+one f32 scale per token per kv head, laid out like the pages without their head dim, so that a page's scales
+travel with it by the same page index:
+
+    k_scale, v_scale: f32[P, K, page_size]   one layer; stacked: f32[L, P, K, page_size]
+
+`write_kv` quantizes into them; the reference and the kernels apply them to the scores (key scales) and to the
+probabilities (value scales), so no dequantized copy of the context is made:
+`q . (k_int * k_scale) = (q . k_int) * k_scale` and `sum_s p_s (v_int_s * v_scale_s) = sum_s (p_s v_scale_s) v_int_s`.
 """
 
 from __future__ import annotations
@@ -19,21 +29,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_quant import SCALE_DTYPE, is_quantized, load_values, quantize
 from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, queries_by_sequence,
                                    rows_from_sequences, soft_cap_scores, visible)
 
 
 def check_paged_args(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                      page_table: jax.Array, cu_q_lens: jax.Array, layer: jax.Array | int | None,
-                     sliding_window: int | None, soft_cap: float | None) -> None:
+                     sliding_window: int | None, soft_cap: float | None, k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None) -> None:
     """Trace-time (static shape) checks shared by the reference and the kernels.
 
     Raises:
       ValueError: naming the values, if q is not [T >= 1, N, H]; the cache is not [P, K, page_size, H] without a
         layer index or [L, P, K, page_size, H] with one (the index itself is traced, so not checked); k and v pages
         differ in shape; N is not a multiple of K; head dims differ; kv_lens, page_table and cu_q_lens do not
-        describe the same B >= 1 sequences (i32[B], i32[B, W], i32[B + 1]); or sliding_window / soft_cap are
-        out of range.
+        describe the same B >= 1 sequences (i32[B], i32[B, W], i32[B + 1]); sliding_window / soft_cap are
+        out of range; or the scales do not fit the pages (`check_scales`).
     """
     if q.ndim != 3 or q.shape[0] == 0:
         raise ValueError(f"q must be [T, N, H] with T >= 1; got shape {q.shape}")
@@ -55,6 +67,26 @@ def check_paged_args(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_le
         raise ValueError(f"kv_lens {kv_lens.shape}, page_table {page_table.shape} and cu_q_lens {cu_q_lens.shape} "
                          f"must be i32[B], i32[B, W] and i32[B + 1] for the same B >= 1")
     check_window_and_cap(sliding_window, soft_cap)
+    check_scales(k_pages, k_scale, v_scale)
+
+
+def check_scales(k_pages: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None) -> None:
+    """Trace-time check that a quantized cache comes with both scale arrays and an unquantized one with none.
+
+    Raises:
+      ValueError: naming the dtypes and shapes, if int8 / fp8 pages lack a scale array, float pages have one, or
+        a scale array is not f32 shaped like the pages without their head dim (`[..., P, K, page_size]`).
+    """
+    quantized = is_quantized(k_pages.dtype)
+    given = [s is not None for s in (k_scale, v_scale)]
+    if quantized and not all(given):
+        raise ValueError(f"{k_pages.dtype.name} pages need k_scale and v_scale (f32{list(k_pages.shape[:-1])})")
+    if not quantized and any(given):
+        raise ValueError(f"k_scale / v_scale are for int8 or fp8 pages; these pages are {k_pages.dtype.name}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None and (s.shape != k_pages.shape[:-1] or s.dtype != SCALE_DTYPE):
+            raise ValueError(f"{name} must be f32{list(k_pages.shape[:-1])} (the pages' shape without the head "
+                             f"dim); got {s.dtype.name}{list(s.shape)}")
 
 
 def validate_inputs(q_lens: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray, *, max_q_len: int,
@@ -95,26 +127,44 @@ def write_kv(
     v: jax.Array,
     kv_loc: jax.Array,
     layer: int | jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatters new keys/values into their pages.
+    *,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+    """Scatters new keys/values into their pages, quantizing them when the pages are int8 / fp8.
 
     Args:
       k_pages, v_pages: [P, K, page_size, H] one layer's cache, or [L, P, K, page_size, H] all layers' (then
-        `layer` picks the layer written, so the stacked cache is updated in place without slicing it).
+        `layer` picks the layer written, so the stacked cache is updated in place without slicing it). Float
+        pages take k / v cast to their dtype; quantized ones (int8, uint8 fp8 bits, float8_e4m3fn) take
+        `kv_quant.quantize(k)` and its scales.
       k, v: [T, K, H] new keys/values, one row per flat token.
       kv_loc: i32[T], flat address `page * page_size + offset` of each token, in [0, P * page_size). Padding tokens
         point into the null page 0.
       layer: layer index (Python int or traced i32 scalar) when the cache is stacked.
+      k_scale, v_scale: f32[P, K, page_size] (or [L, ...] stacked) scales of quantized pages; None for float pages.
 
     Returns:
-      The updated `(k_pages, v_pages)`, same shapes.
+      The updated `(k_pages, v_pages)` for float pages, `(k_pages, v_pages, k_scale, v_scale)` for quantized
+      ones; same shapes.
+
+    Raises:
+      ValueError: at trace time, if quantized pages lack scales or float pages get them (`check_scales`).
     """
+    check_scales(k_pages, k_scale, v_scale)
     page_size = k_pages.shape[-2]
     page, offset = kv_loc // page_size, kv_loc % page_size
     index = (page, slice(None), offset) if layer is None else (layer, page, slice(None), offset)
-    k_pages = k_pages.at[index].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
-    v_pages = v_pages.at[index].set(v.astype(v_pages.dtype), mode="promise_in_bounds")
-    return k_pages, v_pages
+    if k_scale is None:
+        k_pages = k_pages.at[index].set(k.astype(k_pages.dtype), mode="promise_in_bounds")
+        v_pages = v_pages.at[index].set(v.astype(v_pages.dtype), mode="promise_in_bounds")
+        return k_pages, v_pages
+    (k_q, k_s), (v_q, v_s) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)  # [T, K, H], f32[T, K]
+    k_pages = k_pages.at[index].set(k_q, mode="promise_in_bounds")
+    v_pages = v_pages.at[index].set(v_q, mode="promise_in_bounds")
+    k_scale = k_scale.at[index].set(k_s, mode="promise_in_bounds")
+    v_scale = v_scale.at[index].set(v_s, mode="promise_in_bounds")
+    return k_pages, v_pages, k_scale, v_scale
 
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap"))
@@ -131,6 +181,8 @@ def paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of each sequence's new query tokens over its whole paged context (plain `jnp`).
 
@@ -151,15 +203,19 @@ def paged_attention_reference(
       sm_scale: softmax scale, usually `H ** -0.5`.
       sliding_window: static; a query at position p sees keys at positions > p - sliding_window (None: all).
       soft_cap: static; scores become `soft_cap * tanh(scores / soft_cap)` after scaling (Gemma 2; None: off).
+      k_scale, v_scale: f32[P, K, page_size] (or [L, ...] stacked) scales of int8 / fp8 pages (module docstring);
+        None for float pages. Key scales multiply the raw scores, value scales the probabilities.
 
     Returns:
       [T, N, H] attention output in q's dtype; padding rows are 0.
 
     Raises:
       ValueError: if N is not a multiple of K, head dims differ, the layer index does not match the cache's rank,
-        or sliding_window / soft_cap are out of range (at trace time).
+        sliding_window / soft_cap are out of range, or scales are missing, unexpected or misshapen (at trace
+        time).
     """
-    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap)
+    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap,
+                     k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pages.shape[-3:-1]
     num_seqs, max_pages = page_table.shape
@@ -172,18 +228,24 @@ def paged_attention_reference(
     q_seq = q_seq.reshape(num_seqs, max_q_len, num_kv_heads, group, head_dim)
 
     def gather(pages: jax.Array) -> jax.Array:
-        ctx = pages[page_table] if layer is None else pages[layer, page_table]  # [B, Pmax, K, page_size, H]
-        ctx = ctx.transpose(0, 2, 1, 3, 4)  # [B, K, Pmax, page_size, H]
-        return ctx.reshape(num_seqs, num_kv_heads, max_kv_len, head_dim)  # [B, K, S, H]
+        ctx = pages[page_table] if layer is None else pages[layer, page_table]  # [B, Pmax, K, page_size, ...]
+        ctx = jnp.moveaxis(ctx, 2, 1)  # [B, K, Pmax, page_size, ...]
+        return ctx.reshape(num_seqs, num_kv_heads, max_kv_len, *ctx.shape[4:])  # [B, K, S, H] or scales [B, K, S]
 
     k_ctx, v_ctx = gather(k_pages), gather(v_pages)
+    if k_scale is not None:  # int8 / fp8 values take part in the dots in q's dtype (exactly: <= 8 bits)
+        k_ctx, v_ctx = load_values(k_ctx, q.dtype), load_values(v_ctx, q.dtype)
     scores = jnp.einsum("btkgh,bksh->bkgts", q_seq, k_ctx, preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        scores = scores * gather(k_scale)[:, :, None, None, :]  # q . (k_int * k_scale)
     scores = soft_cap_scores(scores * sm_scale, soft_cap)  # [B, K, G, Tq, S]
     q_pos = kv_lens[:, None] - q_lens[:, None] + j[None, :]  # [B, Tq]
     s = jnp.arange(max_kv_len)
     mask = visible(q_pos[:, :, None], s[None, None, :], kv_lens[:, None, None], sliding_window)  # [B, Tq, S]
     scores = jnp.where(mask[:, None, None], scores, DEFAULT_MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
+    if v_scale is not None:
+        probs = probs * gather(v_scale)[:, :, None, None, :]  # sum_s p_s v_scale_s v_int_s
     # Batch dims lead the output: XLA:CPU has no bf16 x bf16 -> f32 dot for the transposed "btkgh" output.
     out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, max_q_len, num_heads, head_dim)  # [B, Tq, N, H]

@@ -12,6 +12,13 @@
    normalisation, arXiv:2307.08691). With `num_splits > 1` each split writes its normalised partial output and
    log-sum-exp, and the wrapper merges them (`pallas_kernels.ragged.combine_splits`, FlashDecoding).
 
+Quantized pages (int8 / fp8, `pallas_kernels.kv_quant`): each page's key and value scale rows (`[1, page_size]` f32
+of its kv head) are DMA'd beside the page into buffers of their own, and the online softmax runs page by page
+inside a KV block, each page's scores multiplied by its key scale row and its probabilities by its value scale row
+(a row vector per page needs no lane relayout, which a `[1, block_kv]` row gathered from several pages would).
+Values enter the dots in q's dtype (`kv_quant.load_values`: fp8 bit patterns decode with integer ops, so no
+float8 support is needed from the chip).
+
 Head dim 64 (SmolLM2) lowers because no block has a last dim below the array's: the query/output tiles and the
 page buffers span the whole head dim.
 """
@@ -45,9 +52,8 @@ def _paged_attention_kernel(
     q_ref,  # [block_q * G, H] (VMEM)
     k_hbm_ref,  # [L, P, K, page_size, H] (HBM)
     v_hbm_ref,  # [L, P, K, page_size, H] (HBM)
-    # outputs
-    o_ref,  # [block_q * G, H] (VMEM)
-    *rest,  # lse_ref f32[block_q * G, LANES] when split, then scratch
+    *rest,  # quantized: k_scale_hbm_ref, v_scale_hbm_ref f32[L, P, K, page_size] (HBM); then outputs, scratch
+    quantized: bool,
     group: int,
     block_q: int,
     page_size: int,
@@ -58,11 +64,16 @@ def _paged_attention_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
-    if num_splits > 1:
-        lse_ref, k_buf, v_buf, sems = rest
-    else:
-        lse_ref, (k_buf, v_buf, sems) = None, rest
-    # scratch: k_buf, v_buf [2, pages_per_block, page_size, H] (VMEM, double buffer); sems DMA[2, 2] (k/v, slot)
+    rest = list(rest)
+    scale_hbm_refs = (rest.pop(0), rest.pop(0)) if quantized else ()
+    # outputs
+    o_ref = rest.pop(0)  # [block_q * G, H] (VMEM)
+    lse_ref = rest.pop(0) if num_splits > 1 else None  # f32[block_q * G, LANES]
+    # scratch: k_buf, v_buf [2, pages_per_block, page_size, H] (VMEM, double buffer); quantized: ks_buf, vs_buf
+    # f32[2, pages_per_block, page_size]; sems DMA[2 or 4, 2] (k, v[, k scale, v scale]; slot)
+    k_buf, v_buf = rest.pop(0), rest.pop(0)
+    scale_bufs = (rest.pop(0), rest.pop(0)) if quantized else ()
+    (sems,) = rest
     b, kv_head, q_block, split = (pl.program_id(i) for i in range(4))
     block_kv = pages_per_block * page_size
     rows, head_dim = q_ref.shape
@@ -79,28 +90,43 @@ def _paged_attention_kernel(
             page = page_table_ref[b * pages_per_seq + j * pages_per_block + p]
             for i, (src, dst) in enumerate(((k_hbm_ref, k_buf), (v_hbm_ref, v_buf))):
                 out.append(pltpu.make_async_copy(src.at[layer, page, kv_head], dst.at[slot, p], sems.at[i, slot]))
+            for i, (src, dst) in enumerate(zip(scale_hbm_refs, scale_bufs), start=2):  # [1, page_size] rows
+                out.append(pltpu.make_async_copy(src.at[layer, page, pl.ds(kv_head, 1)], dst.at[slot, pl.ds(p, 1)],
+                                                 sems.at[i, slot]))
         return out
 
     start_first(copies, lo, hi)
 
+    # A tile is a whole KV block, or one page of it with quantized pages (module docstring).
+    tile = page_size if quantized else block_kv
     # Query token of each row, row // G, in f32 (exact: rows < 2**20) to keep integer division off the vector unit.
-    row = jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0).astype(jnp.float32)
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 0).astype(jnp.float32)
     row_t = first_t + jnp.floor((row + 0.5) * (1.0 / group)).astype(jnp.int32)
     q_pos = context_start + row_t
     q = q_ref[...]
 
     def body(j, carry):
         slot = next_tile(copies, j, lo, hi)
-        k = k_buf[slot].reshape(block_kv, head_dim)  # [block_kv, H]
-        v = v_buf[slot].reshape(block_kv, head_dim)
-        kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
-        mask = visible(q_pos, kv_pos, kv_len, sliding_window)
-        return online_softmax.update(carry, q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap)
+        if not quantized:
+            k = k_buf[slot].reshape(block_kv, head_dim)  # [block_kv, H]
+            v = v_buf[slot].reshape(block_kv, head_dim)
+            kv_pos = j * block_kv + jax.lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+            mask = visible(q_pos, kv_pos, kv_len, sliding_window)
+            return online_softmax.update(carry, q, k, v, mask, sm_scale=sm_scale, soft_cap=soft_cap)
+        ks_buf, vs_buf = scale_bufs
+        for p in range(pages_per_block):
+            kv_pos = j * block_kv + p * page_size + jax.lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
+            mask = visible(q_pos, kv_pos, kv_len, sliding_window)
+            carry = online_softmax.update(carry, q, k_buf[slot, p], v_buf[slot, p], mask, sm_scale=sm_scale,
+                                          soft_cap=soft_cap, k_scale=ks_buf[slot, pl.ds(p, 1)],
+                                          v_scale=vs_buf[slot, pl.ds(p, 1)])  # scales f32[1, page_size]
+        return carry
 
     out, lse = online_softmax.finish(jax.lax.fori_loop(lo, hi, body, online_softmax.init(rows, head_dim)))
     o_ref[...] = out.astype(o_ref.dtype)
     if lse_ref is not None:
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap", "block_sizes",
                                              "interpret"))
@@ -119,6 +145,8 @@ def paged_attention_tpu(
     soft_cap: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Causal paged attention of a ragged batch on TPU; same contract as `paged_attention_reference`.
 
@@ -136,19 +164,25 @@ def paged_attention_tpu(
       block_sizes: tiles; default from `pallas_kernels.block_sizes.paged_block_sizes("tpu", ...)`.
       interpret: False on TPU; True (generic) or `pltpu.InterpretParams()` (TPU memory, DMA and race
         simulation) to run on CPU.
+      k_scale, v_scale: f32[P, K, page_size] (or [L, ...] with `layer`) scales of int8 / fp8 pages; None for
+        float pages (see `reference`).
 
     Returns:
       [T, N, H] in q's dtype; padding rows are 0.
 
     Raises:
       ValueError: at trace time, on the shape errors of `reference.check_paged_args` (mismatched heads, head
-        dims, k/v shapes, batch sizes, cache rank vs layer index, bad sliding_window / soft_cap) or a `block_kv`
-        that is not a multiple of page_size.
+        dims, k/v shapes, batch sizes, cache rank vs layer index, bad sliding_window / soft_cap, missing or
+        misshapen scales) or a `block_kv` that is not a multiple of page_size.
     """
-    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap)
+    check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap,
+                     k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
+    quantized = k_scale is not None
+    scales = (k_scale, v_scale) if quantized else ()
     if k_pages.ndim == 4:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        scales = tuple(x[None] for x in scales)
     _, _, num_kv_heads, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     group = num_heads // num_kv_heads
@@ -180,17 +214,18 @@ def paged_attention_tpu(
         out_shape = jax.ShapeDtypeStruct(q_seq.shape, q.dtype)
         out_specs = q_spec
     kernel = functools.partial(
-        _paged_attention_kernel, group=group, block_q=block_q, page_size=page_size,
+        _paged_attention_kernel, quantized=quantized, group=group, block_q=block_q, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_seq=width, num_splits=bs.num_splits, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(num_seqs, num_kv_heads, num_q_blocks, bs.num_splits),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * (2 + len(scales)),
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype),
                         pltpu.VMEM((2, pages_per_block, page_size, head_dim), v_pages.dtype),
-                        pltpu.SemaphoreType.DMA((2, 2))],
+                        *[pltpu.VMEM((2, pages_per_block, page_size), x.dtype) for x in scales],
+                        pltpu.SemaphoreType.DMA((2 + len(scales), 2))],
     )
     out = pl.pallas_call(
         kernel,
@@ -199,7 +234,7 @@ def paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 4),
         interpret=interpret,
         name="paged_attention_tpu",
-    )(kv_lens.astype(jnp.int32), q_lens, table, layer_arr, q_seq, k_pages, v_pages)
+    )(kv_lens.astype(jnp.int32), q_lens, table, layer_arr, q_seq, k_pages, v_pages, *scales)
     if split:
         out = combine_splits(out[0], out[1][..., 0])  # [B, K, Tq * G, H]
     return unpack_outputs(out, cu_q_lens, num_tokens, group, group).astype(q.dtype)

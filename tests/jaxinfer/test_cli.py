@@ -51,3 +51,36 @@ def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     assert len(errors) == 1 and message in errors[0], done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_kv_cache_dtype_reaches_the_engine_and_a_bad_one_exits_2(command: str, monkeypatch) -> None:
+    import signal
+
+    from jaxinfer import cli, llm
+    from jaxinfer.serving import server
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    def fake_run(config, **kwargs):
+        seen["kv_cache_dtype"] = config.kv_cache_dtype
+        raise Stop
+
+    monkeypatch.setattr(llm, "LLM", fake_llm)
+    monkeypatch.setattr(server, "run", fake_run)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # serve's early stop handlers would exit pytest
+    args = [command, "--kv-cache-dtype", "fp8"] + (["--prompt", "x"] if command == "generate" else [])
+    with pytest.raises(Stop):
+        cli.main(args)
+    assert seen["kv_cache_dtype"] == "fp8"
+    done = _jaxinfer(command, "--kv-cache-dtype", "int4", *(["--prompt", "x"] if command == "generate" else []))
+    assert done.returncode == 2 and done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "--kv-cache-dtype" in errors[0] and "int4" in errors[0], done.stderr

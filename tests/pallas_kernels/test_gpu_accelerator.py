@@ -107,6 +107,24 @@ def test_paged_attention_gpu_matches_reference(name: str, heads: str, dtype: str
     np.testing.assert_array_equal(np.asarray(out[num_tokens:].astype(jnp.float32)), 0.0)  # padding rows
 
 
+@pytest.mark.parametrize(("name", "kv_dtype"), [("decode", "int8"), ("prefill_chunks", "fp8")])
+def test_paged_attention_gpu_on_quantized_pages_matches_reference(name: str, kv_dtype: str) -> None:
+    """int8 and fp8 (uint8 bit patterns) pages with per-token scales (`pallas_kernels.kv_quant`), SmolLM2 heads,
+    bf16 queries: the kernel against the reference over the same quantized pages (bf16 tolerance, as above)."""
+    from pallas_kernels.paged_attention import quantize, storage_dtype
+
+    case = PAGED_CASES[name]
+    (q, k_pages, v_pages, *rest), max_q = _build_paged(case, HEADS["smollm2"], "bfloat16", seed=2)
+    dtype = storage_dtype(jnp.int8 if kv_dtype == "int8" else jnp.float8_e4m3fn)
+    (k_q, k_scale), (v_q, v_scale) = quantize(k_pages, dtype), quantize(v_pages, dtype)
+    args = (q, k_q, v_q, *rest)
+    kw = dict(max_q_len=max_q, sm_scale=64**-0.5, k_scale=k_scale, v_scale=v_scale)
+    out = jax.block_until_ready(paged_attention_gpu(*args, **kw))
+    with jax.default_matmul_precision("highest"):
+        ref = paged_attention_reference(*args, **kw)
+    _assert_close(out, ref, "bfloat16")
+
+
 FLASH_CASES = {
     "ragged": ((1, 15, 16, 17, 100, 300), None, None),
     "one_long": ((2048,), None, None),

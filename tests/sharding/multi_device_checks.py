@@ -71,6 +71,42 @@ def test_tp_logits_equal_single_device_and_shards_are_real(tp):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
+def test_quantized_cache_scales_split_over_kv_heads_through_page_ops():
+    # int8: fp8 pages (uint8 bit patterns) shard and move the same way
+    from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+    from sharding.partition import shard_model
+
+    tp, pages, kv_dtype = 4, [3, 5], jnp.int8
+    weights = jax.tree.map(np.asarray, init_weights(TINY, jax.random.key(0), jnp.float32))
+    one = ModelRunner(TINY, jax.tree.map(jnp.asarray, weights), num_pages=NUM_PAGES, page_size=PAGE_SIZE,
+                      kv_dtype=kv_dtype)
+    mesh = make_mesh(tp=tp)
+    sharded = shard_model(TINY, weights, mesh)
+    runner = ModelRunner(sharded.cfg, sharded.weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=kv_dtype,
+                         mesh=mesh)
+    L, K, H = TINY.num_layers, TINY.num_kv_heads, TINY.head_dim
+    cache = runner.kv_cache
+    assert cache.k.addressable_shards[0].data.shape == (L, NUM_PAGES, K // tp, PAGE_SIZE, H)
+    assert cache.k_scale.addressable_shards[0].data.shape == (L, NUM_PAGES, K // tp, PAGE_SIZE)
+    chunk = [SequenceChunk(list(range(3, 10)), 0, pages)]
+    # Sharded sums round differently, and a quantized value may then land one step over.
+    got, want = runner.compute_logits(chunk), one.compute_logits(chunk)
+    print("max logit difference", np.abs(got - want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    before = [np.asarray(x) for x in jax.tree.leaves(runner.kv_cache)]
+    runner.copy_pages(pages, [6, 7])
+    runner.offload_pages(pages, [0, 1])
+    runner.clear_pages(pages)
+    runner.load_pages([0, 1], pages)
+    kv_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
+    scale_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES))
+    for old, leaf in zip(before, jax.tree.leaves(runner.kv_cache)):  # k, v, k_scale, v_scale
+        new = np.asarray(leaf)
+        np.testing.assert_array_equal(new[:, pages], old[:, pages])
+        np.testing.assert_array_equal(new[:, [6, 7]], old[:, pages])
+        assert leaf.sharding.is_equivalent_to(kv_sharding if leaf.ndim == 5 else scale_sharding, leaf.ndim)
+
+
 def test_indivisible_heads_are_refused_naming_the_numbers():
     cfg = dataclasses.replace(TINY, num_kv_heads=2)
     with pytest.raises(ValueError, match=r"kv_heads = 2 is not a multiple of tp = 4"):
