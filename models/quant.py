@@ -294,8 +294,10 @@ class QuantizationConfig:
       group_size: fp8 only: input channels per scale (e.g. 128), 0 for per output channel. A weight whose last
         contracted axis it does not divide keeps per-channel scales (`quantize_weights` logs none; see
         `weight_bytes`).
-      quantize_activations: dynamic per-token activation quantization with the native low-precision dot
-        (w8a8); None picks it for int8 (XLA:CPU's fastest dot, native on TPU and GPU) and not for fp8.
+      quantize_activations: dynamic per-token activation quantization with the native low-precision dot (w8a8);
+        None or False: weight-only (the default: quality first). w8a8 is the fast int8 path on CPU (XLA:CPU's
+        int8 x int8 -> int32 dot, and no full-precision weight copy), at a quality cost measured in
+        BENCHMARKS.md.
       quantize_embedding: the embedding gather reads a quantized table; None: yes for int8, no for fp8.
       quantize_lm_head: the output projection is quantized (with tied embeddings and an unquantized gather, an
         extra quantized copy of the table serves the head); None: yes for int8, no for fp8 (as vLLM's fp8 keeps
@@ -348,7 +350,7 @@ class QuantizationConfig:
 
     @property
     def activations(self) -> bool:
-        return self.format == "int8" if self.quantize_activations is None else self.quantize_activations
+        return bool(self.quantize_activations)
 
     @property
     def embedding(self) -> bool:

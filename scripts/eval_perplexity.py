@@ -88,8 +88,9 @@ def make_llm(model: str | None, dtype: str, chunk: int, quantization=None, kv_ca
 # Defaults: int8 quantizes the embedding and LM head too, fp8 keeps them in bf16; the other setting of each is a row.
 HEAD_BF16 = {"quantize_lm_head": False, "quantize_embedding": False}
 HEAD_QUANTIZED = {"quantize_lm_head": True, "quantize_embedding": True}
-MATRIX_WEIGHTS = {"bf16": None, "int8 (w8a8)": "int8", "int8 weight-only": {"format": "int8", "quantize_activations": False},
-                  "int8, embedding + LM head bf16": {"format": "int8", **HEAD_BF16},
+W8A8 = {"format": "int8", "quantize_activations": True}
+MATRIX_WEIGHTS = {"bf16": None, "int8 (w8a8)": W8A8, "int8 weight-only": "int8",
+                  "int8 (w8a8), embedding + LM head bf16": {**W8A8, **HEAD_BF16},
                   "fp8 (embedding + LM head bf16)": "fp8", "fp8, embedding + LM head fp8": {"format": "fp8", **HEAD_QUANTIZED},
                   "fp8 g128": {"format": "fp8", "group_size": 128}}
 MATRIX_KV = ("auto", "int8", "fp8")

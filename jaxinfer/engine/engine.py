@@ -104,9 +104,10 @@ class EngineConfig:
         object string, or None (off). Lossless: outputs keep the target model's distribution (greedy: the same
         tokens). "draft_model" runs in one process with tensor_parallel_size = expert_parallel_size = 1.
       quantization: weight quantization at load (`models.quant`): None (weights in `dtype`), "int8" (symmetric,
-        per output channel, with dynamic per-token int8 activations: the int8 x int8 -> int32 dot), "fp8" (e4m3,
-        per output channel, weight only), or a dict / JSON object of `models.quant.QuantizationConfig` fields
-        (`format`, `group_size`, `quantize_activations`, `quantize_embedding`, `quantize_lm_head`). The weights
+        per output channel), "fp8" (e4m3, per output channel), both weight-only, or a dict / JSON object of
+        `models.quant.QuantizationConfig` fields (`format`, `group_size`, `quantize_activations` (w8a8: dynamic
+        per-token activations and the int8 x int8 -> int32 dot, the fast path on CPU), `quantize_embedding`,
+        `quantize_lm_head`, `activation_group_size`). The weights
         are read in f32 and quantized once; norms, biases and MoE routers stay in `dtype`, which is also the
         activation dtype. A draft model (speculative decoding) is quantized the same way. A quantized checkpoint
         (`jaxinfer convert --quantization`) is loaded as stored, never quantized again: None then means the

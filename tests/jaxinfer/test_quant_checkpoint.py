@@ -32,7 +32,7 @@ F32 = np.dtype(np.float32)
 
 # name -> (source model, quantization as a user gives it)
 CASES = {
-    "int8": ("tiny_llama3", "int8"),
+    "int8": ("tiny_llama3", '{"format": "int8", "quantize_activations": true}'),  # w8a8: norm gains folded
     "fp8": ("tiny_llama3", "fp8"),
     "fp8-g16": ("tiny_llama3", '{"format": "fp8", "group_size": 16}'),
     "int8-tied-float-head": ("tiny_qwen2", {"format": "int8", "quantize_lm_head": False}),
@@ -91,7 +91,7 @@ def test_quantized_checkpoint_restores_bit_identical(case, sources, checkpoint):
     meta = json.loads((ckpt / orbax_checkpoint.CHECKPOINT_JSON).read_text())
     assert meta["dtype"] == "float32"
     assert QuantizationConfig(**meta["quantization"]["config"]) == qcfg.resolved()
-    assert meta["quantization"]["config"]["quantize_activations"] is (qcfg.format == "int8")  # resolved, not null
+    assert meta["quantization"]["config"]["quantize_activations"] is qcfg.activations  # resolved, not null
     assert stored_quantization(ckpt) == qcfg.resolved() and stored_quantization(sources[src]) is None
 
     expected = _quantized_at_load(sources[src], quantization)
@@ -129,7 +129,7 @@ def test_int8_values_and_scales_match_a_numpy_reference(sources, checkpoint):
 def test_unquantized_weights_restore_in_the_requested_dtype(sources, checkpoint):
     _, restored, _ = orbax_checkpoint.load(checkpoint("int8"), "bfloat16")
     assert restored.final_norm.dtype == jnp.bfloat16 and restored.layers.wq.values.dtype == np.int8
-    _assert_identical(restored, _quantized_at_load(sources["tiny_llama3"], "int8", dtype=jnp.bfloat16))
+    _assert_identical(restored, _quantized_at_load(sources["tiny_llama3"], CASES["int8"][1], dtype=jnp.bfloat16))
 
 
 # --- through the engine ----------------------------------------------------------------------------------------------
@@ -138,9 +138,9 @@ def test_unquantized_weights_restore_in_the_requested_dtype(sources, checkpoint)
 def test_generation_from_the_checkpoint_equals_quantization_at_load(sources, checkpoint):
     # The tied model with its separate float head (the other cases restore bit-identical weights as well, and the
     # engine's computation is a function of the weights). The config spelled out is accepted: quantize_activations
-    # resolves to int8's default.
+    # resolves to int8's default (weight-only).
     case, engine_quantization = "int8-tied-float-head", {"format": "int8", "quantize_lm_head": False,
-                                                         "quantize_activations": True}
+                                                         "quantize_activations": False}
     src, quantization = CASES[case]
     params = SamplingParams(max_tokens=12, temperature=0)
     prompt = {"prompt_token_ids": [1, 40, 50, 60, 70, 33, 21]}

@@ -201,7 +201,8 @@ def test_weight_only_model_equals_the_model_on_dequantized_weights(qcfg):
 def test_int8_model_is_close_to_f32_and_keeps_greedy_choices():
     weights = init_weights(TINY, jax.random.key(1))
     full = _logits(weights, num_tokens=8)
-    q = _logits(quant.quantize_weights(weights, TINY, QuantizationConfig("int8"), jnp.float32), num_tokens=8)
+    q = _logits(quant.quantize_weights(weights, TINY, QuantizationConfig("int8", quantize_activations=True),
+                                       jnp.float32), num_tokens=8)
     assert np.abs(q - full).max() < 0.05 * np.abs(full).max()
     assert (q.argmax(-1) == full.argmax(-1)).mean() >= 0.75
 
@@ -238,7 +239,8 @@ def test_config_from_value_and_errors():
     assert QuantizationConfig.from_value("fp8").format == "fp8"
     assert QuantizationConfig.from_value('{"format": "int8", "quantize_lm_head": false}').quantize_lm_head is False
     assert QuantizationConfig.from_value(None) is None
-    assert QuantizationConfig("int8").activations and not QuantizationConfig("fp8").activations
+    assert not QuantizationConfig("int8").activations and not QuantizationConfig("fp8").activations  # weight-only
+    assert QuantizationConfig("int8", quantize_activations=True).activations
     for bad, match in [("int4", "int4"), ({"format": "int8", "bits": 4}, "bits"), ("{", "JSON"), (3, "int"),
                        ({"format": "int8", "group_size": 128}, "group_size"),
                        ({"format": "fp8", "group_size": -1}, "group_size"),
@@ -261,6 +263,6 @@ def test_int8_decode_step_materializes_no_full_precision_weight_and_the_check_ca
         step = jax.jit(lambda w, c: forward(w, tokens, meta, c, cfg, scan_layers=True))
         return quant.materialized_weight_copies(step.lower(qw, cache).compile().as_text(), qw)
 
-    assert copies(QuantizationConfig("int8")) == []  # w8a8: the int8 x int8 -> int32 dot reads the int8 values
+    assert copies(QuantizationConfig("int8", quantize_activations=True)) == []  # w8a8: the int8 x int8 -> int32 dot reads the int8 values
     # weight-only int8 on XLA:CPU converts each weight for its dot (no fused convert-dot): the check must see it
     assert copies(QuantizationConfig("int8", quantize_activations=False))

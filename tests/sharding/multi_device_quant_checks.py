@@ -17,7 +17,8 @@ from sharding.rules import logical_to_spec
 from tests.sharding.multi_device_checks import NUM_PAGES, PAGE_SIZE, TINY, _batch
 
 
-@pytest.mark.parametrize("qcfg", [QuantizationConfig("int8"), QuantizationConfig("fp8", group_size=16),
+@pytest.mark.parametrize("qcfg", [QuantizationConfig("int8", quantize_activations=True),
+                                  QuantizationConfig("fp8", group_size=16),
                                   QuantizationConfig("int8", quantize_embedding=False)])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sharded_quantization_equals_single_device_and_scales_follow_their_weights(qcfg, tp):
