@@ -92,10 +92,8 @@ def _build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                       help="dtype the weights are stored in (default float32; with --quantization, the weights "
                            "left unquantized)")
-    conv.add_argument("--quantization", default=None, metavar="FORMAT_OR_JSON",
-                      help='store the weights quantized: int8, fp8, or a JSON object of models.quant.'
-                           'QuantizationConfig fields, e.g. \'{"format": "fp8", "group_size": 128}\' (default: '
-                           'not quantized; `--model` of such a checkpoint loads it quantized as stored)')
+    _add_quantization(conv, "store the weights quantized", "not quantized; `--model` of such a checkpoint loads it "
+                      "quantized as stored")
     conv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
     return parser
 
@@ -135,11 +133,15 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, a JSON object as vLLM\'s: e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4}\'; methods ngram, draft_model (with "model": PATH), '
                              'self_draft (default: off; lossless, see README "Speculative decoding")')
-    engine.add_argument("--quantization", default=None, metavar="FORMAT_OR_JSON",
-                        help='weight quantization at load: int8 (w8a8), fp8 (e4m3, weight only), or a JSON object '
-                             'of models.quant.QuantizationConfig fields, e.g. \'{"format": "fp8", "group_size": '
-                             '128}\' (default: off, or the quantization a quantized checkpoint is stored with, '
-                             'which a different value contradicts)')
+    _add_quantization(engine, "weight quantization at load", "off, or the quantization a quantized checkpoint is "
+                      "stored with, which a different value contradicts")
+
+
+def _add_quantization(parser, what: str, default: str) -> None:
+    parser.add_argument("--quantization", default=None, metavar="FORMAT_OR_JSON",
+                        help=f'{what}: int8 or fp8 (e4m3), weight-only, or a JSON object of models.quant.'
+                             f'QuantizationConfig fields, e.g. \'{{"format": "int8", "quantize_activations": true}}\' '
+                             f'(w8a8) or \'{{"format": "fp8", "group_size": 128}}\' (default: {default})')
 
 
 def _speculative_config(args: argparse.Namespace):

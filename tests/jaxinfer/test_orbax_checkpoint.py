@@ -310,10 +310,11 @@ def test_shardings_must_cover_every_weight(tiny_ckpt):
 # --- meshes of 8 fake devices ----------------------------------------------------------------------------------------
 
 
-def test_restore_onto_meshes_on_eight_fake_devices():
+@pytest.mark.parametrize("checks", ["multi_device_orbax_checks.py", "multi_device_quant_checkpoint_checks.py"])
+def test_restore_onto_meshes_on_eight_fake_devices(checks):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        str(REPO / "tests" / "sharding" / "multi_device_orbax_checks.py")],
+                        str(REPO / "tests" / "sharding" / checks)],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failed" not in r.stdout and "skipped" not in r.stdout

@@ -1,15 +1,12 @@
 """Quantized orbax checkpoints (`orbax_checkpoint.convert(..., quantization=...)`, `jaxinfer convert --quantization`):
 bit-identical restores, the same greedy tokens as quantizing at load, refusals, exact padding of quantized weights
 for tensor parallelism, and (in a child process with 8 fake CPU devices,
-tests/sharding/multi_device_quant_checkpoint_checks.py) sharded restores."""
+tests/sharding/multi_device_quant_checkpoint_checks.py, run by test_orbax_checkpoint.py) sharded restores."""
 
 from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -261,15 +258,3 @@ def test_padding_that_would_split_a_group_is_refused():
     assert quantized.layers.w_down.group_size == 5  # 70 = 14 groups of 5; padded to 72: not whole groups
     with pytest.raises(ValueError, match="group_size 5 along its mlp axis of size 70 cannot be padded to 72 for tp=4"):
         pad_weights(quantized, Weights.abstract(cfg), layout)
-
-
-# --- meshes of 8 fake devices ----------------------------------------------------------------------------------------
-
-
-def test_quantized_restore_onto_meshes_on_eight_fake_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        str(REPO / "tests" / "sharding" / "multi_device_quant_checkpoint_checks.py")],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "failed" not in r.stdout and "skipped" not in r.stdout
