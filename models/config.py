@@ -343,12 +343,12 @@ def _hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     return {}
 
 
-def options_from_value(cls: type, value: Any, what: str) -> Any:
+def options_from_value(cls: type, value: Any, what: str, required: tuple[str, ...] = ()) -> Any:
     """An options dataclass `cls` from an instance, a dict of its fields or a JSON object string; None stays None.
 
     Raises:
-      ValueError: naming `what`, for JSON that does not parse or is not an object, unknown keys (named), or the
-        dataclass's own value errors.
+      ValueError: naming `what`, for JSON that does not parse or is not an object, unknown keys (named), missing
+        `required` keys, or the dataclass's own value errors.
     """
     if value is None or isinstance(value, cls):
         return value
@@ -365,4 +365,7 @@ def options_from_value(cls: type, value: Any, what: str) -> Any:
     unknown = sorted(repr(key) for key in set(value) - known)
     if unknown:
         raise ValueError(f"unknown {what} key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    missing = [key for key in required if key not in value]
+    if missing:
+        raise ValueError(f"{what} {dict(value)!r} needs the key(s) {', '.join(missing)}")
     return cls(**value)

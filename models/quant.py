@@ -316,7 +316,7 @@ class QuantizationConfig:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"quantization={self.format!r} is not one of {', '.join(FORMATS)} (or None)")
+            raise ValueError(f"quantization format={self.format!r} is not one of {', '.join(FORMATS)}")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
             raise ValueError(f"quantization group_size={self.group_size!r} must be an integer >= 0")
         if self.group_size and self.format != "fp8":
@@ -326,10 +326,8 @@ class QuantizationConfig:
             raise ValueError(f"activation_group_size={self.activation_group_size!r} must be an integer >= 0")
         if self.group_size and self.quantize_activations:
             raise ValueError("activation quantization needs per-channel scales (group_size 0)")
-        if self.quantize_activations not in (None, True, False):
-            raise ValueError(f"quantize_activations={self.quantize_activations!r} must be true, false or null")
-        for name in ("quantize_embedding", "quantize_lm_head"):
-            if getattr(self, name) not in (None, True, False):
+        for name in ("quantize_activations", "quantize_embedding", "quantize_lm_head"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true, false or null")
 
     @staticmethod
@@ -346,7 +344,8 @@ class QuantizationConfig:
         if value is not None and not isinstance(value, (str, Mapping, QuantizationConfig)):
             raise ValueError(f"quantization must be None, a format name, or a dict / JSON object, "
                              f"got {type(value).__name__}")
-        return options_from_value(QuantizationConfig, value, "quantization config")
+        config = options_from_value(QuantizationConfig, value, "quantization config", required=("format",))
+        return config
 
     @property
     def activations(self) -> bool:
@@ -469,8 +468,8 @@ def weight_bytes(weights) -> dict[str, float]:
         else:
             total += leaf.size
             nbytes += leaf.nbytes
-    return {"bytes": float(nbytes), "params": float(total), "quantized_params": float(quantized),
-            "quantized_share": quantized / total if total else 0.0, "quantized_bytes": float(qbytes)}
+    return {"bytes": int(nbytes), "params": int(total), "quantized_params": int(quantized),
+            "quantized_share": quantized / total if total else 0.0, "quantized_bytes": int(qbytes)}
 
 
 def _quantized_spec(spec: jax.sharding.PartitionSpec, q: QuantizedWeight,

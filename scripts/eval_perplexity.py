@@ -158,6 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tokens must be >= 2 and --chunk >= 1")
     if not args.text.is_file():
         ap.error(f"--text {str(args.text)!r} is not a file")
+    if args.matrix and (args.quantization or args.kv_cache_dtype != "auto" or args.dtype != "float32"):
+        ap.error("--matrix runs its own formats in bfloat16; leave out --quantization, --kv-cache-dtype and --dtype")
+    if args.write and not args.matrix:
+        ap.error("--write records the --matrix table; add --matrix")
+    try:
+        return _run(args)
+    except ValueError as e:  # a bad --quantization / --kv-cache-dtype value, named by the engine
+        ap.error(str(e))
+
+
+def _run(args) -> int:
     if args.matrix:
         rows = run_matrix(args)
         if args.write:

@@ -261,7 +261,7 @@ class Engine:
         del np_weights
         self.weight_bytes = quant.weight_bytes(weights)
         logger.info("loaded %s (%s%s) in %.1f s: %.1f MiB of weights", cfg.name, config.dtype,
-                    "" if qcfg is None else f", {qcfg.format} weights ({self.weight_bytes['quantized_share']:.0%} of "
+                    "" if qcfg is None else f", {qcfg.format} weights ({self.weight_bytes['quantized_share']:.2%} of "
                     f"parameters quantized{'' if quantize_at_load else ', as stored in the checkpoint'})",
                     time.perf_counter() - t0, self.weight_bytes["bytes"] / 2**20)
         if qcfg is not None:
@@ -341,7 +341,8 @@ class Engine:
             return wanted, wanted is not None
         if wanted is not None and wanted != stored:
             raise ValueError(f"quantization={wanted} differs from the quantization the checkpoint {config.model!r} "
-                             f"is stored with, {stored}; pass quantization=None to use the checkpoint's, or convert "
+                             f"is stored with, {stored}; pass quantization=None (leave out --quantization) to use the "
+                             f"checkpoint's, or convert "
                              f"the original model again")
         return stored, False
 

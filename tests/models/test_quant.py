@@ -242,6 +242,9 @@ def test_config_from_value_and_errors():
     assert not QuantizationConfig("int8").activations and not QuantizationConfig("fp8").activations  # weight-only
     assert QuantizationConfig("int8", quantize_activations=True).activations
     for bad, match in [("int4", "int4"), ({"format": "int8", "bits": 4}, "bits"), ("{", "JSON"), (3, "int"),
+                       ("{}", "needs the key"), ({"format": None}, "format=None"),
+                       ({"format": "int8", "quantize_activations": 1}, "quantize_activations"),
+                       ({"format": "fp8", "quantize_embedding": 0.0}, "quantize_embedding"),
                        ({"format": "int8", "group_size": 128}, "group_size"),
                        ({"format": "fp8", "group_size": -1}, "group_size"),
                        ({"format": "int8", "quantize_lm_head": "yes"}, "quantize_lm_head")]:
