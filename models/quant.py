@@ -166,12 +166,8 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
     kept = wt.shape[: nd - len(neg)]
     contracted = math.prod(wt.shape[nd - len(neg):])
     groups = contracted // group_size if group_size else 1
-    g = wt.reshape(*kept, groups, -1)
-    amax = jnp.max(jnp.abs(g), axis=-1)
-    scale = jnp.where(amax > 0, amax / _QMAX[fmt], 1.0).astype(jnp.float32)  # [*kept, G]
-    q = g / scale[..., None]
-    q = jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8) if fmt == "int8" else q.astype(jnp.float8_e4m3fn)
-    return QuantizedWeight(values=q.reshape(wt.shape), scale=scale, contract_axes=neg, group_size=group_size,
+    q, scale = quantize_rows(wt.reshape(*kept, groups, -1), (-1,), fmt)  # absmax per group, as for activations
+    return QuantizedWeight(values=q.reshape(wt.shape), scale=scale[..., 0], contract_axes=neg, group_size=group_size,
                            quantize_activations=quantize_activations,
                            activation_group_size=activation_group_size if quantize_activations else 0)
 
@@ -344,8 +340,7 @@ class QuantizationConfig:
         if value is not None and not isinstance(value, (str, Mapping, QuantizationConfig)):
             raise ValueError(f"quantization must be None, a format name, or a dict / JSON object, "
                              f"got {type(value).__name__}")
-        config = options_from_value(QuantizationConfig, value, "quantization config", required=("format",))
-        return config
+        return options_from_value(QuantizationConfig, value, "quantization config", required=("format",))
 
     @property
     def activations(self) -> bool:
