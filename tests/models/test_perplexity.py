@@ -41,13 +41,17 @@ def test_smollm2_perplexity_matches_hf_transformers():
 
 # Relative perplexity bound against bf16 (2,048 tokens) and the least top-1 agreement with bf16, per format. The issue
 # sets 1% for int8 and 2% for fp8: weight-only int8 and fp8 (embedding and LM head bf16, its default) meet them
-# (measured +0.5% and +1.5%); int8 with dynamic per-token int8 activations (w8a8) measured +1.6%, so its bound is
-# looser and BENCHMARKS.md says why (the activation rounding, not the weights, costs the quality). Top-1 agreement
-# measured: 94.9%, 90.9%, 84.4%; the bounds leave ~2 points.
+# (measured +0.5% and +1.5%). int8 with dynamic per-token int8 activations (w8a8) amplifies rounding: every
+# activation row is rounded to 127 levels, and a last-bit change upstream moves values across those levels, so its
+# figure depends on XLA:CPU's kernels while bf16's barely does. Measured w8a8 (bf16 baseline): +1.58% on an AMD Zen 5;
+# +2.95% on an AMD EPYC Zen 3, where the same machine gives +2.16% with XLA's oneDNN dots and +1.94% with YNNPACK
+# fusions off (bf16 itself moves 0.3% there). Its bound, 4%, is the largest of those plus their 1-point spread;
+# BENCHMARKS.md says why w8a8 loses quality (the activation rounding, not the weights). Top-1 agreement measured:
+# 94.9%, 90.9%, 84.4% (83.6% on the Zen 3); the bounds leave ~2 points.
 QUALITY = {
     "int8 (weight-only, the default)": ("int8", 0.01, 0.93),
     "fp8": ("fp8", 0.02, 0.89),
-    "int8 w8a8": ({"format": "int8", "quantize_activations": True}, 0.025, 0.82),
+    "int8 w8a8": ({"format": "int8", "quantize_activations": True}, 0.04, 0.82),
 }
 
 
