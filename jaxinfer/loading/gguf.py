@@ -28,7 +28,6 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-
 def read_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":  # noqa: F821
     """Opens a GGUF file (memory-mapped).
 

@@ -1,9 +1,9 @@
 """Saves and restores jaxinfer orbax checkpoints (layout and JSON: `jaxinfer.loading.orbax_format`).
 
-Arrays
-are saved unsharded from host numpy by `convert` (orbax also accepts sharded `jax.Array`s, see `save`), and `load`
-restores each one straight into the caller's target sharding: orbax reads only the slices every device holds, so
-no full host copy is made, whatever mesh the checkpoint was written from.
+Arrays are saved unsharded from host numpy by `jaxinfer.loading.convert` (orbax also accepts sharded `jax.Array`s,
+see `save`), and `load` restores each one straight into the caller's target sharding: orbax reads only the slices
+every device holds, so no full host copy is made, whatever mesh the checkpoint was written from. Errors are
+`ValueError`s naming the folder and the problem (see `save` and `load`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ def check_output_dir(output_dir: Path) -> None:
     """Raises `ValueError` unless `output_dir` does not exist yet or is an empty folder."""
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
         raise ValueError(f"output {str(output_dir)!r} exists and is not an empty folder; choose a new one")
-
 
 
 def save(output_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer, *,
@@ -174,7 +173,6 @@ def _groups(items: list[tuple[tuple[str, ...], Any]], limit: int) -> list[list[t
         groups[-1].append((path, target))
         size += nbytes
     return groups
-
 
 
 def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,

@@ -70,7 +70,6 @@ def checked_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
-
 # --- the JSON -------------------------------------------------------------------------------------------------------
 
 
@@ -117,7 +116,6 @@ def read_checkpoint_json(path: str | os.PathLike) -> tuple[ModelConfig, np.dtype
     except ValueError as e:
         raise ValueError(f"checkpoint {str(root)!r}: {e}" if str(root) not in str(e) else str(e)) from None
     return cfg, dtype, meta
-
 
 
 # --- weights <-> nested dict --------------------------------------------------------------------------------------
@@ -170,7 +168,6 @@ def weights_from_dict(tree: Mapping[str, Any], cfg: ModelConfig, separate_head: 
     return jax.tree_util.tree_map_with_path(
         lambda path, _: get_path(tree, tuple(k.name for k in path)), Weights.abstract(cfg, separate_head),
         is_leaf=_is_spec)
-
 
 
 def nest(items: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
