@@ -285,6 +285,7 @@ def checkpoint_quantization(path: str | os.PathLike) -> QuantizationConfig | Non
 
 
 def quantization_record(meta: Mapping[str, Any], cfg: ModelConfig, root: Path) -> CheckpointQuantization | None:
+    """The parsed "quantization" object of a checkpoint JSON, or None for a plain checkpoint (errors name `root`)."""
     if meta.get("quantization") is None:
         return None
     return CheckpointQuantization.from_json(meta["quantization"], cfg,

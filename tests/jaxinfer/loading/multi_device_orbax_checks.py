@@ -93,7 +93,7 @@ def sharded_checkpoint(source, tmp_path_factory):
     assert placed.layers.wq.addressable_shards[0].data.shape[2] == cfg.num_heads // 2
     _, _, tokenizer = load_model(folder, np.dtype(np.float32))
     return orbax.save(tmp_path_factory.mktemp("ckpt") / "sharded", cfg, placed, tokenizer,
-                                 source="tp=2 mesh")
+                      source="tp=2 mesh")
 
 
 def _check_shards(restored: Weights, source_weights: Weights, shardings: Weights) -> None:

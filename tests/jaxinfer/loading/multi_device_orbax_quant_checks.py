@@ -52,7 +52,7 @@ def checkpoints(sources, tmp_path_factory):
         key = (name, str(sorted(quantization.items())))
         if key not in cache:
             cache[key] = convert(sources[name], tmp_path_factory.mktemp("ckpt") / "q",
-                                                  quantization=quantization)
+                                 quantization=quantization)
         return cache[key]
 
     return get

@@ -51,7 +51,7 @@ def checkpoint(sources, tmp_path_factory):
     def get(case: str) -> Path:
         src, quantization = CASES[case]
         return convert(sources[src], tmp_path_factory.mktemp("ckpt") / case,
-                                        quantization=quantization)
+                       quantization=quantization)
 
     return get
 
