@@ -1,25 +1,15 @@
 """jaxinfer: an LLM inference engine on JAX/XLA. Exact tested versions are pinned in constraints.txt."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="jaxinfer",
     version="0.1.0",
     description="LLM inference engine on JAX/XLA for GPUs, TPUs and CPUs",
     python_requires=">=3.12",
-    packages=[
-        "jaxinfer",
-        "jaxinfer.engine",
-        "jaxinfer.scheduler",
-        "jaxinfer.serving",
-        "jaxinfer.serving.v1",
-        "jaxinfer.spec_decode",
-        "models",
-        "sharding",
-        "pallas_kernels",
-        "pallas_kernels.flash_attention",
-        "pallas_kernels.paged_attention",
-    ],
+    # Every package under these roots (a folder with an __init__.py), so a new subpackage cannot be left out.
+    packages=find_packages(include=[f"{root}{sub}" for root in ("jaxinfer", "models", "sharding", "pallas_kernels")
+                                    for sub in ("", ".*")]),
     install_requires=[
         "jax>=0.11.2",
         "jaxlib>=0.11.2",

@@ -245,7 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     quantization = _quantization_config(args)
-    from jaxinfer.orbax_checkpoint import convert
+    from jaxinfer.loading import convert
 
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")

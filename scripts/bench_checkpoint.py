@@ -1,8 +1,8 @@
 """Checkpoint workload of `scripts/benchmark.py --workload checkpoint`: SmolLM2 load time from orbax vs from GGUF.
 
-For each dtype (float32, bfloat16) the GGUF file is converted once (`jaxinfer.orbax_checkpoint.convert`, timed) into
+For each dtype (float32, bfloat16) the GGUF file is converted once (`jaxinfer.loading.convert`, timed) into
 a checkpoint stored in that dtype, then every way of loading is timed `reps` times in turn, in this process, with
-`jaxinfer.model_loader.load_model` (config, weights and tokenizer, as the engine loads them):
+`jaxinfer.loading.load_model` (config, weights and tokenizer, as the engine loads them):
 
 * GGUF -> host numpy: read, dequantize (Q4_1 / Q8_0 -> f32), undo the rotary row permutation, cast;
 * GGUF -> default device: the same, then `jax.device_put` of every array, blocked until ready;
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer import orbax_checkpoint
-from jaxinfer.model_loader import load_model
+from jaxinfer.loading import convert, load_model
+from jaxinfer.loading.orbax_format import DTYPES, WEIGHTS_DIR
 from sharding.mesh import make_mesh
 import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
 
@@ -62,11 +62,11 @@ def run(model_path: Path, dtypes: list[str], reps: int) -> dict:
     rows, sizes = [], {"gguf": model_path.stat().st_size}
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as tmp:
         for dtype in dtypes:
-            np_dtype = orbax_checkpoint.DTYPES[dtype]
+            np_dtype = DTYPES[dtype]
             t0 = time.perf_counter()
-            ckpt = orbax_checkpoint.convert(model_path, Path(tmp) / dtype, dtype=dtype)
+            ckpt = convert(model_path, Path(tmp) / dtype, dtype=dtype)
             convert_s = time.perf_counter() - t0
-            sizes[dtype] = _folder_bytes(ckpt / orbax_checkpoint.WEIGHTS_DIR)
+            sizes[dtype] = _folder_bytes(ckpt / WEIGHTS_DIR)
             logger.info("converted to %s in %.1f s (%.1f MiB of weights)", dtype, convert_s, sizes[dtype] / 2**20)
 
             def gguf_to_device() -> object:

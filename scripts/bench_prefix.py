@@ -75,7 +75,8 @@ def make_engines(max_num_seqs: int = 8, kv_pages: int = 512) -> tuple[LLM, LLM]:
     compile what each part needs)."""
     import jax.numpy as jnp
 
-    from jaxinfer.checkpoint import default_model_path, load_gguf_weights, read_gguf
+    from jaxinfer.loading import default_model_path
+    from jaxinfer.loading.gguf import load_gguf_weights, read_gguf
     from models.llama import KVCache
 
     cfg, _ = load_gguf_weights(read_gguf(default_model_path()), np.float32)

@@ -82,7 +82,8 @@ import bench_quant  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_spec  # noqa: E402
 import md_sections  # noqa: E402
-from jaxinfer.checkpoint import default_model_path, load_gguf_weights, read_gguf  # noqa: E402
+from jaxinfer.loading import default_model_path  # noqa: E402
+from jaxinfer.loading.gguf import load_gguf_weights, read_gguf  # noqa: E402
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
 from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402

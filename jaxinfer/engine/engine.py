@@ -38,7 +38,7 @@ import psutil
 from jaxinfer.engine import multihost
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk, StepResult, VerifyResult
 from jaxinfer.engine.sampling import SamplingRow
-from jaxinfer.model_loader import load_model, stored_quantization
+from jaxinfer.loading import load_model, stored_quantization
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler.page_allocator import PageAllocator

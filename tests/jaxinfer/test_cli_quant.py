@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sharding.multi_device_orbax_checks import make_tiny_hf_folder
+from tests.jaxinfer.loading.multi_device_orbax_checks import make_tiny_hf_folder
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}

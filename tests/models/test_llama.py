@@ -2,7 +2,7 @@
 
 These are consistency properties (the same numbers however a prompt is split or batched) plus a RoPE frequency
 check against the Llama 3.1 formula written out here; agreement with an independent implementation (HF
-transformers) is tested through the golden checkpoints in tests/jaxinfer/test_checkpoint.py.
+transformers) is tested through the golden checkpoints in tests/jaxinfer/loading/test_hf.py.
 """
 
 from __future__ import annotations

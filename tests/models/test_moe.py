@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxinfer.checkpoint import load_hf_weights
+from jaxinfer.loading.hf import load_hf_weights
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.sampling_params import SamplingParams

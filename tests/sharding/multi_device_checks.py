@@ -214,7 +214,7 @@ def test_exactly_two_all_reduces_per_layer_and_no_weight_all_gather(heads, scan)
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from jaxinfer.checkpoint import default_model_path  # noqa: E402
+from jaxinfer.loading import convert, default_model_path  # noqa: E402
 from jaxinfer.tokenizer import Tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -257,8 +257,6 @@ def test_expert_parallelism_on_a_dense_model_is_refused():
 
 
 def test_orbax_checkpoint_restored_onto_tp4_gives_the_gguf_tokens(tmp_path):
-    from jaxinfer.orbax_checkpoint import convert
-
     folder = convert(None, tmp_path / "smollm2")  # the default GGUF, float32
     llm = LLM(folder, tensor_parallel_size=4, warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
               kv_cache_memory_bytes=64 << 20)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.checkpoint import load_hf_weights
+from jaxinfer.loading.hf import load_hf_weights
 from models import moe
 from models.config import ModelConfig
 from models.llama import KVCache, Weights, forward

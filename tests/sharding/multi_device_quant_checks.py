@@ -54,7 +54,7 @@ def test_sharded_quantization_equals_single_device_and_scales_follow_their_weigh
 
 @pytest.mark.parametrize("ep,tp", [(2, 1), (2, 2)])
 def test_quantized_moe_on_an_expert_parallel_mesh_equals_single_device(ep, tp):
-    from jaxinfer.checkpoint import load_hf_weights
+    from jaxinfer.loading.hf import load_hf_weights
     from tests.sharding.multi_device_moe_checks import DATA
 
     cfg, weights = load_hf_weights(DATA / "tiny_mixtral")

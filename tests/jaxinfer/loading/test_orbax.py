@@ -1,5 +1,6 @@
-"""jaxinfer.orbax_checkpoint: convert, restore, casts, broken checkpoints, the tokenizer round trip, the CLI, and (in a
-child process with 8 fake CPU devices, tests/sharding/multi_device_orbax_checks.py) restores onto meshes."""
+"""jaxinfer.loading.orbax (and `convert`): convert, restore, casts, broken checkpoints, the tokenizer round trip, the
+CLI, and (in a child process with 8 fake CPU devices, tests/jaxinfer/loading/multi_device_orbax_checks.py) restores
+onto meshes."""
 
 from __future__ import annotations
 
@@ -16,16 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import orbax_checkpoint
-from jaxinfer.checkpoint import default_model_path
 from jaxinfer.engine.runner import ModelRunner, SequenceChunk
-from jaxinfer.model_loader import load_model
+from jaxinfer.loading import convert, default_model_path, load_model, orbax, orbax_format
 from jaxinfer.tokenizer import Tokenizer
-from models.config import ModelConfig, RopeScaling, RopeType
+from models.config import ModelConfig, RopeType
 from models.llama import Weights
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "sharding"))
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests" / "jaxinfer" / "loading"))
 from multi_device_orbax_checks import make_tiny_hf_folder  # noqa: E402
 
 F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
@@ -66,12 +65,12 @@ def tiny_src(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tiny_src, tmp_path_factory) -> Path:
-    return orbax_checkpoint.convert(tiny_src, tmp_path_factory.mktemp("ckpt") / "tiny_f32")
+    return convert(tiny_src, tmp_path_factory.mktemp("ckpt") / "tiny_f32")
 
 
 @pytest.fixture(scope="module")
 def tiny_ckpt_bf16(tiny_src, tmp_path_factory) -> Path:
-    return orbax_checkpoint.convert(tiny_src, tmp_path_factory.mktemp("ckpt") / "tiny_bf16", dtype="bfloat16")
+    return convert(tiny_src, tmp_path_factory.mktemp("ckpt") / "tiny_bf16", dtype="bfloat16")
 
 
 @pytest.fixture
@@ -80,34 +79,6 @@ def broken(tiny_ckpt, tmp_path) -> Path:
     import shutil
 
     return Path(shutil.copytree(tiny_ckpt, tmp_path / "broken"))
-
-
-# --- config JSON ---------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("cfg", [
-    ModelConfig(architecture="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=8),
-    ModelConfig(architecture="mistral", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
-                num_heads=4, num_kv_heads=1, head_dim=8, rope_theta=5e5, sliding_window=8, tie_word_embeddings=True,
-                rope_scaling=RopeScaling(RopeType.LLAMA3, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                         original_max_position_embeddings=32), name="x"),
-    ModelConfig(architecture="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                num_kv_heads=2, head_dim=16, attention_bias=True, rope_scaling=RopeScaling(RopeType.LINEAR, 2.0)),
-])
-def test_config_round_trips_through_json(cfg):
-    text = json.dumps(orbax_checkpoint.config_to_dict(cfg))
-    assert orbax_checkpoint.config_from_dict(json.loads(text)) == cfg
-
-
-def test_config_from_dict_refuses_unknown_fields_and_bad_enums():
-    data = orbax_checkpoint.config_to_dict(ModelConfig(architecture="llama", vocab_size=8, hidden_size=8,
-                                                       intermediate_size=8, num_layers=1, num_heads=1,
-                                                       num_kv_heads=1, head_dim=8))
-    with pytest.raises(ValueError, match="unknown ModelConfig field.*made_up"):
-        orbax_checkpoint.config_from_dict({**data, "made_up": 1})
-    with pytest.raises(ValueError, match="'cubic' is not a RopeType"):
-        orbax_checkpoint.config_from_dict({**data, "rope_scaling": {"rope_type": "cubic", "factor": 2.0}})
 
 
 # --- tokenizer round trip --------------------------------------------------------------------------------------------
@@ -152,9 +123,9 @@ def test_sentencepiece_tokenizer_round_trips(tmp_path):
 
 
 def test_tiny_hf_checkpoint_restores_the_source(tiny_src, tiny_ckpt):
-    assert orbax_checkpoint.is_orbax_checkpoint(tiny_ckpt) and not orbax_checkpoint.is_orbax_checkpoint(tiny_src)
-    meta = json.loads((tiny_ckpt / orbax_checkpoint.CHECKPOINT_JSON).read_text())
-    assert meta["format_version"] == orbax_checkpoint.FORMAT_VERSION == 1
+    assert orbax_format.is_orbax_checkpoint(tiny_ckpt) and not orbax_format.is_orbax_checkpoint(tiny_src)
+    meta = json.loads((tiny_ckpt / orbax_format.CHECKPOINT_JSON).read_text())
+    assert meta["format_version"] == orbax_format.FORMAT_VERSION == 1
     assert meta["dtype"] == "float32" and meta["source"] == str(tiny_src.resolve())
     src_cfg, src_weights, src_tok = load_model(tiny_src, F32)
     cfg, weights, tok = load_model(tiny_ckpt, F32)
@@ -169,10 +140,10 @@ def test_tiny_hf_checkpoint_restores_the_source(tiny_src, tiny_ckpt):
 @pytest.mark.parametrize("stored, wanted", [("float32", "bfloat16"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")])
 def test_dtype_cast_at_load(tiny_src, tiny_ckpt, tiny_ckpt_bf16, stored, wanted):
     ckpt = tiny_ckpt if stored == "float32" else tiny_ckpt_bf16
-    _, weights, _ = orbax_checkpoint.load(ckpt, wanted)
+    _, weights, _ = orbax.load(ckpt, wanted)
     # bfloat16 -> float32 is exact; float32 -> bfloat16 rounds as numpy's astype does.
     _, expected, _ = load_model(tiny_src, BF16)
-    expected = jax.tree.map(lambda x: x.astype(orbax_checkpoint.DTYPES[wanted]), expected)
+    expected = jax.tree.map(lambda x: x.astype(orbax_format.DTYPES[wanted]), expected)
     _assert_weights_equal(weights, expected)
 
 
@@ -211,11 +182,11 @@ def test_smollm2_checkpoint_from_the_cli_generates_the_gguf_tokens(tmp_path):
 def test_non_empty_output_is_refused(tiny_src, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     with pytest.raises(ValueError, match="exists and is not an empty folder"):
-        orbax_checkpoint.convert(tiny_src, tmp_path)
+        convert(tiny_src, tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
-    orbax_checkpoint.convert(tiny_src, tmp_path / "empty_is_fine")
+    convert(tiny_src, tmp_path / "empty_is_fine")
     with pytest.raises(ValueError, match="dtype='float16' must be one of float32, bfloat16"):
-        orbax_checkpoint.convert(tiny_src, tmp_path / "new", dtype="float16")
+        convert(tiny_src, tmp_path / "new", dtype="float16")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -282,7 +253,7 @@ def _remove_tree_metadata(root: Path) -> None:
 def test_broken_checkpoint_is_one_clear_value_error(broken, damage, message):
     damage(broken)
     with pytest.raises(ValueError, match=message) as e:
-        orbax_checkpoint.load(broken, "float32")
+        orbax.load(broken, "float32")
     assert str(broken) in str(e.value)
     assert "\n" not in str(e.value)
     if damage is not _bigger_config and "json" not in message:
@@ -292,29 +263,29 @@ def test_broken_checkpoint_is_one_clear_value_error(broken, damage, message):
 
 def test_missing_folder(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        orbax_checkpoint.load(tmp_path / "nothing", "float32")
+        orbax.load(tmp_path / "nothing", "float32")
 
 
 def test_shardings_must_cover_every_weight(tiny_ckpt):
-    cfg, _, _ = orbax_checkpoint.read_checkpoint_json(tiny_ckpt)
+    cfg, _, _ = orbax_format.read_checkpoint_json(tiny_ckpt)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
     shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
                              Weights.abstract(cfg), is_leaf=lambda x: hasattr(x, "logical_axes"))
-    _, weights, _ = orbax_checkpoint.load(tiny_ckpt, "float32", shardings)
+    _, weights, _ = orbax.load(tiny_ckpt, "float32", shardings)
     assert isinstance(weights.layers.wq, jax.Array)
     with pytest.raises(ValueError, match="no sharding for layers.wq"):
-        orbax_checkpoint.load(tiny_ckpt, "float32", dataclasses.replace(
+        orbax.load(tiny_ckpt, "float32", dataclasses.replace(
             shardings, layers=dataclasses.replace(shardings.layers, wq=None)))
 
 
 # --- meshes of 8 fake devices ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("checks", ["multi_device_orbax_checks.py", "multi_device_quant_checkpoint_checks.py"])
+@pytest.mark.parametrize("checks", ["multi_device_orbax_checks.py", "multi_device_orbax_quant_checks.py"])
 def test_restore_onto_meshes_on_eight_fake_devices(checks):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        str(REPO / "tests" / "sharding" / checks)],
+                        str(REPO / "tests" / "jaxinfer" / "loading" / checks)],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failed" not in r.stdout and "skipped" not in r.stdout

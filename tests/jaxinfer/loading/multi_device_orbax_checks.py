@@ -1,4 +1,4 @@
-"""orbax checkpoints restored onto meshes of 8 fake CPU devices: run by tests/jaxinfer/test_orbax_checkpoint.py in a
+"""orbax checkpoints restored onto meshes of 8 fake CPU devices: run by tests/jaxinfer/loading/test_orbax.py in a
 child process with `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
 
 The checkpoints are tiny_llama3 (4 query heads, 2 KV heads, MLP 128, vocabulary 128, two layers) and tiny_mixtral
@@ -19,14 +19,13 @@ import pytest
 import tokenizers
 from jax.sharding import NamedSharding
 
-from jaxinfer import orbax_checkpoint
-from jaxinfer.model_loader import load_model
+from jaxinfer.loading import convert, load_model, orbax
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward
 from sharding.mesh import make_mesh
 from sharding.partition import put_sharded, replicated_where_indivisible, shard_model
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 TINY_SRC = DATA / "tiny_llama3"
 PAGE_SIZE, NUM_PAGES = 4, 12
 
@@ -82,7 +81,7 @@ def source(tmp_path_factory):
 @pytest.fixture(scope="module")
 def host_checkpoint(source, tmp_path_factory):
     """Converted from the HF folder: saved unsharded from host numpy arrays."""
-    return orbax_checkpoint.convert(source[0], tmp_path_factory.mktemp("ckpt") / "host")
+    return convert(source[0], tmp_path_factory.mktemp("ckpt") / "host")
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +92,8 @@ def sharded_checkpoint(source, tmp_path_factory):
     placed = put_sharded(weights, replicated_where_indivisible(Weights.abstract(cfg), mesh))
     assert placed.layers.wq.addressable_shards[0].data.shape[2] == cfg.num_heads // 2
     _, _, tokenizer = load_model(folder, np.dtype(np.float32))
-    return orbax_checkpoint.save(tmp_path_factory.mktemp("ckpt") / "sharded", cfg, placed, tokenizer,
-                                 source="tp=2 mesh")
+    return orbax.save(tmp_path_factory.mktemp("ckpt") / "sharded", cfg, placed, tokenizer,
+                      source="tp=2 mesh")
 
 
 def _check_shards(restored: Weights, source_weights: Weights, shardings: Weights) -> None:
@@ -161,7 +160,7 @@ def test_moe_checkpoint_restores_onto_tp2_ep2(tmp_path):
     cfg, weights, _ = load_model(folder, np.dtype(np.float32))
     assert cfg.num_experts == 8
     expected = _logits(cfg, weights)
-    ckpt = orbax_checkpoint.convert(folder, tmp_path / "ckpt")
+    ckpt = convert(folder, tmp_path / "ckpt")
     mesh = make_mesh(tp=2, ep=2)
     _, restored, _ = load_model(ckpt, np.dtype(np.float32), mesh=mesh)
     _check_shards(restored, weights, replicated_where_indivisible(Weights.abstract(cfg), mesh))

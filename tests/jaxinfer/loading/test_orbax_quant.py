@@ -1,7 +1,7 @@
-"""Quantized orbax checkpoints (`orbax_checkpoint.convert(..., quantization=...)`, `jaxinfer convert --quantization`):
+"""Quantized orbax checkpoints (`jaxinfer.loading.convert(..., quantization=...)`, `jaxinfer convert --quantization`):
 bit-identical restores, the same greedy tokens as quantizing at load, refusals, exact padding of quantized weights
 for tensor parallelism, and (in a child process with 8 fake CPU devices,
-tests/sharding/multi_device_quant_checkpoint_checks.py, run by test_orbax_checkpoint.py) sharded restores."""
+tests/jaxinfer/loading/multi_device_orbax_quant_checks.py, run by test_orbax.py) sharded restores."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams, orbax_checkpoint
+from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.engine import Engine, EngineConfig
-from jaxinfer.model_loader import load_model, stored_quantization
+from jaxinfer.loading import convert, load_model, orbax, orbax_format, stored_quantization
 from models.config import ModelConfig
 from models.llama import Weights, init_weights
 from models.quant import QuantizationConfig, QuantizedWeight, quantize, quantize_weights
 from sharding.partition import pad_weights, tp_layout
-from tests.sharding.multi_device_orbax_checks import make_tiny_hf_folder
+from tests.jaxinfer.loading.multi_device_orbax_checks import make_tiny_hf_folder
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DATA = REPO / "tests" / "data"
 F32 = np.dtype(np.float32)
 
@@ -50,8 +50,8 @@ def checkpoint(sources, tmp_path_factory):
     @functools.cache
     def get(case: str) -> Path:
         src, quantization = CASES[case]
-        return orbax_checkpoint.convert(sources[src], tmp_path_factory.mktemp("ckpt") / case,
-                                        quantization=quantization)
+        return convert(sources[src], tmp_path_factory.mktemp("ckpt") / case,
+                       quantization=quantization)
 
     return get
 
@@ -85,26 +85,26 @@ def test_quantized_checkpoint_restores_bit_identical(case, sources, checkpoint):
     src, quantization = CASES[case]
     ckpt = checkpoint(case)
     qcfg = QuantizationConfig.from_value(quantization)
-    meta = json.loads((ckpt / orbax_checkpoint.CHECKPOINT_JSON).read_text())
+    meta = json.loads((ckpt / orbax_format.CHECKPOINT_JSON).read_text())
     assert meta["dtype"] == "float32"
     assert QuantizationConfig(**meta["quantization"]["config"]) == qcfg.resolved()
     assert meta["quantization"]["config"]["quantize_activations"] is qcfg.activations  # resolved, not null
     assert stored_quantization(ckpt) == qcfg.resolved() and stored_quantization(sources[src]) is None
 
     expected = _quantized_at_load(sources[src], quantization)
-    cfg, restored, _ = orbax_checkpoint.load(ckpt, "float32")
+    cfg, restored, _ = orbax.load(ckpt, "float32")
     _assert_identical(restored, expected)
     assert isinstance(restored.layers.wq, QuantizedWeight) and isinstance(restored.layers.wq.values, np.ndarray)
     assert (restored.lm_head is not None) is (case == "int8-tied-float-head" or not cfg.tie_word_embeddings)
     assert meta["quantization"]["separate_lm_head"] is (case == "int8-tied-float-head")
 
     # On disk the arrays have their real dtypes (orbax metadata, not what `load` asks for).
-    stored = orbax_checkpoint._stored_arrays(ckpt / "weights", ckpt)
+    stored = orbax._stored_arrays(ckpt / "weights", ckpt)
     values_dtype = {"int8": np.int8, "fp8": jnp.float8_e4m3fn}[qcfg.format]
     assert np.dtype(stored["layers"]["wq"]["values"].dtype) == values_dtype
     assert np.dtype(stored["layers"]["wq"]["scale"].dtype) == np.float32
     assert np.dtype(stored["layers"]["attn_norm"].dtype) == np.float32
-    assert set(meta["quantization"]["weights"]) == {".".join(p) for p in orbax_checkpoint._quantized_leaves(restored)}
+    assert set(meta["quantization"]["weights"]) == {".".join(p) for p in orbax_format.quantized_leaves(restored)}
 
 
 def test_int8_values_and_scales_match_a_numpy_reference(sources, checkpoint):
@@ -112,7 +112,7 @@ def test_int8_values_and_scales_match_a_numpy_reference(sources, checkpoint):
     # stored output-major [L, N, H, D] with one scale per (layer, head, head-dim) channel, absmax / 127; int8 w8a8
     # first folds the attention norm's gain into wq (its rows scaled by attn_norm), and stores the norm as ones.
     _, src_weights, _ = load_model(sources["tiny_llama3"], F32)
-    _, restored, _ = orbax_checkpoint.load(checkpoint("int8"), "float32")
+    _, restored, _ = orbax.load(checkpoint("int8"), "float32")
     gain = np.asarray(src_weights.layers.attn_norm, np.float32)[:, :, None, None]
     w = np.transpose(np.asarray(src_weights.layers.wq) * gain, (0, 2, 3, 1))
     assert np.all(np.asarray(restored.layers.attn_norm) == 1)
@@ -124,7 +124,7 @@ def test_int8_values_and_scales_match_a_numpy_reference(sources, checkpoint):
 
 
 def test_unquantized_weights_restore_in_the_requested_dtype(sources, checkpoint):
-    _, restored, _ = orbax_checkpoint.load(checkpoint("int8"), "bfloat16")
+    _, restored, _ = orbax.load(checkpoint("int8"), "bfloat16")
     assert restored.final_norm.dtype == jnp.bfloat16 and restored.layers.wq.values.dtype == np.int8
     _assert_identical(restored, _quantized_at_load(sources["tiny_llama3"], CASES["int8"][1], dtype=jnp.bfloat16))
 
@@ -172,15 +172,15 @@ def test_save_and_convert_refusals(sources, checkpoint, tmp_path):
     cfg, weights, tokenizer = load_model(sources["tiny_llama3"], F32)
     quantized = _quantized_at_load(sources["tiny_llama3"], "int8")
     with pytest.raises(ValueError, match=r"weights hold quantized weights \(embed, layers.wq, .*pass the quantization"):
-        orbax_checkpoint.save(tmp_path / "a", cfg, quantized, tokenizer)
+        orbax.save(tmp_path / "a", cfg, quantized, tokenizer)
     with pytest.raises(ValueError, match="quantization='int8' given, but no weight is quantized"):
-        orbax_checkpoint.save(tmp_path / "b", cfg, weights, tokenizer, quantization="int8")
+        orbax.save(tmp_path / "b", cfg, weights, tokenizer, quantization="int8")
     with pytest.raises(ValueError, match="int8 values with float32 scales do not fit quantization format 'fp8'"):
-        orbax_checkpoint.save(tmp_path / "c", cfg, quantized, tokenizer, quantization="fp8")
+        orbax.save(tmp_path / "c", cfg, quantized, tokenizer, quantization="fp8")
     with pytest.raises(ValueError, match="is a quantized checkpoint already"):
-        orbax_checkpoint.convert(checkpoint("int8"), tmp_path / "d", quantization="fp8")
+        convert(checkpoint("int8"), tmp_path / "d", quantization="fp8")
     with pytest.raises(ValueError, match="unknown quantization config key"):
-        orbax_checkpoint.convert(sources["tiny_llama3"], tmp_path / "e", quantization='{"format": "int8", "bits": 8}')
+        convert(sources["tiny_llama3"], tmp_path / "e", quantization='{"format": "int8", "bits": 8}')
     assert not any((tmp_path / name).exists() and any((tmp_path / name).iterdir()) for name in "abcde")
 
 
@@ -197,11 +197,11 @@ def test_a_malformed_quantization_record_is_one_clear_value_error(edit, message,
     import shutil
 
     ckpt = Path(shutil.copytree(checkpoint("int8"), tmp_path / "broken"))
-    meta = json.loads((ckpt / orbax_checkpoint.CHECKPOINT_JSON).read_text())
+    meta = json.loads((ckpt / orbax_format.CHECKPOINT_JSON).read_text())
     edit(meta["quantization"])
-    (ckpt / orbax_checkpoint.CHECKPOINT_JSON).write_text(json.dumps(meta))
+    (ckpt / orbax_format.CHECKPOINT_JSON).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=message) as e:
-        orbax_checkpoint.load(ckpt, "float32")
+        orbax.load(ckpt, "float32")
     assert str(ckpt) in str(e.value) and "\n" not in str(e.value)
 
 

@@ -1,5 +1,5 @@
 """Quantized orbax checkpoints restored onto meshes of 8 fake CPU devices: run by
-tests/jaxinfer/test_quant_checkpoint.py in a child process with `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
+tests/jaxinfer/loading/test_orbax.py in a child process with `XLA_FLAGS=--xla_force_host_platform_device_count=8`.
 
 A quantized checkpoint restores onto the mesh (values and scales each read into the sharding of the weight they
 quantize) and `shard_model` pads it as stored. Each case is checked against independent routes:
@@ -20,16 +20,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer import orbax_checkpoint
-from jaxinfer.model_loader import load_model
+from jaxinfer.loading import convert, load_model
 from models.llama import KVCache
 from models.quant import QuantizationConfig, QuantizedWeight, quantize_sharded
 from sharding.mesh import make_mesh
 from sharding.partition import shard_model
-from tests.sharding.multi_device_orbax_checks import (NUM_PAGES, PAGE_SIZE, _batch, _logits, _step,
-                                                      make_tiny_hf_folder)
+from tests.jaxinfer.loading.multi_device_orbax_checks import (NUM_PAGES, PAGE_SIZE, _batch, _logits, _step,
+                                                              make_tiny_hf_folder)
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 F32 = np.dtype(np.float32)
 INT8 = {"format": "int8"}
 FP8_G16 = {"format": "fp8", "group_size": 16}
@@ -52,8 +51,8 @@ def checkpoints(sources, tmp_path_factory):
     def get(name: str, quantization: dict) -> Path:
         key = (name, str(sorted(quantization.items())))
         if key not in cache:
-            cache[key] = orbax_checkpoint.convert(sources[name], tmp_path_factory.mktemp("ckpt") / "q",
-                                                  quantization=quantization)
+            cache[key] = convert(sources[name], tmp_path_factory.mktemp("ckpt") / "q",
+                                 quantization=quantization)
         return cache[key]
 
     return get

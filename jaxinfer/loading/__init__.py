@@ -1,0 +1,11 @@
+"""Checkpoint loading: GGUF files (`gguf`), HF safetensors folders (`hf`) and jaxinfer's own orbax checkpoints
+(`orbax_format`, `orbax`), one table of checkpoint tensor names (`tensor_names`), the config codec (`codec`), the
+entry point `load_model` (`loader`) and `convert` (`convert`).
+
+Imports only `models`, `sharding` and `jaxinfer.tokenizer` (never the engine, serving or CLI).
+"""
+
+from jaxinfer.loading.convert import convert
+from jaxinfer.loading.loader import default_model_path, load_model, stored_quantization
+
+__all__ = ["convert", "default_model_path", "load_model", "stored_quantization"]

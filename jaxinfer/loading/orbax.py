@@ -1,0 +1,300 @@
+"""Saves and restores jaxinfer orbax checkpoints (layout and JSON: `jaxinfer.loading.orbax_format`).
+
+Arrays are saved unsharded from host numpy by `jaxinfer.loading.convert` (orbax also accepts sharded `jax.Array`s,
+see `save`), and `load` restores each one straight into the caller's target sharding: orbax reads only the slices
+every device holds, so no full host copy is made, whatever mesh the checkpoint was written from. Errors are
+`ValueError`s naming the folder and the problem (see `save` and `load`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxinfer.loading.codec import config_to_dict
+from jaxinfer.loading.orbax_format import (CHECKPOINT_JSON, FORMAT_VERSION, TOKENIZER_DIR, WEIGHTS_DIR,
+                                           CheckpointQuantization, abstract_quantized, checked_dtype, flat_keys,
+                                           get_path, nest, quantization_record, quantized_leaves,
+                                           read_checkpoint_json, weight_paths, weights_from_dict, weights_to_dict)
+from jaxinfer.tokenizer import Tokenizer
+from models import quant
+from models.config import ModelConfig
+from models.llama import Weights, check_weights
+from models.quant import QuantizationConfig, QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+_RESTORE_GROUP_BYTES = 256 << 20  # arrays are restored in groups of about this size, one progress step each
+
+
+# --- save -----------------------------------------------------------------------------------------------------------
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """Raises `ValueError` unless `output_dir` does not exist yet or is an empty folder."""
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise ValueError(f"output {str(output_dir)!r} exists and is not an empty folder; choose a new one")
+
+
+def save(output_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, tokenizer: Tokenizer, *,
+         source: str = "", quantization: QuantizationConfig | Mapping[str, Any] | str | None = None) -> Path:
+    """Writes a checkpoint folder (layout in the module docstring) from weights in memory.
+
+    Args:
+      output_dir: a folder that does not exist yet or is empty.
+      cfg: the model config; it must match the weights' shapes (a quantized weight by its own-layout shape).
+      weights: host numpy arrays, or `jax.Array`s (sharded ones are written shard by shard), unpadded. All arrays
+        that are not quantized share one dtype, float32 or bfloat16, which the JSON records. Quantized weights
+        (`models.quant.QuantizedWeight`, from `models.quant.quantize_weights`) are stored in their own dtypes.
+      tokenizer: saved with `Tokenizer.save_pretrained`.
+      source: recorded as where the checkpoint came from.
+      quantization: for quantized `weights`, the `QuantizationConfig` (or its name / dict / JSON) that made them;
+        recorded resolved. None for plain weights.
+
+    Returns:
+      `output_dir` as an absolute `Path`.
+
+    Raises:
+      ValueError: `output_dir` exists and is not an empty folder, shapes disagree with `cfg` (from
+        `check_weights`), the plain arrays are not all float32 or all bfloat16, quantized weights without
+        `quantization` (or `quantization` without quantized weights), or a quantized weight whose format or scale
+        dtype disagrees with it.
+    """
+    out = Path(output_dir).resolve()
+    check_output_dir(out)
+    qcfg = QuantizationConfig.from_value(quantization)
+    quantized = quantized_leaves(weights)
+    if quantized and qcfg is None:
+        raise ValueError(f"weights hold quantized weights ({', '.join('.'.join(p) for p in quantized)}); pass the "
+                         f"quantization config that made them")
+    if qcfg is not None and not quantized:
+        raise ValueError(f"quantization={qcfg.format!r} given, but no weight is quantized")
+    for path, q in quantized.items():
+        if q.format != qcfg.format or np.dtype(q.scale.dtype) != np.float32:
+            raise ValueError(f"weight {'.'.join(path)}: {q.format} values with {q.scale.dtype} scales do not fit "
+                             f"quantization format {qcfg.format!r} (float32 scales)")
+    separate_head = bool(quantized) and cfg.tie_word_embeddings and weights.lm_head is not None
+    check_weights(weights, cfg, separate_head)
+    tree = weights_to_dict(weights)
+    plain = [x for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+             if not isinstance(x, QuantizedWeight)]
+    dtypes = {np.dtype(x.dtype) for x in plain}
+    if len(dtypes) != 1:
+        raise ValueError(f"weights mix dtypes {sorted(map(str, dtypes))}; convert them to one dtype first")
+    dtype = checked_dtype(dtypes.pop())
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _save_arrays(out / WEIGHTS_DIR, tree)
+        tokenizer.save_pretrained(out / TOKENIZER_DIR)
+        meta = {"format_version": FORMAT_VERSION, "config": config_to_dict(cfg), "dtype": dtype.name,
+                "source": source}
+        if quantized:
+            meta["quantization"] = CheckpointQuantization(
+                config=qcfg.resolved(), separate_head=separate_head,
+                weights={p: q.replace(values=None, scale=None) for p, q in quantized.items()}).to_json()
+        tmp = out / (CHECKPOINT_JSON + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.rename(out / CHECKPOINT_JSON)  # last: a folder without it is not a checkpoint
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:  # it was empty: leave it empty
+            for child in out.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        raise
+    return out
+
+
+def _save_arrays(path: Path, tree: dict[str, Any]) -> None:
+    import orbax.checkpoint as ocp
+
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    logger.info("saving %d arrays (%.1f MiB) with orbax to %s", len(jax.tree.leaves(tree)), nbytes / 2**20, path)
+    t0 = time.perf_counter()
+    with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the asynchronous write
+        checkpointer.save(path, tree)
+    logger.info("saved in %.1f s", time.perf_counter() - t0)
+
+
+# --- load -----------------------------------------------------------------------------------------------------------
+
+
+def _describe(e: BaseException) -> str:
+    """The root cause of an orbax / tensorstore error in one short line (wrappers such as "Encountered error while
+    reading array index ..." are skipped for the exception they were raised from)."""
+    chain, seen = [e], {id(e)}
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and id(nxt) not in seen:
+        chain.append(nxt)
+        seen.add(id(nxt))
+    messages = [(x, str(x).strip()) for x in chain if str(x).strip()]
+    x, text = messages[-1] if messages else (e, type(e).__name__)
+    text = text.splitlines()[0].split(" See full TensorStore details")[0]
+    return f"{type(x).__name__}: {text[:300]}"
+
+
+def _stored_arrays(weights_dir: Path, root: Path) -> dict[str, Any]:
+    """The orbax metadata tree (nested dict of objects with .shape and .dtype) of the saved arrays."""
+    import orbax.checkpoint as ocp
+
+    if not weights_dir.is_dir():
+        raise ValueError(f"checkpoint {str(root)!r}: the weights folder {WEIGHTS_DIR}/ is missing")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            meta = checkpointer.metadata(weights_dir)
+        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+    except Exception as e:  # orbax raises many types (FileNotFoundError, ValueError, tensorstore errors)
+        raise ValueError(f"checkpoint {str(root)!r}: cannot read the orbax metadata of {WEIGHTS_DIR}/ "
+                         f"({_describe(e)})") from None
+    if not isinstance(tree, Mapping):
+        raise ValueError(f"checkpoint {str(root)!r}: {WEIGHTS_DIR}/ does not hold a dict of arrays")
+    return tree
+
+
+def _groups(items: list[tuple[tuple[str, ...], Any]], limit: int) -> list[list[tuple[tuple[str, ...], Any]]]:
+    """Consecutive runs of (path, target) whose bytes add up to about `limit` each."""
+    groups: list[list] = [[]]
+    size = 0
+    for path, target in items:
+        nbytes = int(np.prod(target.shape)) * target.dtype.itemsize
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append((path, target))
+        size += nbytes
+    return groups
+
+
+def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
+         ) -> tuple[ModelConfig, Weights, Tokenizer]:
+    """Restores a checkpoint written by `convert` / `save`.
+
+    Args:
+      path: the checkpoint folder.
+      dtype: float32 or bfloat16 (name or dtype) of the returned weights (of a quantized checkpoint: of the
+        weights left unquantized; quantized values and scales keep their stored dtypes); orbax casts while
+        reading when the stored dtype differs.
+      shardings: None for host numpy arrays, or a pytree shaped like `weight_specs(path)` (`Weights.abstract`) of
+        `jax.sharding.NamedSharding`, each for a weight in its own layout: each array is then read directly into
+        its sharding (only the slices each device holds), on any mesh, e.g.
+        `sharding.partition.replicated_where_indivisible(weight_specs(path), mesh)`. A quantized weight's values
+        and scale take the sharding derived from its weight's (`models.quant.quantized_sharding`).
+
+    Returns:
+      (config, weights with the config's shapes in `dtype`, tokenizer). Arrays are numpy without `shardings`,
+      `jax.Array`s with them. A quantized checkpoint gives `models.quant.QuantizedWeight` leaves with the static
+      fields it recorded (and, for a tied model quantized with only one of gather and head, an `lm_head`); see
+      `checkpoint_quantization` for its config.
+
+    Raises:
+      ValueError: naming the folder and the problem: missing or malformed JSON (its quantization included), an
+        unknown `format_version`, a missing weights folder, arrays missing, extra or of shapes (or quantized
+        dtypes) that disagree with the config, unreadable or truncated array data, `shardings` not shaped like the
+        weights, or a missing tokenizer.
+    """
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    root = Path(path).resolve()
+    dt = checked_dtype(dtype)
+    cfg, stored_dtype, meta = read_checkpoint_json(root)
+    qinfo = quantization_record(meta, cfg, root)
+    separate_head = qinfo is not None and qinfo.separate_head
+    quantized = {} if qinfo is None else qinfo.weights
+    weights_dir = root / WEIGHTS_DIR
+    stored = _stored_arrays(weights_dir, root)
+    expected = weight_paths(cfg, separate_head)
+    # Every array on disk: (path, ShapeDtypeStruct without sharding); a quantized weight's two arrays keep their dtypes
+    arrays: list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]] = []
+    for p, spec in expected:
+        if p in quantized:
+            q = abstract_quantized(spec, quantized[p], qinfo.config.format)
+            arrays += [((*p, "values"), q.values), ((*p, "scale"), q.scale)]
+        else:
+            arrays.append((p, jax.ShapeDtypeStruct(spec.shape, dt)))
+    extra = sorted(set(flat_keys(stored)) - {p for p, _ in arrays})
+    if extra:
+        raise ValueError(f"checkpoint {str(root)!r}: {WEIGHTS_DIR}/ holds arrays the config has no place for: "
+                         f"{', '.join('.'.join(p) for p in extra)}")
+    if qinfo is None:
+        try:
+            check_weights(weights_from_dict(stored, cfg), cfg)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {str(root)!r} disagrees with its config: {e}") from None
+    else:
+        for p, want in arrays:
+            got = get_path(stored, p)
+            name = "." + ".".join(p)
+            if got is None or isinstance(got, Mapping):
+                raise ValueError(f"checkpoint {str(root)!r} disagrees with its config: weight {name}: expected "
+                                 f"{want.shape}, got none")
+            if tuple(got.shape) != want.shape:
+                raise ValueError(f"checkpoint {str(root)!r} disagrees with its config: weight {name}: shape "
+                                 f"{tuple(got.shape)} does not match config shape {want.shape}")
+            if p[-1] in ("values", "scale") and p[:-1] in quantized and np.dtype(got.dtype) != want.dtype:
+                raise ValueError(f"checkpoint {str(root)!r} disagrees with its quantization: weight {name} is stored "
+                                 f"as {np.dtype(got.dtype).name}, expected {want.dtype.name}")
+
+    if shardings is None:
+        sharding_of = {p: None for p, _ in expected}
+    else:
+        flat = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=lambda x: x is None)[0]
+        sharding_of = {tuple(k.name for k in p): s for p, s in flat}
+        missing = [p for p, _ in expected if sharding_of.get(p) is None]
+        if missing:
+            raise ValueError(f"shardings has no sharding for {', '.join('.'.join(p) for p in missing)}")
+        for p, spec in expected:
+            if p in quantized:
+                q = quant.quantized_sharding(sharding_of[p],
+                                             abstract_quantized(spec, quantized[p], qinfo.config.format))
+                sharding_of[(*p, "values")], sharding_of[(*p, "scale")] = q.values, q.scale
+    targets = [(p, jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding_of.get(p))) for p, a in arrays]
+
+    try:  # before the (long) restore: a missing tokenizer fails at once
+        tokenizer = Tokenizer.from_hf_dir(root / TOKENIZER_DIR)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {str(root)!r}: the tokenizer in {TOKENIZER_DIR}/ cannot be loaded: {e}") from None
+
+    t0 = time.perf_counter()
+    nbytes = lambda t: int(np.prod(t.shape)) * t.dtype.itemsize  # noqa: E731
+    total = sum(nbytes(t) for _, t in targets)
+    where = "host" if shardings is None else f"{len(jax.tree.leaves(shardings)[0].device_set)} devices"
+    what = "" if qinfo is None else f", {len(quantized)} weights quantized {qinfo.config.format}"
+    logger.info("restoring %d arrays (%.1f MiB, %s stored, %s wanted%s) from %s onto %s", len(targets),
+                total / 2**20, stored_dtype.name, dt.name, what, weights_dir, where)
+    restored: list[tuple[tuple[str, ...], Any]] = []
+    with ocp.PyTreeCheckpointer() as checkpointer, tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr,
+                                                        desc="restoring weights", leave=False) as bar:
+        for group in _groups(targets, _RESTORE_GROUP_BYTES):
+            item = nest(group)
+            try:
+                out = checkpointer.restore(weights_dir, args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                    partial_restore=True))
+            except Exception as e:  # orbax / tensorstore errors of many types: one clear line instead
+                names = ", ".join(".".join(p) for p, _ in group)
+                raise ValueError(f"checkpoint {str(root)!r}: cannot read {names} from {WEIGHTS_DIR}/ (corrupt or "
+                                 f"truncated array data?): {_describe(e)}") from None
+            restored += [(p, get_path(out, p)) for p, _ in group]
+            bar.update(sum(nbytes(t) for _, t in group))
+    tree = nest(restored)
+    for p, statics in quantized.items():  # {"values", "scale"} back into QuantizedWeights
+        parent = get_path(tree, p[:-1]) if len(p) > 1 else tree
+        parent[p[-1]] = statics.replace(**parent[p[-1]])
+    weights = weights_from_dict(tree, cfg, separate_head)
+    try:
+        check_weights(weights, cfg, separate_head)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {str(root)!r}: restored weights disagree with the config: {e}") from None
+    logger.info("restored %.1f MiB in %.2f s", total / 2**20, time.perf_counter() - t0)
+    return cfg, weights, tokenizer

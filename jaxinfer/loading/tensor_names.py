@@ -1,0 +1,155 @@
+"""The one table of checkpoint tensor names: GGUF and HF names of every `models.llama.Weights` field, the
+conversion of each [out, in] checkpoint matrix into our layout, and `assemble`, which builds `Weights` from any
+per-tensor fetch function (used by `jaxinfer.loading.gguf` and `jaxinfer.loading.hf`).
+
+The tables `LAYER_TENSORS`, `MOE_LAYER_TENSORS` and `TOP_TENSORS` are the one place that maps checkpoint
+tensor names to our pytree fields. Shapes in the comments: D hidden size, N query heads, H head dim, E experts,
+Fe / Fs expert / shared-expert MLP width. A converter that gets a matrix of the wrong shape raises `ValueError`,
+which `assemble` turns into one naming the tensor, its shape and the shape the config needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from models.config import ModelConfig
+from models.llama import LayerWeights, Weights
+
+
+# --- name table -------------------------------------------------------------------------------------------------
+# Checkpoint matrices are [out, in] (torch Linear / GGUF row order). Per field: GGUF name, HF name, and how the
+# [out, in] matrix becomes our layout. `{i}` is the layer index.
+
+
+def _linear_heads(heads_attr: str) -> Callable[[np.ndarray, ModelConfig], np.ndarray]:
+    def convert(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:  # [heads * H, D] -> [D, heads, H]
+        heads = getattr(cfg, heads_attr)
+        if w.shape != (heads * cfg.head_dim, cfg.hidden_size):  # a bare reshape would accept e.g. a transpose
+            raise ValueError(f"expected shape {(heads * cfg.head_dim, cfg.hidden_size)}")
+        return w.T.reshape(cfg.hidden_size, heads, cfg.head_dim)
+    return convert
+
+
+def _bias_heads(heads_attr: str) -> Callable[[np.ndarray, ModelConfig], np.ndarray]:
+    return lambda b, cfg: b.reshape(getattr(cfg, heads_attr), cfg.head_dim)
+
+
+def _transpose(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w.T
+
+
+def _identity(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    return w
+
+
+def _out_proj(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:  # [D, N * H] -> [N, H, D]
+    if w.shape != (cfg.hidden_size, cfg.num_heads * cfg.head_dim):
+        raise ValueError(f"expected shape {(cfg.hidden_size, cfg.num_heads * cfg.head_dim)}")
+    return w.T.reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorName:
+    gguf: str
+    hf: str
+    convert: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    rope_heads: str | None = None  # GGUF converters permute these rows for llama.cpp's rotary layout
+    per_expert: bool = False  # one tensor per expert `{j}`, stacked on axis 0 of the field (after L)
+
+
+LAYER_TENSORS: dict[str, TensorName] = {
+    "attn_norm": TensorName("blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight", _identity),
+    "wq": TensorName("blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight", _linear_heads("num_heads"),
+                     rope_heads="num_heads"),
+    "wk": TensorName("blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight",
+                     _linear_heads("num_kv_heads"), rope_heads="num_kv_heads"),
+    "wv": TensorName("blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight",
+                     _linear_heads("num_kv_heads")),
+    "wo": TensorName("blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight", _out_proj),
+    "mlp_norm": TensorName("blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight", _identity),
+    "w_gate": TensorName("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight", _transpose),
+    "w_up": TensorName("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight", _transpose),
+    "w_down": TensorName("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight", _transpose),
+    "bq": TensorName("blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias", _bias_heads("num_heads"),
+                     rope_heads="num_heads"),
+    "bk": TensorName("blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias", _bias_heads("num_kv_heads"),
+                     rope_heads="num_kv_heads"),
+    "bv": TensorName("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias", _bias_heads("num_kv_heads")),
+    "b_gate": TensorName("blk.{i}.ffn_gate.bias", "model.layers.{i}.mlp.gate_proj.bias", _identity),
+    "b_up": TensorName("blk.{i}.ffn_up.bias", "model.layers.{i}.mlp.up_proj.bias", _identity),
+    "b_down": TensorName("blk.{i}.ffn_down.bias", "model.layers.{i}.mlp.down_proj.bias", _identity),
+}
+
+
+def _moe_names(router: str, expert: str, gate: str, up: str, down: str, shared: str | None) -> dict[str, TensorName]:
+    """HF per-expert names of one MoE architecture (no GGUF names: MoE GGUF files are refused by the config)."""
+    prefix = "model.layers.{i}."
+    names = {
+        "router": TensorName("", prefix + router, _transpose),  # [E, D] -> [D, E]
+        "e_gate": TensorName("", prefix + f"{expert}.{gate}.weight", _transpose, per_expert=True),  # [Fe, D]
+        "e_up": TensorName("", prefix + f"{expert}.{up}.weight", _transpose, per_expert=True),  # [Fe, D]
+        "e_down": TensorName("", prefix + f"{expert}.{down}.weight", _transpose, per_expert=True),  # [D, Fe]
+    }
+    if shared is not None:
+        names.update({
+            "s_gate": TensorName("", prefix + f"{shared}.gate_proj.weight", _transpose),  # [Fs, D] -> [D, Fs]
+            "s_up": TensorName("", prefix + f"{shared}.up_proj.weight", _transpose),
+            "s_down": TensorName("", prefix + f"{shared}.down_proj.weight", _transpose),  # [D, Fs] -> [Fs, D]
+            "s_router": TensorName("", prefix + f"{shared}_gate.weight", _transpose),  # [1, D] -> [D, 1]
+        })
+    return names
+
+
+# Hub layouts, which transformers 5.24's `save_pretrained` also writes (it un-fuses its in-memory
+# `experts.gate_up_proj` [E, 2 Fe, D] / `experts.down_proj` [E, D, Fe] on save, checked by scripts/make_golden.py).
+MOE_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {
+    "mixtral": _moe_names("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}", "w1", "w3", "w2", None),
+    "qwen2_moe": _moe_names("mlp.gate.weight", "mlp.experts.{j}", "gate_proj", "up_proj", "down_proj",
+                            "mlp.shared_expert"),
+}
+TOP_TENSORS: dict[str, TensorName] = {
+    "embed": TensorName("token_embd.weight", "model.embed_tokens.weight", _identity),
+    "final_norm": TensorName("output_norm.weight", "model.norm.weight", _identity),
+    "lm_head": TensorName("output.weight", "lm_head.weight", _transpose),
+}
+
+
+def assemble(
+    cfg: ModelConfig,
+    fetch: Callable[[TensorName, int | None, int | None], np.ndarray | None],
+    source: str,
+    dtype: np.dtype,
+) -> Weights:
+    """Builds `Weights` from a per-tensor fetch function (name, layer, expert); checks presence and shapes."""
+    specs = Weights.abstract(cfg)
+
+    def get(field: str, name: TensorName, spec, layer: int | None, expert: int | None = None) -> np.ndarray:
+        if name.per_expert and expert is None:
+            return np.stack([get(field, name, spec, layer, j) for j in range(cfg.num_experts)])
+        raw = fetch(name, layer, expert)
+        label = (name.gguf if source == "gguf" else name.hf).format(i=layer, j=expert)
+        expected = spec.shape[1:] if layer is not None else spec.shape
+        expected = expected[1:] if expert is not None else expected
+        if raw is None:
+            raise ValueError(f"{source} checkpoint is missing tensor {label!r}")
+        try:
+            arr = name.convert(raw, cfg)
+        except ValueError:
+            raise ValueError(f"{source} tensor {label!r} has shape {raw.shape}, which does not fit the config "
+                             f"(expected {expected})") from None
+        if arr.shape != expected:
+            raise ValueError(f"{source} tensor {label!r} has shape {raw.shape}; the config needs {expected}")
+        return arr.astype(dtype)
+
+    layer_fields = {}
+    for field, name in {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(cfg.architecture, {})}.items():
+        spec = getattr(specs.layers, field)
+        if spec is None:
+            continue
+        layer_fields[field] = np.stack([get(field, name, spec, i) for i in range(cfg.num_layers)])
+    top = {field: get(field, name, getattr(specs, field), None)
+           for field, name in TOP_TENSORS.items() if getattr(specs, field) is not None}
+    return Weights(layers=LayerWeights(**layer_fields), **top)
