@@ -14,6 +14,7 @@ setup(
         "jaxinfer.serving",
         "jaxinfer.serving.v1",
         "jaxinfer.spec_decode",
+        "jaxinfer.tokenizer",
         "models",
         "sharding",
         "pallas_kernels",
