@@ -19,7 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
-GOLDEN_PATH = Path(__file__).resolve().parents[1] / "data" / "tokenizer_golden.json"
+GOLDEN_PATH = Path(__file__).resolve().parents[2] / "data" / "tokenizer_golden.json"
 
 ROUND_TRIP_TEXTS = [
     "",
