@@ -19,7 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
-GOLDEN_PATH = Path(__file__).resolve().parents[1] / "data" / "tokenizer_golden.json"
+GOLDEN_PATH = Path(__file__).resolve().parents[2] / "data" / "tokenizer_golden.json"
 
 ROUND_TRIP_TEXTS = [
     "",
@@ -330,6 +330,82 @@ def test_incremental_detokenizer_truncated_character(smol: Tokenizer) -> None:
     assert "".join(deltas) == "ok"
     assert "".join(deltas) + tail == smol.decode(cut)
     assert tail.endswith("\ufffd")
+
+
+def _stream_vs_window(tok: Tokenizer, ids: list[int], **kwargs) -> tuple[list[str], list[str]]:
+    """Deltas (+ flush) of the DecodeStream path and of the Python window, for the same ids."""
+    runs = []
+    for python_window in (False, True):
+        detok = IncrementalDetokenizer(tok, **kwargs)
+        if python_window:
+            detok._stream = None  # decode the window in Python (the implementation before DecodeStream)
+        else:
+            assert detok._stream is not None, "the tokenizers backend should stream through DecodeStream"
+        deltas = [detok.step(i) for i in ids]
+        if not python_window:
+            assert detok._stream is not None, "DecodeStream fell back to the Python window"
+        runs.append([*deltas, detok.flush()])
+    return runs[0], runs[1]
+
+
+def _assert_stream_matches_window(tok: Tokenizer, texts: list[str], prompt: list[int]) -> int:
+    """Compares both paths token by token on every text: plain and with specials recognised, the
+    last token cut off (a character left unfinished), with and without special tokens skipped,
+    with and without prompt context. Returns the number of runs compared."""
+    runs = 0
+    for text in texts:
+        plain = tok.encode(text, add_bos=False)
+        for ids in (plain, tok.encode(text, add_bos=False, allow_special=True), plain[:-1]):
+            for skip in (True, False):
+                for context in ((), prompt):
+                    stream, window = _stream_vs_window(tok, ids, skip_special_tokens=skip, prompt_ids=context)
+                    for i, (a, b) in enumerate(zip(stream, window, strict=True)):
+                        assert a == b, (text, skip, bool(context), i, a, b)
+                    runs += 1
+    return runs
+
+
+def test_decode_stream_matches_python_window_smollm2(smol: Tokenizer, golden: dict) -> None:
+    texts = [c["text"] for c in golden["cases"]] + ROUND_TRIP_TEXTS + STREAM_TEXTS
+    texts.append("<|im_start|>user\nhi 😀<|im_end|>\n<|endoftext|>")
+    prompt = smol.apply_chat_template([{"role": "user", "content": "Say hi"}])
+    assert _assert_stream_matches_window(smol, texts, prompt) == 6 * len(texts) * 2
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_dir(tmp_path_factory) -> Path:
+    """A Llama-2-style tokenizer.json: Metaspace BPE with byte fallback (<0x00>..<0xFF>)."""
+    tk = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tk.train_from_iterator(SP_CORPUS, trainer=trainer)
+    data = json.loads(tk.to_str())
+    vocab = data["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    data["model"]["byte_fallback"] = True
+    tk = tokenizers.Tokenizer.from_str(json.dumps(data))
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    root = tmp_path_factory.mktemp("byte_fallback")
+    tk.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return root
+
+
+def test_decode_stream_matches_python_window_byte_fallback(byte_fallback_dir: Path) -> None:
+    tok = Tokenizer.from_hf_dir(byte_fallback_dir)
+    texts = SP_CORPUS + ROUND_TRIP_TEXTS + STREAM_TEXTS + ["<s>the dog 😀</s> sleeps</s>"]
+    pieces = {tok.id_to_token(i) for t in texts for i in tok.encode(t)}
+    assert sum(p.startswith("<0x") for p in pieces) > 20  # byte-fallback pieces really occur
+    prompt = tok.encode("<s>the quick brown fox", allow_special=True)
+    assert _assert_stream_matches_window(tok, texts, prompt) == 6 * len(texts) * 2
+
+
+def test_sentencepiece_backend_has_no_decode_stream(sp_model_path: Path) -> None:
+    detok = IncrementalDetokenizer(Tokenizer.from_sentencepiece(sp_model_path))
+    assert detok._stream is None
 
 
 # --------------------------------------------------------------------------------------------
