@@ -214,7 +214,7 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: os._exit(0))  # nothing to clean up yet
     spec = _speculative_config(args)  # before the jax import: a bad config fails at once
     quantization = _quantization_config(args)
-    from jaxinfer.engine.engine import EngineConfig
+    from jaxinfer.engine.config import EngineConfig
     from jaxinfer.serving.server import ServerLimits, run
 
     if not 0 <= args.port <= 65535:

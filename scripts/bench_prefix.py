@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.runner import SequenceChunk
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
 import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
 
@@ -257,7 +257,7 @@ def bench_break_even(llm: LLM, text_ids: list[int], reps: int) -> list[dict]:
                 runner.load_pages(slots, pages)
                 jax.block_until_ready(runner.kv_cache)
                 t1 = time.perf_counter()
-                runner.execute([SequenceChunk(prefix[: k * PS], 0, pages)], [greedy])
+                runner.execute([ScheduledChunk(prefix[: k * PS], 0, pages)], [greedy])
                 t2 = time.perf_counter()
                 if rep:
                     load.append(t1 - t0)

@@ -40,8 +40,9 @@ import numpy as np
 
 import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
 from jaxinfer import SamplingParams
-from jaxinfer.engine.engine import Engine, EngineConfig
-from jaxinfer.engine.runner import SequenceChunk
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
 from models import quant
 from models.llama import KVCache
@@ -79,9 +80,9 @@ def step_bytes(engine: Engine, batch: int) -> float:
     return wb + kv
 
 
-def _chunks(engine: Engine, batch: int, pages: list[int], pages_per_seq: int) -> list[SequenceChunk]:
+def _chunks(engine: Engine, batch: int, pages: list[int], pages_per_seq: int) -> list[ScheduledChunk]:
     rng = np.random.default_rng(batch)
-    return [SequenceChunk([int(rng.integers(100, 40000))], CONTEXT, pages[i * pages_per_seq:(i + 1) * pages_per_seq])
+    return [ScheduledChunk([int(rng.integers(100, 40000))], CONTEXT, pages[i * pages_per_seq:(i + 1) * pages_per_seq])
             for i in range(batch)]
 
 
@@ -128,7 +129,7 @@ def measure(reps: int, bandwidth_gb_s: float) -> list[dict]:
     return rows
 
 
-def memory_analysis(engine: Engine, chunks: list[SequenceChunk], rows: list[SamplingRow]) -> dict:
+def memory_analysis(engine: Engine, chunks: list[ScheduledChunk], rows: list[SamplingRow]) -> dict:
     """Temp bytes and full-precision weight copies of the engine's compiled step for this batch."""
     compiled = engine.runner.compile_step(chunks, rows)
     return {"temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,

@@ -46,8 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.engine import Engine, EngineConfig
-from jaxinfer.engine.runner import NULL_PAGE, SequenceChunk, page_bucket
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import NULL_PAGE, page_bucket
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.sampling_params import SamplingParams
 from pallas_kernels.paged_attention import paged_attention_reference
@@ -376,9 +378,9 @@ def decode_probe(engine: Engine, batch: int, contexts: tuple[int, int], dense_ma
     for ctx in contexts:
         n = -(-ctx // runner.page_size)
         if engine.scheduler.has_unfinished() or 1 + batch * n > runner.num_pages:
-            chunks = [SequenceChunk([1], ctx - 1, [NULL_PAGE] * n)] * batch
+            chunks = [ScheduledChunk([1], ctx - 1, [NULL_PAGE] * n)] * batch
         else:
-            chunks = [SequenceChunk([1], ctx - 1, list(range(1 + b * n, 1 + (b + 1) * n))) for b in range(batch)]
+            chunks = [ScheduledChunk([1], ctx - 1, list(range(1 + b * n, 1 + (b + 1) * n))) for b in range(batch)]
         ts = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()

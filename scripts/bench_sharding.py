@@ -34,7 +34,7 @@ import md_sections  # noqa: E402
 
 import jax  # noqa: E402
 
-from jaxinfer.engine.runner import SequenceChunk  # noqa: E402
+from jaxinfer.scheduler.chunk import ScheduledChunk  # noqa: E402
 from jaxinfer.engine.sampling import SamplingRow  # noqa: E402
 from jaxinfer.llm import LLM  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
@@ -48,7 +48,7 @@ def time_decode(tp: int, batch: int, context: int, reps: int, dtype: str) -> dic
               kv_cache_memory_bytes=1 << 30)
     runner, ps = llm.runner, llm.page_size
     pages_per_seq = -(-(context + 1) // ps)
-    chunks = [SequenceChunk([11], context, llm.page_allocator.allocate(pages_per_seq)) for _ in range(batch)]
+    chunks = [ScheduledChunk([11], context, llm.page_allocator.allocate(pages_per_seq)) for _ in range(batch)]
     rows = [SamplingRow(SamplingParams(temperature=0), seed=0)] * batch
     for _ in range(3):
         runner.execute(chunks, rows)

@@ -68,8 +68,9 @@ import jax
 import numpy as np
 
 from jaxinfer import SamplingParams
-from jaxinfer.engine.engine import Engine, EngineConfig
-from jaxinfer.engine.runner import SequenceChunk
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.spec_decode import policy as spec_policy
 import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
@@ -316,7 +317,7 @@ def bench_steps(engine: Engine, reps: int) -> list[dict]:
         seq_pages = [pages[i * pages_per_seq:(i + 1) * pages_per_seq] for i in range(max_b)]
         for kind, batch, k in shapes:
             q = 1 if kind == "decode" else k + 1
-            chunks = [SequenceChunk(rng.integers(100, 40000, q).tolist(), STEP_CONTEXT, seq_pages[i])
+            chunks = [ScheduledChunk(rng.integers(100, 40000, q).tolist(), STEP_CONTEXT, seq_pages[i])
                       for i in range(batch)]
             rows = [SamplingRow(greedy, seed=i) for i in range(batch)]
             if kind == "decode":

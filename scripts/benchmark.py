@@ -84,7 +84,8 @@ import bench_spec  # noqa: E402
 import md_sections  # noqa: E402
 from jaxinfer.loading import default_model_path  # noqa: E402
 from jaxinfer.loading.gguf import load_gguf_weights, read_gguf  # noqa: E402
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk  # noqa: E402
+from jaxinfer.engine.runner import ModelRunner  # noqa: E402
+from jaxinfer.scheduler.chunk import ScheduledChunk  # noqa: E402
 from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
@@ -192,7 +193,7 @@ class DecodeResult:
         return (self.context[0] + self.context[1]) / 2
 
 
-def run_steps(runner: ModelRunner, chunks: list[SequenceChunk]) -> tuple[np.ndarray, float]:
+def run_steps(runner: ModelRunner, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, float]:
     t0 = time.perf_counter()
     result = runner.execute(chunks, [SamplingRow(GREEDY, seed) for seed in range(len(chunks))])
     return result.token_ids, time.perf_counter() - t0
@@ -201,11 +202,11 @@ def run_steps(runner: ModelRunner, chunks: list[SequenceChunk]) -> tuple[np.ndar
 def decode(runner: ModelRunner, prompts: list[list[int]], pages: list[list[int]], warmup: int,
            steps: int) -> DecodeResult:
     """Prefills `prompts` (one step, untimed), then times `steps` greedy decode steps of the whole batch."""
-    tokens, _ = run_steps(runner, [SequenceChunk(p, 0, pg) for p, pg in zip(prompts, pages)])
+    tokens, _ = run_steps(runner, [ScheduledChunk(p, 0, pg) for p, pg in zip(prompts, pages)])
     done = [len(p) for p in prompts]
     times = []
     for i in range(warmup + steps):
-        chunks = [SequenceChunk([int(t)], n, pg) for t, n, pg in zip(tokens, done, pages)]
+        chunks = [ScheduledChunk([int(t)], n, pg) for t, n, pg in zip(tokens, done, pages)]
         tokens, dt = run_steps(runner, chunks)
         done = [n + 1 for n in done]
         times.append(dt)
@@ -251,7 +252,7 @@ def bench_mode(cfg: ModelConfig, weights: Weights, dtype: str, scan: bool, promp
     seq_pages = alloc.take(pages_needed)
     label = f"{dtype} {'scan' if scan else 'unrolled'}"
 
-    chunk = [SequenceChunk(prompt, 0, seq_pages)]
+    chunk = [ScheduledChunk(prompt, 0, seq_pages)]
     times = [run_steps(runner, chunk)[1] for _ in range(1 + args.prefill_reps)]
     prefill = median(times[1:])
     logger.info("%s: prefill %d tokens %.0f ms (first call %.1f s)", label, len(prompt), 1e3 * prefill, times[0])
@@ -343,8 +344,8 @@ def breakdown(cfg: ModelConfig, weights: Weights, dtype: str, prompt: list[int],
     runner = ModelRunner(cfg, weights, num_pages=16, page_size=PAGE_SIZE, kv_dtype=DTYPES[dtype], scan_layers=True)
     pages = list(range(1, 16))
     ctx = args.decode_prompt_len + 4
-    run_steps(runner, [SequenceChunk(prompt[:ctx], 0, pages)])
-    chunk = [SequenceChunk([prompt[ctx]], ctx, pages)]
+    run_steps(runner, [ScheduledChunk(prompt[:ctx], 0, pages)])
+    chunk = [ScheduledChunk([prompt[ctx]], ctx, pages)]
     tokens, metadata, b_pad = runner._prepare(chunk, all_rows=False)
     sampling = SamplingArrays.build([SamplingRow(GREEDY, 0)], b_pad, cfg.vocab_size)
     tokens, metadata, sampling = jax.device_put((tokens, metadata, sampling))

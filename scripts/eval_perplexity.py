@@ -45,7 +45,7 @@ def eval_logits(llm, ids: list[int], chunk: int) -> np.ndarray:
     Raises:
       ValueError: if ids has fewer than 2 tokens or more than the KV cache can hold.
     """
-    from jaxinfer.engine.runner import SequenceChunk
+    from jaxinfer.scheduler.chunk import ScheduledChunk
 
     if len(ids) < 2:
         raise ValueError("need at least 2 tokens")
@@ -56,7 +56,7 @@ def eval_logits(llm, ids: list[int], chunk: int) -> np.ndarray:
         for start in range(0, len(ids), chunk):
             new = ids[start : start + chunk]
             used = -(-(start + len(new)) // ps)
-            logits.append(runner.compute_logits([SequenceChunk(new, start, pages[:used])]))
+            logits.append(runner.compute_logits([ScheduledChunk(new, start, pages[:used])]))
     finally:
         llm.engine.page_allocator.free(pages)
     return np.concatenate(logits)

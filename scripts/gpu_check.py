@@ -623,9 +623,9 @@ class DecodePlan:
         return 1 + max_batch * self.pages_per_seq
 
     def chunks(self, tokens: list[int], pos: int) -> list:
-        from jaxinfer.engine.runner import SequenceChunk
+        from jaxinfer.scheduler.chunk import ScheduledChunk
 
-        return [SequenceChunk([t], pos, list(range(1 + b * self.pages_per_seq, 1 + (b + 1) * self.pages_per_seq)))
+        return [ScheduledChunk([t], pos, list(range(1 + b * self.pages_per_seq, 1 + (b + 1) * self.pages_per_seq)))
                 for b, t in enumerate(tokens)]
 
     def decode(self, runner, batch: int, seconds: float) -> tuple[list[float], list[int], int]:
@@ -654,7 +654,8 @@ def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budge
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+    from jaxinfer.engine.runner import ModelRunner
+    from jaxinfer.scheduler.chunk import ScheduledChunk
     from jaxinfer.engine.sampling import SamplingRow
     from jaxinfer.sampling_params import SamplingParams
 
@@ -706,7 +707,7 @@ def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budge
                 # A verify step of k drafts per sequence at the same context (drafts are arbitrary ids; the
                 # step's cost does not depend on them): its time over the decode step's is what speculation pays.
                 k = 4
-                chunks = [SequenceChunk([c.token_ids[0]] + [11] * k, ctx, c.page_ids)
+                chunks = [ScheduledChunk([c.token_ids[0]] + [11] * k, ctx, c.page_ids)
                           for c in plan.chunks(tokens, ctx)]
                 vt = [0.0] * 3
                 for i in range(3):
@@ -748,7 +749,8 @@ def section_quant(report: Report, sizes: Sizes, args: argparse.Namespace, budget
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+    from jaxinfer.engine.runner import ModelRunner
+    from jaxinfer.scheduler.chunk import ScheduledChunk
     from jaxinfer.engine.sampling import SamplingRow
     from jaxinfer.sampling_params import SamplingParams
     from models import quant
@@ -778,7 +780,7 @@ def section_quant(report: Report, sizes: Sizes, args: argparse.Namespace, budget
     report.add(lines, "| format | batch | weights (quantized share) | quantize s | compile s | steps | ms/step | tok/s "
                       "| vs bf16 | roofline tok/s | % of roofline | step temp | weight copies | logit err |")
     report.add(lines, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    prompt = [SequenceChunk([(31 * i + 5) % cfg.vocab_size for i in range(QUANT_PROMPT_TOKENS)], 0,
+    prompt = [ScheduledChunk([(31 * i + 5) % cfg.vocab_size for i in range(QUANT_PROMPT_TOKENS)], 0,
                             list(range(1, 1 + -(-QUANT_PROMPT_TOKENS // sizes.page_size))))]
     greedy = [SamplingRow(SamplingParams(temperature=0), 0)]
     base: dict = {}  # "logits" and tok/s by batch of bf16, for the other formats' comparisons

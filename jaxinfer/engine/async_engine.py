@@ -19,7 +19,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 

@@ -1,6 +1,6 @@
 """Model runner: the one place where host-side batches become padded device arrays.
 
-1. The caller hands `execute` a list of `SequenceChunk`s: each sequence's new tokens, how many of its tokens are
+1. The caller hands `execute` a list of `ScheduledChunk`s: each sequence's new tokens, how many of its tokens are
    already in the cache, and its page ids.
 2. The runner pads to shape buckets (powers of two for flat tokens, sequences, pages per sequence and the longest
    query run), so a handful of shapes are compiled and then reused.
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import multihost
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow, sample
 from jaxinfer.spec_decode import draft as draft_lib
 from jaxinfer.spec_decode.verify import VerifyOutput, verify
@@ -58,23 +59,6 @@ def page_bucket(n: int, max_pages_per_seq: int) -> int:
     while width < n:
         width *= 4
     return max(min(width, max_pages_per_seq), n)
-
-
-@dataclasses.dataclass(frozen=True)
-class SequenceChunk:
-    """One sequence's part of a step.
-
-    Attributes:
-      token_ids: the new tokens whose K/V this step computes (1 for a decode, several for a prefill chunk).
-      num_computed_tokens: tokens of this sequence already in the cache; the first new token sits at this
-        position.
-      page_ids: pages holding positions `[0, num_computed_tokens + len(token_ids))`, in order, each in
-        [1, num_pages).
-    """
-
-    token_ids: Sequence[int]
-    num_computed_tokens: int
-    page_ids: Sequence[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +305,7 @@ class ModelRunner:
             out_shardings=None if mesh is None else (replicated, cache_out),
         )
 
-    def _prepare(self, chunks: Sequence[SequenceChunk], all_rows: bool, verify_width: int = 0,
+    def _prepare(self, chunks: Sequence[ScheduledChunk], all_rows: bool, verify_width: int = 0,
                  max_block: int = 0) -> tuple[np.ndarray, AttentionMetadata, int]:
         """Pads a batch to its shape buckets; returns (tokens, metadata, padded batch / logits rows).
 
@@ -393,7 +377,7 @@ class ModelRunner:
                                      max_q_len=max_q_pad, fresh_prefill=fresh)
         return tokens, metadata, r_pad
 
-    def execute(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow]) -> StepResult:
+    def execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> StepResult:
         """Runs one step and samples the next token of every sequence.
 
         Args:
@@ -419,7 +403,7 @@ class ModelRunner:
                           top_token_ids=out.top_token_ids[:n], finite=finite[:n],
                           num_padded_tokens=padded)
 
-    def compile_step(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow]) -> jax.stages.Compiled:
+    def compile_step(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> jax.stages.Compiled:
         """The compiled step `execute` runs for this batch's shapes, without running it: for XLA's memory analysis
         (`.memory_analysis()`) and the optimized HLO (`.as_text()`)."""
         tokens, metadata, b_pad = self._prepare(chunks, all_rows=False)
@@ -441,7 +425,7 @@ class ModelRunner:
 
     # --- speculative decoding ---------------------------------------------------------------------------------
 
-    def propose(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow], num_slots: Sequence[int],
+    def propose(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow], num_slots: Sequence[int],
                 num_tokens: int) -> tuple[np.ndarray, jax.Array | None]:
         """Drafts tokens with the draft model for decode chunks (`jaxinfer.spec_decode.draft.propose`).
 
@@ -469,7 +453,7 @@ class ModelRunner:
         ids = self._run_propose(*inputs)
         return np.asarray(ids)[: len(chunks)], self._draft_probs is not None
 
-    def _propose_inputs(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow], num_slots: Sequence[int],
+    def _propose_inputs(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow], num_slots: Sequence[int],
                         num_tokens: int) -> tuple:
         """The drafting call's host inputs: (tokens, positions, kv_loc, page_table, sampling, k, with_probs)."""
         ps = self.page_size
@@ -524,7 +508,7 @@ class ModelRunner:
             *self._draft_args())
         return out, finite
 
-    def execute_verify(self, chunks: Sequence[SequenceChunk], rows: Sequence[SamplingRow],
+    def execute_verify(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
                        draft_token_ids: Sequence[Sequence[int]], num_tokens: int,
                        draft_probs_row: int | None = None, max_block: int = 0) -> VerifyResult:
         """Runs one verify step: each sequence's last token plus its drafts, and `verify` on their logits.
@@ -757,11 +741,11 @@ class ModelRunner:
                 self._warm_spec(kind, n, spec_block(n), num_spec_tokens, p, greedy)
                 continue
             if kind == "decode":
-                chunks = [SequenceChunk([0], context - 1, [NULL_PAGE] * p)] * n
+                chunks = [ScheduledChunk([0], context - 1, [NULL_PAGE] * p)] * n
             elif kind == "prefill":
-                chunks = [SequenceChunk([0] * n, context - n, [NULL_PAGE] * p)]
+                chunks = [ScheduledChunk([0] * n, context - n, [NULL_PAGE] * p)]
             else:
-                chunks = [SequenceChunk([0] * n, 0, [NULL_PAGE] * p)]
+                chunks = [ScheduledChunk([0] * n, 0, [NULL_PAGE] * p)]
             tokens, metadata, rows_pad = self._prepare(chunks, all_rows=False)
             sampling = SamplingArrays.build([greedy] * len(chunks), rows_pad, self.cfg.vocab_size, self.vocab_limit)
             args = (self.weights, *self._global_inputs((tokens, metadata)), self.kv_cache,
@@ -778,7 +762,7 @@ class ModelRunner:
         if context < 0:
             return
         if kind == "verify":
-            chunks = [SequenceChunk([0] * (drafts + 1), context, [NULL_PAGE] * width)] * batch
+            chunks = [ScheduledChunk([0] * (drafts + 1), context, [NULL_PAGE] * width)] * batch
             tokens, metadata, b_pad = self._prepare(chunks, all_rows=False, verify_width=num_spec_tokens + 1,
                                                     max_block=drafts + 1)
             sampling = SamplingArrays.build([greedy] * batch, b_pad, self.cfg.vocab_size, self.vocab_limit)
@@ -788,7 +772,7 @@ class ModelRunner:
                     *self._draft_args())
             self._compiled[("verify", _shape_key(args))] = self._verify_step.lower(*args).compile()
         else:
-            chunks = [SequenceChunk([0], context, [NULL_PAGE] * width)] * batch
+            chunks = [ScheduledChunk([0], context, [NULL_PAGE] * width)] * batch
             inputs = self._propose_inputs(chunks, [greedy] * batch, [drafts] * batch, num_spec_tokens)
             args = self._propose_args(*inputs[:5])
             static = dict(num_tokens=num_spec_tokens, with_probs=False)
@@ -801,7 +785,7 @@ class ModelRunner:
         compiled = self._compiled.get((kind, _shape_key(args))) if self._compiled else None
         return (compiled or {"step": self._step, "verify": self._verify_step}[kind])(*args)
 
-    def compute_logits(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+    def compute_logits(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray:
         """Runs one step and returns the logits of every new token (for tests and evaluation).
 
         Returns:

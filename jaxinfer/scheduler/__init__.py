@@ -6,8 +6,9 @@ generated sequence's state; `stop_checker.append_token` applies the stop rules t
 the pages of finished sequences.
 """
 
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.scheduler.page_allocator import PageAllocator
-from jaxinfer.scheduler.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxinfer.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxinfer.scheduler.sequence import Detokenizer, Sequence, SequenceStatus
 
 __all__ = ["Detokenizer", "PageAllocator", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput",

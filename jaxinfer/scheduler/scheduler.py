@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import KVOp, PrefixCache
 from jaxinfer.scheduler.sequence import FINISH_STATUS, Sequence, SequenceStatus
@@ -70,44 +71,6 @@ class SchedulerConfig:
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold `num_tokens` positions."""
         return -(-num_tokens // self.page_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
-    """One sequence's part of a step (the fields of `jaxinfer.engine.runner.SequenceChunk`, plus more).
-
-    Attributes:
-      seq: the sequence.
-      token_ids: tokens whose K/V this step computes: `[last token]` for a decode, a slice of `seq.token_ids`
-        for a prefill chunk; >= 1 ids.
-      num_computed_tokens: tokens already cached; the first of `token_ids` sits at this position.
-      page_ids: pages holding positions `[0, num_computed_tokens + len(token_ids))`, in order, each in
-        [1, num_pages); a snapshot taken at schedule time.
-      samples: the chunk ends at the sequence's last token, so a token is sampled from its last logits.
-      spec_slots: draft positions reserved after the last token (speculative decoding): pages cover positions
-        `[0, num_computed_tokens + 1 + spec_slots)` and the step's token budget counts them; 0 otherwise.
-      num_draft_tokens: drafts the engine appended to `token_ids` (at most `spec_slots`; see
-        `with_drafts`); the target verifies them and `update` takes the tokens it emitted.
-    """
-
-    seq: Sequence
-    token_ids: list[int]
-    num_computed_tokens: int
-    page_ids: list[int]
-    samples: bool
-    spec_slots: int = 0
-    num_draft_tokens: int = 0
-
-    def with_drafts(self, draft_token_ids: list[int]) -> ScheduledChunk:
-        """This decode chunk with drafts appended (at most `spec_slots` of them).
-
-        Raises:
-          ValueError: if there are more drafts than reserved slots.
-        """
-        if len(draft_token_ids) > self.spec_slots:
-            raise ValueError(f"{len(draft_token_ids)} drafts for {self.spec_slots} reserved slots")
-        return dataclasses.replace(self, token_ids=self.token_ids[:1] + list(draft_token_ids),
-                                   num_draft_tokens=len(draft_token_ids))
 
 
 @dataclasses.dataclass

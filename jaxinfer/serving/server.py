@@ -24,7 +24,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.engine.async_engine import AsyncEngine
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.serving.metrics import ServerMetrics

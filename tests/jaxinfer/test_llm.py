@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.runner import SequenceChunk
+from jaxinfer.scheduler.chunk import ScheduledChunk
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ def test_logits_match_transformers(smollm2_llm: LLM, smollm2_golden: dict, case:
     llm = smollm2_llm
     pages = llm.page_allocator.allocate(-(-len(ids) // llm.page_size))
     try:
-        logits = llm.runner.compute_logits([SequenceChunk(ids, 0, pages[::-1])])  # reversed: pages need not be in order
+        logits = llm.runner.compute_logits([ScheduledChunk(ids, 0, pages[::-1])])  # reversed: pages need not be in order
     finally:
         llm.page_allocator.free(pages)
     ours = np.take_along_axis(logits, np.array(c["topk_ids"]), axis=1)
@@ -187,7 +187,7 @@ def test_bfloat16_logits_follow_float32_and_answer_paris(smollm2_llm: LLM) -> No
     for name, engine in (("f32", smollm2_llm), ("bf16", llm)):
         pages = engine.page_allocator.allocate(-(-len(ids) // engine.page_size))
         try:
-            rows[name] = engine.runner.compute_logits([SequenceChunk(ids, 0, pages)])[len(reply.prompt_token_ids) - 1:-1]
+            rows[name] = engine.runner.compute_logits([ScheduledChunk(ids, 0, pages)])[len(reply.prompt_token_ids) - 1:-1]
         finally:
             engine.page_allocator.free(pages)
     f32, bf16 = rows["f32"], rows["bf16"]

@@ -276,7 +276,7 @@ def test_record_feeds_the_counters():
 
 def test_engine_config_and_llm_take_dict_json_or_instance():
     from jaxinfer import LLM
-    from jaxinfer.engine.engine import EngineConfig
+    from jaxinfer.engine.config import EngineConfig
 
     want = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     for value in (want, {"method": "ngram", "num_speculative_tokens": 2}, '{"num_speculative_tokens": 2}'):

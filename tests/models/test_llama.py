@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.config import ModelConfig, RopeScaling, RopeType
 from models.llama import check_weights, init_weights, rope_frequencies
 
@@ -49,7 +50,7 @@ def prompt():
 @pytest.fixture(scope="module")
 def full_logits(runner, prompt):
     """Logits of every prompt token from one prefill chunk on pages [5, 2, 9] (deliberately out of order)."""
-    out = runner.compute_logits([SequenceChunk(prompt, 0, [5, 2, 9])])
+    out = runner.compute_logits([ScheduledChunk(prompt, 0, [5, 2, 9])])
     assert out.shape == (PROMPT_LEN, CFG.vocab_size)
     assert np.isfinite(out).all() and out.std() > 0.1  # a model that computes something
     return out
@@ -59,7 +60,7 @@ def _run_in_chunks(runner: ModelRunner, tokens: list[int], chunk: int, pages: li
     rows = []
     for start in range(0, len(tokens), chunk):
         piece = tokens[start: start + chunk]
-        rows.append(runner.compute_logits([SequenceChunk(piece, start, pages)]))
+        rows.append(runner.compute_logits([ScheduledChunk(piece, start, pages)]))
     return np.concatenate(rows)
 
 
@@ -72,12 +73,12 @@ def test_chunked_prefill_matches_one_chunk(runner, prompt, full_logits, chunk):
 
 def test_prefix_logits_do_not_depend_on_later_tokens(runner, prompt, full_logits):
     # Causality: the logits of a prefix are those of the full prompt's first rows.
-    out = runner.compute_logits([SequenceChunk(prompt[:21], 0, [4, 6])])
+    out = runner.compute_logits([ScheduledChunk(prompt[:21], 0, [4, 6])])
     np.testing.assert_allclose(out, full_logits[:21], rtol=1e-4, atol=1e-4)
     # ... and changing a token changes the rows from it on, not before.
     changed = list(prompt[:21])
     changed[12] = (changed[12] + 1) % CFG.vocab_size
-    out2 = runner.compute_logits([SequenceChunk(changed, 0, [4, 6])])
+    out2 = runner.compute_logits([ScheduledChunk(changed, 0, [4, 6])])
     np.testing.assert_allclose(out2[:12], full_logits[:12], rtol=1e-4, atol=1e-4)
     assert np.abs(out2[12:] - full_logits[12:21]).max(axis=-1).min() > 1e-3
 
@@ -85,7 +86,7 @@ def test_prefix_logits_do_not_depend_on_later_tokens(runner, prompt, full_logits
 def test_scan_layers_matches_unrolled(weights, prompt, full_logits):
     scanned = ModelRunner(CFG, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32,
                           scan_layers=True)
-    out = scanned.compute_logits([SequenceChunk(prompt, 0, [5, 2, 9])])
+    out = scanned.compute_logits([ScheduledChunk(prompt, 0, [5, 2, 9])])
     np.testing.assert_allclose(out, full_logits, rtol=1e-4, atol=1e-4)
 
 
@@ -97,14 +98,14 @@ def test_ragged_batch_matches_sequences_run_alone(runner, prompt, full_logits):
     b = prompt[:21]
     c = rng.integers(0, CFG.vocab_size, 12).tolist()
     pages_a, pages_b, pages_c = [7], [13, 1], [20]
-    runner.compute_logits([SequenceChunk(a[:5], 0, pages_a)])
-    runner.compute_logits([SequenceChunk(b[:20], 0, pages_b)])
-    batch = runner.compute_logits([SequenceChunk(a[5:], 5, pages_a), SequenceChunk(b[20:], 20, pages_b),
-                                   SequenceChunk(c, 0, pages_c)])
+    runner.compute_logits([ScheduledChunk(a[:5], 0, pages_a)])
+    runner.compute_logits([ScheduledChunk(b[:20], 0, pages_b)])
+    batch = runner.compute_logits([ScheduledChunk(a[5:], 5, pages_a), ScheduledChunk(b[20:], 20, pages_b),
+                                   ScheduledChunk(c, 0, pages_c)])
     assert batch.shape == (3 + 1 + 12, CFG.vocab_size)
-    alone_a = runner.compute_logits([SequenceChunk(a[5:], 5, pages_a)])
-    alone_b = runner.compute_logits([SequenceChunk(b[20:], 20, pages_b)])
-    alone_c = runner.compute_logits([SequenceChunk(c, 0, pages_c)])
+    alone_a = runner.compute_logits([ScheduledChunk(a[5:], 5, pages_a)])
+    alone_b = runner.compute_logits([ScheduledChunk(b[20:], 20, pages_b)])
+    alone_c = runner.compute_logits([ScheduledChunk(c, 0, pages_c)])
     np.testing.assert_allclose(batch, np.concatenate([alone_a, alone_b, alone_c]), rtol=1e-5, atol=1e-5)
     # B's decode row is the 21st row of the whole prompt's prefill.
     np.testing.assert_allclose(batch[3], full_logits[20], rtol=1e-4, atol=1e-4)
@@ -115,7 +116,7 @@ def test_execute_samples_greedy_argmax_of_last_rows(runner, prompt, full_logits)
     from jaxinfer.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
-    result = runner.execute([SequenceChunk(prompt, 0, [8, 10, 12]), SequenceChunk(prompt[:17], 0, [14, 15])],
+    result = runner.execute([ScheduledChunk(prompt, 0, [8, 10, 12]), ScheduledChunk(prompt[:17], 0, [14, 15])],
                             [SamplingRow(greedy, 0), SamplingRow(greedy, 1)])
     assert result.token_ids.tolist() == [int(np.argmax(full_logits[-1])), int(np.argmax(full_logits[16]))]
     assert result.finite.all()

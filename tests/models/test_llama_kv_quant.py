@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.config import ModelConfig
 from models.llama import KVCache, Weights, WeightSpec
 from pallas_kernels.dispatch import AttentionOps
@@ -56,7 +57,7 @@ def prompt():
 @pytest.fixture(scope="module")
 def f32_logits(weights, prompt):
     runner = ModelRunner(CFG, weights, num_pages=24, page_size=16, kv_dtype=jnp.float32)
-    return runner.compute_logits([SequenceChunk(prompt, 0, [5, 2, 9])])
+    return runner.compute_logits([ScheduledChunk(prompt, 0, [5, 2, 9])])
 
 
 def test_zeros_and_bytes_per_page():
@@ -112,17 +113,17 @@ def test_quantized_cache_paths_agree(weights, prompt, f32_logits, name):
     K/V) all give the same logits, and so does a decode over either cache; and they differ from f32."""
     dtype = KV_DTYPES[name]
     runner = ModelRunner(CFG, weights, num_pages=24, page_size=16, kv_dtype=dtype, scan_layers=True)
-    full = runner.compute_logits([SequenceChunk(prompt, 0, [5, 2, 9])])
+    full = runner.compute_logits([ScheduledChunk(prompt, 0, [5, 2, 9])])
     error = np.abs(full - f32_logits).max()
-    chunked = np.concatenate([runner.compute_logits([SequenceChunk(prompt[:20], 0, [11, 3, 17])]),
-                              runner.compute_logits([SequenceChunk(prompt[20:], 20, [11, 3, 17])])])
+    chunked = np.concatenate([runner.compute_logits([ScheduledChunk(prompt[:20], 0, [11, 3, 17])]),
+                              runner.compute_logits([ScheduledChunk(prompt[20:], 20, [11, 3, 17])])])
     full_codes = code_ranks(runner, [5, 2, 9], len(prompt))
     assert_same_cached_numbers(chunked, full, code_ranks(runner, [11, 3, 17], len(prompt)), full_codes, error)
     flash = ModelRunner(CFG, weights, num_pages=24, page_size=16, kv_dtype=dtype, attention=WITH_FLASH)
-    flash_full = flash.compute_logits([SequenceChunk(prompt, 0, [5, 2, 9])])
+    flash_full = flash.compute_logits([ScheduledChunk(prompt, 0, [5, 2, 9])])
     flash_codes = code_ranks(flash, [5, 2, 9], len(prompt))
     assert_same_cached_numbers(flash_full, full, flash_codes, full_codes, error)
-    nxt = [SequenceChunk([7], len(prompt), [5, 2, 9])]
+    nxt = [ScheduledChunk([7], len(prompt), [5, 2, 9])]
     assert_same_cached_numbers(flash.compute_logits(nxt), runner.compute_logits(nxt), flash_codes, full_codes,
                                error)
     assert 1e-4 < error < VS_F32_BOUND[name], error

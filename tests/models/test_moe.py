@@ -23,7 +23,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer.loading.hf import load_hf_weights
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.sampling_params import SamplingParams
 from models import moe
@@ -75,7 +76,7 @@ def test_hf_moe_config_fields(hf_moe):
 def test_hf_moe_logits_match_transformers(hf_moe):
     folder, _, _, runner = hf_moe
     golden = _golden(folder)
-    out = runner.compute_logits([SequenceChunk(golden["token_ids"], 0, [3, 1, 2])])
+    out = runner.compute_logits([ScheduledChunk(golden["token_ids"], 0, [3, 1, 2])])
     np.testing.assert_allclose(out, np.array(golden["logits"], np.float32), rtol=1e-4, atol=1e-4)
 
 
@@ -84,7 +85,7 @@ def test_hf_moe_scanned_layers_match_transformers(hf_moe):
     golden = _golden(folder)
     runner = ModelRunner(cfg, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32,
                          scan_layers=True)
-    out = runner.compute_logits([SequenceChunk(golden["token_ids"], 0, [3, 1, 2])])
+    out = runner.compute_logits([ScheduledChunk(golden["token_ids"], 0, [3, 1, 2])])
     np.testing.assert_allclose(out, np.array(golden["logits"], np.float32), rtol=1e-4, atol=1e-4)
 
 
@@ -93,10 +94,10 @@ def test_hf_moe_greedy_continuation_matches_transformers(hf_moe):
     golden = _golden(folder)
     prompt, want = golden["token_ids"], golden["greedy_token_ids"]
     greedy, pages, got = SamplingParams(temperature=0.0), [4, 6, 5], []
-    chunk = SequenceChunk(prompt, 0, pages)
+    chunk = ScheduledChunk(prompt, 0, pages)
     for step in range(len(want)):  # decode steps: one token per step through the MoE block
         got.append(int(runner.execute([chunk], [SamplingRow(greedy, 0, step=step)]).token_ids[0]))
-        chunk = SequenceChunk([got[-1]], len(prompt) + step, pages)
+        chunk = ScheduledChunk([got[-1]], len(prompt) + step, pages)
     assert got == want
 
 

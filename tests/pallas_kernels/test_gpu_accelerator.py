@@ -159,7 +159,8 @@ def test_engine_greedy_tokens_pallas_match_reference(tmp_path) -> None:
     """
     pytest.importorskip("flax")
     pytest.importorskip("tokenizers")
-    from jaxinfer.engine.engine import Engine, EngineConfig
+    from jaxinfer.engine.config import EngineConfig
+    from jaxinfer.engine.engine import Engine
     from jaxinfer.sampling_params import SamplingParams
     from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir, random_prompts
 

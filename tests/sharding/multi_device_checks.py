@@ -73,7 +73,8 @@ def test_tp_logits_equal_single_device_and_shards_are_real(tp):
 
 def test_quantized_cache_scales_split_over_kv_heads_through_page_ops():
     # int8: fp8 pages (uint8 bit patterns) shard and move the same way
-    from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+    from jaxinfer.engine.runner import ModelRunner
+    from jaxinfer.scheduler.chunk import ScheduledChunk
     from sharding.partition import shard_model
 
     tp, pages, kv_dtype = 4, [3, 5], jnp.int8
@@ -88,7 +89,7 @@ def test_quantized_cache_scales_split_over_kv_heads_through_page_ops():
     cache = runner.kv_cache
     assert cache.k.addressable_shards[0].data.shape == (L, NUM_PAGES, K // tp, PAGE_SIZE, H)
     assert cache.k_scale.addressable_shards[0].data.shape == (L, NUM_PAGES, K // tp, PAGE_SIZE)
-    chunk = [SequenceChunk(list(range(3, 10)), 0, pages)]
+    chunk = [ScheduledChunk(list(range(3, 10)), 0, pages)]
     # Sharded sums round differently, and a quantized value may then land one step over.
     got, want = runner.compute_logits(chunk), one.compute_logits(chunk)
     print("max logit difference", np.abs(got - want).max())
@@ -126,7 +127,7 @@ def test_mesh_sizes_are_checked():
 import functools  # noqa: E402
 import re  # noqa: E402
 
-from jaxinfer.engine.runner import SequenceChunk  # noqa: E402
+from jaxinfer.scheduler.chunk import ScheduledChunk  # noqa: E402
 from jaxinfer.llm import LLM  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from sharding.partition import shard_model  # noqa: E402
@@ -151,7 +152,7 @@ def _smollm2_run(tp: int) -> tuple[np.ndarray, list[list[int]]]:
         assert llm.runner.kv_cache.k.addressable_shards[0].data.shape[2] == cfg.num_kv_heads // tp
     ids = llm.tokenizer.encode(" ".join(PROMPTS))[:40]
     pages = llm.page_allocator.allocate(-(-len(ids) // llm.page_size))
-    logits = llm.runner.compute_logits([SequenceChunk(ids, 0, pages)])
+    logits = llm.runner.compute_logits([ScheduledChunk(ids, 0, pages)])
     llm.page_allocator.free(pages)
     outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS])
     return logits, [o.outputs[0].token_ids for o in outs]
@@ -242,7 +243,7 @@ def test_moe_engine_with_expert_parallelism_gives_the_single_device_tokens(mixtr
                   tensor_parallel_size=sizes[0], expert_parallel_size=sizes[1], kv_cache_memory_bytes=8 << 20)
         ids = MOE_PROMPTS[2]["prompt_token_ids"]
         pages = llm.page_allocator.allocate(-(-len(ids) // llm.page_size))
-        logits = llm.runner.compute_logits([SequenceChunk(ids, 0, pages)])
+        logits = llm.runner.compute_logits([ScheduledChunk(ids, 0, pages)])
         llm.page_allocator.free(pages)
         outs[sizes] = logits, [o.outputs[0].token_ids for o in llm.generate(MOE_PROMPTS, params)]
     experts = llm.runner.weights.layers.e_gate

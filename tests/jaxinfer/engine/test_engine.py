@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from jaxinfer import SamplingParams
-from jaxinfer.engine.engine import Engine, EngineConfig
-from jaxinfer.engine.runner import SequenceChunk
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.scheduler.scheduler import SchedulerOutput
 from models.llama import KVCache
@@ -456,7 +457,7 @@ def test_logprobs_are_the_models_log_softmax(tiny: Engine) -> None:
     ids = list(prompt) + out.token_ids
     pages = tiny.page_allocator.allocate(pages_for(tiny, len(ids)))
     try:
-        logits = tiny.runner.compute_logits([SequenceChunk(ids, 0, pages)])
+        logits = tiny.runner.compute_logits([ScheduledChunk(ids, 0, pages)])
     finally:
         tiny.page_allocator.free(pages)
     logits = logits[len(prompt) - 1 : len(ids) - 1].astype(np.float64)

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.engine import EngineConfig
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.spec_decode.draft import DraftModel
 from models.llama import KVCache
@@ -39,7 +40,7 @@ def test_page_ops_move_scales_with_their_pages():
     assert runner.draft_cache.quantized and runner.draft_cache.k.dtype == runner.kv_cache.k.dtype
     ids = np.random.default_rng(0).integers(0, TINY.vocab_size, 20).tolist()
     greedy = SamplingRow(SamplingParams(temperature=0), seed=0)
-    runner.execute([SequenceChunk(ids, 0, [3, 5, 7])], [greedy])  # the target's and the draft's caches
+    runner.execute([ScheduledChunk(ids, 0, [3, 5, 7])], [greedy])  # the target's and the draft's caches
     src, dst = [3, 5, 7], [8, 9, 10]
     for cache in (runner.kv_cache, runner.draft_cache):
         scale = np.asarray(cache.k_scale)[:, src].transpose(0, 2, 1, 3).reshape(2, 2, 24)  # [L, K, S]
@@ -50,7 +51,7 @@ def test_page_ops_move_scales_with_their_pages():
     runner.copy_pages(src, dst)  # copy-on-write: values and scales, in both caches
     for old, new in zip(before + draft_before, _host(runner.kv_cache) + _host(runner.draft_cache)):
         np.testing.assert_array_equal(new[:, dst], old[:, src])
-    decode = lambda pages: runner.compute_logits([SequenceChunk([11], 20, pages)])  # noqa: E731
+    decode = lambda pages: runner.compute_logits([ScheduledChunk([11], 20, pages)])  # noqa: E731
     np.testing.assert_array_equal(decode(dst), decode(src))  # the copies mean the same numbers
 
     offloaded = _host(runner.kv_cache)

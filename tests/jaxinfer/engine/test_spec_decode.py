@@ -39,7 +39,8 @@ import pytest
 
 import jaxinfer.engine.engine as engine_module
 from jaxinfer import SamplingParams
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.scheduler.scheduler import ScheduledChunk
 from jaxinfer.spec_decode.policy import SpeculationPolicy

@@ -50,7 +50,8 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import models, pre_tokenizers
 
 from jaxinfer import SamplingParams
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from tests.jaxinfer.engine.tiny_model import FIRST_WORD_ID, make_tiny_model_dir, random_prompts
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.scheduler.chunk import ScheduledChunk
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 LLAMA3 = DATA / "tiny_llama3"
@@ -33,7 +34,7 @@ def _logits(runner: ModelRunner, token_ids: list[int], weights=None) -> np.ndarr
     """All-position logits of one prefill; `weights` swaps in other weights of the same shapes (same compile)."""
     if weights is not None:
         runner.weights = weights
-    return runner.compute_logits([SequenceChunk(token_ids, 0, [3, 1, 2])])
+    return runner.compute_logits([ScheduledChunk(token_ids, 0, [3, 1, 2])])
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.loading.hf import load_hf_weights
 from jaxinfer.sampling_params import SamplingParams
@@ -72,8 +73,8 @@ def test_sliding_window_through_the_kernels_matches_transformers():
     golden = _golden(MISTRAL)
     ids, expected = golden["token_ids"], np.array(golden["logits"], np.float32)
     np.testing.assert_allclose(_logits(runner, ids), expected, rtol=1e-4, atol=1e-4)
-    runner.compute_logits([SequenceChunk(ids[:17], 0, [3, 1, 2])])
-    rest = runner.compute_logits([SequenceChunk(ids[17:], 17, [3, 1, 2])])
+    runner.compute_logits([ScheduledChunk(ids[:17], 0, [3, 1, 2])])
+    rest = runner.compute_logits([ScheduledChunk(ids[17:], 17, [3, 1, 2])])
     np.testing.assert_allclose(rest, expected[17:], rtol=1e-4, atol=1e-4)
 
 
@@ -84,11 +85,11 @@ def test_hf_greedy_continuation_matches_transformers(hf_model):
     greedy = SamplingParams(temperature=0.0)
     pages = [4, 6, 5]  # 40 + 8 tokens = 3 pages of 16
     got = []
-    chunk = SequenceChunk(prompt, 0, pages)
+    chunk = ScheduledChunk(prompt, 0, pages)
     for step in range(len(want)):
         result = runner.execute([chunk], [SamplingRow(greedy, 0, step=step)])
         got.append(int(result.token_ids[0]))
-        chunk = SequenceChunk([got[-1]], len(prompt) + step, pages)
+        chunk = ScheduledChunk([got[-1]], len(prompt) + step, pages)
     assert got == want
 
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.runner import ModelRunner, SequenceChunk
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.loading import convert, default_model_path, load_model, orbax, orbax_format
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig, RopeType
@@ -45,7 +46,7 @@ def _logits(cfg: ModelConfig, weights: Weights, prompt: list[int], runner: Model
         runner = ModelRunner(cfg, jax.tree.map(jnp.asarray, weights), num_pages=8, page_size=16, kv_dtype=jnp.float32)
     else:
         runner.weights = jax.tree.map(jnp.asarray, weights)  # same shapes: the compiled step is reused
-    return runner.compute_logits([SequenceChunk(prompt, 0, [1, 2, 3])])
+    return runner.compute_logits([ScheduledChunk(prompt, 0, [1, 2, 3])])
 
 
 def _assert_weights_equal(a: Weights, b: Weights) -> None:

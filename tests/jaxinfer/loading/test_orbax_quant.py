@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.engine import Engine, EngineConfig
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
 from jaxinfer.loading import convert, load_model, orbax, orbax_format, stored_quantization
 from models.config import ModelConfig
 from models.llama import Weights, init_weights

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from jaxinfer.engine.engine import EngineConfig
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.serving.metrics import ServerMetrics
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir
