@@ -15,7 +15,7 @@ divide). Quantized formats run with bf16 activations.
    tied table is read whole by the LM head anyway) + the KV cache of the batch's context; roofline tokens/s =
    batch x bandwidth / bytes, with the bandwidth `benchmark.py` measured in the same run.
 3. **Memory analysis** of the compiled batch-1 decode step (`compiled.memory_analysis()`): temporary bytes, and
-   the full-precision copies of quantized weights among its buffers (`models.quant.materialized_weight_copies`).
+   the full-precision copies of quantized weights among its buffers (`jaxinfer.benchmarks.hlo.materialized_weight_copies`).
 
 Expected, written before the first measurement (2 shared cores, ~45 GB/s; earlier measurement of the forward at
 2 rows with random weights: f32 ~30 ms, bf16 ~19 ms, int8 w8a8 ~20 ms):
@@ -44,6 +44,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
+from jaxinfer.benchmarks import hlo
 from models import quant
 from models.llama import KVCache
 
@@ -133,7 +134,7 @@ def memory_analysis(engine: Engine, chunks: list[ScheduledChunk], rows: list[Sam
     """Temp bytes and full-precision weight copies of the engine's compiled step for this batch."""
     compiled = engine.runner.compile_step(chunks, rows)
     return {"temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
-            "copies": quant.materialized_weight_copies(compiled.as_text(), engine.runner.weights)}
+            "copies": hlo.materialized_weight_copies(compiled.as_text(), engine.runner.weights)}
 
 
 def render(rows: list[dict], command: str, date: str, machine: str, bandwidth_gb_s: float, elapsed_s: float) -> str:
@@ -155,7 +156,7 @@ def render(rows: list[dict], command: str, date: str, machine: str, bandwidth_gb
         f"(min-max). Roofline: batch x {bandwidth_gb_s:.1f} GB/s (the bandwidth measured in this run) / bytes the "
         "step must read (weights, minus embedding rows not gathered, plus the batch's KV). Last column: XLA's memory "
         "analysis of the compiled batch-1 step (temporary bytes) and the buffers in it that are full-precision "
-        "copies of quantized weights (`models.quant.materialized_weight_copies`).",
+        "copies of quantized weights (`jaxinfer.benchmarks.hlo.materialized_weight_copies`).",
         "",
         md_sections.table(["weights", "batch", "weight MiB", "params quantized", "step ms", "tok/s",
                            "roofline tok/s", "of roofline", "step temp, weight copies"], body),

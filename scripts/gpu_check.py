@@ -753,6 +753,7 @@ def section_quant(report: Report, sizes: Sizes, args: argparse.Namespace, budget
     from jaxinfer.scheduler.chunk import ScheduledChunk
     from jaxinfer.engine.sampling import SamplingRow
     from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.benchmarks import hlo
     from models import quant
 
     backend = "reference" if args.interpret else "pallas"
@@ -772,7 +773,7 @@ def section_quant(report: Report, sizes: Sizes, args: argparse.Namespace, budget
                       f"{f'{peak / 1e12:.2f} TB/s' if peak else 'unknown peak'}. `step temp`: XLA's temporary "
                       "buffers of the compiled batch-1 decode step (`compile_step(...).memory_analysis()`); `weight "
                       "copies`: full-precision copies of quantized weights among its buffers "
-                      "(`quant.materialized_weight_copies`; XLA:GPU should fuse the converts into the dots: 0"
+                      "(`jaxinfer.benchmarks.hlo.materialized_weight_copies`; XLA:GPU should fuse the converts into the dots: 0"
                       f"{', while XLA:CPU materializes them' if on_cpu else ''}). `logit err`: max |logits - bf16 "
                       f"logits| / max |bf16 logits| over one {QUANT_PROMPT_TOKENS}-token prefill "
                       f"(`compute_logits`). Each format gets an equal share of the section's time left; past it, "
@@ -836,7 +837,7 @@ def section_quant(report: Report, sizes: Sizes, args: argparse.Namespace, budget
                 mem_cells = ["", "", ""]
                 if batch == batches[0]:  # the step just run, compiled again for its analysis (XLA's cache: instant)
                     compiled = runner.compile_step(plan.chunks([7], plan.context), greedy)
-                    copies = quant.materialized_weight_copies(compiled.as_text(), runner.weights)
+                    copies = hlo.materialized_weight_copies(compiled.as_text(), runner.weights)
                     mem_cells = [fmt_bytes(compiled.memory_analysis().temp_size_in_bytes),
                                  "-" if qkw is None else str(len(copies)) if not copies or on_cpu
                                  else f"**{len(copies)}**", err_cell]

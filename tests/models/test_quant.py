@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxinfer.benchmarks import hlo
 from models import quant
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, forward, init_weights
@@ -264,7 +265,7 @@ def test_int8_decode_step_materializes_no_full_precision_weight_and_the_check_ca
         qw = quant.quantize_weights(weights, cfg, qcfg, jnp.float32)
         tokens, meta = _decode_batch(num_tokens)
         step = jax.jit(lambda w, c: forward(w, tokens, meta, c, cfg, scan_layers=True))
-        return quant.materialized_weight_copies(step.lower(qw, cache).compile().as_text(), qw)
+        return hlo.materialized_weight_copies(step.lower(qw, cache).compile().as_text(), qw)
 
     assert copies(QuantizationConfig("int8", quantize_activations=True)) == []  # w8a8: the int8 x int8 -> int32 dot reads the int8 values
     # weight-only int8 on XLA:CPU converts each weight for its dot (no fused convert-dot): the check must see it

@@ -1,0 +1,1 @@
+"""Benchmarks of the engine and its peers (`jaxinfer bench <workload>`)."""
