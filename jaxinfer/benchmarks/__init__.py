@@ -1,1 +1,11 @@
-"""Benchmarks of the engine and its peers (`jaxinfer bench <workload>`)."""
+"""Benchmarks of the engine and its peers: `jaxinfer bench <workload>` (see `jaxinfer.benchmarks.cli`).
+
+One module per workload, each with `SECTION` (its BENCHMARKS.md markers), `add_arguments(parser)` and
+`run(args) -> Report`: `step` (prefill, decode, roofline, step breakdown, peers), `serving`, `attention`,
+`checkpoint`, `prefix`, `spec`, `quant`, `quality` (perplexity), `sharding`, `load` (the gRPC load test).
+Shared pieces: `report` (the report type, sections of BENCHMARKS.md, the machine line), `probe` (the bandwidth
+probe every roofline divides by, and timing helpers), `peers` (running a peer script in its own interpreter),
+`hlo` (scans of compiled steps).
+"""
+
+WORKLOADS = ("step", "serving", "attention", "checkpoint", "prefix", "spec", "quant", "quality", "sharding", "load")

@@ -1,0 +1,54 @@
+"""Peers run in their own interpreter (torch and llama.cpp live in other venvs): the protocol and the runner.
+
+The protocol: a peer is a Python script run as `PYTHON SCRIPT ARGS...`; it prints one JSON object as the last
+line of its stdout (its results, or {"error": why}); stderr lines that start with "[peer]" are progress for the
+log. `scripts/peer_transformers.py` is the HF transformers peer; a test's stub peer speaks the same protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import subprocess
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+TRANSFORMERS_PEER = REPO / "scripts" / "peer_transformers.py"
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--peer-python` (the peer's interpreter; omitted: no peer), `--peer-script`, `--peer-timeout`."""
+    parser.add_argument("--peer-python", default=None,
+                        help="Python with torch + transformers (e.g. .venv-golden/bin/python); omitted: no peer")
+    parser.add_argument("--peer-script", type=Path, default=TRANSFORMERS_PEER,
+                        help="the peer script (default: scripts/peer_transformers.py)")
+    parser.add_argument("--peer-timeout", type=int, default=600, help="seconds before the peer is given up")
+
+
+def run_peer(python: str, script: Path, args: list[str], timeout: int) -> dict:
+    """Runs `python script args...`; returns the JSON object its stdout ends with, or {"error": why} (a missing
+    interpreter or script, a timeout, a non-zero exit, output that is not JSON)."""
+    if not Path(python).is_file():
+        return {"error": f"peer interpreter {python} not found"}
+    if not Path(script).is_file():
+        return {"error": f"peer script {script} not found"}
+    cmd = [str(python), str(script), *args]
+    logger.info("peer: %s", shlex.join(cmd))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"peer timed out after {timeout} s"}
+    for line in proc.stderr.splitlines():
+        if line.startswith("[peer]"):
+            logger.info("%s", line)
+    if proc.returncode != 0:
+        return {"error": f"peer exited with {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": "peer printed no JSON object as its last line"}
+    return result if isinstance(result, dict) else {"error": "peer's JSON is not an object"}
