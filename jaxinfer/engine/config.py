@@ -17,9 +17,8 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from jaxinfer.spec_decode.config import SpeculativeConfig
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported where used: the command line imports this module at start-up, before any of them
+    from jaxinfer.spec_decode.config import SpeculativeConfig
     from models.quant import QuantizationConfig
 
 DTYPE_NAMES = ("float32", "bfloat16")
@@ -81,6 +80,10 @@ def _option(default: Any, help: str, flag: Flag = Flag(), normalize: Callable[[A
 
 
 def _speculative_config(value: Any) -> SpeculativeConfig | None:
+    if value is None:
+        return None
+    from jaxinfer.spec_decode.config import SpeculativeConfig
+
     return SpeculativeConfig.from_value(value)
 
 
@@ -241,10 +244,12 @@ class EngineConfig:
     def _check_normalised(self) -> None:
         """Raises a ValueError naming a `speculative_config` / `quantization` given as text or a dict, which only
         `EngineConfig.create` parses (the config is frozen: it does not rewrite its own fields)."""
-        spec = self.speculative_config
-        if spec is not None and not isinstance(spec, SpeculativeConfig):
-            raise ValueError(f"speculative_config={spec!r} is not a SpeculativeConfig; pass a dict or JSON string "
-                             f"as EngineConfig.create(speculative_config=...), which parses it")
+        if self.speculative_config is not None:
+            from jaxinfer.spec_decode.config import SpeculativeConfig
+
+            if not isinstance(self.speculative_config, SpeculativeConfig):
+                raise ValueError(f"speculative_config={self.speculative_config!r} is not a SpeculativeConfig; pass a "
+                                 f"dict or JSON string as EngineConfig.create(speculative_config=...), which parses it")
         if self.quantization is not None:
             from models.quant import QuantizationConfig  # imports jax: only when a quantization is given
 
