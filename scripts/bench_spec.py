@@ -167,7 +167,7 @@ def _derived(c: dict[str, int]) -> dict[str, float]:
 
 
 def make_engine(spec: dict | None) -> Engine:
-    return Engine(EngineConfig(dtype="float32", warmup=False, max_model_len=MAX_MODEL_LEN,
+    return Engine(EngineConfig.create(dtype="float32", warmup=False, max_model_len=MAX_MODEL_LEN,
                                kv_cache_memory_bytes=KV_BYTES, speculative_config=spec))
 
 

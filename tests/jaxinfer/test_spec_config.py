@@ -280,11 +280,11 @@ def test_engine_config_and_llm_take_dict_json_or_instance():
 
     want = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     for value in (want, {"method": "ngram", "num_speculative_tokens": 2}, '{"num_speculative_tokens": 2}'):
-        assert EngineConfig(speculative_config=value).speculative_config == want
+        assert EngineConfig.create(speculative_config=value).speculative_config == want
     assert EngineConfig().speculative_config is None
     with pytest.raises(ValueError, match="runs on one device"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": "d.gguf"}, tensor_parallel_size=2)
-    EngineConfig(speculative_config={"method": "self_draft"}, tensor_parallel_size=2)  # fine with TP
+        EngineConfig.create(speculative_config={"method": "draft_model", "model": "d.gguf"}, tensor_parallel_size=2)
+    EngineConfig.create(speculative_config={"method": "self_draft"}, tensor_parallel_size=2)  # fine with TP
     with pytest.raises(ValueError, match="unknown speculative config key"):
         LLM(speculative_config={"method": "ngram", "num_spec_tokens": 2})  # raises before loading the model
     with pytest.raises(ValueError, match="not valid JSON"):

@@ -156,7 +156,7 @@ def _load_once() -> Iterator[None]:
 
 
 def _make(spec: dict | None) -> Engine:
-    engine = Engine(EngineConfig(dtype="float32", warmup=False, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+    engine = Engine(EngineConfig.create(dtype="float32", warmup=False, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
                                  kv_cache_memory_bytes=NUM_PAGES * PAGE_BYTES, speculative_config=spec))
     assert engine.page_allocator.num_usable_pages == NUM_PAGES
     assert engine.prefix_cache is not None

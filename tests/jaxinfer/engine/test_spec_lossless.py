@@ -119,7 +119,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _config(model: Path, **kwargs) -> EngineConfig:
     base = dict(model=str(model), warmup=False, page_size=PAGE_SIZE, max_model_len=MAX_MODEL_LEN,
                 max_num_seqs=REF_BATCH, max_num_batched_tokens=512, kv_cache_memory_bytes=1 << 22)
-    return EngineConfig(**(base | kwargs))
+    return EngineConfig.create(**(base | kwargs))
 
 
 def _draft_spec(model: Path, k: int) -> dict:
@@ -565,7 +565,8 @@ def test_draft_producing_nan_changes_no_greedy_output(dirs, tmp_path, greedy_ref
     weights = load_file(str(draft / "model.safetensors"))
     weights["model.layers.0.mlp.down_proj.weight"][:] = np.nan
     save_file(weights, str(draft / "model.safetensors"))
-    config = dataclasses.replace(_spec_config(dirs, 3), speculative_config=_draft_spec(draft, 3))
+    nan_spec = EngineConfig.normalize("speculative_config", _draft_spec(draft, 3))
+    config = dataclasses.replace(_spec_config(dirs, 3), speculative_config=nan_spec)
     results, spec = run(Engine(config), MIXED)
     assert_same_greedy(results[:NUM_MIXED_GREEDY], greedy_reference[:NUM_MIXED_GREEDY])
     assert all(len(r.token_ids) == GREEDY_MAX_TOKENS for r in results)

@@ -163,7 +163,7 @@ def test_generation_from_the_checkpoint_equals_quantization_at_load(sources, che
 ])
 def test_a_different_quantization_than_the_checkpoints_is_refused(engine_quantization, message, checkpoint):
     with pytest.raises(ValueError, match=message):
-        Engine(EngineConfig(model=str(checkpoint("int8")), quantization=engine_quantization, warmup=False))
+        Engine(EngineConfig.create(model=str(checkpoint("int8")), quantization=engine_quantization, warmup=False))
 
 
 # --- refusals and broken checkpoints ---------------------------------------------------------------------------------

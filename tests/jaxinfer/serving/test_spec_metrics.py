@@ -51,7 +51,7 @@ def test_server_with_ngram_streams_plain_greedy_tokens_and_exports_the_engines_s
                                  sampling=pb.SamplingParams(temperature=0, max_tokens=32))
     streams = {}
     for name, spec in (("plain", None), ("spec", {"method": "ngram", "num_speculative_tokens": 2})):
-        st = ServerThread(EngineConfig(model=str(tiny_model), kv_cache_memory_bytes=8 << 20, warmup=False,
+        st = ServerThread(EngineConfig.create(model=str(tiny_model), kv_cache_memory_bytes=8 << 20, warmup=False,
                                        speculative_config=spec))
         try:
             st.wait_serving()
