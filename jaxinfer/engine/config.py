@@ -40,7 +40,7 @@ class EngineConfig:
       attention_backend: "auto" (Pallas kernels on TPU and GPU, the `jnp` reference on CPU), "reference", or
         "pallas" (on CPU: the TPU kernels in interpret mode, for testing; slow). See `pallas_kernels.dispatch`.
       tensor_parallel_size: TP ranks: attention heads, MLP hidden and vocabulary split over this many devices
-        (Megatron-style; head counts that do not divide are padded exactly, see `sharding.partition`).
+        (Megatron-style; head counts that do not divide are padded exactly, see `models.partition`).
       enable_prefix_caching: reuse the KV pages of earlier requests' identical prefixes (full pages, exact token
         match, per `cache_salt`); see `jaxinfer.scheduler.prefix_cache`.
       kv_offload_bytes: host-memory budget of the prefix cache's second tier: evicted cached pages are copied

@@ -54,10 +54,11 @@ from jaxinfer.spec_decode.policy import SpeculationPolicy
 from jaxinfer.tokenizer import IncrementalDetokenizer
 from models import quant
 from models.llama import KVCache, Weights
+from models.partition import shard_model
 from models.quant import QuantizationConfig
+from models.quant_sharding import quantize_sharded
 from pallas_kernels.dispatch import select_attention
 from sharding.mesh import make_mesh
-from sharding.partition import shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class Engine:
             sharded = shard_model(cfg, np_weights, self.mesh)  # a quantized checkpoint's weights padded as stored
             run_cfg, weights = sharded.cfg, sharded.weights
             if quantize_at_load:
-                weights = quant.quantize_sharded(weights, run_cfg, qcfg, self.dtype)
+                weights = quantize_sharded(weights, run_cfg, qcfg, self.dtype)
             padded = "" if sharded.layout.heads_identity else \
                 f" (padded from {cfg.num_heads} / {cfg.num_kv_heads}: KV heads replicated, so a KV page holds " \
                 f"{run_cfg.num_kv_heads / cfg.num_kv_heads:.2g}x the bytes)"
