@@ -215,7 +215,8 @@ def _serve(args: argparse.Namespace) -> int:
     spec = _speculative_config(args)  # before the jax import: a bad config fails at once
     quantization = _quantization_config(args)
     from jaxinfer.engine.config import EngineConfig
-    from jaxinfer.serving.server import ServerLimits, run
+    from jaxinfer.serving.requests import ServerLimits
+    from jaxinfer.serving.server import run
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535]")

@@ -46,7 +46,7 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind, PrefixCache
 from jaxinfer.scheduler.chunk import ScheduledChunk
-from jaxinfer.scheduler.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.scheduler.sequence import Sequence as Seq
 from jaxinfer.spec_decode import draft as draft_lib
 from jaxinfer.spec_decode.ngram import NgramIndex, NgramProposer

@@ -22,7 +22,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.scheduler.scheduler import SchedulerOutput
+from jaxinfer.scheduler.chunk import SchedulerOutput
 from models.llama import KVCache
 from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir, random_prompts
 

@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.serving.server import Server, ServerLimits
+from jaxinfer.serving.requests import ServerLimits
+from jaxinfer.serving.server import Server
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
 
