@@ -42,6 +42,7 @@ from jaxinfer.engine.runner import ModelRunner, StepResult, VerifyResult
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.loading import load_model, stored_quantization
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.prompt import Prompt, check_cache_salt
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind, PrefixCache
@@ -290,20 +291,33 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: str | dict | Sequence[int]) -> tuple[str | None, list[int]]:
-        """Turns a prompt (text, token ids, or `{"prompt_token_ids": [...]}`) into token ids.
+    def make_prompt(self, prompt: Prompt | str | dict | Sequence[int], cache_salt: str | None = None) -> Prompt:
+        """Turns a prompt into a `Prompt`, tokenizing text here, once.
+
+        Args:
+          prompt: text, token ids, `{"prompt_token_ids": [...], "prompt": text}` or `{"prompt": text}` (either
+            dict may carry `"cache_salt"`), or a `Prompt` (not tokenized again; its ids are checked).
+          cache_salt: the prompt's prefix-cache salt; when given, it wins over one the prompt carries.
 
         Raises:
-          ValueError: an empty prompt, ids outside the vocabulary, or an unsupported prompt type.
+          ValueError: a cache salt that is not a non-empty string, an empty prompt, ids outside the vocabulary, or
+            an unsupported prompt type.
         """
-        vocab = self.model_config.vocab_size
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            cache_salt = prompt["cache_salt"] if cache_salt is None else cache_salt
+            prompt = {k: v for k, v in prompt.items() if k != "cache_salt"}
+        elif isinstance(prompt, Prompt) and cache_salt is None:
+            cache_salt = prompt.cache_salt
+        check_cache_salt(cache_salt)
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]  # a text prompt dict, as vLLM's {"prompt": text}
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
-            return self.tokenize_prompt(prompt["prompt"])  # a text prompt dict, as vLLM's {"prompt": text}
-        if isinstance(prompt, dict):
+            return Prompt(tuple(self.tokenizer.encode(prompt)), text=prompt, cache_salt=cache_salt)
+        if isinstance(prompt, Prompt):
+            text, ids = prompt.text, prompt.token_ids
+        elif isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError("a dict prompt needs 'prompt_token_ids' or a text 'prompt'")
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -314,14 +328,15 @@ class Engine:
         else:
             raise ValueError(f"prompt must be a string, token ids or a dict with 'prompt_token_ids', "
                              f"got {type(prompt).__name__}")
+        vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
-        return text, [int(t) for t in ids]
+        return Prompt(tuple(int(t) for t in ids), text=text, cache_salt=cache_salt)
 
     def add_request(
         self,
-        prompt: str | dict | Sequence[int],
+        prompt: Prompt | str | dict | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -329,11 +344,13 @@ class Engine:
         """Queues a request; it joins the running batch at the next step.
 
         Args:
-          prompt: text, token ids, or `{"prompt_token_ids": [...], "prompt": text}` (either dict may carry
-            `"cache_salt"`).
+          prompt: a `Prompt` (taken as it is: not tokenized again), or anything `make_prompt` takes (text, token
+            ids, `{"prompt_token_ids": [...], "prompt": text}`; either dict may carry `"cache_salt"`), which goes
+            through `make_prompt` once.
           params: sampling parameters (default `SamplingParams()`).
           request_id: unique id; one is assigned when None.
-          cache_salt: requests with different salts never share prefix-cache pages (e.g. one salt per tenant).
+          cache_salt: requests with different salts never share prefix-cache pages (e.g. one salt per tenant);
+            when given, it wins over the prompt's own.
 
         Returns:
           The request id.
@@ -354,12 +371,8 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        if isinstance(prompt, dict) and "cache_salt" in prompt:
-            cache_salt = prompt["cache_salt"] if cache_salt is None else cache_salt
-            prompt = {k: v for k, v in prompt.items() if k != "cache_salt"}
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty string or None")
-        text, ids = self.tokenize_prompt(prompt)
+        prompt = self.make_prompt(prompt, cache_salt)
+        text, ids, cache_salt = prompt.text, list(prompt.token_ids), prompt.cache_salt
         if not ids:
             raise ValueError("prompt must not be empty (it encodes to no tokens)")
         if len(ids) >= self.max_model_len:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from jaxinfer.prompt import Prompt
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 
@@ -91,22 +92,23 @@ def chat_ids(engine: Engine, chat: pb.ChatInput, for_generation: bool) -> list[i
     return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add)
 
 
-def prompt_from_request(request: pb.GenerateRequest, engine: Engine) -> dict:
-    """Tokenizes the input (call it off the event loop): `{"prompt_token_ids", "prompt"}` for the engine, which
-    checks the ids and the context at admission.
+def prompt_from_request(request: pb.GenerateRequest, engine: Engine) -> Prompt:
+    """The request's `Prompt`, tokenized here once (call it off the event loop); the engine takes it as it is and
+    checks the context at admission. The proto's empty `cache_salt` default means no salt.
 
     Raises:
       ValueError: naming the field: no input, an empty one, ids outside the vocabulary, a bad chat.
     """
+    salt = request.cache_salt or None
     which = request.WhichOneof("input")
     if which == "text":
         if not request.text:
             raise ValueError("text must not be empty")
-        return {"prompt_token_ids": engine.tokenize_prompt(request.text)[1], "prompt": request.text}
+        return engine.make_prompt(request.text, cache_salt=salt)
     if which == "token_ids":
         if not request.token_ids.ids:
             raise ValueError("token_ids.ids must not be empty")
-        return {"prompt_token_ids": engine.tokenize_prompt(list(request.token_ids.ids))[1]}
+        return engine.make_prompt(list(request.token_ids.ids), cache_salt=salt)
     if which == "chat":
-        return {"prompt_token_ids": chat_ids(engine, request.chat, for_generation=True)}
+        return Prompt(tuple(chat_ids(engine, request.chat, for_generation=True)), cache_salt=salt)
     raise ValueError("input is required: set one of text, token_ids, chat")

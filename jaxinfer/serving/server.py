@@ -71,8 +71,6 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             params = sampling_params_from_proto(request.sampling, limits)
             # Tokenizing a long prompt takes a while: in a worker thread, not on the event loop or engine thread.
             prompt = await asyncio.to_thread(prompt_from_request, request, engine.engine)
-            if request.cache_salt:
-                prompt["cache_salt"] = request.cache_salt
         except ValueError as e:
             self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
