@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "jaxinfer.llm",
     "SamplingParams": "jaxinfer.sampling_params",
+    "Prompt": "jaxinfer.prompt",
     "RequestOutput": "jaxinfer.outputs",
     "CompletionOutput": "jaxinfer.outputs",
 }

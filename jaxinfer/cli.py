@@ -185,7 +185,8 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))  # nothing to clean up yet
     options = _engine_options(args)  # before the jax import: a bad config fails at once
-    from jaxinfer.serving.server import ServerLimits, run
+    from jaxinfer.serving.requests import ServerLimits
+    from jaxinfer.serving.server import run
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535]")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.prompt import Prompt
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 
@@ -62,7 +63,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | dict | Sequence[str | dict],
+        prompts: str | dict | Prompt | Sequence[str | dict | Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_output: Callable[[int, list[int], str], None] | None = None,
@@ -70,7 +71,8 @@ class LLM:
         """Generates completions for the prompts.
 
         Args:
-          prompts: a string, a `{"prompt_token_ids": [...]}` dict, or a list of those.
+          prompts: a string, a `{"prompt_token_ids": [...]}` dict, a `Prompt`, or a list of those (each made a
+            `Prompt` once, by `Engine.make_prompt`).
           sampling_params: one for all prompts or one per prompt; default `SamplingParams()`.
           on_output: streaming callback `(prompt index, new token ids, new text)` of the first sample, called as
             steps produce tokens. Text that could still become part of a stop string is held back until it cannot.
@@ -85,7 +87,7 @@ class LLM:
         if prompts is None or isinstance(prompts, (bytes, int, float)):
             raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; "
                              f"got {type(prompts).__name__}")
-        single = isinstance(prompts, (str, dict))
+        single = isinstance(prompts, (str, dict, Prompt))
         prompt_list = [prompts] if single else list(prompts)
         if not prompt_list:
             return []
@@ -149,5 +151,5 @@ class LLM:
                         not isinstance(m.get("content"), str):
                     raise ValueError(f"chat message {m!r} must be a dict with string 'role' and 'content'")
             ids = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
+            prompts.append(Prompt(tuple(ids), text=self.tokenizer.decode(ids, skip_special_tokens=False)))
         return self.generate(prompts, sampling_params, on_output=on_output)

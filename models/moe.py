@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
-from models.quant import dequantize_if_quantized
+from models.quant_matmul import dequantize_if_quantized
 from sharding.mesh import EP_AXIS, TP_AXIS
 from sharding.rules import EMBED, EXPERTS, MLP, ROUTER, logical_to_spec
 

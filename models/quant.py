@@ -1,9 +1,9 @@
-"""Quantized weights: int8 and FP8 (e4m3) values with f32 scales, and the matmuls that read them.
+"""Quantized weights: int8 and FP8 (e4m3) values with f32 scales, the config that picks them, and a model quantized.
 
 A quantized weight is its own pytree type, `QuantizedWeight`, holding the low-precision `values` and the f32
-`scale`s; the model's einsums go through `qeinsum`, which takes either a plain array or a `QuantizedWeight`, so the
-model code is the same for every format. The format is chosen by config (`QuantizationConfig`, from
-`EngineConfig.quantization`), never by file name.
+`scale`s; the model's einsums go through `models.quant_matmul.qeinsum`, which takes either a plain array or a
+`QuantizedWeight`, so the model code is the same for every format. The format is chosen by config
+(`QuantizationConfig`, from `EngineConfig.quantization`), never by file name.
 
 Formats (symmetric, absmax scaling; Jacob et al. 2018 for int8 inference; Micikevicius et al. 2022, "FP8 Formats
 for Deep Learning", for e4m3):
@@ -18,21 +18,11 @@ a `wq` of [L, D, N, H] contracting D is stored [L, N, H, D]. Output-major is the
 int8 x int8 -> int32 dot (2.4x the input-major one, BENCHMARKS.md), and a leading layer axis stays leading, so
 slicing or scanning stacked layers slices `values` and `scale` alike. `scale` is f32 [*kept, G], G = 1 per
 output channel, G = C / group_size with groups along the flattened contracted axes.
-
-Matmul paths (`qeinsum`):
-- **dynamic activation quantization** (w8a8, `quantize_activations=True`): each token row of the activation is
-  quantized to the weight's format with its own absmax scale, the dot runs natively in low precision
-  (int8 x int8 -> int32, fp8 x fp8 -> f32 via `preferred_element_type`), and the two scales multiply the
-  accumulator. Per output channel only. No full-precision copy of the weight exists at any point.
-- **weight only**: the values are converted to the activation dtype inside the dot's computation. XLA:GPU and
-  XLA:TPU fuse that convert into the matmul; XLA:CPU has no fused convert-dot and materializes one weight at a time
-  as a temporary (XLA's memory analysis in BENCHMARKS.md shows the size).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -170,19 +160,6 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
                            activation_group_size=activation_group_size if quantize_activations else 0)
 
 
-def _parse(eq: str) -> tuple[str, str, str]:
-    inputs, out = eq.replace(" ", "").split("->")
-    lhs, rhs = inputs.split(",")
-    return lhs, rhs, out
-
-
-def _to_layout(x: jax.Array, labels: str, out: str) -> jax.Array:
-    """Reorders `x` (axes named by `labels`, all of which appear in `out`) to broadcast against an `out` array."""
-    present = [c for c in out if c in labels]
-    x = jnp.transpose(x, [labels.index(c) for c in present])
-    return x.reshape([x.shape[present.index(c)] if c in present else 1 for c in out])
-
-
 def quantize_rows(x: jax.Array, axes: Sequence[int], fmt: str) -> tuple[jax.Array, jax.Array]:
     """Dynamic symmetric quantization of activations, one scale per slice over `axes` (per token).
 
@@ -195,88 +172,6 @@ def quantize_rows(x: jax.Array, axes: Sequence[int], fmt: str) -> tuple[jax.Arra
     q = x32 / scale
     q = jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8) if fmt == "int8" else q.astype(jnp.float8_e4m3fn)
     return q, scale
-
-
-def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
-            preferred_element_type: jnp.dtype | None = None) -> jax.Array:
-    """`jnp.einsum(eq, x, w)` for a plain or quantized weight `w` (two operands, activation first).
-
-    Args:
-      eq: an einsum "lhs,rhs->out" with `rhs` naming `w`'s axes in its own (unquantized) layout; the quantized
-        weight's contract axes must be summed over (in lhs, not in out).
-      x: activations, f32 or bf16.
-      w: a plain array (then this is `jnp.einsum`) or a `QuantizedWeight`.
-      preferred_element_type: output dtype (default x's dtype).
-
-    Returns:
-      The einsum's result in `preferred_element_type` or x's dtype.
-
-    Raises:
-      ValueError: if the equation does not contract exactly the quantized weight's contract axes.
-    """
-    if not isinstance(w, QuantizedWeight):
-        return jnp.einsum(eq, x, w, preferred_element_type=preferred_element_type)
-    out_dtype = preferred_element_type or x.dtype
-    lhs, rhs, out = _parse(eq)
-    if len(rhs) != w.ndim:
-        raise ValueError(f"einsum {eq!r}: weight has {w.ndim} axes, equation names {len(rhs)}")
-    contracted = "".join(rhs[a] for a in w.contract_axes)
-    if any(c not in lhs or c in out for c in contracted):
-        raise ValueError(f"einsum {eq!r} must contract the quantized weight's axes {contracted!r}")
-    kept = "".join(c for c in rhs if c not in contracted)
-    vals = kept + contracted  # the labels of w.values
-    if w.group_size:  # grouped scales do not factor out of the sum: dequantize inside the computation
-        return jnp.einsum(eq, x, w.dequantize(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
-    w_scale = _to_layout(w.scale[..., 0], kept, out)
-    if w.quantize_activations:
-        return (_activation_quantized(lhs, vals, out, contracted, x, w) * w_scale).astype(out_dtype)
-    y = jnp.einsum(f"{lhs},{vals}->{out}", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * w_scale).astype(out_dtype)
-
-
-def _activation_quantized(lhs: str, vals: str, out: str, contracted: str, x: jax.Array,
-                          w: QuantizedWeight) -> jax.Array:
-    """f32 sum over `contracted` of x * w.values with x quantized dynamically to w's format (w's scales not applied).
-
-    Activations get one scale per token per group of `w.activation_group_size` channels of the last contracted
-    axis (0: per token over all contracted channels). Each group's dot runs natively in low precision
-    (int8 x int8 -> int32) and the groups are summed in f32 after their scales are applied.
-    """
-    acc_type = jnp.int32 if w.format == "int8" else jnp.float32
-    last, group = contracted[-1], w.activation_group_size
-    size = x.shape[lhs.index(last)]
-    values = w.values
-    if group and size > group and size % group == 0:  # split the last contracted axis into (groups, group)
-        outer, inner = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in lhs + vals + out][:2]
-        i = lhs.index(last)
-        x = x.reshape(*x.shape[:i], size // group, group, *x.shape[i + 1:])
-        values = values.reshape(*values.shape[:-1], size // group, group)
-        lhs, vals = lhs.replace(last, outer + inner), vals.replace(last, outer + inner)
-        contracted = contracted.replace(last, outer + inner)
-        last = inner
-    quantized_axes = contracted if not group else last
-    xq, x_scale = quantize_rows(x, [lhs.index(c) for c in quantized_axes], w.format)
-    grouped = "".join(c for c in contracted if c not in quantized_axes)  # summed after scaling
-    acc = jnp.einsum(f"{lhs},{vals}->{out}{grouped}", xq, values, preferred_element_type=acc_type)
-    x_scale = _to_layout(jnp.squeeze(x_scale, [lhs.index(c) for c in quantized_axes]),
-                         "".join(c for c in lhs if c not in quantized_axes), out + grouped)
-    y = acc.astype(jnp.float32) * x_scale
-    return jnp.sum(y, axis=tuple(range(len(out), len(out) + len(grouped)))) if grouped else y
-
-
-def dequantize_if_quantized(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
-    """A plain array for ops without a quantized path (MoE `ragged_dot`): dequantizes a `QuantizedWeight`."""
-    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
-
-
-def embed_lookup(table: jax.Array | QuantizedWeight, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Rows `tokens` of an embedding table [V, D] (plain, or quantized with contract_axes (-1,)), in `dtype`."""
-    if not isinstance(table, QuantizedWeight):
-        return jnp.take(table, tokens, axis=0).astype(dtype)
-    if table.contract_axes != (-1,) or table.group_size:
-        raise ValueError("a quantized embedding table needs one scale per row (contract_axes (-1,), no groups)")
-    rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)
-    return (rows * jnp.take(table.scale, tokens, axis=0)).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,65 +358,3 @@ def weight_bytes(weights) -> dict[str, float]:
             nbytes += leaf.nbytes
     return {"bytes": int(nbytes), "params": int(total), "quantized_params": int(quantized),
             "quantized_share": quantized / total if total else 0.0, "quantized_bytes": int(qbytes)}
-
-
-def _quantized_spec(spec: jax.sharding.PartitionSpec, q: QuantizedWeight,
-                    mesh: jax.sharding.Mesh | None = None) -> QuantizedWeight:
-    """PartitionSpecs of a quantized weight's values and scale from the spec of the weight it quantizes.
-
-    A per-group scale's group axis is split like the contracted axis when there is one contracted axis and (given
-    `mesh`) the number of groups divides over it; otherwise it is replicated.
-    """
-    parts = list(spec) + [None] * (q.ndim - len(spec))
-    order = q._order()
-    kept = [parts[a] for a in order[: q.ndim - len(q.contract_axes)]]
-    grouped = parts[order[-1]] if q.group_size and len(q.contract_axes) == 1 else None
-    if grouped is not None and mesh is not None:
-        names = grouped if isinstance(grouped, tuple) else (grouped,)
-        if q.scale.shape[-1] % math.prod(mesh.shape[n] for n in names):
-            grouped = None  # fewer groups than shards, or an uneven split: every device holds all groups
-    return q.replace(values=jax.sharding.PartitionSpec(*[parts[a] for a in order]),
-                     scale=jax.sharding.PartitionSpec(*kept, grouped))
-
-
-def quantized_sharding(sharding: jax.sharding.NamedSharding, q: QuantizedWeight) -> QuantizedWeight:
-    """The `NamedSharding`s of a quantized weight's values and scale (a `QuantizedWeight` of shardings, with `q`'s
-    static fields) from the sharding of the weight it quantizes, as `quantize_sharded` places them.
-
-    Args:
-      sharding: the sharding of the weight in its own layout.
-      q: the quantized weight, or one of `jax.ShapeDtypeStruct`s (only shapes and static fields are read).
-    """
-    specs = _quantized_spec(sharding.spec, q, sharding.mesh)
-    return jax.tree.map(lambda s: jax.sharding.NamedSharding(sharding.mesh, s), specs)
-
-
-def quantize_sharded(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
-    """`quantize_weights` on device for weights placed on a mesh: each quantized weight's values and scales keep
-    the sharding of the weight they quantize (kept axes as they were, the contracted axes moved last; a scale is
-    replicated over contracted axes, whose absmax XLA reduces across shards).
-
-    Args:
-      weights: `models.llama.Weights` of `jax.Array`s with `NamedSharding`s (from `sharding.partition.shard_model`).
-
-    Returns:
-      Quantized `Weights` on the same mesh.
-    """
-    fn = functools.partial(quantize_weights, cfg=cfg, qcfg=qcfg, dtype=dtype)
-    abstract = jax.eval_shape(fn, weights)
-    mesh = weights.embed.sharding.mesh
-    spec_of = lambda x: None if x is None else x.sharding.spec  # noqa: E731
-    specs = jax.tree.map(spec_of, weights, is_leaf=lambda x: x is None)
-    if abstract.lm_head is not None and weights.lm_head is None:  # tied head's own copy: the embed's spec, transposed
-        embed_spec = list(weights.embed.sharding.spec) + [None] * 2
-        specs = specs.replace(lm_head=jax.sharding.PartitionSpec(embed_spec[1], embed_spec[0]))
-    is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
-
-    def one(a, spec):
-        if a is None:
-            return None
-        out = _quantized_spec(spec, a, mesh) if is_q(a) else spec
-        return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), out)
-
-    shardings = jax.tree.map(one, abstract, specs, is_leaf=lambda x: x is None or is_q(x))
-    return jax.jit(fn, out_shardings=shardings)(weights)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.prompt import Prompt
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ _IDLE_WAIT_S = 0.05
 
 @dataclasses.dataclass
 class _Add:
-    prompt: str | dict | Sequence[int]
+    prompt: Prompt | str | dict | Sequence[int]
     params: SamplingParams | None
     request_id: str | None
     loop: asyncio.AbstractEventLoop
@@ -61,11 +62,14 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | dict | Sequence[int],
+        prompt: Prompt | str | dict | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request's outputs, each with the new `delta_text` / `delta_token_ids`; the last is finished.
+
+        `prompt`: a `Prompt` (e.g. from `Engine.make_prompt`, called off the event loop) is admitted as it is; any
+        other form is tokenized once, on the engine thread, by `Engine.add_request`.
 
         Raises:
           ValueError: the request was rejected (same checks as `Engine.add_request`).

@@ -136,7 +136,7 @@ class EngineConfig:
         Flag(choices=ATTENTION_BACKENDS))
     tensor_parallel_size: int = _option(1, (
         "TP ranks: attention heads, MLP hidden and vocabulary split over this many devices (Megatron-style; head "
-        "counts that do not divide are padded exactly, see sharding.partition). On CPU, "
+        "counts that do not divide are padded exactly, see models.partition). On CPU, "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices"), Flag(aliases=("--tp",)))
     expert_parallel_size: int = _option(1, (
         "EP ranks: an MoE model's experts split over this many devices (MoE models only); the mesh is "

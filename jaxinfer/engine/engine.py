@@ -42,11 +42,12 @@ from jaxinfer.engine.runner import ModelRunner, StepResult, VerifyResult
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.loading import load_model, stored_quantization
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.prompt import Prompt, check_cache_salt
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind, PrefixCache
 from jaxinfer.scheduler.chunk import ScheduledChunk
-from jaxinfer.scheduler.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.scheduler.sequence import Sequence as Seq
 from jaxinfer.spec_decode import draft as draft_lib
 from jaxinfer.spec_decode.ngram import NgramIndex, NgramProposer
@@ -54,10 +55,11 @@ from jaxinfer.spec_decode.policy import SpeculationPolicy
 from jaxinfer.tokenizer import IncrementalDetokenizer
 from models import quant
 from models.llama import KVCache, Weights
+from models.partition import shard_model
 from models.quant import QuantizationConfig
+from models.quant_sharding import quantize_sharded
 from pallas_kernels.dispatch import select_attention
 from sharding.mesh import make_mesh
-from sharding.partition import shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +139,7 @@ class Engine:
             sharded = shard_model(cfg, np_weights, self.mesh)  # a quantized checkpoint's weights padded as stored
             run_cfg, weights = sharded.cfg, sharded.weights
             if quantize_at_load:
-                weights = quant.quantize_sharded(weights, run_cfg, qcfg, self.dtype)
+                weights = quantize_sharded(weights, run_cfg, qcfg, self.dtype)
             padded = "" if sharded.layout.heads_identity else \
                 f" (padded from {cfg.num_heads} / {cfg.num_kv_heads}: KV heads replicated, so a KV page holds " \
                 f"{run_cfg.num_kv_heads / cfg.num_kv_heads:.2g}x the bytes)"
@@ -289,20 +291,33 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: str | dict | Sequence[int]) -> tuple[str | None, list[int]]:
-        """Turns a prompt (text, token ids, or `{"prompt_token_ids": [...]}`) into token ids.
+    def make_prompt(self, prompt: Prompt | str | dict | Sequence[int], cache_salt: str | None = None) -> Prompt:
+        """Turns a prompt into a `Prompt`, tokenizing text here, once.
+
+        Args:
+          prompt: text, token ids, `{"prompt_token_ids": [...], "prompt": text}` or `{"prompt": text}` (either
+            dict may carry `"cache_salt"`), or a `Prompt` (not tokenized again; its ids are checked).
+          cache_salt: the prompt's prefix-cache salt; when given, it wins over one the prompt carries.
 
         Raises:
-          ValueError: an empty prompt, ids outside the vocabulary, or an unsupported prompt type.
+          ValueError: a cache salt that is not a non-empty string, an empty prompt, ids outside the vocabulary, or
+            an unsupported prompt type.
         """
-        vocab = self.model_config.vocab_size
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            cache_salt = prompt["cache_salt"] if cache_salt is None else cache_salt
+            prompt = {k: v for k, v in prompt.items() if k != "cache_salt"}
+        elif isinstance(prompt, Prompt) and cache_salt is None:
+            cache_salt = prompt.cache_salt
+        check_cache_salt(cache_salt)
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]  # a text prompt dict, as vLLM's {"prompt": text}
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
-            return self.tokenize_prompt(prompt["prompt"])  # a text prompt dict, as vLLM's {"prompt": text}
-        if isinstance(prompt, dict):
+            return Prompt(tuple(self.tokenizer.encode(prompt)), text=prompt, cache_salt=cache_salt)
+        if isinstance(prompt, Prompt):
+            text, ids = prompt.text, prompt.token_ids
+        elif isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError("a dict prompt needs 'prompt_token_ids' or a text 'prompt'")
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -313,14 +328,15 @@ class Engine:
         else:
             raise ValueError(f"prompt must be a string, token ids or a dict with 'prompt_token_ids', "
                              f"got {type(prompt).__name__}")
+        vocab = self.model_config.vocab_size
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
-        return text, [int(t) for t in ids]
+        return Prompt(tuple(int(t) for t in ids), text=text, cache_salt=cache_salt)
 
     def add_request(
         self,
-        prompt: str | dict | Sequence[int],
+        prompt: Prompt | str | dict | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -328,11 +344,13 @@ class Engine:
         """Queues a request; it joins the running batch at the next step.
 
         Args:
-          prompt: text, token ids, or `{"prompt_token_ids": [...], "prompt": text}` (either dict may carry
-            `"cache_salt"`).
+          prompt: a `Prompt` (taken as it is: not tokenized again), or anything `make_prompt` takes (text, token
+            ids, `{"prompt_token_ids": [...], "prompt": text}`; either dict may carry `"cache_salt"`), which goes
+            through `make_prompt` once.
           params: sampling parameters (default `SamplingParams()`).
           request_id: unique id; one is assigned when None.
-          cache_salt: requests with different salts never share prefix-cache pages (e.g. one salt per tenant).
+          cache_salt: requests with different salts never share prefix-cache pages (e.g. one salt per tenant);
+            when given, it wins over the prompt's own.
 
         Returns:
           The request id.
@@ -353,12 +371,8 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        if isinstance(prompt, dict) and "cache_salt" in prompt:
-            cache_salt = prompt["cache_salt"] if cache_salt is None else cache_salt
-            prompt = {k: v for k, v in prompt.items() if k != "cache_salt"}
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty string or None")
-        text, ids = self.tokenize_prompt(prompt)
+        prompt = self.make_prompt(prompt, cache_salt)
+        text, ids, cache_salt = prompt.text, list(prompt.token_ids), prompt.cache_salt
         if not ids:
             raise ValueError("prompt must not be empty (it encodes to no tokens)")
         if len(ids) >= self.max_model_len:

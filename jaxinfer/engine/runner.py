@@ -213,7 +213,7 @@ class ModelRunner:
       vocab_limit: ids at or above it are never sampled (a model's embedding table may be padded past the
         tokenizer's vocabulary); default: the model's vocabulary size.
       max_pages_per_seq: widest page table (context limit / page size); default from the model's context.
-      mesh: the device mesh the weights are sharded on (`sharding.partition.shard_model`), or None for one
+      mesh: the device mesh the weights are sharded on (`models.partition.shard_model`), or None for one
         device. With a mesh the KV cache is split over KV heads, and every step's outputs (sampled tokens,
         logits) come back replicated, so each process of a multi-host run can read them.
       output_vocab: logits columns `compute_logits` returns; default V. A model padded for TP has a larger V.
@@ -557,7 +557,7 @@ class ModelRunner:
         program takes no host-local numpy inputs); unchanged otherwise."""
         if self.mesh is None or not multihost.is_multi_process():
             return tree
-        from sharding.partition import put_sharded
+        from sharding.placement import put_sharded
 
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         return put_sharded(tree, jax.tree.map(lambda _: replicated, tree))

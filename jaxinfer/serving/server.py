@@ -2,9 +2,9 @@
 
 1. `Server.start()` binds the port (grpc.aio) with the health and reflection services, reports `NOT_SERVING`,
    and builds the `Engine` (weights, KV cache, warm-up compiles) in a worker thread; then it reports `SERVING`.
-2. `Generate` checks the request (size, limits, sampling values: `INVALID_ARGUMENT` naming the field), refuses it
-   with `RESOURCE_EXHAUSTED` when `max_queued_requests` are already in flight, and streams the engine's
-   `RequestOutput`s as `GenerateResponse`s: new token ids, text delta, logprobs; the last response carries
+2. `Generate` checks the request (size, limits, sampling values, in `requests.py`: `INVALID_ARGUMENT` naming the
+   field), refuses it with `RESOURCE_EXHAUSTED` when `max_queued_requests` are already in flight, and streams the
+   engine's `RequestOutput`s as `GenerateResponse`s: new token ids, text delta, logprobs; the last response carries
    `finish_reason` and usage.
 3. A cancelled call or a passed deadline cancels the handler; leaving the engine stream aborts the request, and
    its KV pages are freed at the engine's next turn (`AsyncEngine.generate`).
@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
@@ -27,78 +26,16 @@ from jaxinfer.engine.async_engine import AsyncEngine
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.serving.metrics import ServerMetrics
+from jaxinfer.serving.requests import ServerLimits, chat_ids, prompt_from_request, sampling_params_from_proto
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxInfer"].full_name  # "jaxinfer.v1.JaxInfer"
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 _WATCHDOG_PERIOD_S = 0.5
 _DEADLINE_SLACK_S = 0.1
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-    """Per-request limits; a request past one gets `INVALID_ARGUMENT` (or `RESOURCE_EXHAUSTED` for the queue).
-
-    Attributes:
-      max_request_bytes: serialized request size.
-      max_n: completions per request.
-      max_logprobs: top log-probabilities per token.
-      max_stop: stop strings per request; max_stop_len: characters per stop string.
-      max_queued_requests: requests in flight (running or waiting) before new ones are refused.
-    """
-
-    max_request_bytes: int = 1 << 20
-    max_n: int = 8
-    max_logprobs: int = 20
-    max_stop: int = 16
-    max_stop_len: int = 256
-    max_queued_requests: int = 256
-
-
-_SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "max_tokens", "min_tokens", "seed", "ignore_eos",
-                    "include_stop_str_in_output", "skip_special_tokens", "logprobs")
-
-
-def sampling_params_from_proto(msg: pb.SamplingParams, limits: ServerLimits) -> SamplingParams:
-    """`jaxinfer.v1.SamplingParams` -> `SamplingParams`; unset optional fields keep the defaults.
-
-    Raises:
-      ValueError: a value out of range or past a limit, the message naming the field (`sampling.<field>`).
-    """
-    kw = {name: getattr(msg, name) for name in _SAMPLING_FIELDS if msg.HasField(name)}
-    if kw.get("n", 1) > limits.max_n:
-        raise ValueError(f"sampling.n={kw['n']} is above the server's limit of {limits.max_n}")
-    if kw.get("logprobs", 0) > limits.max_logprobs:
-        raise ValueError(f"sampling.logprobs={kw['logprobs']} is above the server's limit of {limits.max_logprobs}")
-    if len(msg.stop) > limits.max_stop:
-        raise ValueError(f"sampling.stop has {len(msg.stop)} strings; the server's limit is {limits.max_stop}")
-    for s in msg.stop:
-        if not s or len(s) > limits.max_stop_len:
-            raise ValueError(f"sampling.stop strings must have 1 to {limits.max_stop_len} characters; got {len(s)}")
-    if msg.stop:
-        kw["stop"] = list(msg.stop)
-    if msg.stop_token_ids:
-        kw["stop_token_ids"] = list(msg.stop_token_ids)
-    try:
-        return SamplingParams(**kw)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"sampling: {e}") from None
-
-
-def chat_messages(chat: pb.ChatInput) -> list[dict]:
-    """`ChatInput` -> message dicts. Raises ValueError naming the field for no messages or an unknown role."""
-    if not chat.messages:
-        raise ValueError("chat.messages must not be empty")
-    for i, m in enumerate(chat.messages):
-        if m.role not in CHAT_ROLES:
-            raise ValueError(f"chat.messages[{i}].role={m.role!r} is not one of {', '.join(CHAT_ROLES)}")
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
 class JaxInferService(pb_grpc.JaxInferServicer):
@@ -126,36 +63,6 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request of {request.ByteSize()} bytes is above the server's limit of {limit}")
 
-    @staticmethod
-    def _chat_ids(engine: Engine, chat: pb.ChatInput, for_generation: bool) -> list[int]:
-        messages = chat_messages(chat)
-        add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        if for_generation and add and messages[-1]["role"] == "assistant":
-            raise ValueError("chat.messages: the last message is the assistant's; continuing a message is not "
-                             "supported (end with a user message, or set chat.add_generation_prompt=false)")
-        return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add)
-
-    @staticmethod
-    def _prompt(request: pb.GenerateRequest, engine: Engine) -> dict:
-        """Tokenizes the input (call it off the event loop): `{"prompt_token_ids", "prompt"}` for the engine, which
-        checks the ids and the context at admission.
-
-        Raises:
-          ValueError: naming the field: no input, an empty one, ids outside the vocabulary, a bad chat.
-        """
-        which = request.WhichOneof("input")
-        if which == "text":
-            if not request.text:
-                raise ValueError("text must not be empty")
-            return {"prompt_token_ids": engine.tokenize_prompt(request.text)[1], "prompt": request.text}
-        if which == "token_ids":
-            if not request.token_ids.ids:
-                raise ValueError("token_ids.ids must not be empty")
-            return {"prompt_token_ids": engine.tokenize_prompt(list(request.token_ids.ids))[1]}
-        if which == "chat":
-            return {"prompt_token_ids": JaxInferService._chat_ids(engine, request.chat, for_generation=True)}
-        raise ValueError("input is required: set one of text, token_ids, chat")
-
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = await self._ready(context)
         limits = self._server.limits
@@ -163,9 +70,7 @@ class JaxInferService(pb_grpc.JaxInferServicer):
         try:
             params = sampling_params_from_proto(request.sampling, limits)
             # Tokenizing a long prompt takes a while: in a worker thread, not on the event loop or engine thread.
-            prompt = await asyncio.to_thread(self._prompt, request, engine.engine)
-            if request.cache_salt:
-                prompt["cache_salt"] = request.cache_salt
+            prompt = await asyncio.to_thread(prompt_from_request, request, engine.engine)
         except ValueError as e:
             self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -240,7 +145,7 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             if which == "text":
                 return engine.tokenizer.encode(request.text)
             if which == "chat":
-                return self._chat_ids(engine, request.chat, for_generation=False)
+                return chat_ids(engine, request.chat, for_generation=False)
             raise ValueError("input is required: set one of text, chat")
 
         try:

@@ -1,5 +1,6 @@
-"""Weight quantization (`models.quant`): round-trip error bounds, quantized matmuls against references computed
-independently in numpy (float64), the model on quantized weights, and the compiled decode step's buffers."""
+"""Weight quantization (`models.quant`, `models.quant_matmul`): round-trip error bounds, quantized matmuls against
+references computed independently in numpy (float64), the model on quantized weights, and the compiled decode step's
+buffers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from jaxinfer.benchmarks import hlo
 from models import quant
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, forward, init_weights
-from models.quant import QuantizationConfig, QuantizedWeight, qeinsum, quantize
+from models.quant import QuantizationConfig, QuantizedWeight, quantize
+from models.quant_matmul import qeinsum
 
 TINY = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,

@@ -75,7 +75,7 @@ def test_quantized_cache_scales_split_over_kv_heads_through_page_ops():
     # int8: fp8 pages (uint8 bit patterns) shard and move the same way
     from jaxinfer.engine.runner import ModelRunner
     from jaxinfer.scheduler.chunk import ScheduledChunk
-    from sharding.partition import shard_model
+    from models.partition import shard_model
 
     tp, pages, kv_dtype = 4, [3, 5], jnp.int8
     weights = jax.tree.map(np.asarray, init_weights(TINY, jax.random.key(0), jnp.float32))
@@ -130,7 +130,7 @@ import re  # noqa: E402
 from jaxinfer.scheduler.chunk import ScheduledChunk  # noqa: E402
 from jaxinfer.llm import LLM  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
-from sharding.partition import shard_model  # noqa: E402
+from models.partition import shard_model  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived",
            "1, 2, 3, 4,"]

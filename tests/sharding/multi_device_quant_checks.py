@@ -10,9 +10,10 @@ import pytest
 
 from models import quant
 from models.llama import KVCache, Weights, forward, init_weights
+from models.partition import shard_model
 from models.quant import QuantizationConfig, QuantizedWeight
+from models.quant_sharding import quantize_sharded
 from sharding.mesh import make_mesh
-from sharding.partition import shard_model
 from sharding.rules import logical_to_spec
 from tests.sharding.multi_device_checks import NUM_PAGES, PAGE_SIZE, TINY, _batch
 
@@ -29,7 +30,7 @@ def test_sharded_quantization_equals_single_device_and_scales_follow_their_weigh
     expected, _ = step(single, tokens, meta, KVCache.zeros(TINY, NUM_PAGES, PAGE_SIZE, jnp.float32), cfg=TINY)
 
     model = shard_model(TINY, jax.tree.map(np.asarray, weights), make_mesh(tp=tp))
-    sharded = quant.quantize_sharded(model.weights, model.cfg, qcfg, jnp.float32)
+    sharded = quantize_sharded(model.weights, model.cfg, qcfg, jnp.float32)
     # values and scales are bit-identical to quantizing on one device (TINY divides every tp: no padding)
     for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded)):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
@@ -68,7 +69,7 @@ def test_quantized_moe_on_an_expert_parallel_mesh_equals_single_device(ep, tp):
 
     mesh = make_mesh(tp=tp, ep=ep)
     model = shard_model(cfg, weights, mesh)
-    sharded = quant.quantize_sharded(model.weights, model.cfg, qcfg, jnp.float32)
+    sharded = quantize_sharded(model.weights, model.cfg, qcfg, jnp.float32)
     e_gate = sharded.layers.e_gate  # [L, E, D, Fe] stored [L, E, Fe, D]: experts split over ep, scales with them
     assert e_gate.values.sharding.spec[1] == "ep" and e_gate.scale.sharding.spec[1] == "ep"
     cache_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))

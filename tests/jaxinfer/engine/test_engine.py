@@ -22,7 +22,8 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.scheduler.scheduler import SchedulerOutput
+from jaxinfer.prompt import Prompt
+from jaxinfer.scheduler.chunk import SchedulerOutput
 from models.llama import KVCache
 from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir, random_prompts
 
@@ -359,6 +360,24 @@ def test_bad_input_is_rejected_and_in_flight_request_is_unharmed(tiny: Engine, t
     assert final[good.rid].outputs[0].finish_reason == "length"
     assert len(final[rid].outputs[0].token_ids) == 4
     assert_idle(tiny)
+
+
+def test_a_prompt_is_tokenized_once_and_admitted_as_it_is(tiny: Engine, monkeypatch) -> None:
+    encode = tiny.tokenizer.encode
+    calls: list[str] = []
+    monkeypatch.setattr(tiny.tokenizer, "encode", lambda text, *a, **kw: calls.append(text) or encode(text, *a, **kw))
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    prompt = tiny.make_prompt({"prompt": "w5 w6 w7", "cache_salt": "tenant-a"})
+    assert calls == ["w5 w6 w7"] and prompt == Prompt(tuple(encode("w5 w6 w7")), "w5 w6 w7", "tenant-a")
+    rid = tiny.add_request(prompt, greedy)
+    assert calls == ["w5 w6 w7"]  # the engine took the Prompt as it is
+    assert [s.cache_salt for s in tiny.scheduler.get_sequences(rid)] == ["tenant-a"]
+    other = tiny.add_request(prompt, greedy, cache_salt="tenant-b")  # the argument wins over the prompt's salt
+    assert [s.cache_salt for s in tiny.scheduler.get_sequences(other)] == ["tenant-b"]
+    with pytest.raises(ValueError, match="prompt_token_ids"):  # a Prompt built by hand still gets its ids checked
+        tiny.add_request(Prompt((5, 128)), greedy)
+    outs = drain(tiny)
+    assert outs[rid].prompt == "w5 w6 w7" and outs[rid].prompt_token_ids == list(prompt.token_ids)
 
 
 def test_prompt_plus_max_tokens_beyond_context_is_rejected(tiny: Engine) -> None:

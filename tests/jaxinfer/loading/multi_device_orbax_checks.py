@@ -23,7 +23,8 @@ from jaxinfer.loading import convert, load_model, orbax
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward
 from sharding.mesh import make_mesh
-from sharding.partition import put_sharded, replicated_where_indivisible, shard_model
+from models.partition import shard_model
+from sharding.placement import put_sharded, replicated_where_indivisible
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 TINY_SRC = DATA / "tiny_llama3"

@@ -4,7 +4,7 @@ tests/jaxinfer/loading/test_orbax.py in a child process with `XLA_FLAGS=--xla_fo
 A quantized checkpoint restores onto the mesh (values and scales each read into the sharding of the weight they
 quantize) and `shard_model` pads it as stored. Each case is checked against independent routes:
 - the weights equal, bit for bit and sharding spec for sharding spec, those of quantizing at load on the mesh
-  (`shard_model` of the float source, then `models.quant.quantize_sharded`), which quantizes the padded float
+  (`shard_model` of the float source, then `models.quant_sharding.quantize_sharded`), which quantizes the padded float
   weights: so padding the stored values and scales equals quantizing the padded weights;
 - the logits of a ragged prefill batch equal the single-device quantized model's (the restored checkpoint without a
   mesh) within 1e-4 (float32; only the order of sums differs), and greedy tokens through the engine are the same.
@@ -22,9 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.loading import convert, load_model
 from models.llama import KVCache
-from models.quant import QuantizationConfig, QuantizedWeight, quantize_sharded
+from models.quant import QuantizationConfig, QuantizedWeight
+from models.quant_sharding import quantize_sharded
 from sharding.mesh import make_mesh
-from sharding.partition import shard_model
+from models.partition import shard_model
 from tests.jaxinfer.loading.multi_device_orbax_checks import (NUM_PAGES, PAGE_SIZE, _batch, _logits, _step,
                                                               make_tiny_hf_folder)
 

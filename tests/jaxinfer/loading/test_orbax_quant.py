@@ -21,7 +21,7 @@ from jaxinfer.loading import convert, load_model, orbax, orbax_format, stored_qu
 from models.config import ModelConfig
 from models.llama import Weights, init_weights
 from models.quant import QuantizationConfig, QuantizedWeight, quantize, quantize_weights
-from sharding.partition import pad_weights, tp_layout
+from models.partition import pad_weights, tp_layout
 from tests.jaxinfer.loading.multi_device_orbax_checks import make_tiny_hf_folder
 
 REPO = Path(__file__).resolve().parents[3]

@@ -234,7 +234,7 @@ def test_times_come_from_the_clock_and_survive_preemption() -> None:
 def test_parallel_samples_share_the_prompt_pages_of_sample_0() -> None:
     from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.scheduler.page_allocator import PageAllocator
-    from jaxinfer.scheduler.scheduler import Scheduler, SchedulerConfig
+    from jaxinfer.scheduler import Scheduler, SchedulerConfig
     from jaxinfer.scheduler.sequence import Sequence
 
     class Detok:

@@ -24,7 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.serving.server import Server, ServerLimits
+from jaxinfer.prompt import Prompt
+from jaxinfer.serving.requests import ServerLimits, prompt_from_request
+from jaxinfer.serving.server import Server
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
 
@@ -123,11 +125,26 @@ def test_cache_salt_and_cached_prompt_tokens(served):
     shares nothing."""
     prompt = "Summarize the plot of a long novel about a lighthouse keeper and the sea, in one sentence: " * 3
     proto = pb.SamplingParams(temperature=0, max_tokens=4)
-    n = len(served.engine.tokenize_prompt(prompt)[1])
+    n = len(served.engine.make_prompt(prompt).token_ids)
     expected = min(n // 16 * 16, n - 1)  # full 16-token pages; the last token is always computed
     usages = [_stream(served.stub, pb.GenerateRequest(text=prompt, sampling=proto, cache_salt=salt))[3]
               for salt in ("tenant-a", "tenant-a", "tenant-b")]
     assert [u.cached_prompt_tokens for u in usages] == [0, expected, 0] and expected >= 48
+
+
+def test_a_request_is_tokenized_once_on_its_way_to_the_engine(served, monkeypatch):
+    """The server builds the request's `Prompt` (the one tokenization) and the engine takes it as it is."""
+    tokenizer = served.engine.tokenizer
+    encode = tokenizer.encode
+    calls: list[str] = []
+    monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **kw: calls.append(text) or encode(text, *a, **kw))
+    text = "Count how many times this prompt is tokenized:"
+    usage = _stream(served.stub, pb.GenerateRequest(text=text, sampling=pb.SamplingParams(temperature=0, max_tokens=3),
+                                                    cache_salt="tenant-c"))[3]
+    assert calls.count(text) == 1 and usage.prompt_tokens == len(encode(text))
+    prompt = prompt_from_request(pb.GenerateRequest(text=text, cache_salt="tenant-c"), served.engine)
+    assert prompt == Prompt(tuple(encode(text)), text=text, cache_salt="tenant-c")
+    assert prompt_from_request(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), served.engine) == Prompt((5, 6))
 
 
 def test_chat_input_equals_offline_chat(served, smollm2_llm: LLM):

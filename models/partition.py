@@ -1,5 +1,8 @@
 """Placing a model on a mesh: head padding when `tp` does not divide the head counts, then sharded weights.
 
+The model-free part (shardings from logical axes, placing host arrays) is `sharding/`; this module knows the
+model: its config, its weights and their quantized form.
+
 Megatron-style tensor parallelism (Shoeybi et al. 2019) gives every TP rank a contiguous block of query heads, the
 KV heads they read, and a block of the MLP hidden dimension. Real models do not always divide: SmolLM2-135M has
 9 query heads over 3 KV heads, which no `tp` in {2, 4, 8} divides. Instead of refusing, `tp_layout` builds an
@@ -34,12 +37,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from models.config import ModelConfig
-from models.quant import QuantizedWeight, quantized_sharding
+from models.llama import KVCache, Weights
+from models.quant import QuantizedWeight
+from models.quant_sharding import quantized_sharding
 from sharding.mesh import EP_AXIS, TP_AXIS
-from sharding.rules import DEFAULT_RULES, HEADS, KV_HEADS, MLP, VOCAB, Rules, logical_to_spec
+from sharding.placement import put_sharded
+from sharding.rules import HEADS, KV_HEADS, MLP, VOCAB, logical_to_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,31 +253,6 @@ def check_mesh(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> None:
         raise ValueError(f"num_experts={experts} is not a multiple of expert_parallel_size={ep}")
 
 
-def replicated_where_indivisible(specs: Any, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> Any:
-    """`NamedSharding`s of the *unpadded* weights: split as the rules say where sizes divide, else replicated.
-
-    This is what a checkpoint is restored into before `pad_weights` runs on device (sharded in, sharded out).
-    """
-    def one(spec: Any) -> NamedSharding:
-        parts = [m if m is None or size % mesh.shape[m] == 0 else None
-                 for size, m in zip(spec.shape, logical_to_spec(spec.logical_axes, rules))]
-        return NamedSharding(mesh, PartitionSpec(*parts))
-
-    return jax.tree.map(one, specs, is_leaf=lambda x: hasattr(x, "logical_axes"))
-
-
-def put_sharded(tree: Any, shardings: Any) -> Any:
-    """Places host (numpy) arrays with their shardings; works when the mesh spans several processes (each process
-    holds the whole host array and copies only its addressable shards)."""
-    def one(x: Any, sharding: NamedSharding) -> jax.Array:
-        if isinstance(x, jax.Array):
-            return jax.device_put(x, sharding)
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-    return jax.tree.map(one, tree, shardings)
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardedModel:
     """A model placed on a mesh.
@@ -292,8 +273,6 @@ class ShardedModel:
 
     def kv_cache_sharding(self) -> NamedSharding:
         """The KV cache's sharding: split over (padded) KV heads."""
-        from models.llama import KVCache
-
         return NamedSharding(self.mesh, logical_to_spec(KVCache.LOGICAL_AXES))
 
 
@@ -303,17 +282,15 @@ def shard_model(cfg: ModelConfig, weights: Any, mesh: jax.sharding.Mesh) -> Shar
     Args:
       cfg: the checkpoint's config.
       weights: `models.llama.Weights` of numpy arrays (host) or jax arrays (e.g. restored sharded by orbax into
-        `replicated_where_indivisible` shardings; padding then runs on device). Leaves may be
+        `sharding.placement.replicated_where_indivisible` shardings; padding then runs on device). Leaves may be
         `models.quant.QuantizedWeight`s (a quantized checkpoint): they are padded exactly and their values and
-        scales placed as `models.quant.quantize_sharded` places them; a tied model may then carry its own
+        scales placed as `models.quant_sharding.quantize_sharded` places them; a tied model may then carry its own
         `lm_head` (see `Weights.abstract`'s `separate_head`).
       mesh: from `sharding.mesh.make_mesh`.
 
     Raises:
       ValueError: from `check_mesh`, or from `pad_weights` for a per-group quantized weight that cannot be padded.
     """
-    from models.llama import Weights
-
     check_mesh(cfg, mesh)
     layout = tp_layout(cfg, mesh.shape[TP_AXIS])
     padded_cfg = padded_config(cfg, layout)
@@ -331,5 +308,3 @@ def shard_model(cfg: ModelConfig, weights: Any, mesh: jax.sharding.Mesh) -> Shar
     else:
         placed = jax.jit(pad, out_shardings=target)(weights)
     return ShardedModel(cfg=padded_cfg, original=cfg, weights=placed, mesh=mesh, layout=layout)
-
-

@@ -1,0 +1,114 @@
+"""Matmuls and lookups that read weights plain or quantized (`models.quant.QuantizedWeight`), so the model code is
+the same for every format.
+
+Matmul paths (`qeinsum`):
+- **dynamic activation quantization** (w8a8, `quantize_activations=True`): each token row of the activation is
+  quantized to the weight's format with its own absmax scale, the dot runs natively in low precision
+  (int8 x int8 -> int32, fp8 x fp8 -> f32 via `preferred_element_type`), and the two scales multiply the
+  accumulator. Per output channel only. No full-precision copy of the weight exists at any point.
+- **weight only**: the values are converted to the activation dtype inside the dot's computation. XLA:GPU and
+  XLA:TPU fuse that convert into the matmul; XLA:CPU has no fused convert-dot and materializes one weight at a time
+  as a temporary (XLA's memory analysis in BENCHMARKS.md shows the size).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.quant import QuantizedWeight, quantize_rows
+
+
+def _parse(eq: str) -> tuple[str, str, str]:
+    inputs, out = eq.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    return lhs, rhs, out
+
+
+def _to_layout(x: jax.Array, labels: str, out: str) -> jax.Array:
+    """Reorders `x` (axes named by `labels`, all of which appear in `out`) to broadcast against an `out` array."""
+    present = [c for c in out if c in labels]
+    x = jnp.transpose(x, [labels.index(c) for c in present])
+    return x.reshape([x.shape[present.index(c)] if c in present else 1 for c in out])
+
+
+def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
+            preferred_element_type: jnp.dtype | None = None) -> jax.Array:
+    """`jnp.einsum(eq, x, w)` for a plain or quantized weight `w` (two operands, activation first).
+
+    Args:
+      eq: an einsum "lhs,rhs->out" with `rhs` naming `w`'s axes in its own (unquantized) layout; the quantized
+        weight's contract axes must be summed over (in lhs, not in out).
+      x: activations, f32 or bf16.
+      w: a plain array (then this is `jnp.einsum`) or a `QuantizedWeight`.
+      preferred_element_type: output dtype (default x's dtype).
+
+    Returns:
+      The einsum's result in `preferred_element_type` or x's dtype.
+
+    Raises:
+      ValueError: if the equation does not contract exactly the quantized weight's contract axes.
+    """
+    if not isinstance(w, QuantizedWeight):
+        return jnp.einsum(eq, x, w, preferred_element_type=preferred_element_type)
+    out_dtype = preferred_element_type or x.dtype
+    lhs, rhs, out = _parse(eq)
+    if len(rhs) != w.ndim:
+        raise ValueError(f"einsum {eq!r}: weight has {w.ndim} axes, equation names {len(rhs)}")
+    contracted = "".join(rhs[a] for a in w.contract_axes)
+    if any(c not in lhs or c in out for c in contracted):
+        raise ValueError(f"einsum {eq!r} must contract the quantized weight's axes {contracted!r}")
+    kept = "".join(c for c in rhs if c not in contracted)
+    vals = kept + contracted  # the labels of w.values
+    if w.group_size:  # grouped scales do not factor out of the sum: dequantize inside the computation
+        return jnp.einsum(eq, x, w.dequantize(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
+    w_scale = _to_layout(w.scale[..., 0], kept, out)
+    if w.quantize_activations:
+        return (_activation_quantized(lhs, vals, out, contracted, x, w) * w_scale).astype(out_dtype)
+    y = jnp.einsum(f"{lhs},{vals}->{out}", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * w_scale).astype(out_dtype)
+
+
+def _activation_quantized(lhs: str, vals: str, out: str, contracted: str, x: jax.Array,
+                          w: QuantizedWeight) -> jax.Array:
+    """f32 sum over `contracted` of x * w.values with x quantized dynamically to w's format (w's scales not applied).
+
+    Activations get one scale per token per group of `w.activation_group_size` channels of the last contracted
+    axis (0: per token over all contracted channels). Each group's dot runs natively in low precision
+    (int8 x int8 -> int32) and the groups are summed in f32 after their scales are applied.
+    """
+    acc_type = jnp.int32 if w.format == "int8" else jnp.float32
+    last, group = contracted[-1], w.activation_group_size
+    size = x.shape[lhs.index(last)]
+    values = w.values
+    if group and size > group and size % group == 0:  # split the last contracted axis into (groups, group)
+        outer, inner = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in lhs + vals + out][:2]
+        i = lhs.index(last)
+        x = x.reshape(*x.shape[:i], size // group, group, *x.shape[i + 1:])
+        values = values.reshape(*values.shape[:-1], size // group, group)
+        lhs, vals = lhs.replace(last, outer + inner), vals.replace(last, outer + inner)
+        contracted = contracted.replace(last, outer + inner)
+        last = inner
+    quantized_axes = contracted if not group else last
+    xq, x_scale = quantize_rows(x, [lhs.index(c) for c in quantized_axes], w.format)
+    grouped = "".join(c for c in contracted if c not in quantized_axes)  # summed after scaling
+    acc = jnp.einsum(f"{lhs},{vals}->{out}{grouped}", xq, values, preferred_element_type=acc_type)
+    x_scale = _to_layout(jnp.squeeze(x_scale, [lhs.index(c) for c in quantized_axes]),
+                         "".join(c for c in lhs if c not in quantized_axes), out + grouped)
+    y = acc.astype(jnp.float32) * x_scale
+    return jnp.sum(y, axis=tuple(range(len(out), len(out) + len(grouped)))) if grouped else y
+
+
+def dequantize_if_quantized(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) -> jax.Array:
+    """A plain array for ops without a quantized path (MoE `ragged_dot`): dequantizes a `QuantizedWeight`."""
+    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
+
+
+def embed_lookup(table: jax.Array | QuantizedWeight, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Rows `tokens` of an embedding table [V, D] (plain, or quantized with contract_axes (-1,)), in `dtype`."""
+    if not isinstance(table, QuantizedWeight):
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+    if table.contract_axes != (-1,) or table.group_size:
+        raise ValueError("a quantized embedding table needs one scale per row (contract_axes (-1,), no groups)")
+    rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)
+    return (rows * jnp.take(table.scale, tokens, axis=0)).astype(dtype)
