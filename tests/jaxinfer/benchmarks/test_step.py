@@ -1,0 +1,66 @@
+"""Smoke test of `jaxinfer bench step` on the tiny HF Llama: one repetition of every section at tiny sizes (the
+breakdown included), the stub peer in place of HF transformers; the report's fields and byte counts are checked
+against the model config's arithmetic."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.benchmarks.step import SECTION
+from jaxinfer.benchmarks.step_breakdown import PARTS
+from jaxinfer.loading.hf import load_hf_weights
+from tests.jaxinfer.benchmarks.bench_runner import STUB_PEER, TINY_LLAMA, assert_positive_finite, run_bench
+
+OPTIONS = ("--model", str(TINY_LLAMA), "--dtypes", "float32", "--modes", "scan", "--prefill-len", "24",
+           "--prefill-reps", "1", "--decode-prompt-len", "4", "--decode-steps", "1", "--warmup-steps", "1",
+           "--batches", "", "--bw-gib", "0.016", "--bw-reps", "1", "--kv-batch", "2", "--kv-context", "16",
+           "--kv-reps", "1", "--peer-python", sys.executable, "--peer-script", str(STUB_PEER))
+
+
+@pytest.fixture(scope="module")
+def step_report(tmp_path_factory):
+    return run_bench(tmp_path_factory.mktemp("bench_step"), "step", *OPTIONS)
+
+
+def test_step_report_holds_every_section(step_report):
+    report, written = step_report
+    data = report["data"]
+    assert_positive_finite(data["roofline_gb_s"], "roofline_gb_s")
+    assert data["roofline_gb_s"] == max(data["bandwidth"]["sum"]["gb_s"], data["bandwidth_end"]["sum"]["gb_s"])
+    (mode,) = data["modes"]
+    for key in ("prefill_ms", "prefill_tok_s"):
+        assert_positive_finite(mode[key], key)
+    for row in data["decode_rows"]:
+        for key in ("step_ms", "tok_s", "roofline_tok_s", "of_roofline"):
+            assert_positive_finite(row[key], key)
+    assert [r["context"] for r in data["decode_rows"]] == [[6, 6], [24, 24]]
+    assert set(data["breakdown"]["float32"]) == set(PARTS) | {"logit_rows"}
+    for part in PARTS:
+        assert_positive_finite(data["breakdown"]["float32"][part], part)
+    (kv,) = data["kv_layout"]
+    assert kv["max_abs_diff"] < 1e-5
+    assert_positive_finite(kv["ours_ms"], "ours_ms")
+    assert data["peer"]["results"]["float32"]["decode_tok_s"] == 20.0  # the stub's 50 ms step
+    begin, end = SECTION
+    section = written[written.index(begin):written.index(end)]
+    for heading in ("Memory read bandwidth", "Decode roofline", "Where a batch-1 decode step goes", "KV layout",
+                    "Peers", "2 layers, hidden 64, MLP 128, 4 query / 2 KV heads of dim 16, vocab 128"):
+        assert heading in section
+
+
+def test_step_byte_counts_follow_the_config(step_report):
+    data = step_report[0]["data"]
+    cfg, weights = load_hf_weights(TINY_LLAMA, np.float32)
+    assert data["model"]["num_layers"] == cfg.num_layers == 2
+    assert data["weight_bytes"]["float32"] == sum(a.size * 4 for a in jax.tree.leaves(weights))
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert data["kv_bytes_per_token"]["float32"] == per_token
+    for row in data["decode_rows"]:
+        assert row["kv_bytes"] == row["batch"] * per_token * row["mean_context"]
+        assert row["roofline_tok_s"] == pytest.approx(
+            row["batch"] * data["roofline_gb_s"] * 1e9 / (row["weight_bytes"] + row["kv_bytes"]))
+    assert data["kv_layout"][0]["kv_bytes"] == 2 * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4
