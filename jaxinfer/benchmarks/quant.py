@@ -119,8 +119,8 @@ def step_bytes(engine: Engine, batch: int) -> float:
 def _chunks(batch: int, pages: list[int], pages_per_seq: int, vocab_size: int) -> list[ScheduledChunk]:
     """One decode token per sequence (a random id, below 40000) at context `CONTEXT`, `pages_per_seq` pages each."""
     rng = np.random.default_rng(batch)
-    return [ScheduledChunk([int(rng.integers(1, min(40000, vocab_size)))], CONTEXT, pages[i * pages_per_seq:(i + 1) * pages_per_seq])
-            for i in range(batch)]
+    return [ScheduledChunk([int(rng.integers(1, min(40000, vocab_size)))], CONTEXT,
+                           pages[i * pages_per_seq:(i + 1) * pages_per_seq]) for i in range(batch)]
 
 
 def memory_analysis(engine: Engine, chunks: list[ScheduledChunk], rows: list[SamplingRow]) -> dict:

@@ -68,8 +68,8 @@ def _bf16_vs_f32(data: dict, modes: dict, bds: dict) -> str | None:
     f32, bf16 = modes.get(("float32", "scan")), modes.get(("bfloat16", "scan"))
     if not (f32 and bf16):
         return None
-    text = (f"**bf16 vs f32.** bf16 halves the bytes; it prefills at {bf16['prefill_tok_s'] / f32['prefill_tok_s']:.2f}x "
-            f"the f32 rate and decodes batch 1 at {bf16['decode_short']['tok_s'] / f32['decode_short']['tok_s']:.2f}x.")
+    text = (f"**bf16 vs f32.** bf16 halves the bytes; it prefills at "
+            f"{bf16['prefill_tok_s'] / f32['prefill_tok_s']:.2f}x the f32 rate and decodes batch 1 at {bf16['decode_short']['tok_s'] / f32['decode_short']['tok_s']:.2f}x.")
     bd = bds.get("bfloat16")
     if bd and "float32" in bds:
         lm = (f"XLA:CPU's bf16 matrix-vector product with one row takes {bd['lm_head_1row']:.1f} ms for the LM head "
@@ -161,7 +161,8 @@ def _speeds(data: dict) -> list[str]:
              f"{m['decode_long']['compile_s']:.1f}"] for m in data["modes"]]
     return ["### Prefill and batch-1 decode\n",
             table(["dtype", "layers", f"prefill {p} tok/s", "prefill ms", f"decode ctx~{s} tok/s", "ms/token",
-                   f"decode ctx~{p} tok/s", "ms/token", f"compile s (prefill {p} / decode {s} / decode {p})"], rows), ""]
+                   f"decode ctx~{p} tok/s", "ms/token", f"compile s (prefill {p} / decode {s} / decode {p})"],
+                  rows), ""]
 
 
 def _roofline_table(data: dict, cfg: ModelConfig) -> list[str]:
