@@ -69,7 +69,8 @@ def _bf16_vs_f32(data: dict, modes: dict, bds: dict) -> str | None:
     if not (f32 and bf16):
         return None
     text = (f"**bf16 vs f32.** bf16 halves the bytes; it prefills at "
-            f"{bf16['prefill_tok_s'] / f32['prefill_tok_s']:.2f}x the f32 rate and decodes batch 1 at {bf16['decode_short']['tok_s'] / f32['decode_short']['tok_s']:.2f}x.")
+            f"{bf16['prefill_tok_s'] / f32['prefill_tok_s']:.2f}x the f32 rate and decodes batch 1 at "
+            f"{bf16['decode_short']['tok_s'] / f32['decode_short']['tok_s']:.2f}x.")
     bd = bds.get("bfloat16")
     if bd and "float32" in bds:
         lm = (f"XLA:CPU's bf16 matrix-vector product with one row takes {bd['lm_head_1row']:.1f} ms for the LM head "
