@@ -105,3 +105,15 @@ def test_step_report_renders_both_dtypes_modes_and_failures():
                      "[^err]: failed with `XlaRuntimeError: boom`", "| bfloat16 | decode b1 ctx~16 tok/s | 500.0 |",
                      "The tied [128, 64] embedding table is counted once", "| float32 | scan | 2 | 18-19 |"):
         assert expected in text, expected
+
+
+@pytest.mark.parametrize("options, message", [
+    (("--dtypes", "float16"), "unknown dtype 'float16' in --dtypes"),
+    (("--modes", "scan,loop"), "--modes 'scan,loop': give scan and/or unrolled"),
+    (("--prefill-len", "32"), "--prefill-len 32 is too short for the decode runs"),
+])
+def test_step_bad_options_name_the_problem(options, message, capsys):
+    from jaxinfer.cli import main
+
+    assert main(["bench", "step", *options]) == 2
+    assert message in capsys.readouterr().err
