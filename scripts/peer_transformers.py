@@ -1,8 +1,9 @@
-"""Peer measurements for `scripts/benchmark.py`: HF transformers on torch CPU, same model and same quantities.
+"""Peer measurements for `jaxinfer bench step` and `serving`: HF transformers on torch CPU, same model and same
+quantities.
 
 Runs in the separate venv that has torch + transformers (`.venv-golden`, see `scripts/make_golden.py`); it imports
-nothing from jaxinfer. It loads the same GGUF file (transformers dequantizes it to the requested dtype), then, per
-dtype:
+nothing from jaxinfer. It loads the same GGUF file (transformers dequantizes it to the requested dtype) or HF
+folder, then, per dtype:
 
 * prefill: one forward over the 512-token prompt with a fresh KV cache and `logits_to_keep=1` (only the last
   position's logits, as jaxinfer computes them), timed after one warm-up; median over `--prefill-reps`;
@@ -10,7 +11,7 @@ dtype:
   (forward + argmax) timed; median over `--decode-steps` after `--warmup-steps` untimed steps.
 
 With `--serving-prompts FILE` (a JSON list of prompts, each a list of token ids) it runs the serving workload of
-`scripts/benchmark.py --workload serving` instead: per dtype, one batched `generate` over all the prompts (left
+`jaxinfer bench serving` instead: per dtype, one batched `generate` over all the prompts (left
 padding, greedy, exactly `--serving-output-len` new tokens each: `max_new_tokens = min_new_tokens`), timed end to
 end; a streamer records when each generated token reaches the host (the first arrives after the batch's prefill,
 so it gives the time to first token of every request in the batch). An untimed 2-token `generate` of the same batch
@@ -143,7 +144,8 @@ def measure_serving(model, torch, prompts: list[list[int]], output_len: int) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", required=True, type=Path, help="GGUF file (the same one jaxinfer benchmarks)")
+    ap.add_argument("--gguf", required=True, type=Path,
+                    help="GGUF file or HF folder (the same one jaxinfer benchmarks)")
     ap.add_argument("--prompt-file", type=Path, help="JSON list of prompt token ids (prefill/decode mode)")
     ap.add_argument("--serving-prompts", type=Path, help="JSON list of prompts (lists of token ids): serving mode")
     ap.add_argument("--serving-output-len", type=int, default=128, help="new tokens per prompt (serving mode)")
@@ -169,7 +171,10 @@ def main() -> None:
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         t0 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name, dtype=dtype)
+        if args.gguf.is_dir():
+            model = AutoModelForCausalLM.from_pretrained(str(args.gguf), dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name, dtype=dtype)
         model.eval()
         load_s = time.perf_counter() - t0
         log.info("loaded %s in %.1f s", name, load_s)

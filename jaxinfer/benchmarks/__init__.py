@@ -5,7 +5,8 @@ One module per workload, each with `SECTION` (its BENCHMARKS.md markers), `add_a
 `checkpoint`, `prefix`, `spec`, `quant`, `quality` (perplexity), `sharding`, `load` (the gRPC load test).
 Shared pieces: `report` (the report type, sections of BENCHMARKS.md, the machine line), `probe` (the bandwidth
 probe every roofline divides by, and timing helpers), `peers` (running a peer script in its own interpreter),
-`hlo` (scans of compiled steps).
+`hlo` (scans of compiled steps), `model_setup` (a model's weights on the host, cast, and their byte counts),
+`decode_timing` (timed `ModelRunner.execute` decode steps), `dense_matmuls` (a forward's dense matmuls alone).
 """
 
 WORKLOADS = ("step", "serving", "attention", "checkpoint", "prefix", "spec", "quant", "quality", "sharding", "load")

@@ -1,27 +1,22 @@
 """SmolLM2's perplexity through the engine against an independent implementation's figure.
 
 HF transformers scores SmolLM2-135M-Instruct in f32 on the first 2,048 tokens of the GPL-3 licence text
-(/usr/share/common-licenses/GPL-3, copied verbatim to tests/data/GPL-3.txt) at perplexity 19.66 (mean NLL 2.9786; issue 9). `scripts/eval_perplexity.py`
+(/usr/share/common-licenses/GPL-3, copied verbatim to tests/data/GPL-3.txt) at perplexity 19.66 (mean NLL 2.9786; issue 9). `jaxinfer bench quality`
 computes the same through `ModelRunner.compute_logits` in prefill chunks over the paged cache; the two must agree
 within 0.5%, and chunking must not change the result.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "eval_perplexity.py"
+from jaxinfer.benchmarks import quality
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("eval_perplexity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return quality
 
 
 @pytest.mark.slow

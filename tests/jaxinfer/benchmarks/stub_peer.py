@@ -1,0 +1,65 @@
+"""A stand-in for `scripts/peer_transformers.py` in smoke tests: the same arguments and peer protocol
+(`jaxinfer.benchmarks.peers`), no torch. It prints one JSON object with the fields the benchmarks read, with
+plausible made-up numbers (a "[peer]" progress line goes to stderr, as the real peer's log does).
+
+    python stub_peer.py --gguf PATH --prompt-file ids.json [--dtypes float32,bfloat16] ...
+    python stub_peer.py --gguf PATH --serving-prompts prompts.json --serving-output-len 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def prefill_decode(prompt: list[int], args: argparse.Namespace) -> dict:
+    """The prefill / decode fields of `peer_transformers.measure`: 2 ms per prompt token, 50 ms per decode step."""
+    prefill_ms, decode_ms = 2.0 * len(prompt), 50.0
+    first = args.decode_prompt_len + args.warmup_steps + 1
+    return {"prefill_ms": prefill_ms, "prefill_tok_s": len(prompt) / (prefill_ms / 1e3), "decode_ms": decode_ms,
+            "decode_tok_s": 1e3 / decode_ms, "decode_context": [first, first + args.decode_steps - 1]}
+
+
+def serving(prompts: list[list[int]], output_len: int) -> dict:
+    """The fields of `peer_transformers.measure_serving`: a 0.5 s batch prefill, then 40 ms per decode step."""
+    n, ttft, step_s = len(prompts), 0.5, 0.04
+    total = ttft + step_s * (output_len - 1)
+    return {"batch": n, "input_len": max(map(len, prompts)), "output_len": output_len, "total_s": total,
+            "ttft_s": ttft, "output_tok_s": n * output_len / total,
+            "decode_tok_s": n * (output_len - 1) / (total - ttft) if output_len > 1 else None,
+            "step_ms_median": 1e3 * step_s if output_len > 1 else None,
+            "tpot_s": step_s if output_len > 1 else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", required=True, type=Path)
+    ap.add_argument("--prompt-file", type=Path)
+    ap.add_argument("--serving-prompts", type=Path)
+    ap.add_argument("--serving-output-len", type=int, default=128)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-prompt-len", type=int, default=64)
+    ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    args = ap.parse_args()
+    if (args.prompt_file is None) == (args.serving_prompts is None):
+        ap.error("give exactly one of --prompt-file and --serving-prompts")
+    if not args.gguf.exists():
+        ap.error(f"--gguf {args.gguf} does not exist")
+    prompts = json.loads((args.prompt_file or args.serving_prompts).read_text())
+    print(f"[peer] stub peer: {args.dtypes} on {args.gguf.name}", file=sys.stderr)
+    result = {"torch": "stub", "transformers": "stub", "threads": args.threads, "results": {}}
+    for name in args.dtypes.split(","):
+        r = (serving(prompts, args.serving_output_len) if args.serving_prompts is not None
+             else prefill_decode(prompts, args))
+        result["results"][name] = {**r, "load_s": 0.1}
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
