@@ -204,8 +204,8 @@ def observations(r: dict) -> list[str]:
             per_step = budget // head.input_len[1] if head.input_len[1] <= budget else 0
             text += (" HF prefills the whole batch in one forward, so every request waits for all of it; the engine "
                      f"admits prompts within its {budget}-token step budget ({per_step} x {head.input_len[1]} "
-                     "tokens per step here), so early requests get their first token sooner and the last ones later (TTFT p99), "
-                     "while the running ones keep decoding in between.")
+                     "tokens per step here), so early requests get their first token sooner and the last ones later "
+                     "(TTFT p99), while the running ones keep decoding in between.")
         notes.append(text)
     for dt, o in r["ours"].items():
         s, p = o["scenarios"][head.name], o.get("probe")
