@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.benchmarks import corpus, peers
-from jaxinfer.benchmarks.dense_matmuls import model_flops
 from jaxinfer.benchmarks.probe import ROOFLINE_PROBE, measure_bandwidth, roofline_gb_s
 from jaxinfer.benchmarks.report import Report, machine
 from jaxinfer.benchmarks.serving_driver import Recorder, compile_seconds, num_executables, run_scenario, summarize
@@ -53,6 +52,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import page_bucket
 from jaxinfer.loading import default_model_path
+from models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,14 @@ def _check(args: argparse.Namespace) -> tuple[list[Scenario], list[str]]:
     if args.max_num_batched_tokens < 1 or args.bw_gib <= 0 or args.bw_reps < 1:
         raise ValueError("--max-num-batched-tokens and --bw-reps must be >= 1, --bw-gib > 0")
     return scenarios, dtypes
+
+
+def model_flops(cfg: ModelConfig) -> tuple[float, float]:
+    """(dense matmul FLOPs per token through all layers, FLOPs per logits row of the LM head), from the config's
+    hidden size, heads, head dim, MLP width, layers and vocabulary (2 FLOPs per multiply-add)."""
+    d, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * f
+    return 2.0 * cfg.num_layers * per_layer, 2.0 * cfg.vocab_size * d
 
 
 def _model_shapes(cfg) -> dict:
