@@ -146,6 +146,7 @@ class RunResult:
 
     @property
     def calls(self) -> list[Call]:
+        """Every device call of the run, in order."""
         return [c for s in self.steps for c in s.calls]
 
 

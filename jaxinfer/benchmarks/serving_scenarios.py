@@ -29,13 +29,16 @@ class Scenario:
 
     @property
     def fixed(self) -> bool:
+        """Every request has the same input and output length (what the HF peer's one batch needs)."""
         return self.input_len[0] == self.input_len[1] and self.output_len[0] == self.output_len[1]
 
     @property
     def offline(self) -> bool:
+        """All requests arrive at once (rate inf)."""
         return math.isinf(self.rate)
 
     def describe(self) -> str:
+        """One line for the report, e.g. "32 requests, input U[32, 256], output 128, Poisson 1 req/s"."""
         def rng(r: tuple[int, int]) -> str:
             return str(r[0]) if r[0] == r[1] else f"U[{r[0]}, {r[1]}]"
 

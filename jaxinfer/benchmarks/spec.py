@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> Report:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
 
     def make_engine(spec: dict | None) -> Engine:
+        """An engine of the shared settings with this `speculative_config` (None: off)."""
         return Engine(EngineConfig(model=args.model, dtype="float32", warmup=False, max_model_len=args.max_model_len,
                                    kv_cache_memory_bytes=args.kv_cache_memory_bytes, speculative_config=spec))
 

@@ -57,3 +57,20 @@ def test_serving_smoke(tmp_path):
     section = written[written.index(begin): written.index(end)]
     assert "## Serving workload" in section and f"{config['num_hidden_layers']} layers" in section
     assert "machine: nproc" in section and "HF transformers stub" in section
+
+
+def test_bad_scenarios_are_value_errors():
+    import pytest
+
+    from jaxinfer.benchmarks.serving_scenarios import parse_scenario, parse_scenarios
+
+    sc = parse_scenario("mix:n=4,in=8-16,out=4,rate=2,seed=3")
+    assert (sc.num_requests, sc.input_len, sc.output_len, sc.rate, sc.seed) == (4, (8, 16), (4, 4), 2.0, 3)
+    assert sc.describe() == "4 requests, input U[8, 16], output 4, Poisson 2 req/s" and not sc.fixed
+    for spec, words in (("x:n=2,in=8", "need"), ("x:n=2,in=8,out=4,speed=1", "need"),
+                        ("x:n=2,in=16-8,out=4", "range"), ("x:n=two,in=8,out=4", "two"), ("x:n=0,in=8,out=4", "n must"),
+                        ("x:n=2,in=8,out=4,rate=0", "rate"), ("x:n=2,in8,out=4", "key=value")):
+        with pytest.raises(ValueError, match=words):
+            parse_scenario(spec)
+    with pytest.raises(ValueError, match="empty"):
+        parse_scenarios(" ; ")

@@ -46,3 +46,17 @@ def test_spec_smoke(tmp_path):
     section = written[written.index(begin): written.index(end)]
     assert "## Speculative decoding (tiny, float32, greedy)" in section and "machine: nproc" in section
     assert draft in section and "### Cost of a step vs token rows" in section
+
+
+def test_changed_output_is_exit_status_1():
+    """A config whose tokens differ from "off" in any run, or a concurrent batch that differs on / off, fails the
+    lossless check (the runner then exits with `Report.data["exit_status"]` = 1)."""
+    from jaxinfer.benchmarks.spec import all_identical
+
+    def result(single_same: bool, tput_same: bool) -> dict:
+        return {"tput": {"same": tput_same},
+                "single": {"chat": {"off": {"same_as_off": True}, "ngram k=2": {"same_as_off": single_same}}}}
+
+    assert all_identical(result(True, True))
+    assert not all_identical(result(False, True))
+    assert not all_identical(result(True, False))
