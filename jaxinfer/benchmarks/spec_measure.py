@@ -70,8 +70,9 @@ def run_single(engine: Engine, prompt: list[int], max_tokens: int) -> Single:
             if o.finished:
                 out = o
     comp, m = out.outputs[0], out.metrics
-    n = len(comp.token_ids)
-    return Single(list(comp.token_ids), (n - 1) / (m.finish_time - m.first_token_time), comp.finish_reason)
+    n, decode_s = len(comp.token_ids), m.finish_time - m.first_token_time
+    tok_s = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")  # one token: no decode to time
+    return Single(list(comp.token_ids), tok_s, comp.finish_reason)
 
 
 def bench_single(engines: dict[str, Engine], prompts: dict[str, tuple[list[int], int]], reps: int,

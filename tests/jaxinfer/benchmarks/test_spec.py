@@ -1,4 +1,4 @@
-"""Smoke test of `jaxinfer bench spec`: a tiny random Llama (character tokenizer, ChatML), the five engines, one
+"""Smoke test of `jaxinfer bench spec`: a tiny random Llama (word-level tokenizer, ChatML), the five engines, one
 repetition of each part at tiny sizes; checks the report's fields, the lossless check, and the section."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
 
 
 def test_spec_smoke(tmp_path):
-    model = make_tiny_chat_model(tmp_path / "tiny")
+    model = make_tiny_chat_model(tmp_path / "tiny", chars=False)  # short prompts: fewer prefill shapes
     report, written = run_bench(
         tmp_path, "spec", "--model", str(model), "--reps", "1", "--tput-reps", "1", "--step-reps", "1",
         "--copy-max-tokens", "8", "--chat-max-tokens", "4", "--requests", "2", "--tput-max-tokens", "4",
@@ -25,10 +25,9 @@ def test_spec_smoke(tmp_path):
     for task, max_tokens in (("copy-heavy", 8), ("chat", 4)):
         for name, cell in data["single"][task].items():
             assert cell["same_as_off"] is True, (task, name)
-            assert 1 <= len(cell["tokens"]) <= max_tokens
+            assert 2 <= len(cell["tokens"]) <= max_tokens  # greedy on fixed weights: the same every run
             (tok_s,) = cell["tok_s"]
-            if len(cell["tokens"]) > 1:
-                assert_positive_finite(tok_s, f"{task} {name} tok/s")
+            assert_positive_finite(tok_s, f"{task} {name} tok/s")
     tput = data["tput"]
     assert tput["same"] is True and len(tput["prompt_tokens"]) == 2
     for name in ("on", "off"):
