@@ -58,22 +58,20 @@ class Step:
 
 def num_executables(runner) -> int:
     """Step executables a runner holds: jit-cache entries plus ahead-of-time compiled ones (warm-up). Reads
-    `ModelRunner` internals (`_step`'s jit cache, `_compiled`); once a `Recorder` hooks the runner, use its
-    `num_executables` instead."""
+    `ModelRunner` internals (`_step`'s jit cache, `_compiled`), like `_hook_runner_internals`."""
     return runner._step._cache_size() + len(getattr(runner, "_compiled", ()))
 
 
-def _hook_runner_internals(runner, on_prepare: Callable, on_step: Callable) -> Callable[[], int]:
-    """Wraps the runner's padding (`_prepare`) and jitted step (`_step`) by instance attributes; returns a function
-    counting the step executables the runner holds (jit-cache entries plus warm-up's ahead-of-time ones).
+def _hook_runner_internals(runner, on_prepare: Callable, on_step: Callable) -> None:
+    """Wraps the runner's padding (`_prepare`) and its step dispatch (`_call`) by instance attributes.
 
     The one place this module reaches into `ModelRunner` internals (re-point it when they move):
-    `_prepare(chunks, all_rows, ...) -> (tokens, metadata, padded batch)`, `_step` (a `jax.jit` function; the
-    runner looks it up on the instance) and `_compiled` (ahead-of-time executables by shape).
-    `on_prepare(chunks, tokens, metadata, padded_batch)` runs after each padding; `on_step(seconds)` gets each
-    step's device time, blocked until its outputs are ready.
+    `_prepare(chunks, all_rows, ...) -> (tokens, metadata, padded batch)` and `_call(kind, *args)`, which runs the
+    "step" (or "verify") call through warm-up's ahead-of-time executable for its shapes or else the jitted
+    `_step`; hooking `_call` rather than `_step` times both. `on_prepare(chunks, tokens, metadata, padded_batch)`
+    runs after each padding; `on_step(seconds)` gets each step's device time, blocked until its outputs are ready.
     """
-    prepare, step = runner._prepare, runner._step
+    prepare, call = runner._prepare, runner._call
 
     @functools.wraps(prepare)
     def _prepare(chunks, *args, **kwargs):
@@ -81,14 +79,14 @@ def _hook_runner_internals(runner, on_prepare: Callable, on_step: Callable) -> C
         on_prepare(chunks, *out)
         return out
 
-    def _step(*args, **kwargs):
+    def _call(kind, *args):
         t0 = time.perf_counter()
-        out = jax.block_until_ready(step(*args, **kwargs))
-        on_step(time.perf_counter() - t0)
+        out = jax.block_until_ready(call(kind, *args))
+        if kind == "step":
+            on_step(time.perf_counter() - t0)
         return out
 
-    runner._prepare, runner._step = _prepare, _step
-    return lambda: step._cache_size() + len(getattr(runner, "_compiled", ()))
+    runner._prepare, runner._call = _prepare, _call
 
 
 class Recorder:
@@ -97,22 +95,21 @@ class Recorder:
 
     Attributes:
       calls: the recorded calls, oldest first.
-      num_executables: a function returning how many step executables the runner holds now.
     """
 
     def __init__(self, runner) -> None:
         self.calls: list[Call] = []
         self.runner = runner
-        self.num_executables = _hook_runner_internals(runner, self._on_prepare, self._on_step)
+        _hook_runner_internals(runner, self._on_prepare, self._on_step)
         execute = runner.execute
 
         @functools.wraps(execute)
         def _execute(chunks, rows):
-            before = self.num_executables()
+            before = num_executables(runner)
             t0 = time.perf_counter()
             out = execute(chunks, rows)
             self.calls[-1].execute_s = time.perf_counter() - t0
-            self.calls[-1].compiled = self.num_executables() > before
+            self.calls[-1].compiled = num_executables(runner) > before
             return out
 
         runner.execute = _execute
@@ -151,7 +148,12 @@ class RunResult:
 
 
 def run_scenario(engine: Engine, recorder: Recorder, reqs: list[Request]) -> RunResult:
-    """Adds each request at its arrival time and steps the engine until every request finished."""
+    """Adds each request at its arrival time and steps the engine until every request finished.
+
+    The prefix cache is reset first: the compile run sends the same prompts just before the timed run, and their
+    cached pages would turn the timed run's prefills into one-token steps.
+    """
+    engine.reset_prefix_cache()
     m = engine.metrics
     host0, step0, pre0 = m.host_time_s, m.step_time_s, engine.scheduler.num_preemptions
     pending = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)

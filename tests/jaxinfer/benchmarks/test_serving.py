@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jaxinfer.benchmarks.serving import SECTION
 from tests.jaxinfer.benchmarks.bench_runner import TINY_LLAMA, assert_positive_finite, run_bench
-from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir
+from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
 
 STUB_SERVING_PEER = Path(__file__).resolve().parent / "stub_serving_peer.py"
 
@@ -25,7 +25,7 @@ def hf_weight_bytes(config: dict, itemsize: int) -> int:
 
 
 def test_serving_smoke(tmp_path):
-    model = make_tiny_model_dir(tmp_path / "tiny")
+    model = make_tiny_chat_model(tmp_path / "tiny")  # character ids: distinct prompts, so real prefills
     report, written = run_bench(
         tmp_path, "serving", "--model", str(model), "--dtypes", "float32",
         "--scenarios", "offline:n=2,in=16,out=4;online:n=2,in=8-16,out=2-4,rate=50",
@@ -43,8 +43,10 @@ def test_serving_smoke(tmp_path):
     for name, s in ours["scenarios"].items():
         assert s["bad_lengths"] == 0, name
         for key in ("wall_s", "output_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "decode_tok_s", "decode_gb_s",
-                    "decode_token_pad"):
+                    "decode_token_pad", "prefill_token_pad", "prefill_tok_s_device"):
             assert_positive_finite(s[key], f"{name} {key}")
+        assert s["prefill_steps"] >= 1 and s["decode_steps"] >= 1
+        assert 0 < s["outside_device_share"] < 1, "device time of the jitted steps was not recorded"
     for key in ("load_s", "warmup_s"):
         assert_positive_finite(ours[key], key)
     probe = ours["probe"]
