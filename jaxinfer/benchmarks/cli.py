@@ -25,6 +25,8 @@ from jaxinfer.benchmarks.report import machine, write_section
 
 logger = logging.getLogger(__name__)
 
+CACHE_VARIABLE = "JAXINFER_COMPILATION_CACHE"  # read by jaxinfer.engine.startup.enable_compilation_cache
+
 
 def add_parser(subparsers) -> None:
     """Registers `bench` on the `jaxinfer` CLI's subparsers (the workload's own options are parsed later, so that
@@ -55,13 +57,19 @@ def run(name: str, argv: list[str]) -> int:
     parser, module = workload_parser(name)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    # Cold compiles: the engine turns on JAX's persistent compilation cache unless this is set ("" = off).
-    os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "")
     command = shlex.join(["jaxinfer", "bench", name, *argv])
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     args.command, args.date = command, date  # for the section's header line
+    # Cold compiles: the engine turns on JAX's persistent compilation cache unless this is set ("" = off). Put
+    # back afterwards, so that a run inside another program (the smoke tests) leaves its environment as it was.
+    saved = os.environ.get(CACHE_VARIABLE)
+    os.environ.setdefault(CACHE_VARIABLE, "")
     t0 = time.perf_counter()
-    report = module.run(args)
+    try:
+        report = module.run(args)
+    finally:
+        if saved is None:
+            del os.environ[CACHE_VARIABLE]
     elapsed = time.perf_counter() - t0
     body = report.markdown
     if args.write is not None:

@@ -1,0 +1,163 @@
+r"""`jaxinfer bench load`: load test of a running `jaxinfer serve` (loopback only): N concurrent Generate streams
+for a fixed time (`load_client`).
+
+Reports, timed client-side from sending a request: requests finished in the window, errors by gRPC status code
+(whole run) with their first distinct messages, requests that did not end with finish_reason "length" after
+`--max-tokens` tokens, output tokens/s (tokens received in the window / window), requests/s, and p50/p99 of TTFT
+(first token), TPOT ((last token - first token) / (tokens - 1)) and end-to-end latency (last response) over the
+requests sent and finished inside the window.
+
+`--start-server` runs `jaxinfer serve --port 0 [--model M] [--server-args ...] [args after --]` itself (stderr to
+`--server-log`), reads the port it prints, runs the load, sends SIGTERM and checks that it exits with status 0: a
+one-command benchmark. Otherwise `--server-note` says how the server was started. Exit status 1 when a request
+failed or the started server did not exit cleanly, 2 for bad arguments or no SERVING server.
+
+    .venv/bin/jaxinfer bench load --target 127.0.0.1:50051 --server-note "jaxinfer serve --max-num-seqs 64"
+    .venv/bin/jaxinfer bench load --start-server --concurrency 64 --duration-s 60 --write BENCHMARKS.md \
+        -- --max-num-seqs 64 --max-model-len 256 --kv-cache-memory-bytes 400000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import platform
+import shlex
+import tempfile
+from pathlib import Path
+
+from jaxinfer.benchmarks.load_client import loopback_target, run_load, start_server, stop_server
+from jaxinfer.benchmarks.report import Report, machine_line
+
+logger = logging.getLogger(__name__)
+
+SECTION = ("<!-- load-test: begin -->", "<!-- load-test: end -->")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load test's options: the target or a server to start, the load's shape, timeouts."""
+    parser.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of a running server (loopback only)")
+    parser.add_argument("--start-server", action="store_true",
+                        help="launch `jaxinfer serve --port 0 [args after --]` and stop it at the end")
+    parser.add_argument("--model", default=None, help="--start-server: the server's --model (default: its default)")
+    parser.add_argument("--server-args", default="",
+                        help="--start-server: more `jaxinfer serve` arguments, as one shell-quoted string (the same "
+                             "as arguments after --)")
+    parser.add_argument("--server-log", type=Path, default=None,
+                        help="--start-server: its stderr (default: a temp file)")
+    parser.add_argument("--server-note", default="", help="how the server was started, for the report")
+    parser.add_argument("--concurrency", type=int, default=64, help="concurrent streams")
+    parser.add_argument("--duration-s", type=float, default=60.0, help="measurement window")
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="unmeasured load before the window")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=0, help="request k uses seed + k")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0, help="gRPC deadline of one request")
+    parser.add_argument("--health-timeout-s", type=float, default=900.0, help="longest wait for SERVING")
+    parser.add_argument("--server-stop-timeout-s", type=float, default=60.0, help="--start-server: wait for its exit")
+    parser.add_argument("serve_args", nargs="*", metavar="-- SERVE_ARGS",
+                        help="--start-server: arguments after -- go to `jaxinfer serve` (so --write / --json go "
+                             "before --)")
+
+
+def _server_args(args: argparse.Namespace) -> list[str]:
+    """The `jaxinfer serve` arguments of `--start-server`. Raises ValueError for bad combinations or values."""
+    if args.concurrency < 1 or args.max_tokens < 1 or args.duration_s <= 0 or args.warmup_s < 0:
+        raise ValueError("--concurrency and --max-tokens must be >= 1, --duration-s > 0, --warmup-s >= 0")
+    server_args = (["--model", str(args.model)] if args.model is not None else []) + shlex.split(args.server_args)
+    server_args += args.serve_args
+    if server_args and not args.start_server:
+        raise ValueError("--model, --server-args and arguments after -- go to jaxinfer serve and need --start-server")
+    return server_args
+
+
+async def _run(args: argparse.Namespace, server_args: list[str]) -> tuple[dict, int]:
+    """(results, 0 or 1 when the started server did not exit cleanly); starts and stops the server if asked."""
+    proc, status, log = None, 0, None
+    if args.start_server:
+        log = args.server_log or Path(tempfile.mkstemp(prefix="jaxinfer-serve-", suffix=".log")[1])
+        logger.info("starting jaxinfer serve %s (stderr: %s)", shlex.join(server_args), log)
+        proc, target = await start_server(server_args, log, args.health_timeout_s)
+        args.server_note = " ".join(x for x in (f"`jaxinfer serve --port 0 {shlex.join(server_args)}` (started by "
+                                                "--start-server)", args.server_note) if x)
+    else:
+        target = args.target
+    try:
+        loopback_target(target)
+        logger.info("waiting for %s to be SERVING, then %.0f s warm-up + %.0f s of %d streams", target, args.warmup_s,
+                    args.duration_s, args.concurrency)
+        r = await run_load(args, target)
+    finally:
+        if proc is not None:
+            code = await stop_server(proc, args.server_stop_timeout_s)
+            logger.info("the server exited with status %d", code)
+            if code != 0:
+                status = 1
+                logger.error("the server did not exit cleanly; its log: %s", log)
+    if r["errors"] and proc is not None:
+        logger.error("requests failed; the server's log: %s", log)
+    r["server_exit_status"] = None if proc is None else proc.returncode
+    return r, status
+
+
+def markdown(r: dict) -> str:
+    """The results as the BENCHMARKS.md section (the runner adds its `load-test` markers)."""
+    def ms(key: str) -> str:
+        return "-" if r[key] is None else f"{r[key] * 1e3:.0f}"
+
+    m, s = r["model"], r["settings"]
+    errors = ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "none"
+    rows = [("requests completed in the window (sent in it, used for latencies)",
+             f"{r['requests_completed']} ({r['requests_timed']})"),
+            ("errors by gRPC status (whole run, warm-up included)", errors),
+            ("requests not ending with finish_reason length after max_tokens tokens (whole run)",
+             str(r["wrong_length"])),
+            ("output tokens/s (aggregate)", f"{r['output_tok_s']:.1f}"), ("requests/s", f"{r['requests_s']:.2f}"),
+            ("TTFT p50 / p99 ms", f"{ms('ttft_p50_s')} / {ms('ttft_p99_s')}"),
+            ("TPOT p50 / p99 ms", f"{ms('tpot_p50_s')} / {ms('tpot_p99_s')}"),
+            ("end-to-end latency p50 / p99 ms", f"{ms('e2e_p50_s')} / {ms('e2e_p99_s')}"),
+            ("load-test client CPU (warm-up + window; share of one core)",
+             f"{r['client_cpu_s']:.1f} s ({r['client_cpu_share']:.0%})")]
+    return "\n".join([
+        "## gRPC load test\n",
+        f"`jaxinfer bench load`: {s['concurrency']} concurrent `Generate` streams over one grpc.aio channel on "
+        f"loopback, each sending requests back to back (16 short English prompts in turn, temperature "
+        f"{s['temperature']}, seeded, `max_tokens` {s['max_tokens']}, `ignore_eos`), for a {s['warmup_s']:.0f} s "
+        f"unmeasured warm-up and then a {s['duration_s']:.0f} s window. Requests in flight at the end are cancelled "
+        "and not counted (their tokens received inside the window are). Times are client-side from sending the "
+        "request: TTFT = first token, TPOT = (last token - first token) / (tokens - 1), end-to-end = last response; "
+        "latency percentiles are over the requests sent and finished inside the window; tokens/s counts every "
+        "token received inside the window. The client shares the 2 cores with the server.\n",
+        "```", r["command"], "```\n",
+        f"- date: {r['date']}; server: {r['server_note'] or 'not documented (--server-note)'}",
+        f"- model: {m['name']}, {m['dtype']}, max_model_len {m['max_model_len']}, page size {m['page_size']}, "
+        f"{m['mesh']}, attention {m['attention_backend']}",
+        f"- {machine_line()}, Python {platform.python_version()}; 1/5/15-min load "
+        f"average at the start {' / '.join(f'{x:.2f}' for x in r['loadavg_start'])}, at the end "
+        f"{' / '.join(f'{x:.2f}' for x in r['loadavg_end'])}\n",
+        "| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
+        *(f"- first {code} messages: " + "; ".join(msgs) for code, msgs in r["error_messages"].items()),
+        *([""] if r["error_messages"] else [])])
+
+def run(args: argparse.Namespace) -> Report:
+    """Runs the load (starting the server first with `--start-server`); the report.
+
+    `Report.data`: model (ModelInfo), requests_completed / requests_timed / requests_sent, errors, error_messages,
+    wrong_length, output_tokens_in_window, output_tok_s, requests_s, ttft / tpot / e2e p50 and p99 in seconds
+    (None when no request finished), load averages, client CPU, settings, server_exit_status, exit_status (1 when a
+    request failed or the started server did not exit cleanly).
+
+    Raises:
+      ValueError: bad options, a non-loopback target, or no SERVING server (in time).
+    """
+    server_args = _server_args(args)
+    try:
+        r, status = asyncio.run(_run(args, server_args))
+    except (TimeoutError, RuntimeError) as e:
+        raise ValueError(str(e)) from None
+    r["settings"] = {k: getattr(args, k) for k in ("concurrency", "duration_s", "warmup_s", "max_tokens",
+                                                    "temperature", "seed")}
+    r.update(command=args.command, server_note=args.server_note, date=args.date)
+    r["exit_status"] = 1 if r["errors"] or status else 0
+    return Report("load", markdown(r), r)

@@ -1,0 +1,196 @@
+"""The gRPC load-test client of `jaxinfer bench load`: N concurrent `Generate` streams against a server on this
+machine, and starting / stopping a `jaxinfer serve` of its own.
+
+`run_load`: waits for `grpc.health.v1.Health/Check("")` to say SERVING and reads `ModelInfo`; then `concurrency`
+asyncio workers on one grpc.aio channel send Generate requests back to back (the prompts below in turn, seed =
+seed + request number, `ignore_eos`, so every request produces exactly `max_tokens` tokens); `warmup_s` seconds of
+that load are not measured, the `duration_s` window follows; at its end the requests still in flight are cancelled
+and not counted as requests (the tokens they received inside the window count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
+from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = (
+    "Write a short poem about the sea at night.", "Explain how a bicycle stays upright while moving.",
+    "What are three good habits for learning a new language?", "Describe the smell of fresh bread in a small bakery.",
+    "Give me a recipe idea that uses lentils and spinach.", "Why is the sky blue during the day?",
+    "Summarize the plot of a detective story in two sentences.",
+    "List some tips for keeping houseplants alive in winter.", "Tell me a story about a robot who learns to paint.",
+    "How do bees communicate with each other?", "What should I pack for a weekend hiking trip?",
+    "Compare trains and planes for travel across Europe.", "Explain what a prime number is to a child.",
+    "Write a friendly email inviting a neighbour to dinner.", "What makes a good cup of coffee?",
+    "Describe a busy market on a Saturday morning.",
+)
+
+
+@dataclasses.dataclass
+class Stats:
+    """What the workers record; times are `time.perf_counter()` seconds."""
+
+    t_measure: float
+    t_end: float
+    done: list[tuple[float, ...]] = dataclasses.field(default_factory=list)  # send, first/last token, end, tokens
+    window_tokens: int = 0
+    errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    error_messages: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    wrong_length: list[str] = dataclasses.field(default_factory=list)
+    sent: int = 0
+
+
+def loopback_target(target: str) -> str:
+    """`HOST:PORT` -> the same, if every address HOST resolves to is a loopback address.
+
+    Raises:
+      ValueError: a malformed target, or a host that is (or resolves to) anything but loopback.
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--target {target!r} must be HOST:PORT")
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(host.strip("[]"), int(port), proto=socket.IPPROTO_TCP)}
+    except socket.gaierror as e:
+        raise ValueError(f"--target {target!r}: cannot resolve {host}: {e}") from None
+    bad = sorted(a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
+    if bad:
+        raise ValueError(f"--target {target!r} resolves to non-loopback {', '.join(bad)}; this tool only loads a "
+                         "server on this machine (127.0.0.1, ::1, localhost)")
+    return target
+
+
+async def wait_serving(channel: grpc.aio.Channel, timeout_s: float) -> None:
+    """Polls Health/Check("") until SERVING. Raises TimeoutError after `timeout_s` seconds."""
+    stub, deadline, last = health_pb2_grpc.HealthStub(channel), time.monotonic() + timeout_s, "no answer"
+    while time.monotonic() < deadline:
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as e:
+            last = f"{e.code().name}: {e.details()}"
+        await asyncio.sleep(1.0)
+    raise TimeoutError(f"the server was not SERVING after {timeout_s:.0f} s (last health answer: {last})")
+
+
+async def worker(stub: pb_grpc.JaxInferStub, args: argparse.Namespace, stats: Stats) -> None:
+    """Sends requests back to back until `stats.t_end`; cancelled by `run_load` at the end."""
+    while time.perf_counter() < stats.t_end:
+        k = stats.sent
+        stats.sent += 1
+        request = pb.GenerateRequest(text=PROMPTS[k % len(PROMPTS)], sampling=pb.SamplingParams(
+            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + k, ignore_eos=True))
+        t_send, t_first, t_last, n, finish = time.perf_counter(), None, None, 0, ""
+        call = stub.Generate(request, timeout=args.request_timeout_s)
+        try:
+            async for response in call:
+                t = time.perf_counter()
+                if response.token_ids:
+                    t_first, t_last = t_first or t, t
+                    n += len(response.token_ids)
+                    if stats.t_measure <= t < stats.t_end:
+                        stats.window_tokens += len(response.token_ids)
+                finish = response.finish_reason or finish
+        except grpc.aio.AioRpcError as e:
+            code = e.code().name
+            stats.errors[code] += 1
+            msgs = stats.error_messages.setdefault(code, [])
+            if len(msgs) < 3 and not any(m.endswith(f": {e.details()}") for m in msgs):  # first distinct ones
+                msgs.append(f"t={time.perf_counter() - stats.t_measure:+.1f} s: {e.details()}")
+            await asyncio.sleep(0.1)  # a failing server is not hammered in a tight loop
+            continue
+        finally:
+            call.cancel()  # no-op after a clean end; cancels the RPC when this task is cancelled
+        t_done = time.perf_counter()
+        if finish != "length" or n != args.max_tokens:
+            stats.wrong_length.append(f"finish_reason={finish!r}, {n} tokens")
+        if t_first is not None:
+            stats.done.append((t_send, t_first, t_last, t_done, n))
+
+
+async def run_load(args: argparse.Namespace, target: str) -> dict:
+    """Runs steps 1-3 of the module docstring against `target`; returns the results."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        await wait_serving(channel, args.health_timeout_s)
+        stub = pb_grpc.JaxInferStub(channel)
+        info = await stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+        load_start = os.getloadavg()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        stats = Stats(t_measure=t0 + args.warmup_s, t_end=t0 + args.warmup_s + args.duration_s)
+        tasks = [asyncio.create_task(worker(stub, args, stats)) for _ in range(args.concurrency)]
+        await asyncio.sleep(stats.t_end - time.perf_counter())
+        for task in tasks:
+            task.cancel()
+        crashed = [e for e in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(e, Exception)]
+        if crashed:  # a bug in this tool, not a gRPC error (CancelledError is no Exception)
+            raise crashed[0]
+        client_cpu_s = time.process_time() - cpu0  # this process, grpc's threads included
+    window = [d for d in stats.done if stats.t_measure <= d[3] <= stats.t_end]
+    send, first, last, end, n = np.array([d for d in window if d[0] >= stats.t_measure]).reshape(-1, 5).T
+    ttft, e2e, tpot = first - send, end - send, ((last - first) / np.maximum(n - 1, 1))[n > 1]
+
+    def pct(x: np.ndarray, q: float) -> float | None:
+        return float(np.percentile(x, q)) if len(x) else None
+
+    return {
+        "model": {"name": info.model_name, "dtype": info.dtype, "max_model_len": info.max_model_len,
+                  "page_size": info.page_size, "mesh": info.mesh, "attention_backend": info.attention_backend},
+        "requests_completed": len(window), "requests_timed": len(send), "requests_sent": stats.sent,
+        "errors": dict(stats.errors), "error_messages": stats.error_messages,
+        "wrong_length": len(stats.wrong_length), "wrong_length_examples": stats.wrong_length[:3],
+        "output_tokens_in_window": stats.window_tokens, "output_tok_s": stats.window_tokens / args.duration_s,
+        "requests_s": len(window) / args.duration_s,
+        **{f"{name}_p{q}_s": pct(x, q) for name, x in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)) for q in (50, 99)},
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "client_cpu_s": client_cpu_s,
+        "client_cpu_share": client_cpu_s / (time.perf_counter() - t0),
+    }
+
+
+async def start_server(server_args: list[str], log: Path, timeout_s: float) -> tuple[asyncio.subprocess.Process, str]:
+    """Launches `jaxinfer serve --port 0 ...`; returns it and the HOST:PORT it prints on stdout."""
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", *server_args]
+    with open(log, "wb") as err:
+        proc = await asyncio.create_subprocess_exec(*cmd, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=err)
+    prefix = b"jaxinfer: serving gRPC on "
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not (line := await proc.stdout.readline()).startswith(prefix):
+                if not line:
+                    raise RuntimeError(f"the server exited ({await proc.wait()}) before listening; see {log}")
+    except TimeoutError:
+        proc.kill()
+        raise RuntimeError(f"the server printed no port in {timeout_s:.0f} s; see {log}") from None
+    asyncio.get_running_loop().create_task(proc.stdout.read())  # drain the rest of stdout
+    return proc, line[len(prefix):].decode().split(",")[0].strip()
+
+
+async def stop_server(proc: asyncio.subprocess.Process, timeout_s: float) -> int:
+    """SIGTERM, then the exit status (SIGKILL and -9 after `timeout_s` seconds)."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return await asyncio.wait_for(proc.wait(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return -9
+
