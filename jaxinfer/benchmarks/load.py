@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent streams")
     parser.add_argument("--duration-s", type=float, default=60.0, help="measurement window")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="unmeasured load before the window")
+    parser.add_argument("--warmup-requests", type=int, default=None,
+                        help="the warm-up also lasts until this many requests have ended (default: 2 x --concurrency), "
+                             "so first-use compiles of a cold server fall before the window")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0, help="request k uses seed + k")
@@ -65,6 +68,10 @@ def _server_args(args: argparse.Namespace) -> list[str]:
     """The `jaxinfer serve` arguments of `--start-server`. Raises ValueError for bad combinations or values."""
     if args.concurrency < 1 or args.max_tokens < 1 or args.duration_s <= 0 or args.warmup_s < 0:
         raise ValueError("--concurrency and --max-tokens must be >= 1, --duration-s > 0, --warmup-s >= 0")
+    if args.warmup_requests is None:
+        args.warmup_requests = 2 * args.concurrency  # the first round prefills together, the second apart
+    elif args.warmup_requests < 0:
+        raise ValueError(f"--warmup-requests {args.warmup_requests} must be >= 0")
     server_args = (["--model", str(args.model)] if args.model is not None else []) + shlex.split(args.server_args)
     server_args += args.serve_args
     if server_args and not args.start_server:
@@ -123,8 +130,9 @@ def markdown(r: dict) -> str:
         "## gRPC load test\n",
         f"`jaxinfer bench load`: {s['concurrency']} concurrent `Generate` streams over one grpc.aio channel on "
         f"loopback, each sending requests back to back (16 short English prompts in turn, temperature "
-        f"{s['temperature']}, seeded, `max_tokens` {s['max_tokens']}, `ignore_eos`), for a {s['warmup_s']:.0f} s "
-        f"unmeasured warm-up and then a {s['duration_s']:.0f} s window. Requests in flight at the end are cancelled "
+        f"{s['temperature']}, seeded, `max_tokens` {s['max_tokens']}, `ignore_eos`), for an unmeasured warm-up "
+        f"(at least {s['warmup_s']:.0f} s and {s['warmup_requests']} ended requests; it took "
+        f"{r['warmup_actual_s']:.1f} s) and then a {s['duration_s']:.0f} s window. Requests in flight at the end are cancelled "
         "and not counted (their tokens received inside the window are). Times are client-side from sending the "
         "request: TTFT = first token, TPOT = (last token - first token) / (tokens - 1), end-to-end = last response; "
         "latency percentiles are over the requests sent and finished inside the window; tokens/s counts every "
@@ -156,7 +164,7 @@ def run(args: argparse.Namespace) -> Report:
         r, status = asyncio.run(_run(args, server_args))
     except (TimeoutError, RuntimeError) as e:
         raise ValueError(str(e)) from None
-    r["settings"] = {k: getattr(args, k) for k in ("concurrency", "duration_s", "warmup_s", "max_tokens",
+    r["settings"] = {k: getattr(args, k) for k in ("concurrency", "duration_s", "warmup_s", "warmup_requests", "max_tokens",
                                                     "temperature", "seed")}
     r.update(command=args.command, server_note=args.server_note, date=args.date)
     r["exit_status"] = 1 if r["errors"] or status else 0

@@ -16,7 +16,8 @@ def test_load_smoke(tmp_path):
         tmp_path, "load", "--start-server", "--model", str(model), "--server-log", str(tmp_path / "serve.log"),
         "--server-args", "--max-num-seqs 2 --max-model-len 64 --max-num-batched-tokens 32 "
                          "--kv-cache-memory-bytes 4000000",
-        "--concurrency", "2", "--warmup-s", "2", "--duration-s", "2", "--max-tokens", "4", "--health-timeout-s", "300")
+        "--concurrency", "2", "--warmup-s", "2", "--warmup-requests", "8", "--duration-s", "2", "--max-tokens", "4",
+        "--health-timeout-s", "300")
     data = report["data"]
     assert data["server_exit_status"] == 0 and data["exit_status"] == 0
     assert data["errors"] == {} and data["wrong_length"] == 0
