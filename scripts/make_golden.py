@@ -530,41 +530,40 @@ def check_per_expert_names(folder: Path, prefix: str, names: tuple[str, ...], nu
 TINY_MOE = dict(TINY_COMMON, intermediate_size=32)  # Mixtral's expert width is its intermediate_size
 
 
+def _write_tiny_moe(out: Path, name: str, model_class, cfg, seed: int, block: str, projections: tuple[str, ...],
+                    num_experts: int) -> None:
+    """Randomizes, saves, checks and records one tiny MoE checkpoint `out/name` (weights from `seed`, golden
+    logits and routing from `seed + 1`); `block` / `projections`: where its per-expert tensors are named."""
+    folder = out / name
+    shutil.rmtree(folder, ignore_errors=True)
+    set_seeds()
+    model = model_class(cfg).eval()
+    randomize(model, seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    check_per_expert_names(folder, block, projections, num_experts)
+    golden = moe_golden(model, seed + 1, top_k=cfg.num_experts_per_tok)
+    check_reload(model_class, folder, golden)
+    write_json(folder / "golden.json", golden)
+
+
 def make_tiny_mixtral(out: Path) -> None:
     """Mixtral: 8 experts of width 32, top-2 with renormalized weights, 2 layers."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    folder = out / "tiny_mixtral"
-    shutil.rmtree(folder, ignore_errors=True)
     cfg = MixtralConfig(**TINY_MOE, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
                         sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    set_seeds()
-    model = MixtralForCausalLM(cfg).eval()
-    randomize(model, SEED + 7)
-    model.save_pretrained(folder, safe_serialization=True)
-    check_per_expert_names(folder, "block_sparse_moe", ("w1", "w2", "w3"), 8)
-    golden = moe_golden(model, SEED + 8, top_k=2)
-    check_reload(MixtralForCausalLM, folder, golden)
-    write_json(folder / "golden.json", golden)
+    _write_tiny_moe(out, "tiny_mixtral", MixtralForCausalLM, cfg, SEED + 7, "block_sparse_moe", ("w1", "w2", "w3"), 8)
 
 
 def make_tiny_qwen2_moe(out: Path) -> None:
     """Qwen2-MoE: 8 experts of width 32, top-2 without renormalization, a shared expert of width 48."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    folder = out / "tiny_qwen2_moe"
-    shutil.rmtree(folder, ignore_errors=True)
     cfg = Qwen2MoeConfig(**TINY_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, rope_theta=1e6,
                          use_sliding_window=False, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    set_seeds()
-    model = Qwen2MoeForCausalLM(cfg).eval()
-    randomize(model, SEED + 9)
-    model.save_pretrained(folder, safe_serialization=True)
-    check_per_expert_names(folder, "mlp", ("gate_proj", "up_proj", "down_proj"), 8)
-    golden = moe_golden(model, SEED + 10, top_k=2)
-    check_reload(Qwen2MoeForCausalLM, folder, golden)
-    write_json(folder / "golden.json", golden)
+    _write_tiny_moe(out, "tiny_qwen2_moe", Qwen2MoeForCausalLM, cfg, SEED + 9, "mlp",
+                    ("gate_proj", "up_proj", "down_proj"), 8)
 
 
 def make_tiny_mistral(out: Path) -> None:
