@@ -153,7 +153,7 @@ def _speculative_config(args: argparse.Namespace):
     """
     if args.speculative_config is None:
         return None
-    from jaxinfer.spec_decode.config import SpeculativeConfig  # no jax
+    from jaxinfer.engine.spec_decode.config import SpeculativeConfig  # no jax
 
     try:
         spec = SpeculativeConfig.from_value(args.speculative_config)

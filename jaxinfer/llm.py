@@ -33,7 +33,7 @@ class LLM:
         `kv_cache_dtype` ("auto": the model dtype; "int8" or "fp8": quantized KV pages with per-token scales),
         `speculative_config` (speculative decoding, as vLLM's: a dict such as
         `{"method": "ngram", "num_speculative_tokens": 4}`, a JSON object string or a
-        `jaxinfer.spec_decode.config.SpeculativeConfig`; methods "ngram", "draft_model" (with `"model": PATH`) and
+        `jaxinfer.engine.spec_decode.config.SpeculativeConfig`; methods "ngram", "draft_model" (with `"model": PATH`) and
         "self_draft"; default None, off). Speculation is lossless: the same greedy tokens, and sampled tokens from
         the same distribution with the same per-request seeds; `llm.engine.stats()` has its `spec_*` counters.
         `quantization` (weight quantization, `models.quant`): None (default), "int8", "fp8", or a dict / JSON

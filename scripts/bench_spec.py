@@ -72,7 +72,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
-from jaxinfer.spec_decode import policy as spec_policy
+from jaxinfer.engine.spec_decode import policy as spec_policy
 import md_sections  # noqa: E402  (scripts/ is on sys.path when these run)
 
 logger = logging.getLogger("benchmark.spec")

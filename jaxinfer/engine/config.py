@@ -6,7 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.engine.spec_decode.config import SpeculativeConfig
 from models.quant import QuantizationConfig
 from pallas_kernels.dispatch import AttentionBackend
 
@@ -50,7 +50,7 @@ class EngineConfig:
       expert_parallel_size: EP ranks: an MoE model's experts split over this many devices (MoE models only).
         The mesh is `tensor_parallel_size * expert_parallel_size` devices (`sharding.mesh.make_mesh`); on CPU,
         `XLA_FLAGS=--xla_force_host_platform_device_count=N` gives N devices.
-      speculative_config: speculative decoding (`jaxinfer.spec_decode`): a `SpeculativeConfig`, a dict of its
+      speculative_config: speculative decoding (`jaxinfer.engine.spec_decode`): a `SpeculativeConfig`, a dict of its
         fields as vLLM's `speculative_config` (e.g. `{"method": "ngram", "num_speculative_tokens": 4}`), a JSON
         object string, or None (off). Lossless: outputs keep the target model's distribution (greedy: the same
         tokens). "draft_model" runs in one process with tensor_parallel_size = expert_parallel_size = 1.

@@ -7,7 +7,7 @@
 3. The plan runs as one device call for all decodes and one for the prefill chunks (the CPU reference attention
    pads every sequence to the longest query run, so keeping one-token decodes apart from long chunks saves work;
    the Pallas kernels take both in one call).
-   With speculative decoding (`EngineConfig.speculative_config`, `jaxinfer.spec_decode`), the policy first picks
+   With speculative decoding (`EngineConfig.speculative_config`, `jaxinfer.engine.spec_decode`), the policy first picks
    how many drafts each decoding sequence may have this step; the scheduler reserves pages and budget for them;
    the proposer drafts (n-gram lookup on the host, or the draft model on device); and the decodes run as one
    verify call, which emits each sequence's accepted drafts plus one token of the target's own.
@@ -48,9 +48,9 @@ from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind, PrefixCache
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.scheduler.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.scheduler.sequence import Sequence as Seq
-from jaxinfer.spec_decode import draft as draft_lib
-from jaxinfer.spec_decode.ngram import NgramIndex, NgramProposer
-from jaxinfer.spec_decode.policy import SpeculationPolicy
+from jaxinfer.engine.spec_decode import draft as draft_lib
+from jaxinfer.engine.spec_decode.ngram import NgramIndex, NgramProposer
+from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
 from jaxinfer.tokenizer import IncrementalDetokenizer
 from models import quant
 from models.llama import KVCache, Weights

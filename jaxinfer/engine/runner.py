@@ -28,8 +28,8 @@ import numpy as np
 from jaxinfer.engine import multihost
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow, sample
-from jaxinfer.spec_decode import draft as draft_lib
-from jaxinfer.spec_decode.verify import VerifyOutput, verify
+from jaxinfer.engine.spec_decode import draft as draft_lib
+from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
@@ -217,7 +217,7 @@ class ModelRunner:
         device. With a mesh the KV cache is split over KV heads, and every step's outputs (sampled tokens,
         logits) come back replicated, so each process of a multi-host run can read them.
       output_vocab: logits columns `compute_logits` returns; default V. A model padded for TP has a larger V.
-      draft: speculative decoding's draft model (`jaxinfer.spec_decode.draft`), or None. One with a cache of
+      draft: speculative decoding's draft model (`jaxinfer.engine.spec_decode.draft`), or None. One with a cache of
         its own gets one here (same pages), and every step also runs it over the step's tokens; copies and
         clears of pages apply to its cache too (host-tier offloads do not: its K/V there goes stale, which only
         lowers acceptance).
@@ -427,7 +427,7 @@ class ModelRunner:
 
     def propose(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow], num_slots: Sequence[int],
                 num_tokens: int) -> tuple[np.ndarray, jax.Array | None]:
-        """Drafts tokens with the draft model for decode chunks (`jaxinfer.spec_decode.draft.propose`).
+        """Drafts tokens with the draft model for decode chunks (`jaxinfer.engine.spec_decode.draft.propose`).
 
         Args:
           chunks: one decode chunk per sequence (its last token), pages covering its whole block: positions

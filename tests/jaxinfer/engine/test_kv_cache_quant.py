@@ -19,7 +19,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
-from jaxinfer.spec_decode.draft import DraftModel
+from jaxinfer.engine.spec_decode.draft import DraftModel
 from models.llama import KVCache
 from tests.jaxinfer.engine.test_prefix_caching import CORPUS, drive, held_pages, prompt, tokens, with_prefix
 from tests.models.test_llama_kv_quant import CFG as TINY

@@ -43,7 +43,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.scheduler.scheduler import ScheduledChunk
-from jaxinfer.spec_decode.policy import SpeculationPolicy
+from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
 from tests.jaxinfer.engine.test_engine import held_pages, scheduler_limits
 
 pytestmark = pytest.mark.slow
