@@ -19,7 +19,7 @@ Two engines in one process, with the same shapes: prefix caching on (with a 128-
 3. **Host tier break-even.** For k in {1, 4, 16, 64} pages: a prompt of a k-page prefix plus a 20-token question,
    TTFT when the prefix is (a) not cached (recomputed), (b) in the host tier (evicted there by allocating every
    free page, offloads settled to numpy before the request; the step then loads the k pages back), (c) on the
-   device. Also the raw calls: `runner.load_pages` of k real host pages vs a standalone prefill step of k*16
+   device. Also the raw calls: `runner.kv.load_pages` of k real host pages vs a standalone prefill step of k*16
    tokens (`runner.execute`). Host-tier loading pays off from the smallest k where (b) < (a); that k is what
    `DEFAULT_OFFLOAD_MIN_PAGES["cpu"]` in engine.py should be.
 
@@ -217,7 +217,7 @@ def _evict_all_to_host(llm: LLM) -> None:
     held = alloc.allocate(alloc.num_free_pages)
     alloc.free(held)
     engine._apply_kv_ops(engine.prefix_cache.take_ops())  # noqa: SLF001 - the OFFLOADs, now, outside the timing
-    llm.runner.settle_host_pages()
+    llm.runner.kv.settle_host_pages()
 
 
 def bench_break_even(llm: LLM, text_ids: list[int], reps: int) -> list[dict]:
@@ -246,15 +246,15 @@ def bench_break_even(llm: LLM, text_ids: list[int], reps: int) -> list[dict]:
         # the raw calls: load k real host pages back vs a standalone prefill step of k * 16 tokens
         llm.reset_prefix_cache()
         pages = alloc.allocate(k)
-        slots = [10**9 + i for i in range(k)]
+        host_page_ids = [10**9 + i for i in range(k)]
         load, prefill = [], []
         try:
             for rep in range(reps + 1):
-                runner.offload_pages(pages, slots)
-                runner.settle_host_pages()
+                runner.kv.offload_pages(pages, host_page_ids)
+                runner.kv.settle_host_pages()
                 jax.block_until_ready(runner.kv_cache)
                 t0 = time.perf_counter()
-                runner.load_pages(slots, pages)
+                runner.kv.load_pages(host_page_ids, pages)
                 jax.block_until_ready(runner.kv_cache)
                 t1 = time.perf_counter()
                 runner.execute([ScheduledChunk(prefix[: k * PS], 0, pages)], [greedy])
@@ -263,7 +263,7 @@ def bench_break_even(llm: LLM, text_ids: list[int], reps: int) -> list[dict]:
                     load.append(t1 - t0)
                     prefill.append(t2 - t1)
         finally:
-            runner.drop_host_pages(slots, broadcast=False)
+            runner.kv.drop_host_pages(host_page_ids, broadcast=False)
             alloc.free(pages)
         row = {"pages": k, **{m: _median(v) for m, v in times.items()}, "load_call": _median(load),
                "prefill_call": _median(prefill), "reps": reps}
@@ -362,8 +362,8 @@ def render(r: dict, command: str, date: str, machine: str, elapsed_s: float, loa
     out.append("### Host tier: load k pages back vs recompute them\n")
     out.append(f"A k-page prefix + a {QUESTION_TOKENS}-token question: TTFT with the prefix recomputed (cache reset), "
                "loaded from the host tier (the step runs the LOAD, then the question), or on the device. Then the raw "
-               "calls: `runner.load_pages` of k real host pages (host numpy -> device scatter) vs a standalone prefill "
-               f"step of k x {PS} tokens (`runner.execute`). Medians of {r['break_even'][0]['reps']}.\n")
+               "calls: `runner.kv.load_pages` of k real host pages (host numpy -> device scatter) vs a standalone "
+               f"prefill step of k x {PS} tokens (`runner.execute`). Medians of {r['break_even'][0]['reps']}.\n")
     rows = []
     for x in r["break_even"]:
         rows.append([str(x["pages"]), str(x["pages"] * PS), _ms(x["recompute"]), _ms(x["host"]), _ms(x["device"]),

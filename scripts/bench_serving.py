@@ -7,8 +7,8 @@ licence, tokenized with the model's tokenizer). Every request is greedy with `ig
 
 Our engine is driven directly: requests are added with `Engine.add_request` when their arrival time has come (checked
 before every step; an idle engine sleeps until the next arrival) and `Engine.step` runs until all finish. Per engine
-(one per dtype) `ModelRunner.warmup` (what `EngineConfig(warmup=True)` runs at start-up) is timed on its own, then
-the scenario first runs untimed with the same prompts and arrivals and outputs cut short (just long
+(one per dtype) `jaxinfer.engine.warmup.warmup` (what `EngineConfig(warmup=True)` runs at start-up) is timed on its
+own, then the scenario first runs untimed with the same prompts and arrivals and outputs cut short (just long
 enough to reach the same KV page buckets), which compiles the step shapes the timed run needs; the time of every
 call that compiled is reported as compile seconds. The runner's `_prepare` and jitted `_step` are wrapped (in this
 script, by instance attributes) to record each device call's padded shapes and its blocked device time.
@@ -48,7 +48,8 @@ import numpy as np
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import NULL_PAGE, page_bucket
+from jaxinfer.engine.step_inputs import NULL_PAGE, page_bucket
+from jaxinfer.engine.warmup import warmup
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.sampling_params import SamplingParams
@@ -450,8 +451,8 @@ def run_ours(scenarios: list[Scenario], dtypes: list[str], dense_matmuls: Callab
         load_s = time.perf_counter() - t0
         # What EngineConfig(warmup=True) runs at the end of Engine.__init__, timed on its own.
         shapes0 = num_executables(engine.runner)
-        warmup_s = engine.runner.warmup(max_num_seqs=engine.config.max_num_seqs,
-                                        max_num_batched_tokens=engine.config.max_num_batched_tokens)
+        warmup_s = warmup(engine.runner, max_num_seqs=engine.config.max_num_seqs,
+                          max_num_batched_tokens=engine.config.max_num_batched_tokens)
         warmup_shapes = num_executables(engine.runner) - shapes0
         logger.info("%s: engine warm-up compiled %d shapes in %.1f s", dt, warmup_shapes, warmup_s)
         recorder = Recorder(engine.runner)

@@ -612,7 +612,7 @@ class DecodePlan:
 
     @staticmethod
     def of(cfg, sizes: Sizes) -> DecodePlan:
-        from jaxinfer.engine.runner import page_bucket
+        from jaxinfer.engine.step_inputs import page_bucket
 
         ps, ctx = sizes.page_size, sizes.engine_context
         max_pages = -(-cfg.max_position_embeddings // ps)

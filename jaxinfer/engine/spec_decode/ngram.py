@@ -26,8 +26,8 @@ Worked example, `min_n=1, max_n=4`:
   c = 4: propose t[4:4+k] -> k=3: [9, 3, 4]; k=8: [9, 3, 4, 7, 2, 3, 4, 9] (t[4:11] has 7 tokens, then repeats).
   t = [1, 2, 1, 2, 1]: n=4 none; n=3 suffix [1, 2, 1] at i=0; c = 3, p = 2 -> k=5: [2, 1, 2, 1, 2].
 
-**Two implementations, same proposals** (tests/jaxinfer/engine/spec_decode/test_ngram.py checks them against each other and
-a brute-force reference):
+**Two implementations, same proposals** (tests/jaxinfer/engine/spec_decode/test_ngram.py checks them against each
+other and a brute-force reference):
 - `NgramProposer.propose(token_ids, k)` is stateless: one numpy pass, O(L) per call. Converting a Python list
   of L ids to an array dominates: ~200-240 us per call on an 8k-token context (~7-9 us when `token_ids` is
   already an integer ndarray).
