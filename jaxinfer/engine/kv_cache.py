@@ -98,7 +98,7 @@ class PagedKVCache:
         """Zeroes pages (all layers, K and V and their scales, also in the draft's cache), e.g. those a sequence
         filled with NaN K/V, before they are reused.
 
-        Attention masks the slots past a sequence's length, but a masked weight of 0 times a stale NaN is still
+        Attention masks the positions past a sequence's length, but a masked weight of 0 times a stale NaN is still
         NaN: without this, the next owner of such a page would inherit the failure.
         """
         if not len(page_ids):

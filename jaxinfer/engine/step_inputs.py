@@ -8,7 +8,7 @@ tokens, padded page-table entries point at the null page.
 - `prepare_step`: the ragged batch of a step (prefill chunks and decodes, or a verify step's windows).
 - `draft_inputs`: the drafting call of a draft model (one row per sequence and draft step).
 - `build_page_table` and `kv_locations`: the one page-table builder and the one map from positions to cache
-  slots; both of the above use them.
+  locations (kv_loc); both of the above use them.
 - `verify_draft_ids`, `padded_page_ids`: the verify step's draft arrays and the page moves' id lists.
 """
 
@@ -82,7 +82,7 @@ def build_page_table(page_ids: Sequence[Sequence[int]], num_pages: Sequence[int]
 
 
 def kv_locations(page_table: np.ndarray, rows: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
-    """Flat KV cache slots (page * page_size + offset) of the tokens at `positions` of sequences `rows`.
+    """Flat KV cache locations, kv_loc (page * page_size + offset), of the tokens at `positions` of sequences `rows`.
 
     Args:
       page_table: i32[B, P] from `build_page_table`.

@@ -1,4 +1,4 @@
-"""Host-side step inputs (jaxinfer/engine/step_inputs.py): the one page-table builder and the slot map against a
+"""Host-side step inputs (jaxinfer/engine/step_inputs.py): the one page-table builder and the kv_loc map against a
 direct numpy construction, and the two batches built on them (a step's and the drafting call's)."""
 
 from __future__ import annotations
