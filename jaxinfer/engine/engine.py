@@ -99,12 +99,16 @@ class Engine:
             warmup(self.runner, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                    num_drafts_for=None if spec is None else self.spec_policy.step_k,
                    num_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
+        self._followers_released = False
         if multihost.is_multi_process() and multihost.is_leader():
-            atexit.register(multihost.release_followers)
+            atexit.register(self.shutdown)
 
     def shutdown(self) -> None:
-        """Ends a multi-host run: the follower processes return from `follow_leader` (no-op in one process)."""
-        multihost.release_followers()
+        """Ends a multi-host run: the follower processes return from `follow_leader` (idempotent; no-op in one
+        process)."""
+        if not self._followers_released:
+            self._followers_released = True
+            multihost.release_followers()
 
     def follow_leader(self) -> None:
         """Follower processes (process index > 0) of a multi-host run: replay the leader's steps until it shuts
@@ -289,17 +293,12 @@ class Engine:
         kv = self.runner.kv
         kv.settle_host_pages()  # offloads of earlier steps have reached the host by now
         calls = {KVOpKind.OFFLOAD: kv.offload_pages, KVOpKind.LOAD: kv.load_pages, KVOpKind.COPY: kv.copy_pages}
-        i = 0
-        while i < len(ops):
-            kind, j = ops[i].kind, i
-            while j < len(ops) and ops[j].kind is kind:
-                j += 1
-            run = ops[i:j]
+        for kind, group in itertools.groupby(ops, key=lambda op: op.kind):
+            run = list(group)
             if kind is KVOpKind.DROP:
                 kv.drop_host_pages([op.src for op in run])
             else:
                 calls[kind]([op.src for op in run], [op.dst for op in run])
-            i = j
 
     def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int | list[int]],
                    logprobs: dict[int, list[dict[int, float]]], draft_probs_row: int | None = None) -> None:

@@ -41,8 +41,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_followers_released = False  # the leader sent STOP: no follower listens any more
-
 
 class Op(enum.IntEnum):
     """What the leader asks the followers to do next."""
@@ -187,8 +185,7 @@ def follow(runner: ModelRunner) -> None:
 
 
 def release_followers() -> None:
-    """Leader of a multi-host run: tells the followers to return from `follow` (idempotent; no-op elsewhere)."""
-    global _followers_released
-    if is_multi_process() and is_leader() and not _followers_released:
-        _followers_released = True
+    """Leader of a multi-host run: tells the followers to return from `follow` (no-op elsewhere). Call it once per
+    runner the followers follow (`Engine.shutdown` does): they may go on to follow the leader's next engine."""
+    if is_multi_process() and is_leader():
         send(Op.STOP)
