@@ -329,7 +329,7 @@ def forward(
         fresh prefills attends over quantized-then-dequantized K/V, so it agrees with a later prefix-cache hit).
       cfg: static model config. Stacked layer weights (and the cache) may hold more layers than
         `cfg.num_layers`: only the first `cfg.num_layers` run and only their cache layers are written
-        (self-drafting runs the target's first layers this way, see `jaxinfer.spec_decode.draft`).
+        (self-drafting runs the target's first layers this way, see `jaxinfer.engine.spec_decode.draft`).
       scan_layers: `lax.scan` over layers (compile time flat in depth) instead of an unrolled Python loop; both
         update the stacked cache in place (timings in BENCHMARKS.md).
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); steps marked

@@ -612,7 +612,7 @@ class DecodePlan:
 
     @staticmethod
     def of(cfg, sizes: Sizes) -> DecodePlan:
-        from jaxinfer.engine.runner import page_bucket
+        from jaxinfer.engine.step_inputs import page_bucket
 
         ps, ctx = sizes.page_size, sizes.engine_context
         max_pages = -(-cfg.max_position_embeddings // ps)
@@ -724,7 +724,7 @@ def section_engine(report: Report, sizes: Sizes, args: argparse.Namespace, budge
         report.add(lines, "\nSpeculative decoding's verify step (last token + k drafts per sequence, "
                           "`ModelRunner.execute_verify`, best of 2 after a compiling call) against the decode step "
                           "above: while the ratio stays near 1 the step is bandwidth-bound and drafts are nearly free "
-                          "(`jaxinfer.spec_decode.policy.DEFAULT_MAX_STEP_TOKENS`).\n")
+                          "(`jaxinfer.engine.spec_decode.policy.DEFAULT_MAX_STEP_TOKENS`).\n")
         report.add(lines, "| attention | batch | k | token rows | verify ms/step | / decode step |")
         report.add(lines, "|---|---|---|---|---|---|")
         for row in verify_rows:

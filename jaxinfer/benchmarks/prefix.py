@@ -21,7 +21,7 @@ off. Measurements in `prefix_measure`, the section in `prefix_report`.
 3. **Host tier break-even.** For k in `--break-even-pages` (1, 4, 16, 64): a prompt of a k-page prefix plus a
    20-token question, TTFT when the prefix is (a) not cached (recomputed), (b) in the host tier (evicted there by
    allocating every free page, offloads settled to numpy before the request; the step then loads the k pages back),
-   (c) on the device. Also the raw calls: `runner.load_pages` of k real host pages vs a standalone prefill step of
+   (c) on the device. Also the raw calls: `runner.kv.load_pages` of k real host pages vs a standalone prefill step of
    k*16 tokens (`runner.execute`). Host-tier loading pays off from the smallest k where (b) < (a); that k is what
    `DEFAULT_OFFLOAD_MIN_PAGES["cpu"]` in engine.py should be.
 

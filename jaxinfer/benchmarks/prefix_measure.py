@@ -173,7 +173,7 @@ def _evict_all_to_host(llm: LLM) -> None:
     held = alloc.allocate(alloc.num_free_pages)
     alloc.free(held)
     engine._apply_kv_ops(engine.prefix_cache.take_ops())  # noqa: SLF001 - the OFFLOADs, now, outside the timing
-    llm.runner.settle_host_pages()
+    llm.runner.kv.settle_host_pages()
 
 
 def bench_break_even(llm: LLM, text_ids: list[int], reps: int, pages: tuple[int, ...] = BREAK_EVEN_PAGES
@@ -209,15 +209,15 @@ def bench_break_even(llm: LLM, text_ids: list[int], reps: int, pages: tuple[int,
         # the raw calls: load k real host pages back vs a standalone prefill step of k * 16 tokens
         llm.reset_prefix_cache()
         page_ids = alloc.allocate(k)
-        slots = [10**9 + i for i in range(k)]
+        host_page_ids = [10**9 + i for i in range(k)]
         load, prefill = [], []
         try:
             for rep in range(reps + 1):
-                runner.offload_pages(page_ids, slots)
-                runner.settle_host_pages()
+                runner.kv.offload_pages(page_ids, host_page_ids)
+                runner.kv.settle_host_pages()
                 jax.block_until_ready(runner.kv_cache)
                 t0 = time.perf_counter()
-                runner.load_pages(slots, page_ids)
+                runner.kv.load_pages(host_page_ids, page_ids)
                 jax.block_until_ready(runner.kv_cache)
                 t1 = time.perf_counter()
                 runner.execute([ScheduledChunk(prefix[: k * PS], 0, page_ids)], [greedy])
@@ -226,7 +226,7 @@ def bench_break_even(llm: LLM, text_ids: list[int], reps: int, pages: tuple[int,
                     load.append(t1 - t0)
                     prefill.append(t2 - t1)
         finally:
-            runner.drop_host_pages(slots, broadcast=False)
+            runner.kv.drop_host_pages(host_page_ids, broadcast=False)
             alloc.free(page_ids)
         row = {"pages": k, **{m: median(v) for m, v in times.items()}, "load_call": median(load),
                "prefill_call": median(prefill), "reps": reps}

@@ -84,7 +84,7 @@ def render(r: dict, command: str, date: str, elapsed_s: float, load: tuple[float
     out.append("### Host tier: load k pages back vs recompute them\n")
     out.append(f"A k-page prefix + a {QUESTION_TOKENS}-token question: TTFT with the prefix recomputed (cache reset), "
                "loaded from the host tier (the step runs the LOAD, then the question), or on the device. Then the raw "
-               "calls: `runner.load_pages` of k real host pages (host numpy -> device scatter) vs a standalone prefill "
+               "calls: `runner.kv.load_pages` of k real host pages (host numpy -> device scatter) vs a standalone prefill "
                f"step of k x {PS} tokens (`runner.execute`). Medians of {r['break_even'][0]['reps']}.\n")
     rows = []
     for x in r["break_even"]:

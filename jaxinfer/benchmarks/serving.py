@@ -50,7 +50,8 @@ from jaxinfer.benchmarks.serving_scenarios import (DEFAULT_SCENARIOS, MIN_PAGES,
                                                    make_requests, max_model_len, parse_scenarios, warm_output_len)
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import page_bucket
+from jaxinfer.engine.step_inputs import page_bucket
+from jaxinfer.engine.warmup import warmup
 from jaxinfer.loading import default_model_path
 from models.config import ModelConfig
 
@@ -155,8 +156,8 @@ def run_ours(args: argparse.Namespace, scenarios: list[Scenario], dtypes: list[s
         load_s = time.perf_counter() - t0
         # What EngineConfig(warmup=True) runs at the end of Engine.__init__, timed on its own.
         shapes0 = num_executables(engine.runner)
-        warmup_s = engine.runner.warmup(max_num_seqs=engine.config.max_num_seqs,
-                                        max_num_batched_tokens=engine.config.max_num_batched_tokens)
+        warmup_s = warmup(engine.runner, max_num_seqs=engine.config.max_num_seqs,
+                          max_num_batched_tokens=engine.config.max_num_batched_tokens)
         warmup_shapes = num_executables(engine.runner) - shapes0
         logger.info("%s: engine warm-up compiled %d shapes in %.1f s", dt, warmup_shapes, warmup_s)
         recorder = Recorder(engine.runner)

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxinfer.benchmarks.dense_matmuls import dense_matmuls
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.runner import NULL_PAGE, page_bucket
+from jaxinfer.engine.step_inputs import NULL_PAGE, page_bucket
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler.chunk import ScheduledChunk

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from jaxinfer.engine.runner import page_bucket
+from jaxinfer.engine.step_inputs import page_bucket
 
 PAGE_SIZE = 16
 MIN_PAGES = 8  # the runner's smallest page-table width

@@ -72,7 +72,7 @@ from jaxinfer.benchmarks.spec_prompts import CHAT_QUESTION, chat_prompt, copy_pr
 from jaxinfer.benchmarks.spec_report import render, suggest_max_step_tokens
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.spec_decode import policy as spec_policy
+from jaxinfer.engine.spec_decode import policy as spec_policy
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where used: the command line imports this module at start-up, before any of them
-    from jaxinfer.spec_decode.config import SpeculativeConfig
+    from jaxinfer.engine.spec_decode.config import SpeculativeConfig
     from models.quant import QuantizationConfig
 
 DTYPE_NAMES = ("float32", "bfloat16")
@@ -82,7 +82,7 @@ def _option(default: Any, help: str, flag: Flag = Flag(), normalize: Callable[[A
 def _speculative_config(value: Any) -> SpeculativeConfig | None:
     if value is None:
         return None
-    from jaxinfer.spec_decode.config import SpeculativeConfig
+    from jaxinfer.engine.spec_decode.config import SpeculativeConfig
 
     return SpeculativeConfig.from_value(value)
 
@@ -153,7 +153,7 @@ class EngineConfig:
         "break-even)"))
     # draft_model runs in one process with tensor_parallel_size = expert_parallel_size = 1.
     speculative_config: SpeculativeConfig | None = _option(None, (
-        "speculative decoding (jaxinfer.spec_decode), as vLLM's speculative_config: a dict / JSON object of "
+        "speculative decoding (jaxinfer.engine.spec_decode), as vLLM's speculative_config: a dict / JSON object of "
         'SpeculativeConfig fields (or an instance), e.g. {"method": "ngram", "num_speculative_tokens": 4}; '
         'methods ngram, draft_model (with "model": PATH) and self_draft; unset: off. Lossless: outputs keep the '
         'target model\'s distribution (greedy: the same tokens); README "Speculative decoding"'),
@@ -245,7 +245,7 @@ class EngineConfig:
         """Raises a ValueError naming a `speculative_config` / `quantization` given as text or a dict, which only
         `EngineConfig.create` parses (the config is frozen: it does not rewrite its own fields)."""
         if self.speculative_config is not None:
-            from jaxinfer.spec_decode.config import SpeculativeConfig
+            from jaxinfer.engine.spec_decode.config import SpeculativeConfig
 
             if not isinstance(self.speculative_config, SpeculativeConfig):
                 raise ValueError(f"speculative_config={self.speculative_config!r} is not a SpeculativeConfig; pass a "

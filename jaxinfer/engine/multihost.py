@@ -8,13 +8,14 @@ in the same order, or the collectives inside it wait for ever. The engine keeps 
 - **Every device call is broadcast before it runs.** `ModelRunner` on the leader turns each step into host
   arrays (tokens, `AttentionMetadata`, sampling arrays: everything the step depends on, including the sampling
   seeds), sends them to all followers with `jax.experimental.multihost_utils.broadcast_one_to_all`, then calls
-  the step. Followers sit in `ModelRunner.follow`, receive the same arrays and call the same step. The plan is
+  the step; `PagedKVCache` does the same for every page move. Followers sit in `follow`, receive the same arrays
+  and make the same call. The plan is
   therefore broadcast, not re-derived: a follower's copy of the scheduler could drift (wall-clock deadlines,
   abort timing, memory-based budgets), and a drift would deadlock the pod instead of failing one request.
 - **Outputs are replicated**, so every process holds the sampled tokens; the leader alone reports them.
 - **Shapes that depend on the host are agreed once**: the leader's KV page count is broadcast at start-up.
-- The leader sends `STOP` when it shuts down (`ModelRunner.release_followers`, also registered with `atexit`), and
-  the followers return from `follow`.
+- The leader sends `STOP` when it shuts down (`release_followers`, also registered with `atexit`), and the
+  followers return from `follow`.
 
 A broadcast is two collectives: a fixed-size header (operation, payload length), then the pickled payload padded
 to a power of two so that only a few broadcast shapes are ever compiled. Pickle is safe here: the peers are
@@ -29,10 +30,14 @@ from __future__ import annotations
 import enum
 import logging
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +51,9 @@ class Op(enum.IntEnum):
     CLEAR_PAGES = 3  # payload: padded page ids
     VALUE = 4  # payload: one picklable value agreed at start-up
     COPY_PAGES = 5  # payload: (src pages, dst pages), copy-on-write
-    OFFLOAD_PAGES = 6  # payload: (device pages, host slots); every process keeps its own host copy
-    LOAD_PAGES = 7  # payload: (host slots, device pages)
-    DROP_PAGES = 8  # payload: host slots
+    OFFLOAD_PAGES = 6  # payload: (device pages, host page ids); every process keeps its own host copy
+    LOAD_PAGES = 7  # payload: (host page ids, device pages)
+    DROP_PAGES = 8  # payload: host page ids
     PROPOSE = 9  # payload: the drafting call's host arrays (speculative decoding)
     VERIFY = 10  # payload: the verify step's host arrays and which rows of the last proposal's probabilities
 
@@ -131,3 +136,56 @@ def agree(value: Any) -> Any:
     if op is not Op.VALUE:
         raise RuntimeError(f"follower expected the leader's start-up value, got {op.name}")
     return payload
+
+
+def global_inputs(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
+    """Host arrays as jax arrays replicated over the mesh when the mesh spans several processes (a multi-process
+    program takes no host-local numpy inputs); the tree unchanged otherwise."""
+    if mesh is None or not is_multi_process():
+        return tree
+    from sharding.placement import put_sharded
+
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return put_sharded(tree, jax.tree.map(lambda _: replicated, tree))
+
+
+def _replays(runner: ModelRunner) -> dict[Op, Callable[[Any], Any]]:
+    """Per operation, the follower's call of it: the same runner or KV cache method the leader called."""
+    kv = runner.kv
+    return {
+        Op.STEP: lambda p: jax.block_until_ready(runner.run_step(*p)),
+        Op.LOGITS: lambda p: runner.run_logits(*p),
+        Op.CLEAR_PAGES: kv.clear_pages,
+        Op.COPY_PAGES: lambda p: kv.copy_pages(*p),
+        Op.OFFLOAD_PAGES: lambda p: kv.offload_pages(*p),
+        Op.LOAD_PAGES: lambda p: kv.load_pages(*p),
+        Op.DROP_PAGES: kv.drop_host_pages,
+        Op.PROPOSE: lambda p: jax.block_until_ready(runner.run_propose(*p)),
+        Op.VERIFY: lambda p: jax.block_until_ready(runner.run_verify(*p)),
+    }
+
+
+def follow(runner: ModelRunner) -> None:
+    """Follower processes: replays the leader's device calls on `runner` until the leader sends STOP.
+
+    A call that fails here is logged and skipped (the leader, running the same call, reports the failure to its
+    request). On a follower `send` is a no-op, so the replayed methods broadcast nothing.
+    """
+    replays = _replays(runner)
+    while True:
+        op, payload = receive()
+        if op is Op.STOP:
+            return
+        try:
+            if op not in replays:
+                raise RuntimeError(f"unexpected operation {op.name} from the leader")
+            replays[op](payload)
+        except Exception:  # noqa: BLE001 - the leader sees the same failure and fails the request
+            logger.exception("follower: %s failed", op.name)
+
+
+def release_followers() -> None:
+    """Leader of a multi-host run: tells the followers to return from `follow` (no-op elsewhere). Call it once per
+    runner the followers follow (`Engine.shutdown` does): they may go on to follow the leader's next engine."""
+    if is_multi_process() and is_leader():
+        send(Op.STOP)

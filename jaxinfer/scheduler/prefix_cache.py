@@ -37,15 +37,15 @@ from jaxinfer.scheduler.page_allocator import PageAllocator
 class KVOpKind(enum.Enum):
     """A page transfer between the device cache and the host pool."""
 
-    OFFLOAD = "offload"  # device page `src` -> host slot `dst` (before the page is reused)
-    LOAD = "load"  # host slot `src` -> device page `dst` (the slot is freed after)
+    OFFLOAD = "offload"  # device page `src` -> host page `dst` (before the page is reused)
+    LOAD = "load"  # host page `src` -> device page `dst` (the host page is freed after)
     COPY = "copy"  # device page `src` -> device page `dst` (copy-on-write)
-    DROP = "drop"  # host slot `src` is freed
+    DROP = "drop"  # host page `src` is freed
 
 
 @dataclasses.dataclass(frozen=True)
 class KVOp:
-    """One transfer; `src` and `dst` are device page ids or host slot ids, as `kind` says."""
+    """One transfer; `src` and `dst` are device page ids or host page ids, as `kind` says."""
 
     kind: KVOpKind
     src: int
@@ -57,7 +57,7 @@ class CachedPage:
     """One cached full page: its tokens, its salt, the entry before it, and where its K/V lives.
 
     Attributes:
-      uid: unique id; names the host slot when the page is in the host tier.
+      uid: unique id; names the host page when the page is in the host tier.
       key: the chained hash that indexes it.
       parent: the entry of the previous page of the prefix (None for a first page).
       token_ids: the page's page_size token ids.

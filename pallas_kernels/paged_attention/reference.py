@@ -94,7 +94,7 @@ def validate_inputs(q_lens: np.ndarray, kv_lens: np.ndarray, page_table: np.ndar
     """Host-side value checks of one batch's metadata (the static/dynamic split: these need concrete values).
 
     The ops trust these invariants and do not check them on device: a violation gives wrong rows, not an error.
-    `jaxinfer.engine.runner` builds batches that satisfy them; call this when building batches by hand.
+    `jaxinfer.engine.step_inputs` builds batches that satisfy them; call this when building batches by hand.
 
     Args:
       q_lens: i32[B], new tokens per sequence (`cu_q_lens[1:] - cu_q_lens[:-1]`).

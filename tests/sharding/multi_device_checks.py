@@ -95,10 +95,10 @@ def test_quantized_cache_scales_split_over_kv_heads_through_page_ops():
     print("max logit difference", np.abs(got - want).max())
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
     before = [np.asarray(x) for x in jax.tree.leaves(runner.kv_cache)]
-    runner.copy_pages(pages, [6, 7])
-    runner.offload_pages(pages, [0, 1])
-    runner.clear_pages(pages)
-    runner.load_pages([0, 1], pages)
+    runner.kv.copy_pages(pages, [6, 7])
+    runner.kv.offload_pages(pages, [0, 1])
+    runner.kv.clear_pages(pages)
+    runner.kv.load_pages([0, 1], pages)
     kv_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
     scale_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES))
     for old, leaf in zip(before, jax.tree.leaves(runner.kv_cache)):  # k, v, k_scale, v_scale

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from jaxinfer.engine.config import ATTENTION_BACKENDS, EngineConfig, Flag
-from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.engine.spec_decode.config import SpeculativeConfig
 
 FIELDS = dataclasses.fields(EngineConfig)
 

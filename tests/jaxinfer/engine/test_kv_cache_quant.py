@@ -19,7 +19,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.engine.sampling import SamplingRow
-from jaxinfer.spec_decode.draft import DraftModel
+from jaxinfer.engine.spec_decode.draft import DraftModel
 from models.llama import KVCache
 from tests.jaxinfer.engine.test_prefix_caching import CORPUS, drive, held_pages, prompt, tokens, with_prefix
 from tests.models.test_llama_kv_quant import CFG as TINY
@@ -48,22 +48,22 @@ def test_page_ops_move_scales_with_their_pages():
     before, draft_before = _host(runner.kv_cache), _host(runner.draft_cache)
     assert len(before) == 4  # k, v, k_scale, v_scale
 
-    runner.copy_pages(src, dst)  # copy-on-write: values and scales, in both caches
+    runner.kv.copy_pages(src, dst)  # copy-on-write: values and scales, in both caches
     for old, new in zip(before + draft_before, _host(runner.kv_cache) + _host(runner.draft_cache)):
         np.testing.assert_array_equal(new[:, dst], old[:, src])
     decode = lambda pages: runner.compute_logits([ScheduledChunk([11], 20, pages)])  # noqa: E731
     np.testing.assert_array_equal(decode(dst), decode(src))  # the copies mean the same numbers
 
     offloaded = _host(runner.kv_cache)
-    runner.offload_pages(src, [0, 1, 2])  # host tier (target cache only, see ModelRunner)
-    runner.clear_pages(src)
+    runner.kv.offload_pages(src, [0, 1, 2])  # host tier (target cache only, see ModelRunner)
+    runner.kv.clear_pages(src)
     for leaf in _host(runner.kv_cache) + _host(runner.draft_cache):
         assert not leaf[:, src].any()  # cleared: values and scales
-    runner.load_pages([0, 1, 2], src)
+    runner.kv.load_pages([0, 1, 2], src)
     for old, new in zip(offloaded, _host(runner.kv_cache)):
         np.testing.assert_array_equal(new[:, 1:], old[:, 1:])  # every leaf back bit for bit (the null page 0
         # takes the padding writes of the power-of-two id list)
-    assert not runner.host_pages
+    assert not runner.kv.host_pages
     np.testing.assert_array_equal(decode(src), decode(dst))
 
 

@@ -112,7 +112,7 @@ def assert_idle(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
     assert alloc.num_free_pages == alloc.num_usable_pages
     if llm.engine.prefix_cache is not None:
-        assert len(llm.runner.host_pages) == llm.engine.prefix_cache.num_host_pages <= HOST_PAGES
+        assert len(llm.runner.kv.host_pages) == llm.engine.prefix_cache.num_host_pages <= HOST_PAGES
 
 
 def prompt(ids: list[int], salt: str | None = None) -> dict:
@@ -380,7 +380,7 @@ def test_host_tier_brings_evicted_prefix_back(on: LLM, off: LLM, corpus: list[in
     cache, runner = on.engine.prefix_cache, on.runner
 
     def check() -> None:
-        assert len(runner.host_pages) == cache.num_host_pages <= cache.host_capacity_pages
+        assert len(runner.kv.host_pages) == cache.num_host_pages <= cache.host_capacity_pages
 
     a = corpus[0:60]  # 60 + 8 tokens: 4 full pages cached after it
     t1, t2 = corpus[100:200], corpus[250:350]  # 100 + 8 tokens: 7 pages each, no prefix in common with a
@@ -407,9 +407,9 @@ def test_reset_empties_both_tiers(on: LLM, corpus: list[int]) -> None:
     with held_pages(on, keep_free=12):
         for p in (corpus[0:100], corpus[150:250], corpus[300:400]):  # the later ones evict the earlier
             on.generate([prompt(p)], [GREEDY])
-    assert on.engine.prefix_cache.num_host_pages > 0 and len(on.runner.host_pages) > 0
+    assert on.engine.prefix_cache.num_host_pages > 0 and len(on.runner.kv.host_pages) > 0
     on.reset_prefix_cache()
-    assert on.engine.prefix_cache.num_host_pages == len(on.runner.host_pages) == 0
+    assert on.engine.prefix_cache.num_host_pages == len(on.runner.kv.host_pages) == 0
     assert on.engine.prefix_cache.num_cached_pages == 0
     (out,) = on.generate([prompt(corpus[0:100])], [GREEDY])
     assert out.num_cached_tokens == 0

@@ -37,13 +37,13 @@ from collections.abc import Iterator
 import jax
 import pytest
 
-import jaxinfer.engine.engine as engine_module
+import jaxinfer.engine.startup as startup_module
 from jaxinfer import SamplingParams
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.scheduler.scheduler import ScheduledChunk
-from jaxinfer.spec_decode.policy import SpeculationPolicy
+from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
 from tests.jaxinfer.engine.test_engine import held_pages, scheduler_limits
 
 pytestmark = pytest.mark.slow
@@ -142,7 +142,7 @@ class Run:
 @pytest.fixture(scope="module")
 def _load_once() -> Iterator[None]:
     """The module's engines share one parsed checkpoint (the GGUF parse and dequantisation take seconds)."""
-    real, memo = engine_module.load_model, {}
+    real, memo = startup_module.load_model, {}
 
     def load(*args, **kwargs):
         key = (args, tuple(sorted(kwargs.items())))
@@ -151,7 +151,7 @@ def _load_once() -> Iterator[None]:
         return memo[key]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_module, "load_model", load)
+        mp.setattr(startup_module, "load_model", load)
         yield
 
 

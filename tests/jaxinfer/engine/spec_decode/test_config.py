@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from jaxinfer.spec_decode.config import METHODS, SpeculativeConfig
-from jaxinfer.spec_decode.policy import DEFAULT_MAX_STEP_TOKENS, EMA_WEIGHT, SpeculationPolicy, SpecStats
+from jaxinfer.engine.spec_decode.config import METHODS, SpeculativeConfig
+from jaxinfer.engine.spec_decode.policy import DEFAULT_MAX_STEP_TOKENS, EMA_WEIGHT, SpeculationPolicy, SpecStats
 
 # --- SpeculativeConfig ---------------------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ import scipy.stats
 
 from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample
 from jaxinfer.sampling_params import SamplingParams as P
-from jaxinfer.spec_decode import verify as verify_module
-from jaxinfer.spec_decode.verify import VerifyOutput, verify
+from jaxinfer.engine.spec_decode import verify as verify_module
+from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
 
 ALPHA = 0.001  # significance of every chi-square goodness-of-fit test here
 N = 20_000  # seeded rows per distribution test, one jitted call

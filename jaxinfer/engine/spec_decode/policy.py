@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from jaxinfer.spec_decode.config import SpeculativeConfig
+from jaxinfer.engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MAX_STEP_TOKENS = {"cpu": 8, "gpu": 256, "tpu": 256}
 EMA_WEIGHT = 0.5

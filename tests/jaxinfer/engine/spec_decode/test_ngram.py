@@ -1,4 +1,4 @@
-"""Prompt-lookup n-gram proposer (jaxinfer/spec_decode/ngram.py): hand-worked cases, the stateless proposer and the
+"""Prompt-lookup n-gram proposer (jaxinfer/engine/spec_decode/ngram.py): hand-worked cases, the stateless proposer and the
 incremental index against a brute-force reference, and the index after every appended token."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.spec_decode.ngram import NgramIndex, NgramProposer, Proposer
+from jaxinfer.engine.spec_decode.ngram import NgramIndex, NgramProposer, Proposer
 
 ProposeFn = Callable[[list[int], int, int, int], list[int]]
 

@@ -26,8 +26,8 @@ Worked example, `min_n=1, max_n=4`:
   c = 4: propose t[4:4+k] -> k=3: [9, 3, 4]; k=8: [9, 3, 4, 7, 2, 3, 4, 9] (t[4:11] has 7 tokens, then repeats).
   t = [1, 2, 1, 2, 1]: n=4 none; n=3 suffix [1, 2, 1] at i=0; c = 3, p = 2 -> k=5: [2, 1, 2, 1, 2].
 
-**Two implementations, same proposals** (tests/jaxinfer/test_spec_ngram.py checks them against each other and
-a brute-force reference):
+**Two implementations, same proposals** (tests/jaxinfer/engine/spec_decode/test_ngram.py checks them against each
+other and a brute-force reference):
 - `NgramProposer.propose(token_ids, k)` is stateless: one numpy pass, O(L) per call. Converting a Python list
   of L ids to an array dominates: ~200-240 us per call on an 8k-token context (~7-9 us when `token_ids` is
   already an integer ndarray).
@@ -38,9 +38,9 @@ a brute-force reference):
   **This is the faster one, for the engine**: keep one per decoding sequence (`NgramProposer.new_index()`).
 Measured with `python -m timeit` (best of 5) on the 2-core CPU box (Python 3.12, numpy 2.5), 8192 random ids
 from a 32000-id vocabulary, k=8; `randrange(200)` (many matches) gives the same times to within 20%:
-  python -m timeit -s "import random; from jaxinfer.spec_decode.ngram import NgramProposer as P; \
+  python -m timeit -s "import random; from jaxinfer.engine.spec_decode.ngram import NgramProposer as P; \
     r = random.Random(0); t = [r.randrange(32000) for _ in range(8192)]; p = P()" "p.propose(t, 8)"
-  python -m timeit -s "import random; from jaxinfer.spec_decode.ngram import NgramProposer as P; \
+  python -m timeit -s "import random; from jaxinfer.engine.spec_decode.ngram import NgramProposer as P; \
     r = random.Random(0); t = [r.randrange(32000) for _ in range(8192)]; x = P().new_index(); x.propose(t, 8)" \
     "t.append(r.randrange(32000)); x.propose(t, 8)"
   python -m timeit -s "..." "P().new_index().propose(t, 8)"    (the one-time build, same setup)

@@ -1,0 +1,170 @@
+"""`PagedKVCache`: the device KV cache of a model runner, its host tier, and every move of a page between them.
+
+Every cache leaf (K, V and, for int8 / fp8 caches, their scales) leads with [L, P] (layers, pages), so each page
+operation is the same indexing on every leaf and a page's scales always travel with it. On a mesh the cache is
+split over KV heads. In a multi-host run each move is broadcast to the followers before it runs
+(`jaxinfer.engine.multihost`), and every process keeps its own host-tier copy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine import multihost
+from jaxinfer.engine.step_inputs import padded_page_ids
+from models.config import ModelConfig
+from models.llama import KVCache
+
+
+def _clear_pages(kv_cache: KVCache, page_ids: jax.Array) -> KVCache:
+    return jax.tree.map(lambda a: a.at[:, page_ids].set(0), kv_cache)
+
+
+def _copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return jax.tree.map(lambda a: a.at[:, dst].set(a[:, src]), kv_cache)
+
+
+def _gather_pages(kv_cache: KVCache, page_ids: jax.Array) -> KVCache:
+    return jax.tree.map(lambda a: a[:, page_ids], kv_cache)  # leaves [L, n, ...]
+
+
+def _scatter_pages(kv_cache: KVCache, page_ids: jax.Array, pages: KVCache) -> KVCache:
+    return jax.tree.map(lambda a, x: a.at[:, page_ids].set(x), kv_cache, pages)
+
+
+class PagedKVCache:
+    """Owns the paged KV cache on device (and a draft model's own cache) and the prefix cache's host tier.
+
+    Args:
+      cfg: the target model's config (as run: TP-padded on a mesh).
+      num_pages: pages in the cache, including the null page 0.
+      page_size: tokens per page.
+      kv_dtype: cache dtype: float32 / bfloat16, or int8 / float8_e4m3fn for a quantized cache with per-token
+        scales (`models.llama.KVCache`); a draft model's own cache takes the same dtype.
+      mesh: the device mesh, or None for one device.
+      draft_cfg: the config of a draft model with a cache of its own (same pages, same page ids), or None.
+        Copies and clears of pages apply to its cache too; host-tier offloads do not (its K/V there goes stale,
+        which only lowers acceptance).
+
+    Attributes:
+      cache: the target's `KVCache`, leaves [L, num_pages, ...]; device calls donate it and store the new one.
+      draft_cache: the draft model's own `KVCache`, or None.
+      sharding: per-leaf `NamedSharding` of `cache` on the mesh, or None without a mesh.
+      replicated: the mesh's fully replicated sharding, or None without a mesh.
+      host_pages: host tier: host page id -> one page, a `KVCache` of numpy leaves without the page axis (k, v
+        [L, K, page_size, H], scales f32[L, K, page_size] for int8 / fp8). Pages start as (device batch being
+        copied to the host asynchronously, index in it) and become numpy when next touched.
+
+    Raises:
+      ValueError: num_pages < 2.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, num_pages: int, page_size: int, kv_dtype: jnp.dtype,
+                 mesh: jax.sharding.Mesh | None = None, draft_cfg: ModelConfig | None = None) -> None:
+        if num_pages < 2:
+            raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the reserved null page)")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.mesh = mesh
+        self.sharding = self.replicated = None
+        if mesh is not None:
+            from sharding.rules import logical_to_spec
+
+            self.sharding = KVCache.per_leaf(
+                jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES)),
+                jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES)), kv_dtype)
+            self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self.cache = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
+                             out_shardings=self.sharding)()
+        self.draft_cache = None
+        if draft_cfg is not None:
+            self.draft_cache = jax.jit(functools.partial(KVCache.zeros, draft_cfg, num_pages, page_size, kv_dtype))()
+        self._clear = jax.jit(_clear_pages, donate_argnums=0, out_shardings=self.sharding)
+        self._copy = jax.jit(_copy_pages, donate_argnums=0, out_shardings=self.sharding)
+        self._scatter = jax.jit(_scatter_pages, donate_argnums=0, out_shardings=self.sharding)
+        self._gather = jax.jit(_gather_pages, out_shardings=self.replicated)
+        self.host_pages: dict[int, KVCache | tuple[KVCache, int]] = {}
+        self._unsettled: list[int] = []  # host pages whose data are still device arrays in flight to the host
+
+    def _global(self, tree):
+        return multihost.global_inputs(tree, self.mesh)
+
+    def clear_pages(self, page_ids: Sequence[int]) -> None:
+        """Zeroes pages (all layers, K and V and their scales, also in the draft's cache), e.g. those a sequence
+        filled with NaN K/V, before they are reused.
+
+        Attention masks the positions past a sequence's length, but a masked weight of 0 times a stale NaN is still
+        NaN: without this, the next owner of such a page would inherit the failure.
+        """
+        if not len(page_ids):
+            return
+        (ids,) = padded_page_ids(page_ids)  # a follower replays the padded ids, which pad to themselves
+        multihost.send(multihost.Op.CLEAR_PAGES, ids)
+        self.cache = self._clear(self.cache, self._global(ids))
+        if self.draft_cache is not None:
+            self.draft_cache = self._clear(self.draft_cache, ids)
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copies device pages src[i] -> dst[i] (all layers, K and V and their scales, also in the draft's cache):
+        copy-on-write of shared pages."""
+        multihost.send(multihost.Op.COPY_PAGES, (list(src), list(dst)))
+        s, d = padded_page_ids(src, dst)
+        self.cache = self._copy(self.cache, *self._global((s, d)))
+        if self.draft_cache is not None:
+            self.draft_cache = self._copy(self.draft_cache, s, d)
+
+    def offload_pages(self, page_ids: Sequence[int], host_page_ids: Sequence[int]) -> None:
+        """Copies device pages to host pages (device-to-host, started asynchronously; the step may run
+        meanwhile)."""
+        multihost.send(multihost.Op.OFFLOAD_PAGES, (list(page_ids), list(host_page_ids)))
+        self.settle_host_pages()  # earlier offloads have landed (on followers too, which run no engine loop)
+        (ids,) = padded_page_ids(page_ids)
+        batch = self._gather(self.cache, self._global(ids))
+        for x in jax.tree.leaves(batch):
+            x.copy_to_host_async()
+        for i, host_page_id in enumerate(host_page_ids):
+            self.host_pages[host_page_id] = (batch, i)
+        self._unsettled += host_page_ids
+
+    def _host_page(self, host_page_id: int) -> KVCache:
+        entry = self.host_pages[host_page_id]
+        if isinstance(entry, tuple):  # still the device batch it was gathered in: materialize this page on the host
+            batch, i = entry
+            entry = jax.tree.map(lambda x: np.asarray(x)[:, i], batch)
+            self.host_pages[host_page_id] = entry
+        return entry
+
+    def settle_host_pages(self) -> None:
+        """Turns pages offloaded by earlier steps into host numpy arrays, releasing their device copies."""
+        for host_page_id in self._unsettled:
+            if host_page_id in self.host_pages:  # not loaded back or dropped meanwhile
+                self._host_page(host_page_id)
+        self._unsettled = []
+
+    def load_pages(self, host_page_ids: Sequence[int], page_ids: Sequence[int]) -> None:
+        """Copies host pages back into device pages (host-to-device) and frees the host pages."""
+        multihost.send(multihost.Op.LOAD_PAGES, (list(host_page_ids), list(page_ids)))
+        pages = [self._host_page(h) for h in host_page_ids]
+        (ids,) = padded_page_ids(page_ids)
+
+        def stack(cache_leaf: jax.Array, *page_leaves: np.ndarray) -> np.ndarray:
+            out = np.zeros((cache_leaf.shape[0], len(ids), *cache_leaf.shape[2:]), cache_leaf.dtype)  # [L, n, ...]
+            for i, x in enumerate(page_leaves):
+                out[:, i] = x
+            return out
+
+        batch = jax.tree.map(stack, self.cache, *pages)
+        self.cache = self._scatter(self.cache, *self._global((ids, batch)))
+        self.drop_host_pages(host_page_ids, broadcast=False)
+
+    def drop_host_pages(self, host_page_ids: Sequence[int], broadcast: bool = True) -> None:
+        """Frees host pages (broadcast: tell the followers too; False inside a move they replay themselves)."""
+        if broadcast:
+            multihost.send(multihost.Op.DROP_PAGES, list(host_page_ids))
+        for host_page_id in host_page_ids:
+            self.host_pages.pop(host_page_id, None)

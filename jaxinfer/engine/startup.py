@@ -1,0 +1,256 @@
+"""Engine start-up: load the model, quantize it, shard it onto the mesh, load a draft model, size the KV cache and
+build the model runner (`start`); the prefix cache (`make_prefix_cache`); JAX's compilation cache.
+
+KV cache sizing: a page costs `models.llama.KVCache.bytes_per_page` (plus the same for a draft model with a cache
+of its own), per device on accelerators with a mesh; the budget is `EngineConfig.kv_cache_memory_bytes` or a share
+of memory (`default_kv_budget`); the cache gets budget // page bytes pages, at most what max_num_seqs sequences of
+max_model_len tokens can use, plus the null page, and every host of a multi-host run takes the leader's count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+
+from jaxinfer.engine import multihost
+from jaxinfer.engine.config import (DEFAULT_KV_CACHE_DEVICE_FRACTION, DEFAULT_KV_CACHE_HOST_FRACTION,
+                                    DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig)
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.spec_decode import draft as draft_lib
+from jaxinfer.loading import load_model, stored_quantization
+from jaxinfer.scheduler.page_allocator import PageAllocator
+from jaxinfer.scheduler.prefix_cache import PrefixCache
+from jaxinfer.tokenizer import Tokenizer
+from models import quant
+from models.config import ModelConfig
+from models.llama import KVCache, Weights
+from models.partition import shard_model
+from models.quant import QuantizationConfig
+from models.quant_sharding import quantize_sharded
+from pallas_kernels.dispatch import select_attention
+from sharding.mesh import make_mesh
+
+logger = logging.getLogger(__name__)
+
+
+def enable_compilation_cache() -> None:
+    """Turns on JAX's persistent compilation cache (unless the user set one): restarts skip XLA compiles."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = os.environ.get("JAXINFER_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxinfer" / "xla"))
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """What start-up hands the engine.
+
+    Attributes:
+      model_config: the model's config as trained (the runner holds the TP-padded one).
+      tokenizer: the model's tokenizer.
+      quantization: the effective weight quantization, or None (`resolve_quantization`).
+      weight_bytes: `models.quant.weight_bytes` of the device weights.
+      mesh: the device mesh, or None for one device.
+      max_model_len: the context limit in tokens.
+      page_bytes: bytes of one KV page (target plus a draft's own cache; per device on accelerators with a mesh).
+      runner: the model runner, its KV cache allocated.
+    """
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    quantization: QuantizationConfig | None
+    weight_bytes: dict
+    mesh: jax.sharding.Mesh | None
+    max_model_len: int
+    page_bytes: int
+    runner: ModelRunner
+
+
+def _quantize(weights, cfg, qcfg: QuantizationConfig, dtype) -> Weights:
+    """Quantizes one device's weights in a single compiled computation (no op-by-op dispatch)."""
+    return jax.jit(functools.partial(quant.quantize_weights, cfg=cfg, qcfg=qcfg, dtype=dtype))(weights)
+
+
+def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | None, bool]:
+    """(the effective quantization, resolved, or None; whether the weights are quantized at load).
+
+    A quantized checkpoint's own quantization wins: `config.quantization` None takes it, an equal one is
+    accepted, a different one is refused.
+
+    Raises:
+      ValueError: `config.quantization` differs from the checkpoint's (both named), or a malformed checkpoint.
+    """
+    stored = stored_quantization(config.model)
+    wanted = None if config.quantization is None else config.quantization.resolved()
+    if stored is None:
+        return wanted, wanted is not None
+    if wanted is not None and wanted != stored:
+        raise ValueError(f"quantization={wanted} differs from the quantization the checkpoint {config.model!r} "
+                         f"is stored with, {stored}; pass quantization=None (leave out --quantization) to use the "
+                         f"checkpoint's, or convert "
+                         f"the original model again")
+    return stored, False
+
+
+def _load_target(config: EngineConfig, mesh, qcfg: QuantizationConfig | None, quantize_at_load: bool):
+    """(config as trained, config as run, device weights, tokenizer): loaded, sharded and quantized."""
+    dtype = DTYPES[config.dtype]
+    load_dtype = np.float32 if quantize_at_load else np.dtype(dtype)  # quantized from f32
+    # numpy weights; for an orbax checkpoint and a mesh, arrays restored straight onto the mesh
+    cfg, np_weights, tokenizer = load_model(config.model, load_dtype, mesh=mesh)
+    if mesh is None:
+        run_cfg, weights = cfg, jax.tree.map(jnp.asarray, np_weights)
+        if quantize_at_load:
+            weights = _quantize(weights, cfg, qcfg, dtype)
+        return cfg, run_cfg, weights, tokenizer
+    sharded = shard_model(cfg, np_weights, mesh)  # a quantized checkpoint's weights padded as stored
+    run_cfg, weights = sharded.cfg, sharded.weights
+    if quantize_at_load:
+        weights = quantize_sharded(weights, run_cfg, qcfg, dtype)
+    padded = "" if sharded.layout.heads_identity else \
+        f" (padded from {cfg.num_heads} / {cfg.num_kv_heads}: KV heads replicated, so a KV page holds " \
+        f"{run_cfg.num_kv_heads / cfg.num_kv_heads:.2g}x the bytes)"
+    logger.info("sharded over tp=%d x ep=%d devices: %d query heads, %d KV heads%s", config.tensor_parallel_size,
+                config.expert_parallel_size, run_cfg.num_heads, run_cfg.num_kv_heads, padded)
+    return cfg, run_cfg, weights, tokenizer
+
+
+def load_draft(config: EngineConfig, run_cfg: ModelConfig, weights: Weights, qcfg: QuantizationConfig | None,
+               target_vocab: int) -> draft_lib.DraftModel | None:
+    """The draft model of "self_draft" / "draft_model" (None for "ngram" or without speculative decoding).
+
+    Raises:
+      ValueError: for "draft_model" in a multi-process run, or a draft model whose vocabulary differs from the
+        target's.
+    """
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "self_draft":
+        return draft_lib.self_draft(run_cfg, weights, spec.num_draft_layers)
+    if spec.method != "draft_model":
+        return None
+    if multihost.is_multi_process():
+        raise ValueError("speculative method 'draft_model' runs in one process; use 'ngram' or 'self_draft'")
+    dtype = DTYPES[config.dtype]
+    try:
+        # a quantized draft checkpoint is used as stored; other drafts are quantized like the target
+        draft_qcfg = None if stored_quantization(spec.model) is not None else qcfg
+        draft_cfg, draft_weights, draft_tokenizer = load_model(
+            spec.model, np.float32 if draft_qcfg is not None else np.dtype(dtype))
+    except ValueError as e:
+        raise ValueError(f"speculative draft model: {e}") from None
+    draft_lib.check_draft_model(draft_cfg, run_cfg, draft_tokenizer.vocab_size, target_vocab)
+    logger.info("draft model %s: %d layers", draft_cfg.name, draft_cfg.num_layers)
+    draft_weights = jax.tree.map(jnp.asarray, draft_weights)
+    if draft_qcfg is not None:
+        draft_weights = _quantize(draft_weights, draft_cfg, draft_qcfg, dtype)
+    return draft_lib.DraftModel(cfg=draft_cfg, weights=draft_weights, shares_target_cache=False)
+
+
+def default_kv_budget() -> int:
+    """The KV cache budget in bytes without `kv_cache_memory_bytes`: a share of host memory on CPU (multiples of
+    64 MiB), of free device memory after the weights on accelerators."""
+    # From total memory (capped by half of what is available), rounded to 64 MiB, so that the cache shape,
+    # and with it the persistent compilation cache's keys, stay the same from one start to the next.
+    if jax.default_backend() == "cpu":
+        mem = psutil.virtual_memory()
+        budget = min(mem.total * DEFAULT_KV_CACHE_HOST_FRACTION, mem.available * 0.5)
+        return max(int(budget) // (64 << 20) * (64 << 20), 64 << 20)
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return int(max(free, 0) * DEFAULT_KV_CACHE_DEVICE_FRACTION)
+
+
+def kv_page_bytes(config: EngineConfig, run_cfg: ModelConfig, draft: draft_lib.DraftModel | None, mesh) -> int:
+    """Bytes of one KV page: the target's plus a draft's own cache; per device on accelerators with a mesh."""
+    kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, DTYPES[config.dtype])
+    page_bytes = KVCache.bytes_per_page(run_cfg, config.page_size, kv_dtype)  # over all devices
+    if draft is not None and not draft.shares_target_cache:  # the draft's cache has a page for every page
+        page_bytes += KVCache.bytes_per_page(draft.cfg, config.page_size, kv_dtype)
+    if mesh is not None and jax.default_backend() != "cpu":
+        page_bytes //= config.tensor_parallel_size  # the budget is per device there (CPU devices share the host's)
+    return page_bytes
+
+
+def num_kv_pages(config: EngineConfig, page_bytes: int, max_model_len: int) -> int:
+    """Pages of the KV cache, the null page included, the same on every host.
+
+    Raises:
+      ValueError: a budget smaller than one page.
+    """
+    budget = config.kv_cache_memory_bytes or default_kv_budget()
+    max_useful_pages = config.max_num_seqs * -(-max_model_len // config.page_size)
+    num_pages = multihost.agree(min(int(budget) // page_bytes, max_useful_pages) + 1)  # same on every host
+    if num_pages < 2:
+        raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV page ({page_bytes} bytes)")
+    return num_pages
+
+
+def start(config: EngineConfig) -> Started:
+    """Loads everything the engine runs on (see the module docstring).
+
+    Raises:
+      ValueError: a draft model path that does not exist (before the target loads), from the model loader or
+        `resolve_quantization`, a max_model_len beyond the model's context, or a KV budget too small for one page.
+    """
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model" and not Path(spec.model).exists():
+        raise ValueError(f"speculative draft model path {spec.model!r} does not exist")  # before loading the target
+    enable_compilation_cache()
+    t0 = time.perf_counter()
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+    mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
+    qcfg, quantize_at_load = resolve_quantization(config)
+    cfg, run_cfg, weights, tokenizer = _load_target(config, mesh, qcfg, quantize_at_load)
+    weight_bytes = quant.weight_bytes(weights)
+    logger.info("loaded %s (%s%s) in %.1f s: %.1f MiB of weights", cfg.name, config.dtype,
+                "" if qcfg is None else f", {qcfg.format} weights ({weight_bytes['quantized_share']:.2%} of "
+                f"parameters quantized{'' if quantize_at_load else ', as stored in the checkpoint'})",
+                time.perf_counter() - t0, weight_bytes["bytes"] / 2**20)
+    if qcfg is not None:
+        logger.info("quantization: %s", qcfg)
+    max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
+    if not 1 <= max_model_len <= cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
+    draft = load_draft(config, run_cfg, weights, qcfg, tokenizer.vocab_size)
+    page_bytes = kv_page_bytes(config, run_cfg, draft, mesh)
+    num_pages = num_kv_pages(config, page_bytes, max_model_len)
+    kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, DTYPES[config.dtype])
+    runner = ModelRunner(run_cfg, weights, num_pages=num_pages, page_size=config.page_size, kv_dtype=kv_dtype,
+                         scan_layers=config.scan_layers, attention=select_attention(config.attention_backend),
+                         vocab_limit=min(cfg.vocab_size, tokenizer.vocab_size),
+                         max_pages_per_seq=-(-max_model_len // config.page_size), mesh=mesh,
+                         output_vocab=cfg.vocab_size, draft=draft)
+    logger.info("KV cache: %d pages of %d tokens, %s (%.1f MiB)", num_pages, config.page_size,
+                jnp.dtype(kv_dtype).name, num_pages * page_bytes / 2**20)
+    return Started(model_config=cfg, tokenizer=tokenizer, quantization=qcfg, weight_bytes=weight_bytes, mesh=mesh,
+                   max_model_len=max_model_len, page_bytes=page_bytes, runner=runner)
+
+
+def make_prefix_cache(config: EngineConfig, page_allocator: PageAllocator, page_bytes: int) -> PrefixCache | None:
+    """The prefix cache over the allocator's pages (None when `enable_prefix_caching` is off), with a host tier of
+    `kv_offload_bytes` // page_bytes pages.
+
+    Raises:
+      ValueError: a nonzero kv_offload_bytes smaller than one page.
+    """
+    if not config.enable_prefix_caching:
+        return None
+    min_pages = config.kv_offload_min_pages or DEFAULT_OFFLOAD_MIN_PAGES.get(jax.default_backend(), 1)
+    if 0 < config.kv_offload_bytes < page_bytes:
+        raise ValueError(f"kv_offload_bytes={config.kv_offload_bytes} is smaller than one KV page "
+                         f"({page_bytes} bytes)")
+    return PrefixCache(page_allocator, config.page_size, host_capacity_pages=config.kv_offload_bytes // page_bytes,
+                       host_min_pages=min_pages)
