@@ -2,10 +2,11 @@
 `spec_prompts`, the section in `spec_report`).
 
 Engines in one process, identical except for `speculative_config` (none; ngram k = 2, 4, 8 (`--ngram-ks`); self_draft
-with all but 2 of the model's layers at k = 2, unless `--no-self-draft`), each with `warmup=False`, `--max-model-len` (1024) and the same KV budget. Every
-measured shape runs once untimed first (with a fresh, empty persistent compilation cache, so the engines compile the
-shapes they share once), and greedy decoding repeats the same tokens, so the timed runs meet only compiled shapes.
-The prefix cache is reset before every run, so every run of a prompt does the same work.
+with all but 2 of the model's layers at k = 2, unless `--no-self-draft`), each with `warmup=False`, `--max-model-len`
+(1024) and the same KV budget. Every measured shape runs once untimed first (with a fresh, empty persistent
+compilation cache, so the engines compile the shapes they share once), and greedy decoding repeats the same tokens,
+so the timed runs meet only compiled shapes. The prefix cache is reset before every run, so every run of a prompt
+does the same work.
 
 1. **Batch-1 decode.** Two chat-template prompts (`Tokenizer.apply_chat_template`, as `jaxinfer generate --chat`
    renders them), one request at a time:
@@ -203,7 +204,8 @@ def run(args: argparse.Namespace) -> Report:
     copy, chat = copy_prompt(tok), chat_prompt(tok)
     batch = tput_prompts(tok, text, args.requests)
     drafts = [name for name in engines if name.startswith("self_draft")]
-    settings = {"configs": list(engines), "self_draft": drafts[0] if drafts else None, "max_model_len": args.max_model_len,
+    settings = {"configs": list(engines), "self_draft": drafts[0] if drafts else None,
+                "max_model_len": args.max_model_len,
                 "copy_max_tokens": args.copy_max_tokens, "chat_max_tokens": args.chat_max_tokens,
                 "chat_question": CHAT_QUESTION, "requests": args.requests, "tput_max_tokens": args.tput_max_tokens}
     r = {"kv_pages": off.page_allocator.num_usable_pages, "backend": jax.default_backend(),
