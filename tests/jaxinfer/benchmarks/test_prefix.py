@@ -43,3 +43,12 @@ def test_prefix_smoke(tmp_path):
     assert "## Prefix caching (tiny, float32)" in section and "machine: nproc" in section
     assert f"{data['page_bytes'] / 1024:.0f} KiB" in section and "### Host tier" in section
     assert "2 conversations x 2 turns, greedy, max_tokens 4" in section
+
+
+def test_bad_sizes_name_the_problem(capsys):
+    from jaxinfer.cli import main
+
+    assert main(["bench", "prefix", "--ttft-prefix-tokens", "8"]) == 2
+    assert "--ttft-prefix-tokens 8: expected 16 ... 2000 tokens" in capsys.readouterr().err
+    assert main(["bench", "prefix", "--chat-system-tokens", "0"]) == 2
+    assert "--chat-system-tokens" in capsys.readouterr().err

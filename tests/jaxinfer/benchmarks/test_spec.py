@@ -70,3 +70,12 @@ def test_changed_output_is_exit_status_1():
     assert all_identical(result(True, True))
     assert not all_identical(result(False, True))
     assert not all_identical(result(True, False))
+
+
+def test_bad_engine_options_name_the_problem(capsys):
+    from jaxinfer.cli import main
+
+    assert main(["bench", "spec", "--ngram-ks", "2,8"]) == 2
+    assert "--ngram-ks '2,8' must hold 4" in capsys.readouterr().err
+    assert main(["bench", "spec", "--ngram-ks", "two"]) == 2
+    assert "--ngram-ks 'two': expected comma-separated integers >= 1" in capsys.readouterr().err
