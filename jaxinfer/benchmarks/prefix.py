@@ -3,16 +3,17 @@
 Two engines in one process, with the same shapes: prefix caching on (with a host tier of `--host-pages` pages) and
 off. Measurements in `prefix_measure`, the section in `prefix_report`.
 
-1. **TTFT, cold vs warm.** A 1,000-token shared prefix (the first 1,000 tokens of the GPL-3 text, as raw token
-   ids) plus a 20-token question (other 20-token windows of that text). Cold: `reset_prefix_cache()`, then the
-   request. Warm: right after a cold one, the same prefix with a different question (992 of its tokens are
-   cached: 62 full pages). `--reps` cold/warm pairs, interleaved; TTFT is the request's own
+1. **TTFT, cold vs warm.** A 1,000-token shared prefix (`--ttft-prefix-tokens`; the first 1,000 tokens of the GPL-3
+   text, as raw token ids) plus a 20-token question (other 20-token windows of that text). Cold:
+   `reset_prefix_cache()`, then the request. Warm: right after a cold one, the same prefix with a different question
+   (992 of its tokens are cached: 62 full pages). `--reps` cold/warm pairs, interleaved; TTFT is the request's own
    (`RequestOutput.metrics.ttft_s`: from `add_request` to its first token), medians reported. One untimed pair runs
    first, so the step shapes are compiled (the persistent compilation cache is off in benchmark runs).
 2. **Multi-turn chat.** `--chat-convs` conversations x `--chat-turns` turns through the model's chat template (one
-   shared ~250-token system message, a ~30-token user message per turn), greedy, `max_tokens` 32. Turn t+1's
-   prompt is turn t's prompt + its reply's token ids + `<|im_end|>\\n<|im_start|>user\\n...<|im_start|>assistant\\n`
-   (what a ChatML template renders, without re-tokenizing the reply). Each conversation sends its next turn as soon
+   shared ~250-token system message (`--chat-system-tokens`), a ~30-token user message per turn), greedy,
+   `max_tokens` 32 (`--chat-max-tokens`). Turn t+1's prompt is turn t's prompt + its reply's token ids +
+   `<|im_end|>\\n<|im_start|>user\\n...<|im_start|>assistant\\n` (what a ChatML template renders, without
+   re-tokenizing the reply). Each conversation sends its next turn as soon
    as its previous reply finished (the engine is stepped by hand), so turns of different conversations overlap.
    The whole workload runs once untimed per engine (compiles), then `--chat-passes` timed passes alternate on / off
    / on / off; reported: wall time, (prompt + output) tokens/s and output tokens/s over the wall time, mean TTFT,
@@ -51,8 +52,9 @@ import numpy as np
 
 from jaxinfer import LLM
 from jaxinfer.benchmarks import corpus
-from jaxinfer.benchmarks.prefix_measure import (BREAK_EVEN_PAGES, HOST_PAGES, PS, bench_break_even, bench_chat,
-                                                bench_ttft)
+from jaxinfer.benchmarks.prefix_measure import (BREAK_EVEN_PAGES, CHAT_MAX_TOKENS, CHAT_SYSTEM_TOKENS,
+                                                HOST_PAGES, PREFIX_TOKENS, PS,
+                                                bench_break_even, bench_chat, bench_ttft)
 from jaxinfer.benchmarks.prefix_report import render
 from jaxinfer.benchmarks.report import Report
 from jaxinfer.loading import load_model
@@ -71,9 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a .gguf file or HF folder with a chat template (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--reps", type=int, default=5,
                         help="timed cold/warm TTFT pairs, and reps per break-even point")
+    parser.add_argument("--ttft-prefix-tokens", type=int, default=PREFIX_TOKENS,
+                        help="tokens of the TTFT part's shared prefix (16 ... 2000; shorter: fewer prefill chunks)")
     parser.add_argument("--chat-convs", type=int, default=8, help="conversations of the chat workload")
     parser.add_argument("--chat-turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--chat-passes", type=int, default=2, help="timed passes per engine")
+    parser.add_argument("--chat-system-tokens", type=int, default=CHAT_SYSTEM_TOKENS,
+                        help="tokens of the text in the shared system message (fewer: shorter prompts, fewer chunks)")
+    parser.add_argument("--chat-max-tokens", type=int, default=CHAT_MAX_TOKENS,
+                        help="max_tokens of every chat reply (fewer: fewer decode steps and shapes to compile)")
     parser.add_argument("--break-even-pages", default=",".join(map(str, BREAK_EVEN_PAGES)),
                         help="prefix sizes k (pages of 16 tokens) of the host-tier break-even")
     parser.add_argument("--host-pages", type=int, default=HOST_PAGES, help="pages of the host tier")
@@ -100,8 +108,10 @@ def make_engines(model: str | None, host_pages: int, max_num_seqs: int = 8, kv_p
 
 def _options(args: argparse.Namespace) -> tuple[int, ...]:
     """The break-even page counts. Raises ValueError naming a bad option."""
-    if min(args.reps, args.chat_convs, args.chat_turns, args.chat_passes, args.host_pages) < 1:
-        raise ValueError("--reps, --chat-convs, --chat-turns, --chat-passes and --host-pages must be >= 1")
+    if min(args.reps, args.chat_convs, args.chat_turns, args.chat_passes, args.chat_max_tokens, args.chat_system_tokens,
+           args.host_pages) < 1:
+        raise ValueError("--reps, --chat-convs, --chat-turns, --chat-passes, --chat-max-tokens, "
+                         "--chat-system-tokens and --host-pages must be >= 1")
     try:
         pages = tuple(int(k) for k in args.break_even_pages.split(",") if k.strip())
     except ValueError:
@@ -130,6 +140,8 @@ def run(args: argparse.Namespace) -> Report:
       ValueError: a bad option, a model that cannot be loaded, or no GPL-3 text.
     """
     pages = _options(args)
+    if not PS <= args.ttft_prefix_tokens <= 2000:
+        raise ValueError(f"--ttft-prefix-tokens {args.ttft_prefix_tokens}: expected {PS} ... 2000 tokens")
     text = corpus.read_text("prefix")
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     on, off, page_bytes = make_engines(args.model, args.host_pages)
@@ -140,8 +152,9 @@ def run(args: argparse.Namespace) -> Report:
          "min_pages_default": on.engine.prefix_cache.host_min_pages,
          "model": {"name": cfg.name, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
                    "head_dim": cfg.head_dim}}
-    r["ttft"] = bench_ttft(on, text_ids, args.reps)
-    r["chat"] = bench_chat(on, off, text_ids, args.chat_convs, args.chat_turns, args.chat_passes)
+    r["ttft"] = bench_ttft(on, text_ids, args.reps, args.ttft_prefix_tokens)
+    r["chat"] = bench_chat(on, off, text_ids, args.chat_convs, args.chat_turns, args.chat_passes,
+                           args.chat_max_tokens, args.chat_system_tokens)
     r["break_even"] = bench_break_even(on, text_ids, args.reps, pages)
     for llm in (on, off):
         if llm.page_allocator.num_free_pages != llm.page_allocator.num_usable_pages:

@@ -22,6 +22,7 @@ QUESTION_TOKENS = 20
 HOST_PAGES = 128
 BREAK_EVEN_PAGES = (1, 4, 16, 64)
 CHAT_MAX_TOKENS = 32
+CHAT_SYSTEM_TOKENS = 250
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 
 
@@ -33,14 +34,15 @@ def median(xs: list[float]) -> float:
 # --- 1. TTFT cold vs warm -----------------------------------------------------------------------------------------
 
 
-def bench_ttft(llm: LLM, text_ids: list[int], reps: int) -> dict:
-    """`reps` interleaved cold / warm pairs (after an untimed one) of the shared prefix + a question.
+def bench_ttft(llm: LLM, text_ids: list[int], reps: int, prefix_tokens: int = PREFIX_TOKENS) -> dict:
+    """`reps` interleaved cold / warm pairs (after an untimed one) of the shared prefix (the first `prefix_tokens`
+    tokens of the text, at most 2000: the questions come after) + a question.
 
     Returns:
       {"cold", "warm": TTFT seconds per pair, "cold_wall", "warm_wall": `generate` seconds, "cached": tokens the
-      warm request found cached, "prompt_tokens", "reps"}.
+      warm request found cached, "prefix_tokens", "prompt_tokens", "reps"}.
     """
-    prefix = text_ids[:PREFIX_TOKENS]
+    prefix = text_ids[:prefix_tokens]
     questions = [text_ids[2000 + QUESTION_TOKENS * i: 2000 + QUESTION_TOKENS * (i + 1)] for i in range(2 * reps + 2)]
     cold, warm, cold_wall, warm_wall, cached = [], [], [], [], []
     for i in range(reps + 1):  # pair 0 compiles the shapes and is not reported
@@ -50,7 +52,7 @@ def bench_ttft(llm: LLM, text_ids: list[int], reps: int) -> dict:
         t1 = time.perf_counter()
         (w,) = llm.generate([{"prompt_token_ids": prefix + questions[2 * i + 1]}], ONE_TOKEN)
         t2 = time.perf_counter()
-        assert c.num_cached_tokens == 0 and w.num_cached_tokens == PREFIX_TOKENS // PS * PS, (c, w)
+        assert c.num_cached_tokens == 0 and w.num_cached_tokens == prefix_tokens // PS * PS, (c, w)
         if i:
             cold.append(c.metrics.ttft_s)
             warm.append(w.metrics.ttft_s)
@@ -59,16 +61,18 @@ def bench_ttft(llm: LLM, text_ids: list[int], reps: int) -> dict:
             cached.append(w.num_cached_tokens)
         logger.info("ttft pair %d: cold %.3f s, warm %.3f s", i, c.metrics.ttft_s, w.metrics.ttft_s)
     return {"cold": cold, "warm": warm, "cold_wall": cold_wall, "warm_wall": warm_wall, "cached": cached[0],
-            "prompt_tokens": PREFIX_TOKENS + QUESTION_TOKENS, "reps": reps}
+            "prefix_tokens": prefix_tokens, "prompt_tokens": prefix_tokens + QUESTION_TOKENS, "reps": reps}
 
 
 # --- 2. multi-turn chat --------------------------------------------------------------------------------------------
 
 
-def chat_script(llm: LLM, text_ids: list[int], convs: int, turns: int) -> tuple[str, list[list[str]]]:
-    """The shared system message (~250 tokens of the text) and each conversation's user messages, one per turn."""
+def chat_script(llm: LLM, text_ids: list[int], convs: int, turns: int, system_tokens: int = CHAT_SYSTEM_TOKENS
+                ) -> tuple[str, list[list[str]]]:
+    """The shared system message (`system_tokens` tokens of the text, decoded) and each conversation's user messages,
+    one per turn."""
     tok = llm.tokenizer
-    system = tok.decode(text_ids[3000:3250], skip_special_tokens=True)
+    system = tok.decode(text_ids[3000:3000 + system_tokens], skip_special_tokens=True)
     messages = []
     for c in range(convs):
         conv = []
@@ -94,11 +98,12 @@ class ChatPass:
     replies: list[list[list[int]]]
 
 
-def run_chat(llm: LLM, system: str, messages: list[list[str]]) -> ChatPass:
-    """All conversations; each sends its next turn as soon as its previous reply finished."""
+def run_chat(llm: LLM, system: str, messages: list[list[str]], max_tokens: int = CHAT_MAX_TOKENS) -> ChatPass:
+    """All conversations, greedy replies of at most `max_tokens` tokens; each conversation sends its next turn as
+    soon as its previous reply finished."""
     tok, engine = llm.tokenizer, llm.engine
     eos = tok.eos_ids
-    params = SamplingParams(temperature=0, max_tokens=CHAT_MAX_TOKENS)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.reset_prefix_cache()
     s0 = engine.stats()
     prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": m[0]}],
@@ -135,20 +140,23 @@ def run_chat(llm: LLM, system: str, messages: list[list[str]]) -> ChatPass:
     return ChatPass(wall, prompt_tokens, output_tokens, ttft, h / q if q else 0.0, cached, replies)
 
 
-def bench_chat(on: LLM, off: LLM, text_ids: list[int], convs: int, turns: int, passes: int) -> dict:
-    """The chat workload once untimed per engine, then `passes` timed passes alternating on / off.
+def bench_chat(on: LLM, off: LLM, text_ids: list[int], convs: int, turns: int, passes: int,
+               max_tokens: int = CHAT_MAX_TOKENS, system_tokens: int = CHAT_SYSTEM_TOKENS) -> dict:
+    """The chat workload (replies of at most `max_tokens` tokens, a system message of `system_tokens` tokens) once
+    untimed per engine, then `passes` timed passes alternating on / off.
 
     Returns:
-      {"runs": {"on" | "off": [ChatPass]}, "same_tokens", "convs", "turns", "passes", "first_prompt_tokens"}.
+      {"runs": {"on" | "off": [ChatPass]}, "same_tokens", "convs", "turns", "passes", "max_tokens",
+      "first_prompt_tokens"}.
     """
-    system, messages = chat_script(on, text_ids, convs, turns)
+    system, messages = chat_script(on, text_ids, convs, turns, system_tokens)
     runs: dict[str, list[ChatPass]] = {"on": [], "off": []}
     for name, llm in (("on", on), ("off", off)):
-        warm = run_chat(llm, system, messages)  # compiles the shapes this workload meets
+        warm = run_chat(llm, system, messages, max_tokens)  # compiles the shapes this workload meets
         logger.info("chat %s untimed pass: %.1f s", name, warm.wall_s)
     for _ in range(passes):
         for name, llm in (("on", on), ("off", off)):
-            r = run_chat(llm, system, messages)
+            r = run_chat(llm, system, messages, max_tokens)
             runs[name].append(r)
             logger.info("chat %s: %.1f s, %d prompt + %d output tokens, hit rate %.2f", name, r.wall_s,
                         r.prompt_tokens, r.output_tokens, r.hit_rate)
@@ -157,7 +165,7 @@ def bench_chat(on: LLM, off: LLM, text_ids: list[int], convs: int, turns: int, p
         [{"role": "system", "content": system}, {"role": "user", "content": messages[0][0]}],
         add_generation_prompt=True))
     return {"runs": runs, "same_tokens": same, "convs": convs, "turns": turns, "passes": passes,
-            "first_prompt_tokens": first_prompt}
+            "max_tokens": max_tokens, "first_prompt_tokens": first_prompt}
 
 
 # --- 3. host tier break-even ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import statistics
 
 import jax
 
-from jaxinfer.benchmarks.prefix_measure import CHAT_MAX_TOKENS, PREFIX_TOKENS, PS, QUESTION_TOKENS, median
+from jaxinfer.benchmarks.prefix_measure import PS, QUESTION_TOKENS, median
 from jaxinfer.benchmarks.report import machine_line, table, vs_range
 
 
@@ -34,7 +34,7 @@ def render(r: dict, command: str, date: str, elapsed_s: float, load: tuple[float
     t = r["ttft"]
     cold, warm = median(t["cold"]), median(t["warm"])
     ratio = warm / cold
-    out.append(f"### TTFT: {PREFIX_TOKENS}-token shared prefix + {QUESTION_TOKENS}-token question\n")
+    out.append(f"### TTFT: {t['prefix_tokens']}-token shared prefix + {QUESTION_TOKENS}-token question\n")
     out.append(table(["", "median TTFT ms", "min ms", "max ms", "median wall of generate ms", "cached tokens"], [
         ["cold (cache reset)", _ms(cold), _ms(min(t["cold"])), _ms(max(t["cold"])), _ms(median(t["cold_wall"])),
          "0"],
@@ -52,7 +52,7 @@ def render(r: dict, command: str, date: str, elapsed_s: float, load: tuple[float
 
     c = r["chat"]
     out.append(f"### Multi-turn chat: {c['convs']} conversations x {c['turns']} turns, greedy, max_tokens "
-               f"{CHAT_MAX_TOKENS}\n")
+               f"{c['max_tokens']}\n")
     out.append(f"One shared system message, ChatML; first prompt {c['first_prompt_tokens']} tokens, each later turn "
                "= previous prompt + reply + a new user message; a conversation's next turn is sent when its reply "
                f"finishes. {c['passes']} timed passes per engine, alternating, after an untimed one each.\n")

@@ -1,11 +1,12 @@
 """`jaxinfer bench spec`: speculative decoding in float32, greedy (measurements in `spec_measure`, prompts in
 `spec_prompts`, the section in `spec_report`).
 
-Engines in one process, identical except for `speculative_config` (none; ngram k = 2, 4, 8; self_draft with all but
-2 of the model's layers at k = 2), each with `warmup=False`, `--max-model-len` (1024) and the same KV budget. Every
-measured shape runs once untimed first (with a fresh, empty persistent compilation cache, so the engines compile the
-shapes they share once), and greedy decoding repeats the same tokens, so the timed runs meet only compiled shapes.
-The prefix cache is reset before every run, so every run of a prompt does the same work.
+Engines in one process, identical except for `speculative_config` (none; ngram k = 2, 4, 8 (`--ngram-ks`); self_draft
+with all but 2 of the model's layers at k = 2, unless `--no-self-draft`), each with `warmup=False`, `--max-model-len`
+(1024) and the same KV budget. Every measured shape runs once untimed first (with a fresh, empty persistent
+compilation cache, so the engines compile the shapes they share once), and greedy decoding repeats the same tokens,
+so the timed runs meet only compiled shapes. The prefix cache is reset before every run, so every run of a prompt
+does the same work.
 
 1. **Batch-1 decode.** Two chat-template prompts (`Tokenizer.apply_chat_template`, as `jaxinfer generate --chat`
    renders them), one request at a time:
@@ -81,7 +82,9 @@ KV_BYTES = 640 * 2**20  # SmolLM2: ~910 f32 pages of 16 tokens, so 32 sequences 
 STEP_BATCHES = (1, 2, 4, 8, 16, 32)
 STEP_BATCH1_ROWS = (2, 4, 8, 16, 32)  # batch-1 verify blocks, k = rows - 1
 STEP_VERIFY_BATCHES = (4, 8, 16, 32)  # with k = 1 and 3: the k the policy gives these batches at 16 ... 128 rows
-TPUT_ON = "ngram k=4"  # = the default SpeculativeConfig of method "ngram"
+NGRAM_KS = (2, 4, 8)
+TPUT_K = 4  # the k of the default SpeculativeConfig of method "ngram": the throughput part's "on" engine
+TPUT_ON = f"ngram k={TPUT_K}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,33 +100,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tput-max-tokens", type=int, default=64, help="max_tokens of each concurrent request")
     parser.add_argument("--max-model-len", type=int, default=1024, help="every engine's max_model_len")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=KV_BYTES, help="every engine's KV budget")
+    parser.add_argument("--ngram-ks", default=",".join(map(str, NGRAM_KS)),
+                        help=f"k of the ngram engines (must hold {TPUT_K}: the throughput part's 'on' engine)")
+    parser.add_argument("--no-self-draft", action="store_true",
+                        help="leave out the self_draft engine (fewer compiles, e.g. in smoke tests)")
     for name, default, what in (("--step-batches", STEP_BATCHES, "decode step batches"),
                                 ("--step-batch1-rows", STEP_BATCH1_ROWS, "rows (k + 1) of the batch-1 verify steps"),
                                 ("--step-verify-batches", STEP_VERIFY_BATCHES,
-                                 "batches of the k = 1 and 3 verify steps (each also in --step-batches)")):
+                                 "batches of the k = 1 and 3 verify steps (each also in --step-batches; '' for "
+                                 "none)")):
         parser.add_argument(name, default=",".join(map(str, default)), help=what)
 
 
-def configs(num_layers: int) -> list[tuple[str, dict | None]]:
-    """(name, speculative_config) of every engine: off, ngram k = 2 / 4 / 8, self_draft with all but 2 layers."""
+def configs(num_layers: int, ngram_ks: tuple[int, ...] = NGRAM_KS, self_draft: bool = True
+            ) -> list[tuple[str, dict | None]]:
+    """(name, speculative_config) of every engine: off, ngram at each k of `ngram_ks` (default 2 / 4 / 8), and
+    (unless `self_draft` is False) self_draft with all but 2 layers at k = 2."""
     draft_layers = max(1, num_layers - 2)
-    return [
-        ("off", None),
-        ("ngram k=2", {"method": "ngram", "num_speculative_tokens": 2}),
-        ("ngram k=4", {"method": "ngram", "num_speculative_tokens": 4}),
-        ("ngram k=8", {"method": "ngram", "num_speculative_tokens": 8}),
-        (f"self_draft {draft_layers} layers k=2",
-         {"method": "self_draft", "num_speculative_tokens": 2, "num_draft_layers": draft_layers}),
-    ]
+    out: list[tuple[str, dict | None]] = [("off", None)]
+    out += [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k}) for k in ngram_ks]
+    if self_draft:
+        out.append((f"self_draft {draft_layers} layers k=2",
+                    {"method": "self_draft", "num_speculative_tokens": 2, "num_draft_layers": draft_layers}))
+    return out
 
 
-def _ints(args: argparse.Namespace, name: str) -> tuple[int, ...]:
+def _ints(args: argparse.Namespace, name: str, allow_empty: bool = False) -> tuple[int, ...]:
     text = getattr(args, name)
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        values = ()
-    if not values or min(values) < 1:
+        values = None
+    if values is None or (not values and not allow_empty) or min(values, default=1) < 1:
         raise ValueError(f"--{name.replace('_', '-')} {text!r}: expected comma-separated integers >= 1")
     return values
 
@@ -136,7 +144,9 @@ def _shapes(args: argparse.Namespace) -> list[tuple[str, int, int]]:
                          "--kv-cache-memory-bytes must be >= 1")
     if args.requests < 2 or args.requests % 2:
         raise ValueError(f"--requests {args.requests}: expected an even number >= 2")
-    batches, verify = _ints(args, "step_batches"), _ints(args, "step_verify_batches")
+    if TPUT_K not in _ints(args, "ngram_ks"):
+        raise ValueError(f"--ngram-ks {args.ngram_ks!r} must hold {TPUT_K} (the throughput part's 'on' engine)")
+    batches, verify = _ints(args, "step_batches"), _ints(args, "step_verify_batches", allow_empty=True)
     if not set(verify) <= set(batches) or 1 not in batches:
         raise ValueError("--step-batches must hold 1 and every --step-verify-batches batch")
     return step_shapes(batches, _ints(args, "step_batch1_rows"), verify)
@@ -188,11 +198,14 @@ def run(args: argparse.Namespace) -> Report:
 
     off = make_engine(None)
     cfg, tok = off.model_config, off.tokenizer
-    engines = {name: off if spec is None else make_engine(spec) for name, spec in configs(cfg.num_layers)}
+    engines = {name: off if spec is None else make_engine(spec)
+               for name, spec in configs(cfg.num_layers, _ints(args, "ngram_ks"), not args.no_self_draft)}
     logger.info("%d engines ready in %.1f s", len(engines), time.perf_counter() - t0)
     copy, chat = copy_prompt(tok), chat_prompt(tok)
     batch = tput_prompts(tok, text, args.requests)
-    settings = {"configs": list(engines), "self_draft": list(engines)[-1], "max_model_len": args.max_model_len,
+    drafts = [name for name in engines if name.startswith("self_draft")]
+    settings = {"configs": list(engines), "self_draft": drafts[0] if drafts else None,
+                "max_model_len": args.max_model_len,
                 "copy_max_tokens": args.copy_max_tokens, "chat_max_tokens": args.chat_max_tokens,
                 "chat_question": CHAT_QUESTION, "requests": args.requests, "tput_max_tokens": args.tput_max_tokens}
     r = {"kv_pages": off.page_allocator.num_usable_pages, "backend": jax.default_backend(),

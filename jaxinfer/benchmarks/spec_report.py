@@ -122,6 +122,8 @@ def render(r: dict, command: str, date: str, elapsed_s: float, load: tuple[float
         base = median(single[task]["off"]["tok_s"])
         parts = []
         for name, (lo, hi) in ranges.items():
+            if name not in single[task]:  # a config left out (--ngram-ks, --no-self-draft)
+                continue
             x = median(single[task][name]["tok_s"]) / base
             parts.append(f"{name} {lo}-{hi}x, measured {x:.2f}x ({vs_range(x, lo, hi)})")
         lines.append(f"{task}: " + "; ".join(parts))

@@ -1,5 +1,6 @@
-"""Smoke test of `jaxinfer bench load --start-server`: a tiny random Llama served on loopback, 2 streams for 2 s;
-checks the counts, rates and latencies of the report, the server's clean exit, and the section."""
+"""Smoke test of `jaxinfer bench load --start-server`: a tiny random Llama served on loopback, 2 streams for 1.5 s
+after a warm-up of 8 requests; checks the counts, rates and latencies of the report, the server's clean exit, and
+the section."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_load_smoke(tmp_path):
         tmp_path, "load", "--start-server", "--model", str(model), "--server-log", str(tmp_path / "serve.log"),
         "--server-args", "--max-num-seqs 2 --max-model-len 64 --max-num-batched-tokens 32 "
                          "--kv-cache-memory-bytes 4000000",
-        "--concurrency", "2", "--warmup-s", "2", "--warmup-requests", "8", "--duration-s", "2", "--max-tokens", "4",
+        "--concurrency", "2", "--warmup-s", "0", "--warmup-requests", "8", "--duration-s", "1.5", "--max-tokens", "4",
         "--health-timeout-s", "300")
     data = report["data"]
     assert data["server_exit_status"] == 0 and data["exit_status"] == 0
