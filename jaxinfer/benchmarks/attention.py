@@ -108,7 +108,7 @@ def render(rows: list[dict], cfg: ModelConfig, args: argparse.Namespace, elapsed
         "in interpret mode, whose timings measure the interpreter (about 0.15 ms per grid step in generic interpret "
         "mode), not the kernel: they are not a speed comparison. Command:\n")
     out.append(f"```\n{args.command}\n```\n")
-    out.append(f"- date: {args.date}; jax {jax.__version__}, backend {jax.default_backend()}; {machine_line()}; run "
+    out.append(f"- date: {args.date}; backend {jax.default_backend()}; {machine_line()}; run "
                f"time {elapsed_s:.0f} s; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
                f"({os.cpu_count()} cores: above that, other jobs competed); a shared, noisy VM: numbers move by 20% "
                "or more between runs\n")

@@ -135,7 +135,7 @@ def render(r: dict, args: argparse.Namespace, elapsed_s: float, load: tuple[floa
         f"mesh here); the {kind} path decodes on the host and then copies. First call on its own, then median and "
         f"minimum of {r['reps']} more; files in the OS page cache (warm). Command:\n")
     out.append(f"```\n{args.command}\n```\n")
-    out.append(f"- date: {args.date}; jax {jax.__version__}, backend {jax.default_backend()}; {machine_line()}; run "
+    out.append(f"- date: {args.date}; backend {jax.default_backend()}; {machine_line()}; run "
                f"time {elapsed_s:.0f} s; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
                f"({os.cpu_count()} cores: above that, other jobs competed); a shared, noisy VM\n")
     out.append(f"- on disk: {kind} source {sizes['source'] / 2**20:.1f} MiB; orbax weights "

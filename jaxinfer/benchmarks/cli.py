@@ -51,11 +51,31 @@ def workload_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     return parser, module
 
 
+def _check_writable(option: str, path: Path | None) -> None:
+    """Raises ValueError naming `option` unless `path` is None or a file this process may create or replace."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder; give a file path")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise ValueError(f"{option} {path} is not writable")
+
+
 def run(name: str, argv: list[str]) -> int:
     """Parses `argv` for workload `name`, runs it and reports; returns the exit status (argparse exits 2 on bad
-    options)."""
+    options).
+
+    Raises:
+      ValueError: a `--write` / `--json` path that cannot be written (checked before the run), or the workload's
+        own checks of its options.
+    """
     parser, module = workload_parser(name)
     args = parser.parse_args(argv)
+    for option, path in (("--write", args.write), ("--json", args.json)):
+        _check_writable(option, path)  # before the run, not after minutes of it
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     command = shlex.join(["jaxinfer", "bench", name, *argv])
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

@@ -24,7 +24,7 @@ off. Measurements in `prefix_measure`, the section in `prefix_report`.
    allocating every free page, offloads settled to numpy before the request; the step then loads the k pages back),
    (c) on the device. Also the raw calls: `runner.kv.load_pages` of k real host pages vs a standalone prefill step of
    k*16 tokens (`runner.execute`). Host-tier loading pays off from the smallest k where (b) < (a); that k is what
-   `DEFAULT_OFFLOAD_MIN_PAGES["cpu"]` in engine.py should be.
+   `DEFAULT_OFFLOAD_MIN_PAGES["cpu"]` in `jaxinfer/engine/config.py` should be.
 
 Expectations, written before measuring SmolLM2-135M-Instruct (2 shared cores, f32; earlier runs here: ~1,000-1,500
 prefill tokens/s and ~30-90 ms per small step):

@@ -27,7 +27,7 @@ def render(r: dict, command: str, date: str, elapsed_s: float, load: tuple[float
                "`jaxinfer/benchmarks/prefix.py` for the method and the expectations written before the run (for "
                "SmolLM2-135M-Instruct). Command:\n")
     out.append(f"```\n{command}\n```\n")
-    out.append(f"- date: {date}; jax {jax.__version__}, backend {jax.default_backend()}; {machine_line()}; run time "
+    out.append(f"- date: {date}; backend {jax.default_backend()}; {machine_line()}; run time "
                f"{elapsed_s:.0f} s; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
                "(2 cores: above 2, other jobs competed); a shared, noisy VM\n")
 

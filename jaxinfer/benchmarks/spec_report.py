@@ -3,7 +3,6 @@ acceptance of a verify step and the `max_step_tokens` the data suggests."""
 
 from __future__ import annotations
 
-import jax
 
 from jaxinfer.benchmarks.report import machine_line, table, vs_range
 from jaxinfer.benchmarks.spec_measure import STEP_CONTEXT, STEP_ROWS, derived, median
@@ -59,7 +58,7 @@ def render(r: dict, command: str, date: str, elapsed_s: float, load: tuple[float
                "written before the first run: `jaxinfer/benchmarks/spec.py`. Command:\n")
     out.append(f"```\n{command}\n```\n")
     loads = r.get("loads") or [load[1]]
-    out.append(f"- date: {date}; jax {jax.__version__}; {machine_line()}; run time {elapsed_s:.0f} s (batch-1 "
+    out.append(f"- date: {date}; {machine_line()}; run time {elapsed_s:.0f} s (batch-1 "
                f"{r['single_s']:.0f} s, {st['requests']} requests {r['tput_s']:.0f} s, step costs "
                f"{r['steps_s']:.0f} s); 1-minute "
                f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, {min(loads):.1f}-{max(loads):.1f} "

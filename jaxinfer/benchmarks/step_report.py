@@ -134,7 +134,7 @@ def _intro(data: dict, cfg: ModelConfig, command: str, date: str) -> list[str]:
         f"Medians over {data['prefill_reps']} prefills and {data['decode_steps']} decode steps. All sections come "
         "from one run of:\n",
         f"```\n{command}\n```\n",
-        f"- date: {date}\n- jax {jax.__version__}, backend {jax.default_backend()}, Python "
+        f"- date: {date}\n- backend {jax.default_backend()}, Python "
         f"{platform.python_version()}\n- {machine_line()}; a shared, noisy VM: numbers move by 20% or more between "
         f"runs, so compare rows of one run\n- total run time: {data['elapsed_s'] / 60:.1f} min\n",
     ]

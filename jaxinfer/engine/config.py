@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -237,9 +238,14 @@ class EngineConfig:
         if self.kv_offload_min_pages is not None and (not _is_int(self.kv_offload_min_pages)
                                                       or self.kv_offload_min_pages < 1):
             raise ValueError(f"kv_offload_min_pages={self.kv_offload_min_pages!r} must be None or an integer >= 1")
-        if self.kv_cache_memory_bytes is not None and (not _is_int(self.kv_cache_memory_bytes)
-                                                       or self.kv_cache_memory_bytes < 1):
-            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes!r} must be a positive integer")
+        for name in ("max_model_len", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name}={value!r} must be None or a positive integer")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model={self.model!r} must be a path (str or os.PathLike) or None")
 
     def _check_normalised(self) -> None:
         """Raises a ValueError naming a `speculative_config` / `quantization` given as text or a dict, which only

@@ -69,6 +69,21 @@ def test_bad_values_still_raise_naming_the_field():
         EngineConfig(attention_backend="fast")
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"seed": -1}, r"seed=-1 must be an integer in \[0, 2\*\*32\)"),
+    ({"seed": 2**32}, r"seed=4294967296 must be an integer"),
+    ({"seed": "a"}, r"seed='a' must be an integer"),
+    ({"max_model_len": 0}, r"max_model_len=0 must be None or a positive integer"),
+    ({"max_model_len": "1024"}, r"max_model_len='1024' must be None or a positive integer"),
+    ({"kv_cache_memory_bytes": True}, r"kv_cache_memory_bytes=True must be None or a positive integer"),
+    ({"model": 123}, r"model=123 must be a path"),
+])
+def test_every_field_is_checked_before_anything_loads(options, message):
+    """Found by a fresh-user trial: these reached the loader (or numpy's seeding) before failing."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
 def test_attention_backends_are_the_dispatchers():
     from pallas_kernels.dispatch import AttentionBackend
 

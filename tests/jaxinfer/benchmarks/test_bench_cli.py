@@ -1,0 +1,25 @@
+"""`jaxinfer bench` itself: output paths are checked before a workload runs (a bad one costs no minutes of
+measuring), and an unknown workload is a usage error."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer.cli import main
+
+
+@pytest.mark.parametrize(("option", "path", "message"), [
+    ("--write", "{tmp}/missing/B.md", "does not exist"),
+    ("--json", "{tmp}", "is a folder"),
+])
+def test_unwritable_output_paths_are_refused_before_the_run(tmp_path, capsys, option, path, message):
+    status = main(["bench", "attention", option, path.format(tmp=tmp_path), "--reps", "1"])
+    err = capsys.readouterr().err
+    assert status == 2 and option in err and message in err
+    assert "Traceback" not in err
+
+
+def test_unknown_workload_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "nonsense"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
