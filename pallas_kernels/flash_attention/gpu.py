@@ -120,18 +120,9 @@ def gpu_tiles(num_tokens: int, group: int, block_sizes: BlockSizes | None, inter
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret"))
-def flash_attention_gpu(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    cu_q_lens: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    block_sizes: BlockSizes | None = None,
-    interpret: bool = False,
-) -> jax.Array:
+def flash_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
     """Causal attention of packed fresh sequences on GPU; same contract as `flash_attention_reference`.
 
     Args:

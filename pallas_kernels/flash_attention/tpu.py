@@ -101,18 +101,10 @@ def _flash_attention_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret"))
-def flash_attention_tpu(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    cu_q_lens: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    block_sizes: BlockSizes | None = None,
-    interpret: bool | pltpu.InterpretParams = False,
-) -> jax.Array:
+def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        block_sizes: BlockSizes | None = None,
+                        interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
     """Causal attention of packed fresh sequences on TPU; same contract as `flash_attention_reference`.
 
     Args:

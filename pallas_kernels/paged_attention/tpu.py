@@ -130,24 +130,11 @@ def _paged_attention_kernel(
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap", "block_sizes",
                                              "interpret"))
-def paged_attention_tpu(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    page_table: jax.Array,
-    cu_q_lens: jax.Array,
-    layer: jax.Array | int | None = None,
-    *,
-    max_q_len: int,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    block_sizes: BlockSizes | None = None,
-    interpret: bool | pltpu.InterpretParams = False,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-) -> jax.Array:
+def paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array, page_table: jax.Array,
+                        cu_q_lens: jax.Array, layer: jax.Array | int | None = None, *, max_q_len: int, sm_scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        block_sizes: BlockSizes | None = None, interpret: bool | pltpu.InterpretParams = False,
+                        k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
     """Causal paged attention of a ragged batch on TPU; same contract as `paged_attention_reference`.
 
     Args:
