@@ -134,13 +134,15 @@ def flash_attention_reference(
     same_seq = start[:, None] == start[None, :]  # [T, T]
     mask = same_seq & visible(pos[:, None], pos[None, :], (end - start)[:, None], sliding_window)  # [T, S=T]
 
-    q_g = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [K, G, T, H]
+    # Query rows ordered (t, g) per kv head: the scores come out of the dot as [K, T, G, S] with no transposing
+    # copy (ordered (g, t), XLA:CPU copied the whole f32 score tensor).
+    q_g = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)  # [K, T, G, H]
     k_t, v_t = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [K, S, H]: batch dims lead (XLA:CPU bf16 dots)
-    scores = jnp.einsum("kgth,ksh->kgts", q_g, k_t, preferred_element_type=jnp.float32)
-    scores = soft_cap_scores(scores * sm_scale, soft_cap)  # [K, G, T, S]
-    scores = jnp.where(mask, scores, DEFAULT_MASK_VALUE)
+    scores = jnp.einsum("ktgh,ksh->ktgs", q_g, k_t, preferred_element_type=jnp.float32)
+    scores = soft_cap_scores(scores * sm_scale, soft_cap)  # [K, T, G, S]
+    scores = jnp.where(mask[:, None], scores, DEFAULT_MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("kgts,ksh->kgth", probs.astype(v.dtype), v_t, preferred_element_type=jnp.float32)
-    out = out.transpose(2, 0, 1, 3).reshape(num_tokens, num_heads, head_dim)  # [T, N, H]
+    out = jnp.einsum("ktgs,ksh->ktgh", probs.astype(v.dtype), v_t, preferred_element_type=jnp.float32)
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_dim)  # [T, N, H]
     real = jnp.arange(num_tokens) < cu_q_lens[-1]
     return jnp.where(real[:, None, None], out, 0).astype(q.dtype)

@@ -30,8 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kv_quant import SCALE_DTYPE, is_quantized, load_values, quantize
-from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, queries_by_sequence,
+from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, kv_block_range, queries_by_sequence,
                                    rows_from_sequences, soft_cap_scores, visible)
+
+BLOCK_KV_TOKENS = 128  # keys per KV block of the online softmax (whole pages; fewer when the page table is narrow)
+BLOCK_Q = 128  # query rows per tile: a tile skips the KV blocks past its last row's causal end
 
 
 def check_paged_args(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
@@ -167,7 +170,8 @@ def write_kv(
     return k_pages, v_pages, k_scale, v_scale
 
 
-@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap", "block_q",
+                                             "block_kv_tokens"))
 def paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -183,8 +187,16 @@ def paged_attention_reference(
     soft_cap: float | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    block_q: int = BLOCK_Q,
+    block_kv_tokens: int = BLOCK_KV_TOKENS,
 ) -> jax.Array:
     """Causal attention of each sequence's new query tokens over its whole paged context (plain `jnp`).
+
+    Blocked like the kernels (FlashAttention's online softmax, `pallas_kernels.online_softmax`): query rows in
+    tiles of `block_q`, keys in blocks of whole pages (`block_kv_tokens`), and each tile loops (`fori_loop` with
+    traced bounds, `pallas_kernels.ragged.kv_block_range`) only over the KV blocks some sequence's rows of the tile
+    can see. A decode step therefore reads the real context of its longest sequence, not the padded page-table
+    width, and a prefill skips the fully masked blocks above the causal diagonal.
 
     Sequence b owns flat query rows `cu_q_lens[b] : cu_q_lens[b+1]` (its `q_len` newest tokens) and attends over
     its first `kv_lens[b]` cached positions (which already include those new tokens); query j of b sits at position
@@ -205,6 +217,9 @@ def paged_attention_reference(
       soft_cap: static; scores become `soft_cap * tanh(scores / soft_cap)` after scaling (Gemma 2; None: off).
       k_scale, v_scale: f32[P, K, page_size] (or [L, ...] stacked) scales of int8 / fp8 pages (module docstring);
         None for float pages. Key scales multiply the raw scores, value scales the probabilities.
+      block_q: static query rows per tile (>= 1).
+      block_kv_tokens: static keys per KV block, rounded down to whole pages (at least one page, at most the page
+        table's width).
 
     Returns:
       [T, N, H] attention output in q's dtype; padding rows are 0.
@@ -218,36 +233,69 @@ def paged_attention_reference(
                      k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pages.shape[-3:-1]
-    num_seqs, max_pages = page_table.shape
+    num_seqs = page_table.shape[0]
     group = num_heads // num_kv_heads
-    max_kv_len = max_pages * page_size
+    pages_per_block = max(1, min(block_kv_tokens // page_size, page_table.shape[1]))
+    width = -(-page_table.shape[1] // pages_per_block) * pages_per_block
+    page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))  # whole KV blocks (null page)
+    block_kv = pages_per_block * page_size
 
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
-    j = jnp.arange(max_q_len)
+    context_start = kv_lens - q_lens  # [B], position of each sequence's first new token
     q_seq = queries_by_sequence(q, cu_q_lens, max_q_len)  # [B, Tq, N, H]
-    q_seq = q_seq.reshape(num_seqs, max_q_len, num_kv_heads, group, head_dim)
+    # Query rows ordered (t, g) inside each kv head: the score dots then come out as [B, K, Tq, G, S] with no
+    # transposing copy of the f32 scores (with (g, t) XLA:CPU copied them in every layer).
+    q_seq = q_seq.reshape(num_seqs, max_q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
 
-    def gather(pages: jax.Array) -> jax.Array:
-        ctx = pages[page_table] if layer is None else pages[layer, page_table]  # [B, Pmax, K, page_size, ...]
-        ctx = jnp.moveaxis(ctx, 2, 1)  # [B, K, Pmax, page_size, ...]
-        return ctx.reshape(num_seqs, num_kv_heads, max_kv_len, *ctx.shape[4:])  # [B, K, S, H] or scales [B, K, S]
+    def gather(pages: jax.Array, block: jax.Array) -> jax.Array:
+        """KV block `block` of every sequence: [B, K, block_kv, H] (or scales [B, K, block_kv])."""
+        ids = jax.lax.dynamic_slice_in_dim(page_table, block * pages_per_block, pages_per_block, axis=1)
+        ctx = pages[ids] if layer is None else pages[layer, ids]  # [B, pages_per_block, K, page_size, ...]
+        ctx = jnp.moveaxis(ctx, 2, 1)  # [B, K, pages_per_block, page_size, ...]
+        return ctx.reshape(num_seqs, num_kv_heads, block_kv, *ctx.shape[4:])
 
-    k_ctx, v_ctx = gather(k_pages), gather(v_pages)
-    if k_scale is not None:  # int8 / fp8 values take part in the dots in q's dtype (exactly: <= 8 bits)
-        k_ctx, v_ctx = load_values(k_ctx, q.dtype), load_values(v_ctx, q.dtype)
-    scores = jnp.einsum("btkgh,bksh->bkgts", q_seq, k_ctx, preferred_element_type=jnp.float32)
-    if k_scale is not None:
-        scores = scores * gather(k_scale)[:, :, None, None, :]  # q . (k_int * k_scale)
-    scores = soft_cap_scores(scores * sm_scale, soft_cap)  # [B, K, G, Tq, S]
-    q_pos = kv_lens[:, None] - q_lens[:, None] + j[None, :]  # [B, Tq]
-    s = jnp.arange(max_kv_len)
-    mask = visible(q_pos[:, :, None], s[None, None, :], kv_lens[:, None, None], sliding_window)  # [B, Tq, S]
-    scores = jnp.where(mask[:, None, None], scores, DEFAULT_MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    if v_scale is not None:
-        probs = probs * gather(v_scale)[:, :, None, None, :]  # sum_s p_s v_scale_s v_int_s
-    # Batch dims lead the output: XLA:CPU has no bf16 x bf16 -> f32 dot for the transposed "btkgh" output.
-    out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs, max_q_len, num_heads, head_dim)  # [B, Tq, N, H]
+    def attend_block(q_blk: jax.Array, q_pos: jax.Array, block: jax.Array, carry: tuple) -> tuple:
+        """Online-softmax update (`pallas_kernels.online_softmax`) of one query tile [B, K, tq, G, H] with
+        KV block `block`; carry (m, l, acc) is f32 [B, K, tq, G, 1], [..., 1], [..., H]."""
+        m_prev, l_prev, acc_prev = carry
+        k_ctx, v_ctx = gather(k_pages, block), gather(v_pages, block)
+        if k_scale is not None:  # int8 / fp8 values take part in the dots in q's dtype (exactly: <= 8 bits)
+            k_ctx, v_ctx = load_values(k_ctx, q.dtype), load_values(v_ctx, q.dtype)
+        s = jnp.einsum("bktgh,bksh->bktgs", q_blk, k_ctx, preferred_element_type=jnp.float32)
+        if k_scale is not None:
+            s = s * gather(k_scale, block)[:, :, None, None, :]  # q . (k_int * k_scale)
+        s = soft_cap_scores(s * sm_scale, soft_cap)
+        kv_pos = block * block_kv + jnp.arange(block_kv)
+        mask = visible(q_pos[:, :, None], kv_pos[None, None, :], kv_lens[:, None, None], sliding_window)
+        s = jnp.where(mask[:, None, :, None, :], s, DEFAULT_MASK_VALUE)  # [B, K, tq, G, S]
+        m = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+        p = jnp.exp(s - m)
+        alpha = jnp.exp(m_prev - m)
+        l = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
+        if v_scale is not None:
+            p = p * gather(v_scale, block)[:, :, None, None, :]  # sum_s p_s v_scale_s v_int_s
+        pv = jnp.einsum("bktgs,bksh->bktgh", p.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+        return m, l, alpha * acc_prev + pv
+
+    outs = []
+    for first_t in range(0, max_q_len, block_q):  # query tiles; each visits only the KV blocks it can see
+        tq = min(block_q, max_q_len - first_t)
+        q_pos = context_start[:, None] + first_t + jnp.arange(tq)[None, :]  # [B, tq]
+        lo, hi, _ = jax.vmap(functools.partial(kv_block_range, first_t=first_t, block_q=tq, block_kv=block_kv,
+                                               split=0, num_splits=1, sliding_window=sliding_window))(
+            q_len=q_lens, kv_len=kv_lens)
+        rows = (num_seqs, num_kv_heads, tq, group)
+        carry = (jnp.full((*rows, 1), DEFAULT_MASK_VALUE, jnp.float32), jnp.zeros((*rows, 1), jnp.float32),
+                 jnp.zeros((*rows, head_dim), jnp.float32))
+        has_rows = hi > lo  # sequences with a real query in this tile
+        first_block = jnp.min(jnp.where(has_rows, lo, width // pages_per_block))
+        last_block = jnp.max(jnp.where(has_rows, hi, 0))
+        q_blk = q_seq[:, :, first_t : first_t + tq]
+        m, l, acc = jax.lax.fori_loop(first_block, last_block,
+                                      lambda j, c, q_blk=q_blk, q_pos=q_pos: attend_block(q_blk, q_pos, j, c),
+                                      carry)
+        outs.append(acc / jnp.where(l > 0, l, 1.0))
+    out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B, K, Tq, G, H]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_seqs, max_q_len, num_heads, head_dim)  # [B, Tq, N, H]
 
     return rows_from_sequences(out, cu_q_lens, num_tokens).astype(q.dtype)

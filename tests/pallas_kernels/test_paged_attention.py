@@ -27,11 +27,11 @@ def _pages(entries: dict[tuple[int, int], list[float]], num_pages: int, page_siz
     return pages
 
 
-def _attend(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, *, max_q_len, sm_scale, layer=None):
+def _attend(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, *, max_q_len, sm_scale, layer=None, **blocks):
     out = paged_attention_reference(
         jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(kv_lens, jnp.int32),
         jnp.asarray(page_table, jnp.int32), jnp.asarray(cu_q_lens, jnp.int32), layer,
-        max_q_len=max_q_len, sm_scale=sm_scale)
+        max_q_len=max_q_len, sm_scale=sm_scale, **blocks)
     return np.asarray(out.astype(jnp.float32))
 
 
@@ -166,6 +166,34 @@ def test_matches_dense_causal_attention_on_ragged_batch(group, dtype):
         np.testing.assert_allclose(out[cu_q_lens[b]: cu_q_lens[b + 1]], expected, **tol,
                                    err_msg=f"sequence {b} (q_len, ctx) = {SEQS[b]}")
     np.testing.assert_array_equal(out[num_tokens:], 0.0)  # padding rows
+
+
+# Tiles of 1-3 query rows and KV blocks of 1-2 pages: every sequence spans several blocks, tiles skip blocks past
+# their causal end, and the online softmax merges blocks (the defaults put these small cases in one block).
+BLOCKINGS = [dict(block_q=1, block_kv_tokens=PAGE_SIZE), dict(block_q=3, block_kv_tokens=PAGE_SIZE),
+             dict(block_q=2, block_kv_tokens=2 * PAGE_SIZE)]
+
+
+@pytest.mark.parametrize("blocks", BLOCKINGS, ids=lambda b: f"q{b['block_q']}-kv{b['block_kv_tokens']}")
+def test_blocked_online_softmax_matches_dense_attention(blocks):
+    q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, (qs, ks, vs), num_tokens = _ragged_case(3, seed=11)
+    sm_scale = HEAD_DIM**-0.5
+    out = _attend(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q_len=8, sm_scale=sm_scale, **blocks)
+    for b in range(len(SEQS)):
+        np.testing.assert_allclose(out[cu_q_lens[b]: cu_q_lens[b + 1]], _dense_attention(qs[b], ks[b], vs[b], sm_scale),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"sequence {b} (q_len, ctx) = {SEQS[b]}")
+    np.testing.assert_array_equal(out[num_tokens:], 0.0)
+
+
+@pytest.mark.parametrize("blocks", BLOCKINGS, ids=lambda b: f"q{b['block_q']}-kv{b['block_kv_tokens']}")
+def test_blocking_leaves_window_and_soft_cap_unchanged(blocks):
+    # Sliding windows make tiles start past block 0; the soft cap acts on every block's scores.
+    q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, _, _ = _ragged_case(2, seed=12)
+    args = (jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(kv_lens),
+            jnp.asarray(page_table), jnp.asarray(cu_q_lens))
+    kw = dict(max_q_len=8, sm_scale=HEAD_DIM**-0.5, sliding_window=3, soft_cap=2.0)
+    one_block = paged_attention_reference(*args, **kw, block_q=8, block_kv_tokens=MAX_PAGES * PAGE_SIZE)
+    np.testing.assert_allclose(paged_attention_reference(*args, **kw, **blocks), one_block, rtol=1e-5, atol=1e-5)
 
 
 def test_stacked_cache_equals_single_layer():
