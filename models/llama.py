@@ -270,6 +270,20 @@ class AttentionMetadata:
     fresh_prefill: bool = flax.struct.field(pytree_node=False, default=False)
 
 
+def unstack_layers(weights: Weights) -> Weights:
+    """The same weights with `layers` as a tuple of per-layer `LayerWeights` (leaves without the L axis).
+
+    `forward` runs such weights in an unrolled loop that reads each layer's arrays directly: XLA:CPU materializes
+    a slice of a stacked [L, ...] weight as a copy before every matmul (scan or not), which doubles a decode
+    step's weight traffic (BENCHMARKS.md). The stacked arrays are not kept: delete the input to free them.
+    """
+    if isinstance(weights.layers, tuple):
+        return weights
+    num_layers = weights.layers.attn_norm.shape[0]
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], weights.layers) for i in range(num_layers))
+    return weights.replace(layers=layers)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in f32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
@@ -331,7 +345,8 @@ def forward(
         `cfg.num_layers`: only the first `cfg.num_layers` run and only their cache layers are written
         (self-drafting runs the target's first layers this way, see `jaxinfer.engine.spec_decode.draft`).
       scan_layers: `lax.scan` over layers (compile time flat in depth) instead of an unrolled Python loop; both
-        update the stacked cache in place (timings in BENCHMARKS.md).
+        update the stacked cache in place (timings in BENCHMARKS.md). Weights whose `layers` is a tuple of
+        per-layer `LayerWeights` (`unstack_layers`) always run unrolled, reading each layer's arrays directly.
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); steps marked
         `metadata.fresh_prefill` use `attention.flash` when there is one.
       mesh: static; the device mesh the weights are placed on, or None. Only MoE layers use it: they run their
@@ -363,6 +378,8 @@ def forward(
         return _attention_output_and_mlp(x, attn, w, cfg, mesh), kv
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    if isinstance(params.layers, tuple):
+        scan_layers = False  # per-layer arrays run unrolled
     if scan_layers and params.layers.attn_norm.shape[0] == cfg.num_layers:
         def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
             x, kv = carry
@@ -379,7 +396,10 @@ def forward(
         (x, kv_cache), _ = jax.lax.scan(first_layers_body, (x, kv_cache), layer_ids)
     else:
         for i in range(cfg.num_layers):
-            w = jax.tree.map(lambda a, i=i: a[i], params.layers)
+            if isinstance(params.layers, tuple):  # one array per layer weight (`unstack_layers`): no slicing
+                w = params.layers[i]
+            else:
+                w = jax.tree.map(lambda a, i=i: a[i], params.layers)
             with jax.named_scope(f"layer_{i}"):
                 x, kv_cache = layer_step(x, w, kv_cache, i)
 

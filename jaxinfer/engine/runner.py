@@ -36,7 +36,7 @@ from jaxinfer.engine.step_inputs import (draft_inputs, next_power_of_two, num_pa
 from jaxinfer.engine.step_results import StepResult, VerifyResult
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.config import ModelConfig
-from models.llama import AttentionMetadata, KVCache, Weights, forward
+from models.llama import AttentionMetadata, KVCache, Weights, forward, unstack_layers
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ class ModelRunner:
       num_pages: pages in the cache, including the null page 0.
       page_size: tokens per page.
       kv_dtype: cache dtype (`jaxinfer.engine.kv_cache.PagedKVCache`).
-      scan_layers: scan over layers instead of unrolling them (see `models.llama.forward`).
+      scan_layers: scan over stacked layers instead of unrolling them; unrolled, the runner keeps one array per
+        layer weight (`models.llama.unstack_layers`; see `models.llama.forward`).
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); with a flash kernel,
         prefill steps of fresh prompts only (no cached context) compile as their own shape bucket.
       vocab_limit: ids at or above it are never sampled (a model's embedding table may be padded past the
@@ -129,7 +130,8 @@ class ModelRunner:
         draft: draft_lib.DraftModel | None = None,
     ) -> None:
         self.cfg = cfg
-        self.weights = weights
+        # Unrolled: one array per layer weight, so no layer's weights are sliced (copied) out of a stack per step.
+        self.weights = weights if scan_layers else unstack_layers(weights)
         self.vocab_limit = cfg.vocab_size if vocab_limit is None else vocab_limit
         self.page_size = page_size
         self.num_pages = num_pages

@@ -32,7 +32,7 @@ from jaxinfer.scheduler.prefix_cache import PrefixCache
 from jaxinfer.tokenizer import Tokenizer
 from models import quant
 from models.config import ModelConfig
-from models.llama import KVCache, Weights
+from models.llama import KVCache, Weights, unstack_layers
 from models.partition import shard_model
 from models.quant import QuantizationConfig
 from models.quant_sharding import quantize_sharded
@@ -224,6 +224,8 @@ def start(config: EngineConfig) -> Started:
     max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
     if not 1 <= max_model_len <= cfg.max_position_embeddings:
         raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
+    if not config.scan_layers:  # per-layer arrays before a self-draft shares them (one copy of the weights)
+        weights = unstack_layers(weights)
     draft = load_draft(config, run_cfg, weights, qcfg, tokenizer.vocab_size)
     page_bytes = kv_page_bytes(config, run_cfg, draft, mesh)
     num_pages = num_kv_pages(config, page_bytes, max_model_len)

@@ -15,7 +15,7 @@ import pytest
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.config import ModelConfig
-from models.llama import check_weights, init_weights
+from models.llama import check_weights, init_weights, unstack_layers
 
 PAGE_SIZE = 16
 NUM_PAGES = 24
@@ -84,6 +84,17 @@ def test_scan_layers_matches_unrolled(weights, prompt, full_logits):
     scanned = ModelRunner(CFG, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32,
                           scan_layers=True)
     out = scanned.compute_logits([ScheduledChunk(prompt, 0, [5, 2, 9])])
+    np.testing.assert_allclose(out, full_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_per_layer_weights_match_stacked(weights, prompt, full_logits):
+    # The unrolled runner keeps one array per layer weight (unstack_layers); scan keeps the stack: same logits.
+    unstacked = unstack_layers(weights)
+    assert isinstance(unstacked.layers, tuple) and len(unstacked.layers) == CFG.num_layers
+    np.testing.assert_array_equal(unstacked.layers[1].wq, weights.layers.wq[1])
+    runner = ModelRunner(CFG, unstacked, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32,
+                         scan_layers=True)  # per-layer arrays run unrolled whatever the flag says
+    out = runner.compute_logits([ScheduledChunk(prompt, 0, [5, 2, 9])])
     np.testing.assert_allclose(out, full_logits, rtol=1e-4, atol=1e-4)
 
 
