@@ -20,6 +20,8 @@
         `fold_in(fold_in(key(seed), sample_index), step)`.
    The key depends only on the request (seed), which of its n samples the row is, and the index of the output
    token, and every step above acts on the row alone, so a request draws the same tokens alone or in any batch.
+   A batch of greedy rows only (decided on device, so one compiled step serves all batches) stops at the argmax
+   after e; b is then one log-sum-exp per row, and the [B, V] log_softmax is computed only for top logprobs.
 3. The host slices `top_logprobs` / `top_token_ids` to each request's `logprobs`.
 """
 
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine.sampling_math import limit_vocab, sort_descending, token_logprobs
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
@@ -223,6 +226,10 @@ def _scatter_ids(ids: jax.Array, vocab: int, value: jax.Array | int, shape_dtype
     return at.add(value, mode="drop") if add else at.set(value, mode="drop")
 
 
+def _uses_penalties(s: SamplingArrays) -> jax.Array:
+    return jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
+
+
 def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """Repetition, then presence and frequency penalties.
 
@@ -250,7 +257,7 @@ def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     """top_k then top_p on temperature-scaled logits f32[B, V]; dropped tokens get -inf."""
     vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
+    sorted_desc = sort_descending(scaled)  # [B, V]
     kth = jnp.take_along_axis(sorted_desc, (s.top_k - 1)[:, None], axis=-1)  # [B, 1]
     kth = jnp.where(s.top_k[:, None] < vocab, kth, -jnp.inf)
     sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, -jnp.inf)
@@ -260,6 +267,28 @@ def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     keep = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1) | (jnp.arange(vocab) == 0)[None, :]
     cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)  # smallest kept logit
     return jnp.where(scaled >= jnp.maximum(kth, cutoff), scaled, -jnp.inf)
+
+
+def _ban(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Steps a and c: -inf at ids >= vocab_limit and at each row's suppressed ids."""
+    banned = _scatter_ids(s.suppress, logits.shape[-1], True, jnp.bool_, add=False)  # [B, V]; cheaper on CPU
+    return jnp.where(banned, -jnp.inf, limit_vocab(logits, s.vocab_limit))  # than comparing with the M ids
+
+
+def _penalised(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Steps a, c-e of f32[B, V] raw logits: what greedy rows take the argmax of."""
+    return jax.lax.cond(_uses_penalties(s), apply_penalties, lambda x, _: x, _ban(logits, s), s)
+
+
+def _truncated(penalised: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Steps f-i of f32[B, V] penalised logits."""
+    safe_t = jnp.where(s.temperature > 0, s.temperature, 1.0)
+    scaled = penalised / safe_t[:, None]
+    # min_p in log space: p_i >= min_p * p_max  <=>  l_i - l_max >= log(min_p); log(0) = -inf keeps everything.
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    scaled = jnp.where(scaled - top >= jnp.log(s.min_p)[:, None], scaled, -jnp.inf)
+    needs_truncation = jnp.any((s.top_k < scaled.shape[-1]) | (s.top_p < 1))
+    return jax.lax.cond(needs_truncation, _truncate, lambda x, _: x, scaled, s)
 
 
 def process_logits(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -276,21 +305,8 @@ def process_logits(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax
         outside each row's kept set.
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    logits = jnp.where(jnp.arange(vocab)[None, :] < s.vocab_limit, logits, -jnp.inf)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    banned = _scatter_ids(s.suppress, vocab, True, jnp.bool_, add=False)  # [B, V]
-    logits = jnp.where(banned, -jnp.inf, logits)
-    needs_penalties = jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
-    penalised = jax.lax.cond(needs_penalties, apply_penalties, lambda x, _: x, logits, s)
-    safe_t = jnp.where(s.temperature > 0, s.temperature, 1.0)
-    scaled = penalised / safe_t[:, None]
-    # min_p in log space: p_i >= min_p * p_max  <=>  l_i - l_max >= log(min_p); log(0) = -inf keeps everything.
-    top = jnp.max(scaled, axis=-1, keepdims=True)
-    scaled = jnp.where(scaled - top >= jnp.log(s.min_p)[:, None], scaled, -jnp.inf)
-    needs_truncation = jnp.any((s.top_k < vocab) | (s.top_p < 1))
-    truncated = jax.lax.cond(needs_truncation, _truncate, lambda x, _: x, scaled, s)
-    return raw_logprobs, penalised, truncated
+    penalised = _penalised(logits, s)
+    return jax.nn.log_softmax(limit_vocab(logits, s.vocab_limit), axis=-1), penalised, _truncated(penalised, s)
 
 
 def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -302,7 +318,7 @@ def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1)
 
 
-def _no_top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _no_top_logprobs(raw_logprobs: jax.Array, *_) -> tuple[jax.Array, jax.Array]:
     b = raw_logprobs.shape[0]
     return jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.full((b, MAX_LOGPROBS), -1, jnp.int32)
 
@@ -328,8 +344,41 @@ def sample_keys(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> ja
                                                                  step))(seed, sample_index, step)
 
 
+def _greedy_token_ids(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """i32[B] argmax of every row after steps a, c-e: the path of a batch whose rows are all greedy.
+
+    The argmax sits inside each branch so that, without penalties, the bans fuse into it (no [B, V] written).
+    """
+    return jax.lax.cond(_uses_penalties(s), lambda x, s: jnp.argmax(apply_penalties(_ban(x, s), s), axis=-1),
+                        lambda x, s: jnp.argmax(_ban(x, s), axis=-1), logits, s)
+
+
+def _sampled_token_ids(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """i32[B] tokens of steps a-j: argmax for greedy rows, Gumbel-max over the truncated logits for the others.
+
+    `jax.random.categorical(key, l)` is `argmax(gumbel(key, l.shape, l.dtype) + l)`; written out here so that
+    greedy and sampled rows share one argmax. Same draws as `vmap(jax.random.categorical)(keys, truncated)`.
+    """
+    penalised = _penalised(logits, s)
+    truncated = _truncated(penalised, s)
+    keys = sample_keys(s.seed, s.sample_index, s.step)
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, truncated.shape[-1:], truncated.dtype))(keys)  # [B, V]
+    # Written out before the argmax: fused into the argmax's (value, index) reduction, XLA's CPU backend computes
+    # the random bits element by element, about 2x slower. The barrier changes no value, only fusion.
+    noise = jax.lax.optimization_barrier(noise)
+    return jnp.argmax(jnp.where(s.temperature[:, None] > 0, noise + truncated, penalised), axis=-1)
+
+
+def _top_logprobs_of_logits(logits: jax.Array, vocab_limit: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _top_logprobs(jax.nn.log_softmax(limit_vocab(logits, vocab_limit), axis=-1))
+
+
 def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     """Samples one token per row (steps a-j of the module docstring).
+
+    A batch whose rows are all greedy (temperature 0, as padding rows are) takes a fast path decided on device,
+    so that one compiled step serves every batch: the argmax after bans and penalties, without temperature,
+    truncation or random numbers. Either path gives the same tokens for the same rows.
 
     Args:
       logits: f32[B, V] (other float dtypes are upcast).
@@ -338,12 +387,11 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     Returns:
       SampleOutput of B rows.
     """
-    raw_logprobs, penalised, truncated = process_logits(logits, s)
-    keys = sample_keys(s.seed, s.sample_index, s.step)
-    sampled = jax.vmap(jax.random.categorical)(keys, truncated).astype(jnp.int32)
-    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
-    token_ids = jnp.where(s.temperature > 0, sampled, greedy)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
-    top_values, top_ids = top_logprobs(raw_logprobs, s.num_logprobs)
-    return SampleOutput(token_ids=token_ids, logprobs=token_logprobs, top_logprobs=top_values,
-                        top_token_ids=top_ids)
+    logits = logits.astype(jnp.float32)
+    token_ids = jax.lax.cond(jnp.all(s.temperature == 0), _greedy_token_ids, _sampled_token_ids, logits, s)
+    token_ids = token_ids.astype(jnp.int32)
+    # Raw log-probabilities over [B, V] only when some row asks for its top ones.
+    top_values, top_ids = jax.lax.cond(jnp.any(s.num_logprobs > 0), _top_logprobs_of_logits, _no_top_logprobs,
+                                       logits, s.vocab_limit)
+    return SampleOutput(token_ids=token_ids, logprobs=token_logprobs(logits, token_ids, s.vocab_limit),
+                        top_logprobs=top_values, top_token_ids=top_ids)
