@@ -1,7 +1,8 @@
 """Benchmarks of the engine and its peers: `jaxinfer bench <workload>` (see `jaxinfer.benchmarks.cli`).
 
 One module per workload, each with `SECTION` (its BENCHMARKS.md markers), `add_arguments(parser)` and
-`run(args) -> Report`: `step` (prefill, decode, roofline, step breakdown, peers), `serving`, `attention`,
+`run(args) -> Report`: `step` (prefill, decode, roofline, step breakdown, peers), `breakdown` (the parts of a
+batch-1 and batch-32 decode step and a prefill), `serving`, `attention`,
 `checkpoint`, `prefix`, `spec`, `quant`, `quality` (perplexity), `sharding`, `load` (the gRPC load test).
 Shared pieces: `report` (the report type, sections of BENCHMARKS.md, the machine line), `probe` (the bandwidth
 probe every roofline divides by, and timing helpers), `peers` (running a peer script in its own interpreter),
@@ -9,4 +10,5 @@ probe every roofline divides by, and timing helpers), `peers` (running a peer sc
 `decode_timing` (timed `ModelRunner.execute` decode steps), `dense_matmuls` (a forward's dense matmuls alone).
 """
 
-WORKLOADS = ("step", "serving", "attention", "checkpoint", "prefix", "spec", "quant", "quality", "sharding", "load")
+WORKLOADS = ("step", "breakdown", "serving", "attention", "checkpoint", "prefix", "spec", "quant", "quality", "sharding",
+             "load")

@@ -43,7 +43,7 @@ def part_labels(cfg: ModelConfig) -> dict[str, str]:
     }
 
 
-def _device_step(runner: ModelRunner, chunk: list[ScheduledChunk]) -> tuple[Callable[[], None], tuple, int]:
+def device_step(runner: ModelRunner, chunk: list[ScheduledChunk]) -> tuple[Callable[[], None], tuple, int]:
     """(one call of the runner's jitted step on device-resident inputs, those inputs (tokens, metadata,
     sampling), the padded logits rows).
 
@@ -96,7 +96,7 @@ def breakdown(runner: ModelRunner, dtype: str, prompt: list[int], prefill_tokens
     for n in range(prefill_tokens, context):
         run_step(runner, [ScheduledChunk([prompt[n]], n, pages)])
     chunk = [ScheduledChunk([prompt[context]], context, pages)]
-    step, (tokens, metadata, sampling), logit_rows = _device_step(runner, chunk)
+    step, (tokens, metadata, sampling), logit_rows = device_step(runner, chunk)
     fwd = jax.jit(functools.partial(forward, cfg=cfg, scan_layers=True), donate_argnames=("kv_cache",))
     sample_jit = jax.jit(sample)
     dense, dense_sliced, dense_separate = (jax.jit(dm.dense_matmuls), jax.jit(dm.dense_matmuls_unrolled),
