@@ -15,13 +15,13 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from models import moe
 from models.config import ModelConfig
+from models.layer import attention_inputs, attention_output_and_mlp, rms_norm
 from models.quant import QuantizedWeight
 from models.quant_matmul import embed_lookup, qeinsum
-from models.rope import apply_rope, rope_frequencies
+from models.rope import rope_frequencies
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from pallas_kernels.paged_attention import fake_quantize, write_kv
 from pallas_kernels.kv_quant import SCALE_DTYPE, is_quantized, storage_dtype
@@ -284,42 +284,6 @@ def unstack_layers(weights: Weights) -> Weights:
     return weights.replace(layers=layers)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in f32, returned in x's dtype."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def _add(x: jax.Array, bias: jax.Array | None) -> jax.Array:
-    return x if bias is None else x + bias.astype(x.dtype)
-
-
-def _attention_inputs(
-    x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig, inv_freq: np.ndarray
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RMSNorm, q/k/v projections and RoPE of one layer: x[T, D] -> q[T, N, H], k[T, K, H], v[T, K, H]."""
-    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-    q = _add(qeinsum("td,dnh->tnh", h, w.wq), w.bq)  # [T, N, H]
-    k = _add(qeinsum("td,dkh->tkh", h, w.wk), w.bk)  # [T, K, H]
-    v = _add(qeinsum("td,dkh->tkh", h, w.wv), w.bv)  # [T, K, H]
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-
-def _attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig,
-                              mesh: jax.sharding.Mesh | None = None) -> jax.Array:
-    """Output projection with residual, then the SwiGLU (or MoE) MLP block with residual: x[T, D] -> [T, D]."""
-    x = x + qeinsum("tnh,nhd->td", attn, w.wo)
-    with jax.named_scope("mlp"):
-        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        if cfg.is_moe:
-            with jax.named_scope("moe"):
-                return x + moe.moe_block(h, w, cfg, mesh)
-        gate = _add(qeinsum("td,df->tf", h, w.w_gate), w.b_gate)  # [T, F]
-        up = _add(qeinsum("td,df->tf", h, w.w_up), w.b_up)  # [T, F]
-        return x + _add(qeinsum("tf,fd->td", jax.nn.silu(gate) * up, w.w_down), w.b_down)
-
-
 def forward(
     params: Weights,
     tokens: jax.Array,
@@ -364,7 +328,7 @@ def forward(
     def layer_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array) -> tuple[jax.Array, KVCache]:
         # Layer i writes into and reads from the stacked cache in place (no per-layer slice copies).
         with jax.named_scope("attention"):
-            q, k, v = _attention_inputs(x, w, metadata.positions, cfg, inv_freq)
+            q, k, v = attention_inputs(x, w, metadata.positions, cfg, inv_freq)
             kv = KVCache(*write_kv(kv.k, kv.v, k, v, metadata.kv_loc, layer=i, **kv.scale_args()))
             if metadata.fresh_prefill and attention.flash is not None:
                 if kv.quantized:  # attend over the numbers the cache holds, as a later prefix-cache hit will
@@ -375,7 +339,7 @@ def forward(
                 attn = attention.paged(q, kv.k, kv.v, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
                                        i, max_q_len=metadata.max_q_len, sm_scale=sm_scale,
                                        sliding_window=cfg.sliding_window, **kv.scale_args())  # [T, N, H]
-        return _attention_output_and_mlp(x, attn, w, cfg, mesh), kv
+        return attention_output_and_mlp(x, attn, w, cfg, mesh), kv
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     if isinstance(params.layers, tuple):

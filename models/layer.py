@@ -1,0 +1,57 @@
+"""One decoder layer's math around attention: RMSNorm, the q / k / v projections with RoPE, the output projection
+and the SwiGLU (or MoE) MLP with their residuals. `models.llama.forward` runs them around the paged attention.
+Sources: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021), SwiGLU (Shazeer 2020).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import moe
+from models.config import ModelConfig
+from models.quant_matmul import qeinsum
+from models.rope import apply_rope
+
+if TYPE_CHECKING:
+    from models.llama import LayerWeights
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in f32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def add_bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """x + bias in x's dtype; x itself when there is no bias."""
+    return x if bias is None else x + bias.astype(x.dtype)
+
+
+def attention_inputs(
+    x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig, inv_freq: np.ndarray
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RMSNorm, q/k/v projections and RoPE of one layer: x[T, D] -> q[T, N, H], k[T, K, H], v[T, K, H]."""
+    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+    q = add_bias(qeinsum("td,dnh->tnh", h, w.wq), w.bq)  # [T, N, H]
+    k = add_bias(qeinsum("td,dkh->tkh", h, w.wk), w.bk)  # [T, K, H]
+    v = add_bias(qeinsum("td,dkh->tkh", h, w.wv), w.bv)  # [T, K, H]
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig,
+                              mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+    """Output projection with residual, then the SwiGLU (or MoE) MLP block with residual: x[T, D] -> [T, D]."""
+    x = x + qeinsum("tnh,nhd->td", attn, w.wo)
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        if cfg.is_moe:
+            with jax.named_scope("moe"):
+                return x + moe.moe_block(h, w, cfg, mesh)
+        gate = add_bias(qeinsum("td,df->tf", h, w.w_gate), w.b_gate)  # [T, F]
+        up = add_bias(qeinsum("td,df->tf", h, w.w_up), w.b_up)  # [T, F]
+        return x + add_bias(qeinsum("tf,fd->td", jax.nn.silu(gate) * up, w.w_down), w.b_down)
