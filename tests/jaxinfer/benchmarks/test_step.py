@@ -1,6 +1,6 @@
 """Smoke test of `jaxinfer bench step` on the tiny HF Llama: one repetition of every section at tiny sizes (the
-breakdown included), the stub peer in place of HF transformers; the report's fields and byte counts are checked
-against the model config's arithmetic."""
+breakdown and int8 weights included), the stub peer in place of HF transformers and of llama.cpp; the report's
+fields and byte counts are checked against the model config's arithmetic."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from tests.jaxinfer.benchmarks.bench_runner import STUB_PEER, TINY_LLAMA, assert
 OPTIONS = ("--model", str(TINY_LLAMA), "--dtypes", "float32", "--modes", "scan", "--prefill-len", "24",
            "--prefill-reps", "1", "--decode-prompt-len", "4", "--decode-steps", "1", "--warmup-steps", "1",
            "--batches", "", "--bw-gib", "0.016", "--bw-reps", "1", "--kv-batch", "2", "--kv-context", "16",
-           "--kv-reps", "1", "--peer-python", sys.executable, "--peer-script", str(STUB_PEER))
+           "--kv-reps", "1", "--peer-python", sys.executable, "--peer-script", str(STUB_PEER),
+           "--llamacpp-python", sys.executable, "--llamacpp-script", str(STUB_PEER), "--llamacpp-types", "Q4_0,BF16")
 
 
 @pytest.fixture(scope="module")
