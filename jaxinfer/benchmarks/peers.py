@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRANSFORMERS_PEER = REPO / "scripts" / "peer_transformers.py"
 LLAMACPP_PEER = REPO / "scripts" / "peer_llamacpp.py"
 LLAMACPP_CACHE = Path.home() / ".cache" / "jaxinfer" / "peers"
+LLAMACPP_TYPES = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1")  # the weight types scripts/peer_llamacpp.py knows
 
 
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +43,24 @@ def add_llamacpp_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llamacpp-script", type=Path, default=LLAMACPP_PEER,
                         help="the llama.cpp peer script (default: scripts/peer_llamacpp.py)")
     parser.add_argument("--llamacpp-types", default="Q4_0,BF16,Q4_1",
-                        help="llama.cpp weight types (of F32, BF16, Q8_0, Q4_0, Q4_1); the GGUF is re-quantized "
+                        help=f"llama.cpp weight types (of {', '.join(LLAMACPP_TYPES)}); the GGUF is re-quantized "
                              "to each it is not already")
     parser.add_argument("--llamacpp-cache", type=Path, default=LLAMACPP_CACHE,
                         help="folder of the re-quantized GGUF files, kept between runs")
+
+
+def check_llamacpp_types(text: str) -> list[str]:
+    """"Q4_0,BF16" -> ["Q4_0", "BF16"] (`--llamacpp-types`).
+
+    Raises:
+      ValueError: an empty list or an unknown type (named), before any minutes of measuring.
+    """
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in LLAMACPP_TYPES]
+    if not names or unknown:
+        raise ValueError(f"--llamacpp-types {text!r}: unknown {', '.join(unknown) or 'empty list'} "
+                         f"(known: {', '.join(LLAMACPP_TYPES)})")
+    return names
 
 
 def run_peer(python: str, script: Path, args: list[str], timeout: int) -> dict:

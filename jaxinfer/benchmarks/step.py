@@ -89,8 +89,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str], lis
     """(dtypes, layer modes, batch sizes) of the options.
 
     Raises:
-      ValueError: an unknown dtype or mode, a batch below 2, bad counts, or a prefill too short for the decode
-        runs.
+      ValueError: an unknown dtype, mode or llama.cpp type, a batch below 2, bad counts, or a prefill too short
+        for the decode runs.
     """
     dtypes = model_setup.parse_dtypes(args.dtypes)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -104,6 +104,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str], lis
         raise ValueError(f"--batches {args.batches!r}: aggregate batches must be >= 2 (batch 1 is always run)")
     if min(args.prefill_reps, args.decode_steps, args.bw_reps) < 1 or args.warmup_steps < 0 or args.bw_gib <= 0:
         raise ValueError("--prefill-reps, --decode-steps, --bw-reps must be >= 1, --warmup-steps >= 0, --bw-gib > 0")
+    peers.check_llamacpp_types(args.llamacpp_types)
     if args.prefill_len < args.decode_prompt_len + 16 + args.warmup_steps + args.decode_steps:
         raise ValueError(f"--prefill-len {args.prefill_len} is too short for the decode runs: it needs at least "
                          "--decode-prompt-len + 16 + --warmup-steps + --decode-steps tokens")

@@ -64,3 +64,10 @@ def test_step_entries_one_token_per_sequence(peer):
 
 def test_median_ms(peer):
     assert peer.median_ms([0.003, 0.001, 0.002]) == pytest.approx(2.0)
+
+
+def test_the_runner_knows_the_scripts_types(peer):
+    """`jaxinfer bench step` checks --llamacpp-types before measuring, against its own copy of the list."""
+    from jaxinfer.benchmarks.peers import LLAMACPP_TYPES
+
+    assert set(LLAMACPP_TYPES) == set(peer.FTYPES)
