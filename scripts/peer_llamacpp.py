@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger("peer_llamacpp")
 
 # Weight types by the name reports use -> the llama_cpp constant of its file type.
@@ -147,8 +149,6 @@ class Session:
 
     def greedy(self, i: int) -> int:
         """Argmax of batch entry i's logits."""
-        import numpy as np
-
         row = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
         return int(row.argmax())
 
