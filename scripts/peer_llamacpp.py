@@ -13,7 +13,8 @@ progress lines on stderr). For each weight type of `--types`:
   `--decode-prompt-len`-token prompt (batch 1: the first tokens of the prefill prompt; batch b: the first b rows of
   `--batch-prompts`), then steps of one token per sequence through `llama_batch_init` (one seq id per row) and
   `llama_decode`, each row's next token the argmax of its logits (`llama_get_logits_ith`). Whole steps are
-  timed; median over `--decode-steps` after `--warmup-steps`; aggregate tok/s = batch / step time.
+  timed; median over `--decode-steps` (`--batch-steps` at batch > 1) after `--warmup-steps`; aggregate tok/s =
+  batch / step time.
 
 Settings: `--threads` for generation and batch processing, flash attention off (llama.cpp's flash attention is
 not batch-invariant at batch 32 on CPU), an f16 KV cache (the default) unified across sequences, sized for the
@@ -239,8 +240,8 @@ def measure_type(llama_cpp, path: Path, prompt: list[int], rows: list[list[int]]
         one = time_decode(s, [prompt[:args.decode_prompt_len]], n_batch, args.warmup_steps, args.decode_steps)
         result.update(prefill_ms=prefill_ms, prefill_tok_s=len(prompt) * 1e3 / prefill_ms, decode_ms=one["step_ms"],
                       decode_tok_s=one["tok_s"], decode_context=one["context"],
-                      batch_decodes=[time_decode(s, rows[:b], n_batch, args.warmup_steps, args.decode_steps)
-                                     for b in batches])
+                      batch_decodes=[time_decode(s, rows[:b], n_batch, args.warmup_steps,
+                                                 args.batch_steps or args.decode_steps) for b in batches])
     finally:
         s.close()
     return result
@@ -259,6 +260,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--batch-steps", type=int, help="timed decode steps at the --batches sizes (default: "
+                    "--decode-steps)")
     args = ap.parse_args()
     try:
         args.type_names = parse_types(args.types)
@@ -284,7 +287,7 @@ def main() -> None:
     args.decode_prompt_len = min(args.decode_prompt_len, len(prompt))
     llama_cpp.llama_backend_init()
     n_ctx = context_tokens(len(prompt), max(args.decode_prompt_len, len(rows[0]) if rows else 0),
-                           args.warmup_steps + args.decode_steps, args.batch_sizes)
+                           args.warmup_steps + max(args.decode_steps, args.batch_steps or 0), args.batch_sizes)
     source_ftype = file_type(llama_cpp, args.gguf)
     result = {"llama_cpp": llama_cpp.__version__, "threads": args.threads, "flash_attn": False, "n_ctx": n_ctx,
               "kv_type": "f16", "system_info": llama_cpp.llama_print_system_info().decode().strip(), "results": {}}

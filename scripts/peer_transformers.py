@@ -11,7 +11,7 @@ folder, then, per dtype:
   (forward + argmax) timed; median over `--decode-steps` after `--warmup-steps` untimed steps;
 * decode at each `--batches` size b: the first b rows of `--batch-prompts` (equal lengths, so no padding or
   attention mask) prefilled into one `DynamicCache`, then steps of one token per row (forward + argmax of every
-  row); aggregate tok/s = b / median step time.
+  row); aggregate tok/s = b / median step time over `--batch-steps`.
 
 With `--serving-prompts FILE` (a JSON list of prompts, each a list of token ids) it runs the serving workload of
 `jaxinfer bench serving` instead: per dtype, one batched `generate` over all the prompts (left
@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--batches", default="", help="decode batch sizes besides 1 (prefill/decode mode), e.g. 8,32")
     ap.add_argument("--batch-prompts", type=Path, help="JSON list of equal-length prompts for --batches")
+    ap.add_argument("--batch-steps", type=int, help="timed decode steps at the --batches sizes (default: "
+                    "--decode-steps)")
     args = ap.parse_args()
     if (args.prompt_file is None) == (args.serving_prompts is None):
         ap.error("give exactly one of --prompt-file and --serving-prompts")
@@ -219,8 +221,8 @@ def main() -> None:
         else:
             r = measure(model, torch, prompt, args.decode_prompt_len, args.prefill_reps, args.decode_steps,
                         args.warmup_steps)
-            r["batch_decodes"] = [measure_batch(model, torch, rows[:b], args.decode_steps, args.warmup_steps)
-                                  for b in batches]
+            r["batch_decodes"] = [measure_batch(model, torch, rows[:b], args.batch_steps or args.decode_steps,
+                                                args.warmup_steps) for b in batches]
         r["load_s"] = load_s
         result["results"][name] = r
         del model

@@ -5,8 +5,8 @@ What one run measures (all in the same process and on the same machine, so the n
 1. Memory read bandwidth (`jaxinfer.benchmarks.probe`): the roofline probe (a jitted f32 sum over `--bw-gib`
    GiB) and the 2-row matrix-vector probes beside it, at the start and again at the end of the run.
 2. For each dtype and layer mode (`lax.scan` over layers, unrolled): prefill tokens/s of a `--prefill-len`-token
-   prompt in one chunk and batch-1 greedy decode tokens/s after a `--decode-prompt-len`-token prompt and near
-   context `--prefill-len`, through `ModelRunner.execute` (host-side padding, transfer, jitted step, sampling,
+   prompt in one chunk and batch-1 greedy decode tokens/s after a `--decode-prompt-len`-token prompt and (scan
+   mode) near context `--prefill-len`, through `ModelRunner.execute` (host-side padding, transfer, jitted step, sampling,
    sync). Each shape is warmed up first; compile seconds (first call minus the steady median) are reported
    separately. Then aggregate decode tokens/s at the `--batches` sizes in scan mode, every batch b decoding the
    first b of one list of `--decode-prompt-len`-token prompts. Unless `--no-int8`: the same in scan mode with
@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-reps", type=int, default=10, help="calls per round (10 rounds) in the KV layout test")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the decode-step breakdown")
     parser.add_argument("--no-int8", action="store_true", help="skip jaxinfer with int8 (w8a8) weights")
+    parser.add_argument("--peer-batch-steps", type=int, default=5,
+                        help="the peers' timed decode steps at the --batches sizes (median; HF's batch-32 steps "
+                             "take seconds each on 2 cores)")
     peers.add_peer_arguments(parser)
     peers.add_llamacpp_arguments(parser)
 
@@ -102,8 +105,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str], lis
         raise ValueError(f"--batches {args.batches!r} is not a list of integers") from None
     if any(b < 2 for b in batches):
         raise ValueError(f"--batches {args.batches!r}: aggregate batches must be >= 2 (batch 1 is always run)")
-    if min(args.prefill_reps, args.decode_steps, args.bw_reps) < 1 or args.warmup_steps < 0 or args.bw_gib <= 0:
-        raise ValueError("--prefill-reps, --decode-steps, --bw-reps must be >= 1, --warmup-steps >= 0, --bw-gib > 0")
+    if (min(args.prefill_reps, args.decode_steps, args.bw_reps, args.peer_batch_steps) < 1 or args.warmup_steps < 0
+            or args.bw_gib <= 0):
+        raise ValueError("--prefill-reps, --decode-steps, --bw-reps, --peer-batch-steps must be >= 1, "
+                         "--warmup-steps >= 0, --bw-gib > 0")
     peers.check_llamacpp_types(args.llamacpp_types)
     if args.prefill_len < args.decode_prompt_len + 16 + args.warmup_steps + args.decode_steps:
         raise ValueError(f"--prefill-len {args.prefill_len} is too short for the decode runs: it needs at least "
@@ -111,9 +116,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str], lis
     return dtypes, modes, batches
 
 
-def bench_mode(runner: ModelRunner, dtype: str, mode: str, prompt: list[int], args: argparse.Namespace) -> dict:
-    """Prefill of the whole prompt and batch-1 decode at a short and a long context, for one dtype and layer mode
-    (`runner`: one sequence of `len(prompt) + 1` tokens fits on its pages)."""
+def bench_mode(runner: ModelRunner, dtype: str, mode: str, prompt: list[int], args: argparse.Namespace,
+               long_context: bool = True) -> dict:
+    """Prefill of the whole prompt and batch-1 decode at a short and (with `long_context`) a long context, for one
+    dtype and layer mode (`runner`: one sequence of `len(prompt) + 1` tokens fits on its pages)."""
     ctx_max = len(prompt)
     seq_pages = PageIds().take(pages_for(ctx_max + 1))
     chunk = [ScheduledChunk(prompt, 0, seq_pages)]
@@ -126,13 +132,15 @@ def bench_mode(runner: ModelRunner, dtype: str, mode: str, prompt: list[int], ar
     # Long context: start so that the last timed step's context is exactly len(prompt); its prefill reuses the
     # compiled prefill shape of the whole prompt.
     start = ctx_max - args.warmup_steps - args.decode_steps
-    long = time_decode(runner, [prompt[:start]], [seq_pages], args.warmup_steps, args.decode_steps)
-    for name, d in (("short", short), ("long", long)):
+    decodes = {"short": short}
+    if long_context:
+        decodes["long"] = time_decode(runner, [prompt[:start]], [seq_pages], args.warmup_steps, args.decode_steps)
+    for name, d in decodes.items():
         logger.info("%s %s: decode %s context %.2f ms/step, %.1f tok/s, compile %.1f s", dtype, mode, name,
                     d.step_ms, d.tok_s, d.compile_s)
     return {"dtype": dtype, "layers": mode, "prefill_tokens": ctx_max, "prefill_ms": 1e3 * prefill,
             "prefill_tok_s": ctx_max / prefill, "prefill_compile_s": max(times[0] - prefill, 0.0),
-            "decode_short": decode_data(short), "decode_long": decode_data(long)}
+            **{f"decode_{name}": decode_data(d) for name, d in decodes.items()}}
 
 
 def one_sequence_runner(cfg: ModelConfig, weights: Weights, dtype: str, mode: str, tokens: int) -> ModelRunner:
@@ -194,8 +202,8 @@ def roofline_rows(data: dict) -> list[dict]:
     """One row per decode measurement: its bytes per step and roofline tokens/s at `data["roofline_gb_s"]`."""
     rows = []
     for m in data["modes"]:
-        rows += [{"dtype": m["dtype"], "layers": m["layers"], **m["decode_short"]},
-                 {"dtype": m["dtype"], "layers": m["layers"], **m["decode_long"]}]
+        rows += [{"dtype": m["dtype"], "layers": m["layers"], **m[key]} for key in ("decode_short", "decode_long")
+                 if key in m]
     rows += data["batch_decodes"]
     for r in rows:
         add_roofline(r, data["weight_bytes"][r["dtype"]], data["kv_bytes_per_token"][r["dtype"]],
@@ -237,7 +245,8 @@ def run_peers(args: argparse.Namespace, model: Path, prompt: list[int], rows: li
                   "--decode-prompt-len", str(args.decode_prompt_len), "--prefill-reps", str(args.prefill_reps),
                   "--decode-steps", str(args.decode_steps), "--warmup-steps", str(args.warmup_steps)]
         if batches:
-            common += ["--batches", ",".join(map(str, batches)), "--batch-prompts", str(rows_file)]
+            common += ["--batches", ",".join(map(str, batches)), "--batch-prompts", str(rows_file),
+                       "--batch-steps", str(args.peer_batch_steps)]
         hf = llama = None
         if args.peer_python is not None:
             hf = peers.run_peer(args.peer_python, args.peer_script, [*common, "--dtypes", ",".join(dtypes)],
@@ -275,7 +284,8 @@ def run(args: argparse.Namespace) -> Report:
         data["kv_bytes_per_token"][dt] = model_setup.kv_bytes_per_token(cfg, jnp.dtype(model_setup.DTYPES[dt]).itemsize)
         for mode in modes:
             runner = one_sequence_runner(cfg, weights, dt, mode, len(prompt) + 1)
-            data["modes"].append(bench_mode(runner, dt, mode, prompt, args))
+            # Unrolled is the slow, compile-heavy alternative: its long-context decode adds little but minutes.
+            data["modes"].append(bench_mode(runner, dt, mode, prompt, args, long_context=mode == "scan"))
             if mode == "scan" and not args.no_breakdown:  # the same runner: its compiled shapes are reused
                 data["breakdown"][dt] = run_breakdown(runner, dt, prompt, args)
             del runner

@@ -125,7 +125,7 @@ def _intro(data: dict, cfg: ModelConfig, command: str, date: str) -> list[str]:
         f"`{data['model_path']}` loaded in f32 and cast to the benchmarked dtype), measured through `ModelRunner` "
         f"with greedy sampling and page size {data['page_size']}. Prefill is one {data['prefill_len']}-token chunk; "
         f"decode is batch 1 after a {data['decode_prompt_len']}-token prompt (short context) and near context "
-        f"{data['prefill_len']} (long), timing whole `execute` calls (host padding, transfer, jitted step, sampling, "
+        f"{data['prefill_len']} (long, scan only), timing whole `execute` calls (host padding, transfer, jitted step, sampling, "
         "sync). Every shape is run once before timing; that first call's extra time is reported as compile seconds. "
         f"Medians over {data['prefill_reps']} prefills and {data['decode_steps']} decode steps. All sections come "
         "from one run of:\n",
@@ -151,11 +151,16 @@ def _bandwidth(data: dict) -> list[str]:
 
 def _speeds(data: dict) -> list[str]:
     p, s = data["prefill_len"], data["decode_prompt_len"]
+    no_long = {"tok_s": "-", "step_ms": "-", "compile_s": "-"}  # unrolled runs no long-context decode
+
+    def num(x, fmt: str = ".1f") -> str:
+        return x if isinstance(x, str) else format(x, fmt)
+
     rows = [[m["dtype"], m["layers"], f"{m['prefill_tok_s']:.0f}", f"{m['prefill_ms']:.0f}",
              f"{m['decode_short']['tok_s']:.1f}", f"{m['decode_short']['step_ms']:.1f}",
-             f"{m['decode_long']['tok_s']:.1f}", f"{m['decode_long']['step_ms']:.1f}",
+             num(m.get("decode_long", no_long)["tok_s"]), num(m.get("decode_long", no_long)["step_ms"]),
              f"{m['prefill_compile_s']:.1f} / {m['decode_short']['compile_s']:.1f} / "
-             f"{m['decode_long']['compile_s']:.1f}"] for m in data["modes"]]
+             f"{num(m.get('decode_long', no_long)['compile_s'])}"] for m in data["modes"]]
     return ["### Prefill and batch-1 decode\n",
             table(["dtype", "layers", f"prefill {p} tok/s", "prefill ms", f"decode ctx~{s} tok/s", "ms/token",
                    f"decode ctx~{p} tok/s", "ms/token", f"compile s (prefill {p} / decode {s} / decode {p})"],

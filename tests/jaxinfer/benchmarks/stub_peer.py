@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--batches", default="")
     ap.add_argument("--batch-prompts", type=Path)
+    ap.add_argument("--batch-steps", type=int)
     ap.add_argument("--types", help="answer as the llama.cpp peer, for these weight types")
     ap.add_argument("--cache-dir", type=Path, default=Path("."))
     args = ap.parse_args()

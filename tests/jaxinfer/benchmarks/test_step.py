@@ -180,3 +180,17 @@ def test_step_peer_comparison_renders_batches_types_and_failures():
     notes = step_peers_report.observations(data)
     assert notes[1] == ("**Peer llama.cpp.** jaxinfer (scan) relative to it: bfloat16 vs BF16: prefill 2.00x, "
                         "decode batch 1 2.00x, batch 8 2.00x; int8 vs Q4_0: prefill 2.00x, decode batch 1 2.00x.")
+
+
+def test_unrolled_mode_without_a_long_context_decode():
+    """Unrolled runs prefill and the short-context decode only: no long-context roofline row, dashes in its table."""
+    from jaxinfer.benchmarks.step import roofline_rows
+    from jaxinfer.benchmarks.step_report import _speeds
+
+    unrolled = {"dtype": "float32", "layers": "unrolled", "prefill_tokens": 48, "prefill_ms": 30.0,
+                "prefill_tok_s": 1600.0, "prefill_compile_s": 2.0, "decode_short": _decode(1, (18, 19), 6.0)}
+    data = {"dtypes": ["float32"], "prefill_len": 48, "decode_prompt_len": 16, "modes": [unrolled],
+            "batch_decodes": [], "weight_bytes": {"float32": 40000}, "kv_bytes_per_token": {"float32": 512},
+            "roofline_gb_s": 10.0}
+    assert [(r["layers"], r["context"]) for r in roofline_rows(data)] == [("unrolled", [18, 19])]
+    assert "| float32 | unrolled | 1600 | 30 | 166.7 | 6.0 | - | - | 2.0 / 1.0 / - |" in "\n".join(_speeds(data))
