@@ -8,7 +8,10 @@ folder, then, per dtype:
 * prefill: one forward over the 512-token prompt with a fresh KV cache and `logits_to_keep=1` (only the last
   position's logits, as jaxinfer computes them), timed after one warm-up; median over `--prefill-reps`;
 * decode: prefill the first 64 prompt tokens, then greedy single-token forwards reusing the KV cache; each step
-  (forward + argmax) timed; median over `--decode-steps` after `--warmup-steps` untimed steps.
+  (forward + argmax) timed; median over `--decode-steps` after `--warmup-steps` untimed steps;
+* decode at each `--batches` size b: the first b rows of `--batch-prompts` (equal lengths, so no padding or
+  attention mask) prefilled into one `DynamicCache`, then steps of one token per row (forward + argmax of every
+  row); aggregate tok/s = b / median step time over `--batch-steps`.
 
 With `--serving-prompts FILE` (a JSON list of prompts, each a list of token ids) it runs the serving workload of
 `jaxinfer bench serving` instead: per dtype, one batched `generate` over all the prompts (left
@@ -79,6 +82,30 @@ def measure(model, torch, prompt: list[int], decode_prompt_len: int, prefill_rep
         "decode_tok_s": 1e3 / decode_ms,
         "decode_context": [decode_prompt_len + warmup_steps + 1, decode_prompt_len + warmup_steps + decode_steps],
     }
+
+
+def measure_batch(model, torch, prompts: list[list[int]], decode_steps: int, warmup_steps: int) -> dict:
+    """Aggregate greedy decode of equal-length `prompts` in one batch: the median step (forward + argmax)."""
+    from transformers import DynamicCache
+
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("batch decode prompts must all have one length (no padding here)")
+    with torch.inference_mode():
+        cache = DynamicCache()
+        out = model(input_ids=torch.tensor(prompts, dtype=torch.long), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+        step_s = []
+        for step in range(warmup_steps + decode_steps):
+            t0 = time.perf_counter()
+            out = model(input_ids=tokens, past_key_values=cache, use_cache=True)
+            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.tolist()  # the host has every row's token, as a server would
+            if step >= warmup_steps:
+                step_s.append(time.perf_counter() - t0)
+    step_ms, n, first = _median_ms(step_s), len(prompts), len(prompts[0]) + warmup_steps + 1
+    log.info("decode batch %d: %.2f ms/step, %.1f tok/s", n, step_ms, n * 1e3 / step_ms)
+    return {"batch": n, "step_ms": step_ms, "tok_s": n * 1e3 / step_ms, "context": [first, first + decode_steps - 1]}
 
 
 def measure_serving(model, torch, prompts: list[list[int]], output_len: int) -> dict:
@@ -155,9 +182,19 @@ def main() -> None:
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--batches", default="", help="decode batch sizes besides 1 (prefill/decode mode), e.g. 8,32")
+    ap.add_argument("--batch-prompts", type=Path, help="JSON list of equal-length prompts for --batches")
+    ap.add_argument("--batch-steps", type=int, help="timed decode steps at the --batches sizes (default: "
+                    "--decode-steps)")
     args = ap.parse_args()
     if (args.prompt_file is None) == (args.serving_prompts is None):
         ap.error("give exactly one of --prompt-file and --serving-prompts")
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--batches {args.batches!r} is not a list of integers")
+    if batches and args.batch_prompts is None:
+        ap.error("--batches needs --batch-prompts")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[peer] %(asctime)s %(message)s")
 
     import torch
@@ -166,6 +203,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     prompt = json.loads((args.prompt_file or args.serving_prompts).read_text())
+    rows = json.loads(args.batch_prompts.read_text()) if batches else []
     result = {"torch": torch.__version__, "transformers": transformers.__version__,
               "threads": torch.get_num_threads(), "results": {}}
     for name in args.dtypes.split(","):
@@ -183,6 +221,8 @@ def main() -> None:
         else:
             r = measure(model, torch, prompt, args.decode_prompt_len, args.prefill_reps, args.decode_steps,
                         args.warmup_steps)
+            r["batch_decodes"] = [measure_batch(model, torch, rows[:b], args.batch_steps or args.decode_steps,
+                                                args.warmup_steps) for b in batches]
         r["load_s"] = load_s
         result["results"][name] = r
         del model

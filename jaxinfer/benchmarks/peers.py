@@ -2,7 +2,8 @@
 
 The protocol: a peer is a Python script run as `PYTHON SCRIPT ARGS...`; it prints one JSON object as the last
 line of its stdout (its results, or {"error": why}); stderr lines that start with "[peer]" are progress for the
-log. `scripts/peer_transformers.py` is the HF transformers peer; a test's stub peer speaks the same protocol.
+log. `scripts/peer_transformers.py` is the HF transformers peer, `scripts/peer_llamacpp.py` the llama.cpp peer
+(llama-cpp-python); a test's stub peer speaks the same protocol.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 TRANSFORMERS_PEER = REPO / "scripts" / "peer_transformers.py"
+LLAMACPP_PEER = REPO / "scripts" / "peer_llamacpp.py"
+LLAMACPP_CACHE = Path.home() / ".cache" / "jaxinfer" / "peers"
+LLAMACPP_TYPES = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1")  # the weight types scripts/peer_llamacpp.py knows
 
 
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +31,36 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-script", type=Path, default=TRANSFORMERS_PEER,
                         help="the peer script (default: scripts/peer_transformers.py)")
     parser.add_argument("--peer-timeout", type=int, default=600, help="seconds before the peer is given up")
+
+
+def add_llamacpp_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--llamacpp-python` (an interpreter with llama-cpp-python; omitted: no llama.cpp peer), `--llamacpp-script`,
+    `--llamacpp-types` (weight types, the GGUF re-quantized as needed), `--llamacpp-cache` (where those files
+    stay)."""
+    parser.add_argument("--llamacpp-python", default=None,
+                        help="Python with llama-cpp-python (e.g. /work/venv-llamacpp/bin/python); omitted: no "
+                             "llama.cpp peer")
+    parser.add_argument("--llamacpp-script", type=Path, default=LLAMACPP_PEER,
+                        help="the llama.cpp peer script (default: scripts/peer_llamacpp.py)")
+    parser.add_argument("--llamacpp-types", default="Q4_0,BF16,Q4_1",
+                        help=f"llama.cpp weight types (of {', '.join(LLAMACPP_TYPES)}); the GGUF is re-quantized "
+                             "to each it is not already")
+    parser.add_argument("--llamacpp-cache", type=Path, default=LLAMACPP_CACHE,
+                        help="folder of the re-quantized GGUF files, kept between runs")
+
+
+def check_llamacpp_types(text: str) -> list[str]:
+    """"Q4_0,BF16" -> ["Q4_0", "BF16"] (`--llamacpp-types`).
+
+    Raises:
+      ValueError: an empty list or an unknown type (named), before any minutes of measuring.
+    """
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in LLAMACPP_TYPES]
+    if not names or unknown:
+        raise ValueError(f"--llamacpp-types {text!r}: unknown {', '.join(unknown) or 'empty list'} "
+                         f"(known: {', '.join(LLAMACPP_TYPES)})")
+    return names
 
 
 def run_peer(python: str, script: Path, args: list[str], timeout: int) -> dict:

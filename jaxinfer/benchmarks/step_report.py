@@ -7,7 +7,7 @@ import platform
 
 import jax
 
-from jaxinfer.benchmarks import kv_layout, model_setup
+from jaxinfer.benchmarks import kv_layout, model_setup, step_peers_report
 from jaxinfer.benchmarks.report import machine_line, table
 from jaxinfer.benchmarks.step_breakdown import PARTS, part_labels
 from models.config import ModelConfig
@@ -42,7 +42,10 @@ def _scan_vs_unrolled(data: dict, modes: dict, bds: dict) -> str | None:
 
 def _roofline(data: dict, modes: dict, bds: dict, rows: list[dict]) -> str | None:
     bw = data["roofline_gb_s"] * 1e9
-    b1 = {r["dtype"]: r for r in rows if r["layers"] == "scan" and r["batch"] == 1}
+    b1: dict[str, dict] = {}
+    for r in rows:  # each dtype's first scan batch-1 row: the short context (the long one follows it)
+        if r["layers"] == "scan" and r["batch"] == 1:
+            b1.setdefault(r["dtype"], r)
     parts = [f"{dt} {100 * r['of_roofline']:.0f}% ({r['tok_s']:.0f} of {r['roofline_tok_s']:.0f} tok/s)"
              for dt, r in b1.items()]
     if not parts:
@@ -112,14 +115,7 @@ def observations(data: dict) -> list[str]:
     if fails:
         notes.append("**Failures.** " + ", ".join(f"{r['dtype']} batch {r['batch']}" for r in fails)
                      + " raised instead of running; see the footnote.")
-    peer = data.get("peer")
-    if peer and "results" in peer:
-        parts = [f"{dt} prefill {modes[(dt, 'scan')]['prefill_tok_s'] / p['prefill_tok_s']:.2f}x, decode "
-                 f"{modes[(dt, 'scan')]['decode_short']['tok_s'] / p['decode_tok_s']:.2f}x"
-                 for dt, p in peer["results"].items() if (dt, "scan") in modes]
-        notes.append("**Peer.** jaxinfer (scan) relative to HF transformers (eager, torch CPU): " + "; ".join(parts)
-                     + ".")
-    return [n for n in notes if n]
+    return [n for n in notes if n] + step_peers_report.observations(data)
 
 
 def _intro(data: dict, cfg: ModelConfig, command: str, date: str) -> list[str]:
@@ -129,7 +125,7 @@ def _intro(data: dict, cfg: ModelConfig, command: str, date: str) -> list[str]:
         f"`{data['model_path']}` loaded in f32 and cast to the benchmarked dtype), measured through `ModelRunner` "
         f"with greedy sampling and page size {data['page_size']}. Prefill is one {data['prefill_len']}-token chunk; "
         f"decode is batch 1 after a {data['decode_prompt_len']}-token prompt (short context) and near context "
-        f"{data['prefill_len']} (long), timing whole `execute` calls (host padding, transfer, jitted step, sampling, "
+        f"{data['prefill_len']} (long, scan only), timing whole `execute` calls (host padding, transfer, jitted step, sampling, "
         "sync). Every shape is run once before timing; that first call's extra time is reported as compile seconds. "
         f"Medians over {data['prefill_reps']} prefills and {data['decode_steps']} decode steps. All sections come "
         "from one run of:\n",
@@ -155,11 +151,16 @@ def _bandwidth(data: dict) -> list[str]:
 
 def _speeds(data: dict) -> list[str]:
     p, s = data["prefill_len"], data["decode_prompt_len"]
+    no_long = {"tok_s": "-", "step_ms": "-", "compile_s": "-"}  # unrolled runs no long-context decode
+
+    def num(x, fmt: str = ".1f") -> str:
+        return x if isinstance(x, str) else format(x, fmt)
+
     rows = [[m["dtype"], m["layers"], f"{m['prefill_tok_s']:.0f}", f"{m['prefill_ms']:.0f}",
              f"{m['decode_short']['tok_s']:.1f}", f"{m['decode_short']['step_ms']:.1f}",
-             f"{m['decode_long']['tok_s']:.1f}", f"{m['decode_long']['step_ms']:.1f}",
+             num(m.get("decode_long", no_long)["tok_s"]), num(m.get("decode_long", no_long)["step_ms"]),
              f"{m['prefill_compile_s']:.1f} / {m['decode_short']['compile_s']:.1f} / "
-             f"{m['decode_long']['compile_s']:.1f}"] for m in data["modes"]]
+             f"{num(m.get('decode_long', no_long)['compile_s'])}"] for m in data["modes"]]
     return ["### Prefill and batch-1 decode\n",
             table(["dtype", "layers", f"prefill {p} tok/s", "prefill ms", f"decode ctx~{s} tok/s", "ms/token",
                    f"decode ctx~{p} tok/s", "ms/token", f"compile s (prefill {p} / decode {s} / decode {p})"],
@@ -223,38 +224,10 @@ def _kv_layout(data: dict, cfg: ModelConfig) -> list[str]:
                    "ours / alternative", "max abs diff"], rows), ""]
 
 
-def _peers(data: dict) -> list[str]:
-    out = ["### Peers\n"]
-    peer = data.get("peer")
-    if peer is None:
-        out.append("HF transformers peer skipped (`--peer-python` not given).\n")
-    elif "error" in peer:
-        out.append(f"HF transformers peer not run: {peer['error']}.\n")
-    else:
-        out.append(
-            f"HF transformers {peer['transformers']} on torch {peer['torch']} (CPU, {peer['threads']} threads, eager "
-            "mode), run by `scripts/peer_transformers.py` in its own venv during the same run: same model file "
-            "(dequantized by transformers to dense `nn.Linear` weights of the dtype), same prompt ids; prefill with "
-            "`logits_to_keep=1`, decode with a `DynamicCache`, each step = forward + argmax. jaxinfer numbers are "
-            "scan mode (the engine's default) from the tables above.\n")
-        ours = {m["dtype"]: m for m in data["modes"] if m["layers"] == "scan"}
-        rows = []
-        for dt, p in peer["results"].items():
-            if dt in ours:
-                o, d = ours[dt], ours[dt]["decode_short"]
-                rows += [[dt, f"prefill {data['prefill_len']} tok/s", f"{o['prefill_tok_s']:.0f}",
-                          f"{p['prefill_tok_s']:.0f}", f"{o['prefill_tok_s'] / p['prefill_tok_s']:.2f}"],
-                         [dt, f"decode b1 ctx~{data['decode_prompt_len']} tok/s", f"{d['tok_s']:.1f}",
-                          f"{p['decode_tok_s']:.1f}", f"{d['tok_s'] / p['decode_tok_s']:.2f}"]]
-        out += [table(["dtype", "metric", "jaxinfer", "transformers", "ours / peer"], rows), ""]
-    out.append("llama.cpp is not installed on this machine, so it is not compared.\n")
-    return out
-
-
 def render(data: dict, cfg: ModelConfig, command: str, date: str) -> str:
     """The section's markdown (without its markers) for the step workload's report data."""
     out = (_intro(data, cfg, command, date) + _bandwidth(data) + _speeds(data) + _roofline_table(data, cfg)
-           + _breakdown(data, cfg) + _kv_layout(data, cfg) + _peers(data))
+           + _breakdown(data, cfg) + _kv_layout(data, cfg) + step_peers_report.section(data, cfg))
     notes = observations(data)
     if notes:
         out += ["### Observations\n", "\n".join(f"- {n}" for n in notes) + "\n"]
