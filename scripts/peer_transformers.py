@@ -64,14 +64,7 @@ def measure(model, torch, prompt: list[int], decode_prompt_len: int, prefill_rep
         cache = DynamicCache()
         out = model(input_ids=ids[:, :decode_prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        step_s = []
-        for step in range(warmup_steps + decode_steps):
-            t0 = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            int(token[0, 0])
-            if step >= warmup_steps:
-                step_s.append(time.perf_counter() - t0)
+        step_s = _timed_steps(model, cache, token, decode_steps, warmup_steps)
     decode_ms = _median_ms(step_s)
     prefill_ms = _median_ms(prefill_s)
     log.info("decode median %.2f ms/token, prefill median %.1f ms", decode_ms, prefill_ms)
@@ -82,6 +75,20 @@ def measure(model, torch, prompt: list[int], decode_prompt_len: int, prefill_rep
         "decode_tok_s": 1e3 / decode_ms,
         "decode_context": [decode_prompt_len + warmup_steps + 1, decode_prompt_len + warmup_steps + decode_steps],
     }
+
+
+def _timed_steps(model, cache, tokens, decode_steps: int, warmup_steps: int) -> list[float]:
+    """Greedy decode steps (forward + argmax of every row, the tokens brought to the host as a server would) from
+    `tokens` [B, 1] over `cache`; the seconds of the last `decode_steps`."""
+    step_s = []
+    for step in range(warmup_steps + decode_steps):
+        t0 = time.perf_counter()
+        out = model(input_ids=tokens, past_key_values=cache, use_cache=True)
+        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.tolist()
+        if step >= warmup_steps:
+            step_s.append(time.perf_counter() - t0)
+    return step_s
 
 
 def measure_batch(model, torch, prompts: list[list[int]], decode_steps: int, warmup_steps: int) -> dict:
@@ -95,14 +102,7 @@ def measure_batch(model, torch, prompts: list[list[int]], decode_steps: int, war
         out = model(input_ids=torch.tensor(prompts, dtype=torch.long), past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
         tokens = out.logits[:, -1].argmax(-1, keepdim=True)
-        step_s = []
-        for step in range(warmup_steps + decode_steps):
-            t0 = time.perf_counter()
-            out = model(input_ids=tokens, past_key_values=cache, use_cache=True)
-            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
-            tokens.tolist()  # the host has every row's token, as a server would
-            if step >= warmup_steps:
-                step_s.append(time.perf_counter() - t0)
+        step_s = _timed_steps(model, cache, tokens, decode_steps, warmup_steps)
     step_ms, n, first = _median_ms(step_s), len(prompts), len(prompts[0]) + warmup_steps + 1
     log.info("decode batch %d: %.2f ms/step, %.1f tok/s", n, step_ms, n * 1e3 / step_ms)
     return {"batch": n, "step_ms": step_ms, "tok_s": n * 1e3 / step_ms, "context": [first, first + decode_steps - 1]}
