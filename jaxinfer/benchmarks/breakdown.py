@@ -12,7 +12,7 @@ median ms of each part run on its own, the parts interleaved in rounds so that m
 - attention alone: `paged_attention_reference` of every layer on the step's metadata and the runner's cache;
 - rest = step - (dense + attention + sampling): norms, RoPE, KV writes, residuals, the embedding gather.
 
-About 2 minutes on 2 cores:
+About 4 minutes on 2 cores:
 
     .venv/bin/jaxinfer bench breakdown --write BENCHMARKS.md
 """
@@ -105,8 +105,10 @@ def _shapes(args: argparse.Namespace) -> list[tuple[str, int, int]]:
         raise ValueError(f"--batches {args.batches!r} is not a list of integers") from None
     if not batches or min(batches) < 1:
         raise ValueError(f"--batches {args.batches!r}: give one or more integers >= 1")
-    if args.context < 1 or args.prefill_len < 0 or args.rounds < 1:
-        raise ValueError("--context and --rounds must be >= 1 and --prefill-len >= 0")
+    for option, value, least in (("--context", args.context, 1), ("--prefill-len", args.prefill_len, 0),
+                                 ("--rounds", args.rounds, 1)):
+        if value < least:
+            raise ValueError(f"{option} {value} must be >= {least}")
     shapes = [(f"decode batch {b}, context {args.context}", b, 1) for b in batches]
     return shapes + ([(f"prefill {args.prefill_len}", 1, args.prefill_len)] if args.prefill_len else [])
 
@@ -138,10 +140,11 @@ def run_dtype(cfg: ModelConfig, host, dtype: str, shapes: list[tuple[str, int, i
 
 def render(rows: list[dict], cfg: ModelConfig, args: argparse.Namespace, elapsed_s: float) -> str:
     """The section's markdown (without its markers)."""
-    out = ["## Step breakdown: decode at batch 1 and 32, prefill\n",
+    out = ["## Step breakdown: decode steps and a prefill, ms per part\n",
            f"Median ms of each part of one step on {model_setup.describe(cfg)} (scan over layers, page size "
            f"{PAGE_SIZE}, greedy), each part run on its own, interleaved in {args.rounds} rounds (definitions in "
            "`jaxinfer/benchmarks/breakdown.py`). rest = step - (dense + attention + sampling); host = execute - step. "
+           "The parts are timed separately, so they need not add up: a negative host or rest is noise of that size. "
            "The dense-matmul part scans over the stacked weights as the forward does, so it includes the copies "
            "XLA:CPU makes of each layer's weight slices. Command:\n", f"```\n{args.command}\n```\n",
            f"- date: {args.date}; {machine_line()}; run time {elapsed_s:.0f} s; a shared, noisy VM: compare rows "
@@ -160,10 +163,14 @@ def render(rows: list[dict], cfg: ModelConfig, args: argparse.Namespace, elapsed
 def run(args: argparse.Namespace) -> Report:
     """Measures every dtype x shape of the options."""
     t0 = time.perf_counter()
-    dtypes, shapes = model_setup.parse_dtypes(args.dtypes), _shapes(args)
+    dtypes, shapes = list(dict.fromkeys(model_setup.parse_dtypes(args.dtypes))), _shapes(args)
     cfg, host = model_setup.load_host_weights(args.model)
     if cfg.is_moe:
         raise ValueError("the breakdown times dense layers; give a dense model")
+    longest = args.context + 2 if not args.prefill_len else max(args.context + 2, args.prefill_len + 1)
+    if longest > cfg.max_position_embeddings:
+        raise ValueError(f"--context {args.context} / --prefill-len {args.prefill_len} exceed the model's context "
+                         f"({cfg.max_position_embeddings} tokens)")
     rows = [row for dtype in dtypes for row in run_dtype(cfg, host, dtype, shapes, args)]
     elapsed = time.perf_counter() - t0
     data = {"model": model_setup.config_data(cfg), "rows": rows, "load_avg": os.getloadavg()[0]}

@@ -44,9 +44,9 @@ def add_llamacpp_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the llama.cpp peer script (default: scripts/peer_llamacpp.py)")
     parser.add_argument("--llamacpp-types", default="Q4_0,BF16,Q4_1",
                         help=f"llama.cpp weight types (of {', '.join(LLAMACPP_TYPES)}); the GGUF is re-quantized "
-                             "to each it is not already")
+                             "to each it is not already (default: %(default)s; Q4_1 is the default model's own type)")
     parser.add_argument("--llamacpp-cache", type=Path, default=LLAMACPP_CACHE,
-                        help="folder of the re-quantized GGUF files, kept between runs")
+                        help="folder of the re-quantized GGUF files, kept between runs (default: %(default)s)")
 
 
 def check_llamacpp_types(text: str) -> list[str]:
@@ -61,6 +61,24 @@ def check_llamacpp_types(text: str) -> list[str]:
         raise ValueError(f"--llamacpp-types {text!r}: unknown {', '.join(unknown) or 'empty list'} "
                          f"(known: {', '.join(LLAMACPP_TYPES)})")
     return names
+
+
+def check_peer_paths(args, model: Path) -> None:
+    """Before any measuring: the interpreters given (`--peer-python`, `--llamacpp-python`) exist, and the llama.cpp
+    peer script, which reads GGUF files only, gets one.
+
+    Raises:
+      ValueError: naming the option and the path.
+    """
+    for option, python in (("--peer-python", getattr(args, "peer_python", None)),
+                           ("--llamacpp-python", getattr(args, "llamacpp_python", None))):
+        if python is not None and not Path(python).is_file():
+            raise ValueError(f"{option} {python}: no such interpreter")
+    real_llamacpp = getattr(args, "llamacpp_script", LLAMACPP_PEER) == LLAMACPP_PEER  # (tests run a stub)
+    if getattr(args, "llamacpp_python", None) is not None and real_llamacpp and not (
+            model.is_file() and model.suffix == ".gguf"):
+        raise ValueError(f"--llamacpp-python: the llama.cpp peer reads GGUF files only; --model {model} is not one "
+                         "(leave out --llamacpp-python, or give a .gguf file)")
 
 
 def run_peer(python: str, script: Path, args: list[str], timeout: int) -> dict:

@@ -265,6 +265,7 @@ def run(args: argparse.Namespace) -> Report:
     t_start = time.perf_counter()
     dtypes, modes, batches = check_arguments(args)
     path = model_setup.model_path(args.model)
+    peers.check_peer_paths(args, path)
     data: dict = {"dtypes": dtypes, "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
                   "prefill_reps": args.prefill_reps, "decode_steps": args.decode_steps, "bw_reps": args.bw_reps,
                   "kv_batch": args.kv_batch, "kv_context": args.kv_context, "kv_reps": args.kv_reps,

@@ -22,7 +22,12 @@ def test_breakdown_report(tmp_path):
     assert "| float32 | prefill 24 |" in section and "dense matmuls" in section
 
 
-@pytest.mark.parametrize("options, message", [(["--batches", "0"], "--batches"), (["--context", "0"], "--context")])
+@pytest.mark.parametrize("options, message", [
+    (["--batches", "0"], "--batches '0': give one or more integers >= 1"),
+    (["--context", "0"], "--context 0 must be >= 1"),
+    (["--prefill-len", "-5"], "--prefill-len -5 must be >= 0"),
+    (["--context", "100000"], "exceed the model's context (256 tokens)"),
+])
 def test_breakdown_refuses_bad_options(options, message, capsys):
     assert main(["bench", "breakdown", "--model", str(TINY_LLAMA), *options]) != 0
     assert message in capsys.readouterr().err

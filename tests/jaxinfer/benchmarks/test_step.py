@@ -113,6 +113,9 @@ def test_step_report_renders_both_dtypes_modes_and_failures():
     (("--modes", "scan,loop"), "--modes 'scan,loop': give scan and/or unrolled"),
     (("--prefill-len", "32"), "--prefill-len 32 is too short for the decode runs"),
     (("--llamacpp-types", "Q4_0,Q3_K"), "--llamacpp-types 'Q4_0,Q3_K': unknown Q3_K (known: F32, BF16, Q8_0"),
+    (("--llamacpp-python", "/nonexistent/python"), "--llamacpp-python /nonexistent/python: no such interpreter"),
+    (("--llamacpp-python", sys.executable, "--model", str(TINY_LLAMA)),
+     "the llama.cpp peer reads GGUF files only"),
 ])
 def test_step_bad_options_name_the_problem(options, message, capsys):
     from jaxinfer.cli import main
