@@ -7,8 +7,9 @@ KV cache layout (the one place it is defined; the engine, the model and the kern
 Page 0 is the reserved null page: padding rows of `page_table` point at it and padding tokens write into it, so
 every index stays valid; nothing reads it unmasked. Pages lead so that a sequence's pages gather in one indexed
 read, and kv heads come before page positions so that one page of one kv head, `[page_size, H]`, is contiguous:
-the kernels copy exactly that unit (one DMA on TPU, one load on GPU), and the reference's gathered context
-reshapes to `[B, K, S, H]` (batch and kv heads leading, the fast order for XLA:CPU einsums).
+the kernels copy exactly that unit (one DMA on TPU, one load on GPU), and the reference's gathered context (one
+KV block of every sequence) reshapes to `[B, K, block_kv, H]` (batch and kv heads leading, the fast order for
+XLA:CPU einsums).
 
 Quantized pages (int8, or fp8 stored as float8_e4m3fn bit patterns in uint8: `pallas_kernels.kv_quant`) come with
 one f32 scale per token per kv head, laid out like the pages without their head dim, so that a page's scales
