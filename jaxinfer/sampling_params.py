@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for per output token
-MAX_TEMPERATURE = 1e4  # far past where sampling is uniform; larger values only overflow f32 arithmetic
+import numpy as np
+
+from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                     MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, check_text, check_token_ids)
+
+__all__ = ["MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams"]
 
 
 def _is_int(x: object) -> bool:
@@ -25,7 +29,7 @@ class SamplingParams:
     presence/frequency penalties, temperature, min_p, top_k, top_p; see `jaxinfer.engine.sampling`.
 
     Attributes:
-      n: number of independent samples (output sequences) for the prompt, >= 1. They share the seed and differ by
+      n: number of independent samples (output sequences) for the prompt, in [1, MAX_N]. They share the seed and differ by
         their sample index, which is folded into the random key.
       temperature: softmax temperature, finite and >= 0; 0 means greedy (argmax).
       top_k: keep the k most likely tokens; 0 or -1 disables.
@@ -47,14 +51,18 @@ class SamplingParams:
         sampled token's own; they come from the model's raw distribution (log_softmax of the logits before
         penalties, temperature and truncation). None returns none.
       stop: strings that end generation when they appear in the output text (not returned unless
-        `include_stop_str_in_output`).
-      stop_token_ids: extra token ids that end generation (returned in `token_ids`).
+        `include_stop_str_in_output`); at most MAX_STOP_STRINGS, each of 1 to MAX_STOP_STRING_CHARS characters.
+      stop_token_ids: extra token ids that end generation (returned in `token_ids`); at most MAX_STOP_TOKEN_IDS
+        (ints or numpy integers); `Engine.add_request` checks them against the vocabulary.
       ignore_eos: keep generating after the model's EOS token.
       include_stop_str_in_output: return the matched stop string at the end of the text.
       skip_special_tokens: leave special tokens out of the returned text.
 
+    The limits are those of `jaxinfer.request_limits`, the same for every front end.
+
     Raises:
-      ValueError: on any out-of-range value (NaN and infinities included), naming the field and the value.
+      ValueError: on any out-of-range value (NaN and infinities included) or wrong type (a bool field given
+        anything but True / False), naming the field and the value.
     """
 
     n: int = 1
@@ -80,8 +88,8 @@ class SamplingParams:
         repetition_penalty = self.repetition_penalty
         presence_penalty, frequency_penalty = self.presence_penalty, self.frequency_penalty
         max_tokens, min_tokens, seed, logprobs = self.max_tokens, self.min_tokens, self.seed, self.logprobs
-        if not _is_int(n) or n < 1:
-            raise ValueError(f"{n=} must be an integer >= 1")
+        if not _is_int(n) or not 1 <= n <= MAX_N:
+            raise ValueError(f"{n=} must be an integer in [1, {MAX_N}]")
         if not _is_finite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
             raise ValueError(f"{temperature=} must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not _is_int(top_k) or top_k < -1:
@@ -97,26 +105,41 @@ class SamplingParams:
         if not _is_finite(frequency_penalty) or not -2 <= frequency_penalty <= 2:
             raise ValueError(f"{frequency_penalty=} must be in [-2, 2]")
         if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-            raise ValueError(f"{max_tokens=} must be an integer >= 1 (or None: up to the context limit)")
-        if not _is_int(min_tokens) or min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
-            raise ValueError(f"{min_tokens=} must be an integer in [0, max_tokens={max_tokens}]")
+            raise ValueError(f"{max_tokens=} must be an integer >= 1 (and the prompt plus max_tokens must fit the "
+                             "context)")
+        if not _is_int(min_tokens) or min_tokens < 0:
+            raise ValueError(f"{min_tokens=} must be an integer >= 0" +
+                             ("" if max_tokens is None else f" and <= max_tokens={max_tokens}"))
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(f"{min_tokens=} must be an integer in [0, {max_tokens=}]")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
             raise ValueError(f"{seed=} must be an integer in [0, 2**32)")
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"{logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name}={value!r} must be True or False")
+            object.__setattr__(self, name, bool(value))
+        object.__setattr__(self, "stop", self._checked_stop())
+        stop_ids = () if self.stop_token_ids is None else check_token_ids("stop_token_ids", self.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    def _checked_stop(self) -> tuple[str, ...]:
         stop = self.stop
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise ValueError(f"stop={stop!r} must be a string or a list of strings")
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop={self.stop!r} must be non-empty strings")
-        object.__setattr__(self, "stop", stop)
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
-        stop_ids = tuple(self.stop_token_ids or ())
-        if any(not _is_int(t) or t < 0 for t in stop_ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
-        object.__setattr__(self, "stop_token_ids", stop_ids)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop)} strings; the limit is {MAX_STOP_STRINGS}")
+        for i, s in enumerate(stop):
+            check_text(f"stop[{i}]", s)
+            if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop[{i}] has {len(s)} characters; stop strings must have 1 to "
+                                 f"{MAX_STOP_STRING_CHARS}")
+        return stop
 
     @property
     def greedy(self) -> bool:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
+from jaxinfer.request_limits import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 BAD = [
@@ -53,3 +55,45 @@ def test_uses_penalties() -> None:
     assert SamplingParams(repetition_penalty=1.1).uses_penalties
     assert SamplingParams(presence_penalty=-0.1).uses_penalties
     assert SamplingParams(frequency_penalty=0.1).uses_penalties
+
+
+@pytest.mark.parametrize("field", ["ignore_eos", "include_stop_str_in_output", "skip_special_tokens"])
+@pytest.mark.parametrize("value", ["no", 5, 0, None, 1.0])
+def test_boolean_fields_require_a_bool(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"\b{field}=.*must be True or False"):
+        SamplingParams(**{field: value})
+    assert getattr(SamplingParams(**{field: np.bool_(False)}), field) is False  # a numpy bool is a bool
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n=MAX_N + 1), rf"n={MAX_N + 1} must be an integer in \[1, {MAX_N}\]"),
+    (dict(stop=["a"] * (MAX_STOP_STRINGS + 1)), rf"stop has {MAX_STOP_STRINGS + 1} strings; the limit is"),
+    (dict(stop=["a" * (MAX_STOP_STRING_CHARS + 1)]), rf"stop\[0\] has {MAX_STOP_STRING_CHARS + 1} characters"),
+    (dict(stop=["ok", "\ud800"]), r"stop\[1\] is not valid Unicode text: a lone surrogate"),
+    (dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))),
+     rf"stop_token_ids has {MAX_STOP_TOKEN_IDS + 1} ids; the limit is {MAX_STOP_TOKEN_IDS}"),
+    (dict(stop_token_ids=[3, 1.0]), r"stop_token_ids must hold integer token ids; got 1\.0"),
+    (dict(stop_token_ids=[3, -1]), r"stop_token_ids contains ids outside"),
+    (dict(stop_token_ids="12"), r"stop_token_ids must be a list of token ids, got str"),
+])
+def test_the_request_limits_hold_in_the_python_api(kwargs: dict, match: str) -> None:
+    """The limits the gRPC server applied alone before (n, stop strings), and the new stop id limit."""
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_numpy_integers_are_token_ids() -> None:
+    params = SamplingParams(stop_token_ids=np.array([7, 9]))
+    assert params.stop_token_ids == (7, 9) and all(type(t) is int for t in params.stop_token_ids)
+    assert SamplingParams(stop_token_ids=[np.int64(3)]).stop_token_ids == (3,)
+
+
+def test_max_tokens_and_min_tokens_messages_name_the_field_and_the_range() -> None:
+    with pytest.raises(ValueError) as info:
+        SamplingParams(max_tokens=0)
+    assert str(info.value).startswith("max_tokens=0 must be an integer >= 1") and "None" not in str(info.value)
+    with pytest.raises(ValueError) as info:
+        SamplingParams(min_tokens=-1, max_tokens=None)
+    assert str(info.value).startswith("min_tokens=-1 must be an integer >= 0") and "None" not in str(info.value)
+    with pytest.raises(ValueError, match=r"min_tokens=5 must be an integer in \[0, max_tokens=2\]"):
+        SamplingParams(min_tokens=5, max_tokens=2)

@@ -1,0 +1,162 @@
+"""Per-request limits and checks, one home for every front end: `SamplingParams` (and with it `LLM.generate` /
+`LLM.chat`, `Engine.add_request`, `AsyncEngine.generate`) and the gRPC server (`jaxinfer.serving.requests`)
+apply the same limits with the same messages.
+
+1. Values a request carries are checked where they are built: `SamplingParams.__post_init__` (ranges, types,
+   the counts below), `check_text` (strings must be valid Unicode), `check_token_ids` (int ids, numpy integers
+   included), `check_chat` (chat messages and roles).
+2. Values that depend on the model (vocabulary, EOS ids, context) are checked by `check_against_model` when
+   `Engine.add_request` admits the request, before anything is queued.
+3. No request parameter picks a compiled shape: the sampler's banned-id array is always `SUPPRESS_WIDTH` wide
+   (`jaxinfer.engine.sampling`), which `MAX_STOP_TOKEN_IDS` keeps within bounds.
+
+Every check raises `ValueError` naming the field (the gRPC server answers it with `INVALID_ARGUMENT`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jaxinfer.sampling_params import SamplingParams
+
+MAX_N = 8  # completions per request
+MAX_LOGPROBS = 20  # top log-probabilities per output token
+MAX_STOP_STRINGS = 16  # stop strings per request
+MAX_STOP_STRING_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 32  # stop token ids per request
+MAX_TEMPERATURE = 1e4  # far past where sampling is uniform; larger values only overflow f32 arithmetic
+# Width of the sampler's per-row banned ids (EOS and stop ids before min_tokens): fixed, so that one compiled step
+# serves every request. MAX_STOP_TOKEN_IDS stop ids plus up to 32 EOS ids fit.
+SUPPRESS_WIDTH = 64
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_text(name: str, value: object) -> str:
+    """Returns `value` if it is a string that encodes to UTF-8 (no lone surrogate), else raises.
+
+    Raises:
+      ValueError: naming `name`: not a string, or a lone surrogate (its index given).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: a lone surrogate {value[e.start]!r} at index "
+                         f"{e.start}") from None
+    return value
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def check_token_ids(name: str, ids: object, vocab_size: int | None = None) -> tuple[int, ...]:
+    """Token ids as a tuple of Python ints.
+
+    Args:
+      name: the field, for messages.
+      ids: a list or tuple of ints or numpy integers, or a 1-D numpy integer array.
+      vocab_size: when given, every id must lie in [0, vocab_size); else ids must be >= 0.
+
+    Raises:
+      ValueError: naming `name`: another container type, a non-integer id, or an id out of range (the first few
+        named).
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+            raise ValueError(f"{name} must be a 1-D integer array, got shape {ids.shape} of {ids.dtype}")
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    wrong = [t for t in ids if not _is_id(t)]
+    if wrong:
+        raise ValueError(f"{name} must hold integer token ids; got {wrong[0]!r} ({type(wrong[0]).__name__})")
+    out = tuple(int(t) for t in ids)
+    bad = [t for t in out if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        where = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"
+        raise ValueError(f"{name} contains ids outside {where}: {bad[:5]}")
+    return out
+
+
+def check_chat(messages: object, add_generation_prompt: bool = True, name: str = "messages") -> list[dict]:
+    """A conversation's messages, checked: what `LLM.chat` and the gRPC `chat` input accept alike.
+
+    Args:
+      messages: a non-empty list of dicts with a `role` in CHAT_ROLES and a string `content` (more keys are kept
+        for the chat template).
+      add_generation_prompt: whether the prompt ends with the assistant's header; then the last message must not
+        be the assistant's (continuing a message is not supported).
+      name: the field, for messages (`chat.messages` on gRPC).
+
+    Returns:
+      The messages as a list of dicts.
+
+    Raises:
+      ValueError: naming the field and the message index: not a list, empty, a message that is not a dict, an
+        unknown role, content that is not valid text, or a last assistant message with the generation prompt on.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"{name} must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError(f"{name} must not be empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if m.get("role") not in CHAT_ROLES:
+            raise ValueError(f"{name}[{i}].role={m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}")
+        check_text(f"{name}[{i}].content", m.get("content"))
+    if add_generation_prompt and messages[-1]["role"] == "assistant":
+        raise ValueError(f"{name}: the last message is the assistant's; continuing a message is not supported (end "
+                         "with a user message, or turn add_generation_prompt off)")
+    return list(messages)
+
+
+def check_against_model(params: SamplingParams, num_prompt_tokens: int, vocab_size: int, eos_ids: Collection[int],
+                        max_model_len: int, sampled_vocab_size: int | None = None) -> None:
+    """The admission checks of a request that need the model: its ids, its context and whether it can generate.
+
+    Args:
+      params: the request's sampling parameters (already valid on their own).
+      num_prompt_tokens: the prompt's length in tokens.
+      vocab_size: ids must lie in [0, vocab_size).
+      eos_ids: the model's EOS ids (banned with the stop ids before min_tokens unless ignore_eos).
+      max_model_len: the context in tokens.
+      sampled_vocab_size: ids the sampler may pick are [0, sampled_vocab_size) (the tokenizer's vocabulary may be
+        smaller than the model's); None means vocab_size.
+
+    Raises:
+      ValueError: naming the field: an empty prompt, or one that leaves no room to generate; prompt + max_tokens
+        or prompt + min_tokens beyond the context; a stop token id outside the vocabulary; or min_tokens with every
+        token of the vocabulary banned (nothing could be generated).
+    """
+    if num_prompt_tokens < 1:
+        raise ValueError("prompt must not be empty (it encodes to no tokens)")
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt of {num_prompt_tokens} tokens does not fit the context of {max_model_len} tokens "
+                         "(at least one token must be generated)")
+    room = max_model_len - num_prompt_tokens
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(f"max_tokens={params.max_tokens}: the prompt ({num_prompt_tokens} tokens) leaves room for "
+                         f"at most {room} in the context of {max_model_len} tokens (max_tokens=None generates until "
+                         f"the context is full)")
+    if params.min_tokens > room:
+        raise ValueError(f"min_tokens={params.min_tokens}: the prompt ({num_prompt_tokens} tokens) leaves room for "
+                         f"at most {room} in the context of {max_model_len} tokens")
+    check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    if params.min_tokens:
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        if len(banned) > SUPPRESS_WIDTH:
+            raise ValueError(f"stop_token_ids: with min_tokens={params.min_tokens}, {len(banned)} ids (stop ids and "
+                             f"the model's EOS ids) would be banned; at most {SUPPRESS_WIDTH} can be")
+        sampled = vocab_size if sampled_vocab_size is None else sampled_vocab_size
+        if sum(0 <= t < sampled for t in banned) >= sampled:
+            raise ValueError(f"min_tokens={params.min_tokens} with stop_token_ids={list(params.stop_token_ids)} bans "
+                             f"every token the model can sample ({sampled}, with its EOS ids): nothing could be "
+                             "generated")
+

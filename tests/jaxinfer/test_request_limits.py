@@ -1,0 +1,75 @@
+"""`jaxinfer.request_limits`: the checks every front end shares (text, token ids, chat messages, the model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer.request_limits import (CHAT_ROLES, MAX_STOP_TOKEN_IDS, SUPPRESS_WIDTH, check_against_model,
+                                     check_chat, check_text)
+from jaxinfer.sampling_params import SamplingParams
+
+VOCAB = 4  # a vocabulary small enough for MAX_STOP_TOKEN_IDS stop ids to cover
+EOS = frozenset({0})
+
+
+def test_min_tokens_with_every_token_banned_is_refused() -> None:
+    every = SamplingParams(min_tokens=1, stop_token_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"min_tokens=1 with stop_token_ids=\[1, 2, 3\] bans every token"):
+        check_against_model(every, 2, VOCAB, EOS, max_model_len=64)
+    # Generation is possible when one token is left: EOS not banned (ignore_eos), no min_tokens, or fewer stop ids.
+    check_against_model(SamplingParams(min_tokens=1, stop_token_ids=[1, 2, 3], ignore_eos=True), 2, VOCAB, EOS, 64)
+    check_against_model(SamplingParams(stop_token_ids=[1, 2, 3]), 2, VOCAB, EOS, 64)
+    check_against_model(SamplingParams(min_tokens=1, stop_token_ids=[1, 2]), 2, VOCAB, EOS, 64)
+    # Ids the sampler never picks (past the tokenizer's vocabulary) need no ban for generation to be impossible.
+    with pytest.raises(ValueError, match="bans every token the model can sample"):
+        check_against_model(SamplingParams(min_tokens=1, stop_token_ids=[1, 2]), 2, VOCAB, EOS, 64,
+                            sampled_vocab_size=3)
+
+
+def test_more_banned_ids_than_the_sampler_holds_are_refused() -> None:
+    eos = frozenset(range(1000, 1000 + SUPPRESS_WIDTH))  # a tokenizer with very many EOS ids
+    params = SamplingParams(min_tokens=1, stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    with pytest.raises(ValueError, match=rf"stop_token_ids: with min_tokens=1, .* at most {SUPPRESS_WIDTH}"):
+        check_against_model(params, 2, 4096, eos, 64)
+    check_against_model(SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))), 2, 4096, eos, 64)
+
+
+@pytest.mark.parametrize("params, prompt_len, match", [
+    (SamplingParams(stop_token_ids=[VOCAB], max_tokens=4), 2, r"stop_token_ids contains ids outside \[0, 4\): \[4\]"),
+    (SamplingParams(max_tokens=15), 2, r"max_tokens=15: the prompt \(2 tokens\) leaves room for at most 14"),
+    (SamplingParams(max_tokens=None, min_tokens=15), 2, r"min_tokens=15: the prompt \(2 tokens\) leaves room"),
+    (SamplingParams(), 16, "does not fit the context of 16 tokens"),
+    (SamplingParams(), 0, "prompt must not be empty"),
+])
+def test_requests_that_cannot_run_on_the_model_are_refused(params, prompt_len, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_against_model(params, prompt_len, VOCAB, EOS, max_model_len=16)
+
+
+@pytest.mark.parametrize("messages, add, match", [
+    ("hello", True, "messages must be a list of {'role', 'content'} dicts, got str"),
+    ([], True, "messages must not be empty"),
+    (["hi"], True, r"messages\[0\] must be a dict"),
+    ([{"role": "wizard", "content": "hi"}], True, r"messages\[0\].role='wizard' is not one of system, user"),
+    ([{"role": "user", "content": 5}], True, r"messages\[0\].content must be a string, got int"),
+    ([{"role": "user", "content": "\ud800"}], True, r"messages\[0\].content is not valid Unicode"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}], True, "the assistant's"),
+])
+def test_bad_chats_are_refused_naming_the_message(messages, add, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_chat(messages, add)
+
+
+def test_good_chats_pass() -> None:
+    for role in CHAT_ROLES:
+        check_chat([{"role": role, "content": "x"}], add_generation_prompt=False)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    assert check_chat(chat, add_generation_prompt=False) == chat  # continuing without the generation prompt
+
+
+def test_check_text() -> None:
+    assert check_text("f", "ok \u00e9 \U0001f600") == "ok \u00e9 \U0001f600"
+    with pytest.raises(ValueError, match=r"f is not valid Unicode text: a lone surrogate '\\udfff' at index 2"):
+        check_text("f", "ab\udfff")
+    with pytest.raises(ValueError, match="f must be a string, got bytes"):
+        check_text("f", b"ab")
