@@ -1,7 +1,8 @@
 """`Engine`: continuous batching over the paged KV cache: the request table and the step loop.
 
-1. `add_request` validates a request (a `ValueError` naming the field, before anything is queued), tokenizes it
-   and hands `n` `Sequence`s to the scheduler.
+1. `add_request` validates a request against the model (`jaxinfer.request_limits.check_against_model`: a
+   `ValueError` naming the field, before anything is queued), tokenizes it and hands `n` `Sequence`s to the
+   scheduler.
 2. `step` asks the scheduler for a plan: running decodes first, then prefill chunks within
    `max_num_batched_tokens`, preempting (recompute) when pages run out. The plan's KV page moves run first.
 3. The plan runs as one device call for all decodes and one for the prefill chunks (the CPU reference attention
@@ -42,6 +43,7 @@ from jaxinfer.engine.step_results import StepResult, VerifyResult
 from jaxinfer.engine.warmup import warmup
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.prompt import Prompt, make_prompt
+from jaxinfer.request_limits import check_against_model, check_text
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.scheduler.chunk import ScheduledChunk
@@ -154,9 +156,10 @@ class Engine:
           The request id.
 
         Raises:
-          ValueError: duplicate request id, empty prompt, a prompt that leaves no room in the context, prompt +
-            max_tokens beyond the context, a request that could never fit the KV cache, or bad params. Nothing is
-            queued then.
+          ValueError: naming the field: duplicate request id, empty prompt, a prompt that leaves no room in the
+            context, prompt + max_tokens (or min_tokens) beyond the context, a stop token id outside the vocabulary,
+            min_tokens with every token banned, a request that could never fit the KV cache, or bad params
+            (`jaxinfer.request_limits.check_against_model`). Nothing is queued then.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -167,18 +170,14 @@ class Engine:
                 request_id = f"req-{next(self._auto_request_ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        else:
+            check_text("request_id", request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         prompt = self.make_prompt(prompt, cache_salt)
         text, ids, cache_salt = prompt.text, list(prompt.token_ids), prompt.cache_salt
-        if not ids:
-            raise ValueError("prompt must not be empty (it encodes to no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} tokens "
-                             "(at least one token must be generated)")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens={params.max_tokens}: the prompt ({len(ids)} tokens) plus max_tokens exceeds "
-                             f"the context of {self.max_model_len} tokens (max_tokens=None generates up to it)")
+        check_against_model(params, len(ids), self.model_config.vocab_size, self.tokenizer.eos_ids,
+                            self.max_model_len, sampled_vocab_size=self.runner.vocab_limit)
         now = time.perf_counter()
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
         seqs = []

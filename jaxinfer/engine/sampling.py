@@ -1,8 +1,9 @@
 """Batched token sampling on device, one independent row per sequence.
 
 1. On the host, `SamplingArrays.build` turns one `SamplingRow` per sequence into fixed-width arrays: per-row
-   parameters, banned ids, and the prompt / output token ids the penalties need (padded with -1 to power-of-two
-   widths, and width 1 when no row uses them, so that few shapes are compiled). Padding rows are greedy and inert.
+   parameters, banned ids (always `SUPPRESS_WIDTH` wide: no request's stop ids pick a compiled shape), and the
+   prompt / output ids the penalties need (padded with -1 to power-of-two widths, width 1 when no row uses
+   them, so that few shapes are compiled). Padding rows are greedy and inert.
 2. On device, `sample` processes each row of logits f32[B, V] in vLLM's order:
      a. ids >= vocab_limit (padding of the embedding table) are masked;
      b. raw log-probabilities: log_softmax of these logits, in f32 (returned, never used for sampling);
@@ -36,13 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.sampling_math import limit_vocab, sort_descending, token_logprobs
+from jaxinfer.request_limits import SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
            "sample", "sample_keys", "top_logprobs"]
 
 GREEDY_TEMPERATURE = 1e-5  # smallest temperature sampled as such; below it, argmax
-MIN_SUPPRESS_WIDTH = 4
 MIN_PENALTY_WIDTH = 16
 
 
@@ -119,7 +120,7 @@ class SamplingArrays:
       sample_index: i32[B], which of the request's n samples the row is.
       step: i32[B], index of the output token being sampled.
       num_logprobs: i32[B], in [0, MAX_LOGPROBS]: top log-probabilities the row wants.
-      suppress: i32[B, M], ids in [0, V) set to -inf; -1 pads. M is a power of two >= 4.
+      suppress: i32[B, SUPPRESS_WIDTH], ids in [0, V) set to -inf; -1 pads.
       prompt_ids: i32[B, Wp], prompt ids of rows with a repetition penalty; -1 pads. Wp is 1 when no row has one,
         else a power of two >= 16.
       output_ids: i32[B, Wo], output ids of rows with any penalty; -1 pads. Wo as Wp, for any penalty.
@@ -156,7 +157,8 @@ class SamplingArrays:
           numpy arrays, ready to pass to a jitted function calling `sample`.
 
         Raises:
-          ValueError: if batch < len(rows), vocab_limit is not in [1, V], or a token id is outside [0, V).
+          ValueError: if batch < len(rows), vocab_limit is not in [1, V], a token id is outside [0, V), or a row
+            bans more than SUPPRESS_WIDTH ids.
         """
         if batch < len(rows):
             raise ValueError(f"{batch=} must be >= the number of rows ({len(rows)})")
@@ -169,7 +171,8 @@ class SamplingArrays:
         def per_row(values: list, fill: float | int, dtype: type) -> np.ndarray:
             return np.array(values + [fill] * pad, dtype)
 
-        suppress_width = _bucket(max((len(r.suppress) for r in rows), default=0), MIN_SUPPRESS_WIDTH)
+        if (widest := max((len(r.suppress) for r in rows), default=0)) > SUPPRESS_WIDTH:  # refused at admission
+            raise ValueError(f"a row bans {widest} ids; at most {SUPPRESS_WIDTH=} can be banned")
         rep_rows = [r.params.repetition_penalty != 1 for r in rows]
         pen_rows = [r.params.uses_penalties for r in rows]
         prompt_lists = [r.prompt_token_ids if on else () for r, on in zip(rows, rep_rows)]
@@ -190,7 +193,7 @@ class SamplingArrays:
             sample_index=per_row([r.sample_index for r in rows], 0, np.int32),
             step=per_row([r.step for r in rows], 0, np.int32),
             num_logprobs=per_row([p.logprobs or 0 for p in ps], 0, np.int32),
-            suppress=_pad_ids([r.suppress for r in rows], batch, suppress_width, vocab, "suppress"),
+            suppress=_pad_ids([r.suppress for r in rows], batch, SUPPRESS_WIDTH, vocab, "suppress"),
             prompt_ids=_pad_ids(prompt_lists, batch, prompt_width, vocab, "prompt_token_ids"),
             output_ids=_pad_ids(output_lists, batch, output_width, vocab, "output_token_ids"),
             vocab_limit=np.int32(limit),

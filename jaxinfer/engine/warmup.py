@@ -5,7 +5,7 @@ with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table
 backend has a flash kernel, the same token counts as a fresh prompt's first chunk. With speculative decoding also
 the verify step of every decode batch bucket that gets drafts, padded to that many drafts per sequence, times every
 page-table width, and, with a draft model, its drafting call for the same buckets (greedy rows; sampling rows
-compile on first use). Other shapes (several prefill chunks at once, long suppress lists, penalties) compile on
+compile on first use). Other shapes (several prefill chunks at once, penalties) compile on
 first use. With the persistent compilation cache a restart loads them all from disk.
 """
 

@@ -330,6 +330,13 @@ def test_bad_input_is_rejected_and_in_flight_request_is_unharmed(tiny: Engine, t
         ([5, 128], greedy, None, "prompt_token_ids"),
         ([5, -1], greedy, None, "prompt_token_ids"),
         ({"prompt": 5}, greedy, None, "prompt_token_ids' or a text 'prompt"),
+        ({"prompt_token_ids": [5], "extra": 1}, greedy, None, "unknown key"),
+        ("w5 \ud800", greedy, None, "prompt is not valid Unicode text"),
+        ([5, 6], SamplingParams(stop_token_ids=[128]), None, r"stop_token_ids contains ids outside \[0, 128\)"),
+        ([5, 6], SamplingParams(stop_token_ids=[3, 500], min_tokens=1), None, "stop_token_ids contains ids"),
+        ([5, 6], SamplingParams(min_tokens=TINY_MAX_MODEL_LEN - 1, max_tokens=None), None,
+         "min_tokens=63: the prompt"),
+        ([5, 6], greedy, "id-\udc00", "request_id is not valid Unicode text"),
         ({"cache_salt": "a"}, greedy, None, "prompt_token_ids' or a text 'prompt"),
         ({"prompt": "w5", "cache_salt": 7}, greedy, None, "cache_salt"),
         (3.5, greedy, None, "prompt must be"),
@@ -360,6 +367,20 @@ def test_bad_input_is_rejected_and_in_flight_request_is_unharmed(tiny: Engine, t
     assert final[good.rid].outputs[0].finish_reason == "length"
     assert len(final[rid].outputs[0].token_ids) == 4
     assert_idle(tiny)
+
+
+def test_stop_ids_and_min_tokens_compile_no_new_step_shape(tiny: Engine) -> None:
+    """A request that bans many ids (EOS and 32 stop ids until min_tokens) runs on the compiled step a plain request
+    of the same shape used: the banned-id array has one width."""
+    prompt = TINY_PROMPTS[2]
+    plain = run(tiny, [Req("plain", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))])
+    compiled = tiny.runner._step._cache_size()
+    stop_ids = list(range(64, 64 + 32))
+    banning = SamplingParams(temperature=0, max_tokens=3, min_tokens=3, stop_token_ids=stop_ids)
+    out = run(tiny, [Req("banning", prompt, banning)]).final["banning"].outputs[0]
+    assert tiny.runner._step._cache_size() == compiled
+    assert len(out.token_ids) == 3 and not set(out.token_ids) & (set(stop_ids) | tiny.tokenizer.eos_ids)
+    assert plain.final["plain"].outputs[0].finish_reason == "length"
 
 
 def test_a_prompt_is_tokenized_once_and_admitted_as_it_is(tiny: Engine, monkeypatch) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine.sampling import MAX_LOGPROBS, SamplingArrays, SamplingRow, process_logits, sample
+from jaxinfer.request_limits import SUPPRESS_WIDTH
 from jaxinfer.sampling_params import SamplingParams as P
 
 V = 64
@@ -289,3 +290,14 @@ def test_step_defaults_to_output_length_and_large_seeds_work() -> None:
     s = SamplingArrays.build([row], 2, V)
     assert int(s.seed[0]) == 2**32 - 1 and int(s.step[0]) == 3
     assert 0 <= int(_sample(_logits(6)[:2], s).token_ids[0]) < V
+
+
+def test_banned_ids_have_one_width_whatever_the_rows_ban() -> None:
+    """No request's stop ids pick a compiled shape: the suppress array is SUPPRESS_WIDTH wide for 0 to
+    SUPPRESS_WIDTH banned ids, and a row banning more is refused."""
+    vocab = 4 * SUPPRESS_WIDTH
+    for n in (0, 1, 5, SUPPRESS_WIDTH):
+        s = SamplingArrays.build([SamplingRow(P(), seed=0, suppress=list(range(n)))], 2, vocab)
+        assert s.suppress.shape == (2, SUPPRESS_WIDTH) and sorted(s.suppress[0][:n]) == list(range(n))
+    with pytest.raises(ValueError, match="SUPPRESS_WIDTH"):
+        SamplingArrays.build([SamplingRow(P(), seed=0, suppress=list(range(SUPPRESS_WIDTH + 1)))], 2, vocab)
