@@ -1,5 +1,6 @@
-"""What the gRPC server checks and translates before a request reaches the engine: per-request limits, sampling
-values, chat messages, and the prompt (tokenized here, off the event loop)."""
+"""What the gRPC server checks and translates before a request reaches the engine: sampling values, chat messages
+and the prompt (tokenized here, off the event loop). The per-request limits are `jaxinfer.request_limits`', the
+same as the Python API's; `ServerLimits` holds only the server's own (request bytes, requests in flight)."""
 
 from __future__ import annotations
 
@@ -7,32 +8,24 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from jaxinfer.prompt import Prompt
+from jaxinfer.request_limits import check_chat
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
-    """Per-request limits; a request past one gets `INVALID_ARGUMENT` (or `RESOURCE_EXHAUSTED` for the queue).
+    """The server's own limits (those of a request's values are `jaxinfer.request_limits`, for every front end).
 
     Attributes:
-      max_request_bytes: serialized request size.
-      max_n: completions per request.
-      max_logprobs: top log-probabilities per token.
-      max_stop: stop strings per request; max_stop_len: characters per stop string.
-      max_queued_requests: requests in flight (running or waiting) before new ones are refused.
+      max_request_bytes: serialized request size; a larger request gets `INVALID_ARGUMENT`.
+      max_queued_requests: requests in flight (running or waiting) before new ones get `RESOURCE_EXHAUSTED`.
     """
 
     max_request_bytes: int = 1 << 20
-    max_n: int = 8
-    max_logprobs: int = 20
-    max_stop: int = 16
-    max_stop_len: int = 256
     max_queued_requests: int = 256
 
 
@@ -41,22 +34,13 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_p
                     "include_stop_str_in_output", "skip_special_tokens", "logprobs")
 
 
-def sampling_params_from_proto(msg: pb.SamplingParams, limits: ServerLimits) -> SamplingParams:
+def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """`jaxinfer.v1.SamplingParams` -> `SamplingParams`; unset optional fields keep the defaults.
 
     Raises:
-      ValueError: a value out of range or past a limit, the message naming the field (`sampling.<field>`).
+      ValueError: a value out of range or past a limit, the message naming the field (`sampling: <field>=...`).
     """
     kw = {name: getattr(msg, name) for name in _SAMPLING_FIELDS if msg.HasField(name)}
-    if kw.get("n", 1) > limits.max_n:
-        raise ValueError(f"sampling.n={kw['n']} is above the server's limit of {limits.max_n}")
-    if kw.get("logprobs", 0) > limits.max_logprobs:
-        raise ValueError(f"sampling.logprobs={kw['logprobs']} is above the server's limit of {limits.max_logprobs}")
-    if len(msg.stop) > limits.max_stop:
-        raise ValueError(f"sampling.stop has {len(msg.stop)} strings; the server's limit is {limits.max_stop}")
-    for s in msg.stop:
-        if not s or len(s) > limits.max_stop_len:
-            raise ValueError(f"sampling.stop strings must have 1 to {limits.max_stop_len} characters; got {len(s)}")
     if msg.stop:
         kw["stop"] = list(msg.stop)
     if msg.stop_token_ids:
@@ -67,14 +51,16 @@ def sampling_params_from_proto(msg: pb.SamplingParams, limits: ServerLimits) -> 
         raise ValueError(f"sampling: {e}") from None
 
 
-def chat_messages(chat: pb.ChatInput) -> list[dict]:
-    """`ChatInput` -> message dicts. Raises ValueError naming the field for no messages or an unknown role."""
-    if not chat.messages:
-        raise ValueError("chat.messages must not be empty")
-    for i, m in enumerate(chat.messages):
-        if m.role not in CHAT_ROLES:
-            raise ValueError(f"chat.messages[{i}].role={m.role!r} is not one of {', '.join(CHAT_ROLES)}")
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+def chat_messages(chat: pb.ChatInput, for_generation: bool) -> tuple[list[dict], bool]:
+    """`ChatInput` -> (message dicts, add_generation_prompt), checked as `LLM.chat` checks them
+    (`jaxinfer.request_limits.check_chat`; with `for_generation` False, a last assistant message is allowed).
+
+    Raises:
+      ValueError: naming the field (`chat.messages[i]...`).
+    """
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    return check_chat(messages, add and for_generation, name="chat.messages"), add
 
 
 def chat_ids(engine: Engine, chat: pb.ChatInput, for_generation: bool) -> list[int]:
@@ -84,11 +70,7 @@ def chat_ids(engine: Engine, chat: pb.ChatInput, for_generation: bool) -> list[i
       ValueError: naming the field: no messages, an unknown role, or (for generation) a last assistant message
         with the generation prompt on.
     """
-    messages = chat_messages(chat)
-    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    if for_generation and add and messages[-1]["role"] == "assistant":
-        raise ValueError("chat.messages: the last message is the assistant's; continuing a message is not "
-                         "supported (end with a user message, or set chat.add_generation_prompt=false)")
+    messages, add = chat_messages(chat, for_generation)
     return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add)
 
 

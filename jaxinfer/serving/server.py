@@ -2,8 +2,8 @@
 
 1. `Server.start()` binds the port (grpc.aio) with the health and reflection services, reports `NOT_SERVING`,
    and builds the `Engine` (weights, KV cache, warm-up compiles) in a worker thread; then it reports `SERVING`.
-2. `Generate` checks the request (size, limits, sampling values, in `requests.py`: `INVALID_ARGUMENT` naming the
-   field), refuses it with `RESOURCE_EXHAUSTED` when `max_queued_requests` are already in flight, and streams the
+2. `Generate` checks the request (bytes that do not parse, e.g. a string that is not UTF-8, in `wire.py`; size;
+   limits and sampling values, in `requests.py`: `INVALID_ARGUMENT` naming the field), refuses it with `RESOURCE_EXHAUSTED` when `max_queued_requests` are already in flight, and streams the
    engine's `RequestOutput`s as `GenerateResponse`s: new token ids, text delta, logprobs; the last response carries
    `finish_reason` and usage.
 3. A cancelled call or a passed deadline cancels the handler; leaving the engine stream aborts the request, and
@@ -30,6 +30,7 @@ from jaxinfer.serving.metrics import ServerMetrics
 from jaxinfer.serving.requests import ServerLimits, chat_ids, prompt_from_request, sampling_params_from_proto
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
+from jaxinfer.serving.wire import MalformedRequest, add_servicer
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,11 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop has stopped")
         return engine
 
-    async def _check_size(self, request, context: grpc.aio.ServicerContext) -> None:
+    async def _check_request(self, request, context: grpc.aio.ServicerContext) -> None:
+        """INVALID_ARGUMENT for a request that did not parse (naming the field) or is over the size limit."""
+        if isinstance(request, MalformedRequest):
+            self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         limit = self._server.limits.max_request_bytes
         if request.ByteSize() > limit:
             self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
@@ -66,9 +71,9 @@ class JaxInferService(pb_grpc.JaxInferServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = await self._ready(context)
         limits = self._server.limits
-        await self._check_size(request, context)
+        await self._check_request(request, context)
         try:
-            params = sampling_params_from_proto(request.sampling, limits)
+            params = sampling_params_from_proto(request.sampling)
             # Tokenizing a long prompt takes a while: in a worker thread, not on the event loop or engine thread.
             prompt = await asyncio.to_thread(prompt_from_request, request, engine.engine)
         except ValueError as e:
@@ -138,7 +143,7 @@ class JaxInferService(pb_grpc.JaxInferServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = (await self._ready(context)).engine
-        await self._check_size(request, context)
+        await self._check_request(request, context)
 
         def tokenize() -> list[int]:
             which = request.WhichOneof("input")
@@ -156,7 +161,7 @@ class JaxInferService(pb_grpc.JaxInferServicer):
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = (await self._ready(context)).engine
-        await self._check_size(request, context)
+        await self._check_request(request, context)
         try:
             text = await asyncio.to_thread(engine.tokenizer.decode, list(request.token_ids),
                                            skip_special_tokens=request.skip_special_tokens)
@@ -166,6 +171,7 @@ class JaxInferService(pb_grpc.JaxInferServicer):
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = (await self._ready(context)).engine
+        await self._check_request(request, context)
         cfg = engine.model_config
         devices = engine.runner.kv_cache.k.devices()
         platform = next(iter(devices)).platform
@@ -209,7 +215,7 @@ class Server:
         """Binds the port and serves health/reflection at once; the engine loads in the background."""
         self._grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.limits.max_request_bytes),
                                               ("grpc.so_reuseport", 0)])
-        pb_grpc.add_JaxInferServicer_to_server(JaxInferService(self), self._grpc)
+        add_servicer(JaxInferService(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

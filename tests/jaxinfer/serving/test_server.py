@@ -281,10 +281,17 @@ BAD_REQUESTS = {
     "token_ids": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 999999])),
     "temperature": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=-1)),
     "top_p": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_p=0)),
-    "sampling.n": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(n=100)),
-    "sampling.logprobs": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logprobs=50)),
-    "sampling.stop has": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["a"] * 17)),
-    "sampling.stop strings": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["a" * 300])),
+    "sampling: n=100": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(n=100)),
+    "sampling: logprobs=50": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logprobs=50)),
+    "sampling: stop has 17": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["a"] * 17)),
+    "sampling: stop[0] has 300": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["a" * 300])),
+    "sampling: stop_token_ids has 33": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(
+        stop_token_ids=list(range(33)))),
+    # Checked at admission against the vocabulary (before, these failed at step time: status OK, "error").
+    "stop_token_ids contains ids outside [0, 49152)": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(
+        stop_token_ids=[5, 49152])),
+    "stop_token_ids contains ids outside": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(
+        stop_token_ids=[10**9], min_tokens=2)),
     "role": pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="hi")])),
     "chat.messages must not be empty": pb.GenerateRequest(chat=pb.ChatInput()),
     "the last message is the assistant's": pb.GenerateRequest(chat=pb.ChatInput(messages=[
@@ -293,6 +300,28 @@ BAD_REQUESTS = {
     "does not fit the context": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[42] * 9000)),
     "bytes": pb.GenerateRequest(text="a" * (2 << 20)),
 }
+
+
+MALFORMED = {  # placeholder "QQQ" replaced by the bytes of a lone surrogate, which are not UTF-8
+    ("Generate", "text"): pb.GenerateRequest(text="QQQ"),
+    ("Generate", "sampling.stop[0]"): pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["QQQ"])),
+    ("Generate", "chat.messages[0].content"): pb.GenerateRequest(chat=pb.ChatInput(messages=[
+        pb.ChatMessage(role="user", content="QQQ")])),
+    ("Tokenize", "text"): pb.TokenizeRequest(text="QQQ"),
+}
+
+
+@pytest.mark.parametrize("method, field", list(MALFORMED))
+def test_strings_that_are_not_utf8_get_invalid_argument_naming_the_field(served, method, field):
+    data = MALFORMED[method, field].SerializeToString().replace(b"QQQ", b"\xed\xa0\x80")
+    kind = served.channel.unary_stream if method == "Generate" else served.channel.unary_unary
+    call = kind(f"/jaxinfer.v1.JaxInfer/{method}", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(data)) if method == "Generate" else call(data)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field} is not valid UTF-8")
+    text, ids, _, _ = _stream(served.stub, pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(max_tokens=2)))
+    assert len(ids) == 2  # still serving
 
 
 @pytest.mark.parametrize("field", list(BAD_REQUESTS))
