@@ -16,6 +16,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.prompt import Prompt
+from jaxinfer.request_limits import check_chat
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
 
@@ -82,7 +83,8 @@ class LLM:
 
         Raises:
           ValueError: an empty prompt, a prompt that does not fit the context, a request that can never fit the KV
-            cache, bad params, or a params list of the wrong length. Raised before any request runs.
+            cache, bad params (not a `SamplingParams` or a list of them, or a list of the wrong length), or an
+            `on_output` that is not callable. Raised before any request runs.
         """
         if prompts is None or isinstance(prompts, (bytes, int, float)):
             raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; "
@@ -91,12 +93,10 @@ class LLM:
         prompt_list = [prompts] if single else list(prompts)
         if not prompt_list:
             return []
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) \
-            else list(sampling_params)
-        if len(params) != len(prompt_list):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts")
+        params = _params_list(sampling_params, len(prompt_list))
+        if on_output is not None and not callable(on_output):
+            raise ValueError(f"on_output must be a callable (prompt index, new token ids, new text) or None, got "
+                             f"{type(on_output).__name__}")
         request_ids: list[str] = []
         try:
             for prompt, sp in zip(prompt_list, params):
@@ -132,24 +132,48 @@ class LLM:
         """Generates replies to conversations rendered with the model's chat template.
 
         Args:
-          messages: one conversation (a list of `{"role", "content"}` dicts) or a list of conversations.
+          messages: one conversation (a list of `{"role", "content"}` dicts) or a list of conversations. Roles are
+            those the gRPC server takes (`jaxinfer.request_limits.CHAT_ROLES`); more keys reach the template.
           sampling_params, on_output: as in `generate`.
-          add_generation_prompt: end the rendered prompt with the assistant turn's header.
+          add_generation_prompt: end the rendered prompt with the assistant turn's header; then the last message
+            must not be the assistant's (continuing a message is not supported).
 
         Raises:
-          ValueError: malformed messages or a template error, plus everything `generate` raises.
+          ValueError: malformed messages, naming the message (`jaxinfer.request_limits.check_chat`: not a list, an
+            unknown role, content that is not text), or a template error, plus everything `generate` raises.
         """
-        if not messages:
-            raise ValueError("messages must not be empty")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if not isinstance(add_generation_prompt, bool):
+            raise ValueError(f"add_generation_prompt={add_generation_prompt!r} must be True or False")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            check_chat(messages)  # raises, naming what messages is
+        several = not isinstance(messages[0], dict)  # a list of conversations
+        conversations = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)] if several else \
+            [("messages", messages)]
         prompts = []
-        for conv in conversations:
-            if not conv:
-                raise ValueError("a conversation must have at least one message")
-            for m in conv:
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
-                        not isinstance(m.get("content"), str):
-                    raise ValueError(f"chat message {m!r} must be a dict with string 'role' and 'content'")
-            ids = self.tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+        for name, conv in conversations:
+            conv = check_chat(conv, add_generation_prompt, name=name)
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             prompts.append(Prompt(tuple(ids), text=self.tokenizer.decode(ids, skip_special_tokens=False)))
         return self.generate(prompts, sampling_params, on_output=on_output)
+
+
+def _params_list(sampling_params: object, num_prompts: int) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt, from None (the defaults), one for all, or a list of one per prompt.
+
+    Raises:
+      ValueError: naming sampling_params: another type, a list holding something else, or a wrong length.
+    """
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError(f"sampling_params must be a SamplingParams, a list of them (one per prompt) or None, got "
+                         f"{type(sampling_params).__name__}" + (" (build one with SamplingParams(**d))"
+                                                                if isinstance(sampling_params, dict) else ""))
+    for i, sp in enumerate(sampling_params):
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+    if len(sampling_params) != num_prompts:
+        raise ValueError(f"got {len(sampling_params)} sampling params for {num_prompts} prompts")
+    return list(sampling_params)

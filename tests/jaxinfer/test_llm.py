@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.prompt import Prompt
 from jaxinfer.scheduler.chunk import ScheduledChunk
 
 pytestmark = pytest.mark.slow
@@ -144,6 +145,38 @@ def test_bad_prompts_raise_and_engine_keeps_working(smollm2_llm: LLM) -> None:
         smollm2_llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     assert smollm2_llm.page_allocator.num_free_pages == smollm2_llm.page_allocator.num_usable_pages
     assert smollm2_llm.generate("fine", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda llm: llm.generate("Hi", {"temperature": 0}),
+     r"sampling_params must be a SamplingParams, a list of them \(one per prompt\) or None, got dict"),
+    (lambda llm: llm.generate(["Hi", "Yo"], [SamplingParams(), "greedy"]),
+     r"sampling_params\[1\] must be a SamplingParams, got str"),
+    (lambda llm: llm.generate("Hi", SamplingParams(max_tokens=2), on_output=5),
+     "on_output must be a callable .* got int"),
+    (lambda llm: llm.generate({"prompt": "Hi", "max_tokens": 3}), r"unknown key\(s\) 'max_tokens'"),
+    (lambda llm: llm.chat("hello"), r"messages must be a list of \{'role', 'content'\} dicts, got str"),
+    (lambda llm: llm.chat([{"role": "wizard", "content": "hi"}]), r"messages\[0\].role='wizard' is not one of"),
+    (lambda llm: llm.chat([PARIS_CHAT, [{"role": "user"}]]), r"messages\[1\]\[0\].content must be a string"),
+    (lambda llm: llm.chat(PARIS_CHAT + [{"role": "assistant", "content": "The"}]), "the assistant's"),
+    (lambda llm: llm.chat(PARIS_CHAT, add_generation_prompt="yes"), "add_generation_prompt='yes' must be True"),
+])
+def test_bad_arguments_are_refused_up_front_naming_them(smollm2_llm: LLM, call, match) -> None:
+    """Refused with a ValueError before anything runs (the same chat roles and checks as the gRPC server)."""
+    with pytest.raises(ValueError, match=match):
+        call(smollm2_llm)
+    assert not smollm2_llm.engine.has_unfinished_requests()
+
+
+def test_numpy_ids_and_whitespace_prompts_generate(smollm2_llm: LLM) -> None:
+    """Token ids from numpy are prompts; a whitespace-only prompt tokenizes to tokens and generates."""
+    ids = np.array(smollm2_llm.tokenizer.encode("The capital of France is"), np.int64)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    want = smollm2_llm.generate({"prompt_token_ids": ids.tolist()}, params)[0].outputs[0].token_ids
+    assert smollm2_llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids == want
+    assert smollm2_llm.generate(Prompt(tuple(ids)), params)[0].outputs[0].token_ids == want
+    assert smollm2_llm.tokenizer.encode("   ")  # whitespace is text to this tokenizer
+    assert len(smollm2_llm.generate("   ", params)[0].outputs[0].token_ids) == 3
 
 
 def test_bad_model_paths_raise(tmp_path) -> None:
