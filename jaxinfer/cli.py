@@ -18,29 +18,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
+import re
+import socket
 import sys
 import time
 
 from jaxinfer.benchmarks import cli as bench_cli
+from jaxinfer.cli_parser import Parser, print_error
 from jaxinfer.engine.config import EngineConfig  # no jax: the flags are built before jax loads
 
 # Command-line value types of the fields' annotations; fields with a normaliser take their text as typed.
 _FLAG_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str, "bool": bool}
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line on stderr (exit status 2)."""
-
-    def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     gen = sub.add_parser("generate", help="generate text from a prompt",
                          description="Generate text from one prompt; text streams to stdout.")
     gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
@@ -178,6 +175,26 @@ def _join_job(args: argparse.Namespace) -> bool:
     return not multihost.is_leader()
 
 
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def check_host(host: str) -> None:
+    """Raises ValueError naming --host unless it is an IP address (IPv6 with or without brackets) or a host name
+    this machine resolves."""
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(name)
+        return
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(name) or name.replace(".", "").isdigit():
+        raise ValueError(f"--host {host!r} is not an IP address or a host name")
+    try:
+        socket.getaddrinfo(name, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import signal
 
@@ -185,9 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))  # nothing to clean up yet
     options = _engine_options(args)  # before the jax import: a bad config fails at once
-    from jaxinfer.serving.requests import ServerLimits
-    from jaxinfer.serving.server import run
-
+    check_host(args.host)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535]")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -196,6 +211,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--grace-seconds {args.grace_seconds} must be >= 0")
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 1")
+    from jaxinfer.serving.requests import ServerLimits
+    from jaxinfer.serving.server import run
+
     config = EngineConfig.create(**options)
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
@@ -305,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             return bench_cli.run(args.workload, args.options)
         parser.error(f"unknown command {args.command}")
     except ValueError as e:
-        print(f"jaxinfer: error: {e}", file=sys.stderr)
-        return 2
+        return print_error(str(e))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly

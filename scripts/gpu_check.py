@@ -869,7 +869,8 @@ def peak_bandwidth(device_kind: str, override_gbs: float | None) -> tuple[float 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) / "gpu_check.md" if os.environ.get("OUT")
                     else None, help="markdown report (default $OUT/gpu_check.md when $OUT is set)")
     ap.add_argument("--quick", action="store_true", help="fewer and smaller cases")

