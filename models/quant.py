@@ -229,6 +229,9 @@ class QuantizationConfig:
             or bad values.
         """
         if isinstance(value, str) and not value.lstrip().startswith("{"):
+            if value.strip() not in FORMATS and value.strip()[:1] in ('[', '"', "-", *"0123456789"):
+                raise ValueError(f"quantization {value!r} is neither a format name ({', '.join(FORMATS)}) nor a JSON "
+                                 'object of QuantizationConfig fields (e.g. {"format": "int8"})')
             return QuantizationConfig(format=value)
         if value is not None and not isinstance(value, (str, Mapping, QuantizationConfig)):
             raise ValueError(f"quantization must be None, a format name, or a dict / JSON object, "
