@@ -26,7 +26,7 @@ from jaxinfer.engine.config import (DEFAULT_KV_CACHE_DEVICE_FRACTION, DEFAULT_KV
                                     DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig)
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.spec_decode import draft as draft_lib
-from jaxinfer.loading import load_model, stored_quantization
+from jaxinfer.loading import load_model, read_model_config, stored_quantization
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import PrefixCache
 from jaxinfer.tokenizer import Tokenizer
@@ -198,16 +198,50 @@ def num_kv_pages(config: EngineConfig, page_bytes: int, max_model_len: int) -> i
     return num_pages
 
 
+def check_before_load(config: EngineConfig) -> None:
+    """The options checked against the model's config alone, before the weights load (seconds to minutes): so
+    that a bad option fails at once. `start` checks them again with what only the load tells (the TP-padded
+    heads, a draft model's cache). A config that cannot be read here is left to the load to report.
+
+    Raises:
+      ValueError: a max_model_len beyond the model's context, a self-draft's num_draft_layers out of range, or a
+        kv_cache_memory_bytes / nonzero kv_offload_bytes smaller than one KV page.
+    """
+    try:
+        cfg = read_model_config(config.model)
+    except ValueError as e:
+        logger.debug("model config not read before the load: %s", e)
+        return
+    if config.max_model_len is not None and not 1 <= config.max_model_len <= cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
+    spec = config.speculative_config
+    if spec is not None and spec.method == "self_draft":
+        draft_lib.self_draft_layers(cfg.num_layers, spec.num_draft_layers)
+    # A lower bound of `kv_page_bytes`: padded heads and a draft's cache only add bytes.
+    page_bytes = KVCache.bytes_per_page(cfg, config.page_size, KV_CACHE_DTYPES.get(config.kv_cache_dtype,
+                                                                                   DTYPES[config.dtype]))
+    if config.tensor_parallel_size * config.expert_parallel_size > 1 and jax.default_backend() != "cpu":
+        page_bytes //= config.tensor_parallel_size
+    if config.kv_cache_memory_bytes is not None and config.kv_cache_memory_bytes < page_bytes:
+        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV page "
+                         f"({page_bytes} bytes)")
+    if 0 < config.kv_offload_bytes < page_bytes:
+        raise ValueError(f"kv_offload_bytes={config.kv_offload_bytes} is smaller than one KV page ({page_bytes} "
+                         "bytes)")
+
+
 def start(config: EngineConfig) -> Started:
     """Loads everything the engine runs on (see the module docstring).
 
     Raises:
-      ValueError: a draft model path that does not exist (before the target loads), from the model loader or
-        `resolve_quantization`, a max_model_len beyond the model's context, or a KV budget too small for one page.
+      ValueError: a draft model path that does not exist and the `check_before_load` checks (before the target
+        loads), from the model loader or `resolve_quantization`, a max_model_len beyond the model's context, or a
+        KV budget too small for one page.
     """
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model" and not Path(spec.model).exists():
         raise ValueError(f"speculative draft model path {spec.model!r} does not exist")  # before loading the target
+    check_before_load(config)
     enable_compilation_cache()
     t0 = time.perf_counter()
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size

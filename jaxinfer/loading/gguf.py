@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,58 @@ from models.config import ModelConfig
 from models.llama import Weights
 
 _PERMUTED_GGUF_ARCHITECTURES = ("llama", "mistral")
+# GGUF value types (llama.cpp's gguf spec): struct formats of the scalars; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                          "tokenizer.ggml.token_type")
+_GGUF_LONG_ARRAY = 1024  # entries past which the header reader skips an array (tokens, merges, scores)
+
+
+def read_gguf_header(path: str | os.PathLike) -> dict:
+    """The metadata key/values of a GGUF file read from its header alone (milliseconds; the `gguf` package's
+    reader parses every tokenizer array first). Arrays of more than _GGUF_LONG_ARRAY entries are left out, and
+    `tokenizer.ggml.tokens.count` is set, as in `gguf_metadata`.
+
+    Raises:
+      ValueError: if the file is not a GGUF file of version >= 2 or its header is cut short.
+    """
+    with open(path, "rb") as f:
+        def unpack(fmt: str):
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def value(vtype: int):
+            """The next value; for an array, (its entries or None when skipped, its length)."""
+            if vtype == _GGUF_STRING:
+                return f.read(unpack("<Q")).decode("utf-8", "replace")
+            if vtype != _GGUF_ARRAY:
+                return unpack(_GGUF_SCALARS[vtype])
+            etype, count = unpack("<I"), unpack("<Q")
+            if etype in _GGUF_SCALARS and count > _GGUF_LONG_ARRAY:
+                f.seek(count * struct.calcsize(_GGUF_SCALARS[etype]), os.SEEK_CUR)
+                return None, count
+            items = [value(etype) for _ in range(count)]
+            return (items if count <= _GGUF_LONG_ARRAY else None), count
+
+        try:
+            if f.read(4) != b"GGUF" or unpack("<I") < 2:
+                raise ValueError("not a GGUF file of version >= 2")
+            _, num_values = unpack("<Q"), unpack("<Q")
+            meta: dict = {}
+            for _ in range(num_values):
+                key = f.read(unpack("<Q")).decode("utf-8")
+                vtype = unpack("<I")
+                got = value(vtype)
+                if vtype == _GGUF_ARRAY:
+                    got, count = got
+                    if key == "tokenizer.ggml.tokens":
+                        meta["tokenizer.ggml.tokens.count"] = count
+                    if got is None or key in _GGUF_TOKENIZER_ARRAYS:
+                        continue
+                meta[key] = got
+        except (struct.error, KeyError, UnicodeDecodeError, OverflowError) as e:
+            raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+    return meta
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -46,8 +99,7 @@ def gguf_metadata(reader: "gguf.GGUFReader") -> dict:  # noqa: F821
     """GGUF key/values as Python values, skipping the large tokenizer arrays."""
     meta = {}
     for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                   "tokenizer.ggml.token_type"):
+        if key in _GGUF_TOKENIZER_ARRAYS:
             continue
         meta[key] = field.contents()
     if "tokenizer.ggml.tokens" in reader.fields:

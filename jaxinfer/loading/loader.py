@@ -13,8 +13,8 @@ import jax
 import numpy as np
 
 from jaxinfer.loading import orbax, orbax_format
-from jaxinfer.loading.gguf import load_gguf_weights, read_gguf
-from jaxinfer.loading.hf import load_hf_weights
+from jaxinfer.loading.gguf import load_gguf_weights, read_gguf, read_gguf_header
+from jaxinfer.loading.hf import load_hf_weights, read_hf_config
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights
@@ -93,6 +93,27 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
     cfg, weights = load_gguf_weights(reader, dtype)
     cfg = dataclasses.replace(cfg, name=cfg.name or path.stem)
     return cfg, weights, Tokenizer.from_gguf(reader)
+
+
+def read_model_config(model: str | os.PathLike | None) -> ModelConfig:
+    """The config of the model `load_model` would load, read without its weights or tokenizer (JSON, or a GGUF
+    file's header): what start-up checks the engine options against before the slow load.
+
+    Raises:
+      ValueError: as `load_model`, for a path that does not exist or a config it cannot read.
+    """
+    path = default_model_path() if model is None else Path(model)
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    if orbax_format.is_orbax_checkpoint(path):
+        return orbax_format.read_checkpoint_json(path)[0]
+    if path.is_dir():
+        return ModelConfig.from_hf_config(read_hf_config(path), name=path.name)
+    meta = read_gguf_header(path)
+    arch = meta.get("general.architecture")
+    if f"{arch}.vocab_size" not in meta and "tokenizer.ggml.tokens.count" in meta:
+        meta[f"{arch}.vocab_size"] = meta["tokenizer.ggml.tokens.count"]
+    return ModelConfig.from_gguf_metadata(meta, name=path.stem)
 
 
 def stored_quantization(model: str | os.PathLike | None) -> QuantizationConfig | None:

@@ -57,16 +57,26 @@ class DraftModel:
     shares_target_cache: bool
 
 
+def self_draft_layers(target_layers: int, num_layers: int | None) -> int:
+    """Layers of a self-draft: `num_layers`, or a quarter of the target's (at least 1).
+
+    Raises:
+      ValueError: if that is not in [1, target_layers).
+    """
+    n = max(1, target_layers // 4) if num_layers is None else num_layers
+    if not 1 <= n < target_layers:
+        raise ValueError(f"num_draft_layers={n} must be in [1, {target_layers}) for a target of {target_layers} "
+                         "layers")
+    return n
+
+
 def self_draft(target_cfg: ModelConfig, target_weights: Weights, num_layers: int | None) -> DraftModel:
     """The target's first `num_layers` layers + final norm + LM head as a drafter (default: a quarter, >= 1).
 
     Raises:
       ValueError: if num_layers is not in [1, target layers).
     """
-    n = max(1, target_cfg.num_layers // 4) if num_layers is None else num_layers
-    if not 1 <= n < target_cfg.num_layers:
-        raise ValueError(f"num_draft_layers={n} must be in [1, {target_cfg.num_layers}) for a target of "
-                         f"{target_cfg.num_layers} layers")
+    n = self_draft_layers(target_cfg.num_layers, num_layers)
     return DraftModel(cfg=dataclasses.replace(target_cfg, num_layers=n), weights=target_weights,
                       shares_target_cache=True)
 

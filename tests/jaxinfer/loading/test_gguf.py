@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from jaxinfer.loading.gguf import load_gguf_weights, read_gguf
+from jaxinfer.loading.gguf import gguf_metadata, load_gguf_weights, read_gguf, read_gguf_header
+from jaxinfer.loading.loader import read_model_config
 from jaxinfer.loading.hf import load_hf_weights
 from tests.jaxinfer.loading.hf_goldens import LLAMA3, _golden, _hf_copy, _logits, _runner, llama_src
 
@@ -251,3 +252,21 @@ def test_read_gguf_rejects_non_gguf(gguf_parts, tmp_path, content):
         path.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(ValueError, match="not.gguf"):
         _load_gguf(path)
+
+
+def test_header_reader_gives_the_metadata_and_config_without_the_tensors(gguf_parts, tmp_path):
+    """`read_gguf_header` (what start-up checks options against before the load) agrees with the gguf package's
+    reader on every key but its own GGUF.* entries, and `read_model_config` with the config the load builds
+    (less what only the tensors tell: tied embeddings, biases)."""
+    tensors, hf_cfg = gguf_parts
+    path = _write_gguf(tmp_path / "m.gguf", tensors, hf_cfg)
+    full = {k: v for k, v in gguf_metadata(read_gguf(path)).items() if not k.startswith("GGUF.")}
+    assert read_gguf_header(path) == full
+    loaded, _ = _load_gguf(path)
+    peeked = read_model_config(path)
+    assert dataclasses.replace(loaded, tie_word_embeddings=peeked.tie_word_embeddings,
+                               attention_bias=peeked.attention_bias, mlp_bias=peeked.mlp_bias) == peeked
+    whole = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:40])
+    with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file"):
+        read_gguf_header(tmp_path / "cut.gguf")
