@@ -222,6 +222,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         Engine(config).follow_leader()
         return 0
+    from jaxinfer.engine.startup import check_before_load
+
+    check_before_load(config)  # before the port is bound and the model loads
     return run(config, host=args.host, port=args.port, metrics_port=args.metrics_port,
                limits=ServerLimits(max_queued_requests=args.max_queued_requests), grace_s=args.grace_seconds)
 
@@ -240,17 +243,19 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from jaxinfer.request_limits import check_text
+    from jaxinfer.sampling_params import SamplingParams  # no jax: the checks below take milliseconds
+
+    if not check_text("--prompt", args.prompt):
+        raise ValueError("--prompt must not be empty")
     options = _engine_options(args)  # before the jax import: a bad config fails at once
     spec = options["speculative_config"]
-    from jaxinfer.llm import LLM
-    from jaxinfer.sampling_params import SamplingParams
-
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                             seed=args.seed, stop=args.stop)  # validates before the slow load
-    if not args.prompt:
-        raise ValueError("--prompt must not be empty")
+    from jaxinfer.llm import LLM
+
     logging.getLogger("jaxinfer").info("loading model %s", args.model or "(default SmolLM2-135M-Instruct)")
     t0 = time.perf_counter()
     follower = _join_job(args)

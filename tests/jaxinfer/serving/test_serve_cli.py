@@ -70,9 +70,12 @@ def test_bad_serve_flags_exit_2():
                  ["--port", "0", "--no-warmup", "--ep", "2"]):
         r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", *args], capture_output=True, text=True,
                            timeout=120, cwd=ROOT, env=env)
-        # One line of ours, last (grpc's C core may log the resolver's reason on the line before), no traceback.
+        # One line of ours, last, no traceback; flags checked before anything starts print nothing else (before,
+        # a bad --host reached grpc, whose C core logged the resolver's reason first).
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("jaxinfer: error"), r.stderr
         assert "Traceback" not in r.stderr
+        if "--no-warmup" not in args or "--host" in args:
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 
