@@ -1,5 +1,5 @@
 """What the gRPC server checks and translates before a request reaches the engine: sampling values, chat messages
-and the prompt (tokenized here, off the event loop). The per-request limits are `jaxinfer.request_limits`', the
+and the prompt (tokenized here, off the event loop). The per-request limits are those of `jaxinfer.request_limits`, the
 same as the Python API's; `ServerLimits` holds only the server's own (request bytes, requests in flight)."""
 
 from __future__ import annotations
