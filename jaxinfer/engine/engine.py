@@ -262,7 +262,10 @@ class Engine:
             self._apply_kv_ops(self.prefix_cache.take_ops())
         for seq_id, entries in logprobs.items():
             self._seq_logprobs.setdefault(seq_id, []).extend(entries)
-        self.metrics.record_step(sum(len(c.token_ids) for c in prefills), sum(len(c.token_ids) for c in decodes),
+        # Counted by the scheduler's phase, not by shape: a one-token prompt chunk rides in the decode call but
+        # is prefill work.
+        decode_tokens = sum(len(c.token_ids) for c in plan.chunks[:plan.num_decode_seqs])
+        self.metrics.record_step(sum(len(c.token_ids) for c in plan.chunks) - decode_tokens, decode_tokens,
                                  time.perf_counter() - t_start, device_time)
         return self._collect_outputs()
 

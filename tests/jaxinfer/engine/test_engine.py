@@ -275,6 +275,20 @@ def test_sixteen_decodes_share_one_device_call(tiny: Engine, tiny_alone) -> None
     assert_idle(tiny)
 
 
+def test_a_one_token_prompt_chunk_counts_as_prefill(tiny: Engine) -> None:
+    """A one-token prompt rides in the decode call (same shape) but is prefill work: the step statistics must
+    count it as a prefill token; its later steps are decodes."""
+    before = dataclasses.replace(tiny.metrics)
+    tiny.add_request(Prompt([7]), SamplingParams(max_tokens=3, temperature=0.0), request_id="one-token")
+    tiny.step()
+    assert tiny.metrics.num_prefill_tokens - before.num_prefill_tokens == 1
+    assert tiny.metrics.num_decode_tokens == before.num_decode_tokens
+    drain(tiny)
+    assert tiny.metrics.num_decode_tokens - before.num_decode_tokens == 2  # tokens 2 and 3 come from decodes
+    assert tiny.metrics.num_prefill_tokens - before.num_prefill_tokens == 1
+    assert_idle(tiny)
+
+
 def test_tiny_together(tiny: Engine, tiny_alone) -> None:
     r = run(tiny, TINY_REQS)
     assert r.tokens() == tiny_alone
