@@ -156,7 +156,7 @@ class Engine:
         Raises:
           ValueError: duplicate request id, empty prompt, a prompt that leaves no room in the context, prompt +
             max_tokens beyond the context, a request that could never fit the KV cache, or bad params. Nothing is
-            queued then.
+            queued then, nor when anything else raises (a tokenizer's own exception, say: it propagates as it is).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -193,7 +193,7 @@ class Engine:
             for seq in seqs:
                 self.scheduler.add(seq)
                 added.append(seq)
-        except ValueError:
+        except BaseException:  # whatever the exception, the request is queued whole or not at all
             if added:
                 self.scheduler.abort(request_id)
             raise

@@ -464,6 +464,29 @@ def test_abort_of_a_waiting_request(tiny: Engine) -> None:
     assert_idle(tiny)
 
 
+@pytest.mark.parametrize("error", [TypeError, RuntimeError, KeyboardInterrupt])
+def test_a_request_of_n_samples_is_queued_whole_or_not_at_all(tiny: Engine, monkeypatch, error) -> None:
+    """Any exception while its samples are queued (not only a ValueError) leaves nothing of the request behind."""
+    add = tiny.scheduler.add
+    seen: list[int] = []
+
+    def add_then_fail(seq) -> None:
+        seen.append(seq.sample_index)
+        if seq.sample_index == 1:
+            raise error("injected failure queueing sample 1")
+        add(seq)
+
+    monkeypatch.setattr(tiny.scheduler, "add", add_then_fail)
+    with pytest.raises(error, match="injected"):
+        tiny.add_request([9, 10, 11], SamplingParams(n=3, max_tokens=4), request_id="half")
+    assert seen == [0, 1]  # sample 0 was queued before sample 1 failed
+    assert_idle(tiny)
+    monkeypatch.undo()
+    tiny.add_request([9, 10, 11], SamplingParams(n=3, max_tokens=4), request_id="half")  # the id is free again
+    assert len(drain(tiny)["half"].outputs) == 3
+    assert_idle(tiny)
+
+
 def test_n_samples_differ_and_are_reproducible(tiny: Engine) -> None:
     params = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = TINY_PROMPTS[3]
