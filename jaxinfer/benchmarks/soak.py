@@ -17,7 +17,7 @@ failed or the started server did not exit cleanly, 2 for bad options or no SERVI
 load` does; with `--target`, give the server's `--metrics-url`.
 
     .venv/bin/jaxinfer bench soak --start-server --requests 10000 --concurrency 32 --write BENCHMARKS.md \
-        -- --max-num-seqs 32 --kv-cache-memory-bytes 1000000000
+        -- --max-num-seqs 32 --kv-cache-memory-bytes 1600000000
     .venv/bin/jaxinfer bench soak --target 127.0.0.1:50051 --metrics-url http://127.0.0.1:9090/metrics
 """
 
@@ -80,7 +80,10 @@ def _check_options(args: argparse.Namespace) -> list[str]:
     elif args.metrics_url is None:
         raise ValueError("--target needs --metrics-url (the server's --metrics-port) to check pages and queues")
     else:
-        loopback_target(args.metrics_url.split("://", 1)[-1].split("/", 1)[0])
+        try:
+            loopback_target(args.metrics_url.split("://", 1)[-1].split("/", 1)[0])
+        except ValueError as e:
+            raise ValueError(f"--metrics-url {args.metrics_url!r}: {e}") from None
     return server_args
 
 
@@ -104,10 +107,10 @@ async def _soak(args: argparse.Namespace, target: str, metrics_url: str) -> dict
     wrong = [f"request {r.index}: {w}" for r, o in zip(plan, outcomes) if (w := check_outcome(r, o))]
     mismatches = [m for r, ref in zip(sample, refs) if (m := reference_mismatch(r, outcomes[r.index], ref))]
     errors = collections.Counter(o.status for o in outcomes + refs if o.status not in ("completed", "cancelled"))
-    error_messages: dict[str, list[str]] = {}
-    for o in outcomes + refs:
-        msgs = error_messages.setdefault(o.status, []) if o.status in errors else []
-        if o.status in errors and len(msgs) < 3 and o.details not in msgs:
+    error_messages: dict[str, list[str]] = {code: [] for code in errors}
+    for o in outcomes + refs:  # the first 3 distinct messages of each code
+        msgs = error_messages.get(o.status)
+        if msgs is not None and len(msgs) < 3 and o.details not in msgs:
             msgs.append(o.details)
     done = [o for o in outcomes if o.status == "completed"]
     ttft = np.array([o.t_first - o.t_send for o in done if o.t_first is not None])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import urllib.request
 
@@ -27,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer.benchmarks.soak_plan import PlannedRequest
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 GAUGES = ("jaxinfer_requests_running", "jaxinfer_requests_waiting", "jaxinfer_kv_pages_used", "jaxinfer_kv_pages_total")
 
@@ -97,11 +100,16 @@ async def run_phase(stub: pb_grpc.JaxInferStub, plan: list[PlannedRequest], conc
                     timeout_s: float) -> list[Outcome]:
     """Step 1 of the module docstring; the outcomes in plan order."""
     outcomes: list[Outcome | None] = [None] * len(plan)
-    pending = iter(plan)
+    pending, ended = iter(plan), 0
+    every = max(1, len(plan) // 10)
 
     async def worker() -> None:
+        nonlocal ended
         for r in pending:  # one shared iterator: each request is taken once
             outcomes[r.index] = await send(stub, r, timeout_s)
+            ended += 1
+            if ended % every == 0:
+                logger.info("%d of %d requests ended", ended, len(plan))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return outcomes
@@ -160,10 +168,17 @@ def scrape(metrics_url: str) -> dict[str, float]:
 
 
 async def end_state(channel: grpc.aio.Channel, metrics_url: str, drain_timeout_s: float) -> dict:
-    """Step 4 of the module docstring: {running, waiting, kv_pages_used, kv_pages_total, drain_s, health}."""
+    """Step 4 of the module docstring: {running, waiting, kv_pages_used, kv_pages_total, drain_s, health}.
+
+    Raises:
+      RuntimeError: the metrics endpoint does not answer.
+    """
     t0 = time.perf_counter()
     while True:
-        s = await asyncio.to_thread(scrape, metrics_url)
+        try:
+            s = await asyncio.to_thread(scrape, metrics_url)
+        except OSError as e:
+            raise RuntimeError(f"cannot read the server's metrics at {metrics_url}: {e}") from None
         busy = [s[g] for g in GAUGES[:3]]
         if not any(busy) or time.perf_counter() - t0 > drain_timeout_s:
             break
