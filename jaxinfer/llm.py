@@ -3,12 +3,14 @@
 1. `LLM(model, ...)` builds an `Engine`: model, tokenizer, paged KV cache, scheduler.
 2. `generate` adds every prompt as a request (all are validated first: one bad prompt raises `ValueError` and
    nothing runs), then steps the engine until all finish; requests are continuously batched and long prompts are
-   prefilled in chunks between decodes.
+   prefilled in chunks between decodes. A call that raises, whatever the exception and wherever (a prompt, a
+   step, `on_output`), aborts its requests: none stays queued for the next call.
 3. Outputs come back in prompt order; `on_output` streams deltas as steps produce them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 
@@ -19,6 +21,8 @@ from jaxinfer.prompt import Prompt
 from jaxinfer.request_limits import check_chat
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -85,6 +89,8 @@ class LLM:
           ValueError: an empty prompt, a prompt that does not fit the context, a request that can never fit the KV
             cache, bad params (not a `SamplingParams` or a list of them, or a list of the wrong length), or an
             `on_output` that is not callable. Raised before any request runs.
+          Exception: anything else a prompt's admission, a step or `on_output` raised, as it is. Whatever raised,
+            the call's requests are aborted first: nothing of it stays queued.
         """
         if prompts is None or isinstance(prompts, (bytes, int, float)):
             raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; "
@@ -98,28 +104,37 @@ class LLM:
             raise ValueError(f"on_output must be a callable (prompt index, new token ids, new text) or None, got "
                              f"{type(on_output).__name__}")
         request_ids: list[str] = []
+        final: dict[str, RequestOutput] = {}
         try:
             for prompt, sp in zip(prompt_list, params):
                 request_ids.append(self.engine.add_request(prompt, sp))
-        except ValueError:
+            index = {request_id: i for i, request_id in enumerate(request_ids)}
+            while len(final) < len(request_ids):
+                for out in self.engine.step():
+                    if out.request_id not in index:
+                        continue
+                    if on_output is not None:
+                        first = out.outputs[0]
+                        if first.delta_token_ids or first.delta_text:
+                            on_output(index[out.request_id], list(first.delta_token_ids), first.delta_text)
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            # Whatever raised (a rejected prompt, a failing step, on_output, Ctrl-C), none of this call's requests
+            # stays queued: a later call runs and returns only its own.
+            self._drop([request_id for request_id in request_ids if request_id not in final])
+            raise
+        return [final[request_id] for request_id in request_ids]
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Aborts the requests and steps the engine until it has reported them (their pages are free at once)."""
+        try:
             for request_id in request_ids:
                 self.engine.abort(request_id)
             while self.engine.has_unfinished_requests():
                 self.engine.step()
-            raise
-        index = {request_id: i for i, request_id in enumerate(request_ids)}
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(request_ids):
-            for out in self.engine.step():
-                if out.request_id not in index:
-                    continue
-                if on_output is not None:
-                    first = out.outputs[0]
-                    if first.delta_token_ids or first.delta_text:
-                        on_output(index[out.request_id], list(first.delta_token_ids), first.delta_text)
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[request_id] for request_id in request_ids]
+        except Exception:  # noqa: BLE001 - the engine itself fails: the caller gets the first exception
+            logger.exception("could not drop the requests of a failed generate call")
 
     def chat(
         self,

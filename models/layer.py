@@ -52,6 +52,8 @@ def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg
         if cfg.is_moe:
             with jax.named_scope("moe"):
                 return x + moe.moe_block(h, w, cfg, mesh)
-        gate = add_bias(qeinsum("td,df->tf", h, w.w_gate), w.b_gate)  # [T, F]
-        up = add_bias(qeinsum("td,df->tf", h, w.w_up), w.b_up)  # [T, F]
-        return x + add_bias(qeinsum("tf,fd->td", jax.nn.silu(gate) * up, w.w_down), w.b_down)
+        # gate and up stay f32 until the product: bf16 SiLU rounded after every op (five converts per element)
+        gate = add_bias(qeinsum("td,df->tf", h, w.w_gate, preferred_element_type=jnp.float32), w.b_gate)  # [T, F]
+        up = add_bias(qeinsum("td,df->tf", h, w.w_up, preferred_element_type=jnp.float32), w.b_up)  # [T, F]
+        act = (jax.nn.silu(gate) * up).astype(x.dtype)
+        return x + add_bias(qeinsum("tf,fd->td", act, w.w_down), w.b_down)

@@ -19,6 +19,16 @@ import jax.numpy as jnp
 from models.quant import QuantizedWeight, quantize_rows
 
 
+def _f32_output_is_faster(x: jax.Array, w: jax.Array) -> bool:
+    """Whether a bf16 x bf16 dot should write f32 and round afterwards (XLA:CPU only).
+
+    XLA:CPU's bf16 dot accumulates in f32 either way, so the results are bit-identical, but asking for the f32
+    output runs a faster kernel: a 512-token bf16 prefill of SmolLM2 took 0.88x the time on an Intel Xeon with AMX
+    (BENCHMARKS.md, issue 18). GPU and TPU keep the plain bf16 dot.
+    """
+    return x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+
 def _parse(eq: str) -> tuple[str, str, str]:
     inputs, out = eq.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
@@ -50,6 +60,8 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
       ValueError: if the equation does not contract exactly the quantized weight's contract axes.
     """
     if not isinstance(w, QuantizedWeight):
+        if preferred_element_type is None and _f32_output_is_faster(x, w):
+            return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
         return jnp.einsum(eq, x, w, preferred_element_type=preferred_element_type)
     out_dtype = preferred_element_type or x.dtype
     lhs, rhs, out = _parse(eq)

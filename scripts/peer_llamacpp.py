@@ -16,9 +16,11 @@ progress lines on stderr). For each weight type of `--types`:
   timed; median over `--decode-steps` (`--batch-steps` at batch > 1) after `--warmup-steps`; aggregate tok/s =
   batch / step time.
 
-Settings: `--threads` for generation and batch processing, flash attention off (llama.cpp's flash attention is
-not batch-invariant at batch 32 on CPU), an f16 KV cache (the default) unified across sequences, sized for the
-longest run.
+Settings: `--threads` for generation and batch processing, ggml's extra CPU buffer types (AMX, repacked weight
+layouts) on unless `--no-extra-bufts` (llama-cpp-python 0.3.36 built natively died with SIGSEGV in its first Q4_0 /
+Q4_1 prefill with them on an Intel Xeon with AMX; `jaxinfer bench step` then reruns with this flag), flash attention
+off (llama.cpp's flash attention is not batch-invariant at batch 32 on CPU), an f16 KV cache (the default) unified
+across sequences, sized for the longest run.
 
     /work/venv-llamacpp/bin/python scripts/peer_llamacpp.py --gguf MODEL.gguf --prompt-file ids.json \
         --batch-prompts rows.json --batches 8,32 --types Q4_0,BF16,Q4_1
@@ -108,10 +110,12 @@ def median_ms(seconds: list[float]) -> float:
 class Session:
     """One loaded model and context with a batch buffer, and the calls the measurements make."""
 
-    def __init__(self, llama_cpp, path: Path, n_ctx: int, n_batch: int, n_seq: int, threads: int) -> None:
+    def __init__(self, llama_cpp, path: Path, n_ctx: int, n_batch: int, n_seq: int, threads: int,
+                 extra_bufts: bool) -> None:
         self.lib = lib = llama_cpp
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.use_extra_bufts = extra_bufts
         self.model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -233,7 +237,7 @@ def measure_type(llama_cpp, path: Path, prompt: list[int], rows: list[list[int]]
     """Prefill and decode (batch 1 and `batches`) of one model file."""
     t0 = time.perf_counter()
     n_batch = max([len(prompt), args.decode_prompt_len, *batches])  # one call: the prefill, a prompt, a step
-    s = Session(llama_cpp, path, n_ctx, n_batch, max([1, *batches]), args.threads)
+    s = Session(llama_cpp, path, n_ctx, n_batch, max([1, *batches]), args.threads, not args.no_extra_bufts)
     try:
         result = {**s.describe(), "file": str(path), "load_s": time.perf_counter() - t0}
         prefill_ms = median_ms(time_prefill(s, prompt, args.prefill_reps))
@@ -257,6 +261,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--types", default="Q4_0,BF16,Q4_1", help=f"weight types, of {', '.join(FTYPES)}")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where re-quantized files are kept")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="load weights without ggml's extra CPU buffer types (AMX, repacked layouts)")
     ap.add_argument("--decode-prompt-len", type=int, default=64)
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -291,6 +297,7 @@ def main() -> None:
                            args.warmup_steps + max(args.decode_steps, args.batch_steps or 0), args.batch_sizes)
     source_ftype = file_type(llama_cpp, args.gguf)
     result = {"llama_cpp": llama_cpp.__version__, "threads": args.threads, "flash_attn": False, "n_ctx": n_ctx,
+              "extra_bufts": not args.no_extra_bufts,
               "kv_type": "f16", "system_info": llama_cpp.llama_print_system_info().decode().strip(), "results": {}}
     for name in args.type_names:
         path, quantize_s = model_file(llama_cpp, args.gguf, name, source_ftype, args.cache_dir, args.threads)

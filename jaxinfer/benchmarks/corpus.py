@@ -1,14 +1,15 @@
-"""The English text the serving, prefix and spec workloads cut their prompts from.
+"""The English text the serving, prefix, spec, quality and soak workloads cut their prompts from.
 
-The GPL-3 licence text ships with every Debian machine (`../shared/JAX_ON_CPU.md`), so the prompts are real prose
-without a download. Workloads tokenize it with the model's own tokenizer.
+`tests/data/GPL-3.txt` is a verbatim copy of Debian's `/usr/share/common-licenses/GPL-3` (its licence allows
+verbatim copies; source and hash in `tests/data/GPL-3.README.md`), so the prompts are real prose without a download
+and without depending on the system's files. Workloads tokenize it with the model's own tokenizer.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-TEXT_FILE = Path("/usr/share/common-licenses/GPL-3")
+TEXT_FILE = Path(__file__).resolve().parents[2] / "tests" / "data" / "GPL-3.txt"
 
 
 def read_text(workload: str) -> str:
@@ -19,4 +20,4 @@ def read_text(workload: str) -> str:
     """
     if not TEXT_FILE.is_file():
         raise ValueError(f"{TEXT_FILE} is missing: the {workload} workload takes its prompts from it")
-    return TEXT_FILE.read_text()
+    return TEXT_FILE.read_text(encoding="utf-8")

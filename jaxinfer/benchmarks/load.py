@@ -24,10 +24,9 @@ import asyncio
 import logging
 import platform
 import shlex
-import tempfile
 from pathlib import Path
 
-from jaxinfer.benchmarks.load_client import loopback_target, run_load, start_server, stop_server
+from jaxinfer.benchmarks.load_client import run_load, server_under_test
 from jaxinfer.benchmarks.report import Report, machine_line
 
 logger = logging.getLogger(__name__)
@@ -35,8 +34,9 @@ logger = logging.getLogger(__name__)
 SECTION = ("<!-- load-test: begin -->", "<!-- load-test: end -->")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The load test's options: the target or a server to start, the load's shape, timeouts."""
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a workload that drives a gRPC server: the target or a server to start, its log and note,
+    timeouts, and `jaxinfer serve` arguments after `--` (shared with `bench soak`)."""
     parser.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of a running server (loopback only)")
     parser.add_argument("--start-server", action="store_true",
                         help="launch `jaxinfer serve --port 0 [args after --]` and stop it at the end")
@@ -47,6 +47,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-log", type=Path, default=None,
                         help="--start-server: its stderr (default: a temp file)")
     parser.add_argument("--server-note", default="", help="how the server was started, for the report")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0, help="gRPC deadline of one request")
+    parser.add_argument("--health-timeout-s", type=float, default=900.0, help="longest wait for SERVING")
+    parser.add_argument("--server-stop-timeout-s", type=float, default=60.0, help="--start-server: wait for its exit")
+    parser.add_argument("serve_args", nargs="*", metavar="-- SERVE_ARGS",
+                        help="--start-server: arguments after -- go to `jaxinfer serve` (so --write / --json go "
+                             "before --)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load test's options: the target or a server to start, the load's shape, timeouts."""
+    add_server_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent streams")
     parser.add_argument("--duration-s", type=float, default=60.0, help="measurement window")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="unmeasured load before the window")
@@ -56,12 +67,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0, help="request k uses seed + k")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0, help="gRPC deadline of one request")
-    parser.add_argument("--health-timeout-s", type=float, default=900.0, help="longest wait for SERVING")
-    parser.add_argument("--server-stop-timeout-s", type=float, default=60.0, help="--start-server: wait for its exit")
-    parser.add_argument("serve_args", nargs="*", metavar="-- SERVE_ARGS",
-                        help="--start-server: arguments after -- go to `jaxinfer serve` (so --write / --json go "
-                             "before --)")
+
+
+def serve_args(args: argparse.Namespace) -> list[str]:
+    """The `jaxinfer serve` arguments of `--start-server`: `--model`, `--server-args`, then those after `--`.
+
+    Raises:
+      ValueError: any of them without `--start-server`.
+    """
+    server_args = (["--model", str(args.model)] if args.model is not None else []) + shlex.split(args.server_args)
+    server_args += args.serve_args
+    if server_args and not args.start_server:
+        raise ValueError("--model, --server-args and arguments after -- go to jaxinfer serve and need --start-server")
+    return server_args
 
 
 def _server_args(args: argparse.Namespace) -> list[str]:
@@ -72,40 +90,19 @@ def _server_args(args: argparse.Namespace) -> list[str]:
         args.warmup_requests = 2 * args.concurrency  # the first round prefills together, the second apart
     elif args.warmup_requests < 0:
         raise ValueError(f"--warmup-requests {args.warmup_requests} must be >= 0")
-    server_args = (["--model", str(args.model)] if args.model is not None else []) + shlex.split(args.server_args)
-    server_args += args.serve_args
-    if server_args and not args.start_server:
-        raise ValueError("--model, --server-args and arguments after -- go to jaxinfer serve and need --start-server")
-    return server_args
+    return serve_args(args)
 
 
 async def _run(args: argparse.Namespace, server_args: list[str]) -> tuple[dict, int]:
     """(results, 0 or 1 when the started server did not exit cleanly); starts and stops the server if asked."""
-    proc, status, log = None, 0, None
-    if args.start_server:
-        log = args.server_log or Path(tempfile.mkstemp(prefix="jaxinfer-serve-", suffix=".log")[1])
-        logger.info("starting jaxinfer serve %s (stderr: %s)", shlex.join(server_args), log)
-        proc, target = await start_server(server_args, log, args.health_timeout_s)
-        args.server_note = " ".join(x for x in (f"`jaxinfer serve --port 0 {shlex.join(server_args)}` (started by "
-                                                "--start-server)", args.server_note) if x)
-    else:
-        target = args.target
-    try:
-        loopback_target(target)
-        logger.info("waiting for %s to be SERVING, then %.0f s warm-up + %.0f s of %d streams", target, args.warmup_s,
-                    args.duration_s, args.concurrency)
-        r = await run_load(args, target)
-    finally:
-        if proc is not None:
-            code = await stop_server(proc, args.server_stop_timeout_s)
-            logger.info("the server exited with status %d", code)
-            if code != 0:
-                status = 1
-                logger.error("the server did not exit cleanly; its log: %s", log)
-    if r["errors"] and proc is not None:
-        logger.error("requests failed; the server's log: %s", log)
-    r["server_exit_status"] = None if proc is None else proc.returncode
-    return r, status
+    async with server_under_test(args, server_args) as server:
+        logger.info("waiting for %s to be SERVING, then %.0f s warm-up + %.0f s of %d streams", server.target,
+                    args.warmup_s, args.duration_s, args.concurrency)
+        r = await run_load(args, server.target)
+    if r["errors"] and server.proc is not None:
+        logger.error("requests failed; the server's log: %s", server.log)
+    r["server_exit_status"] = server.exit_status
+    return r, int(server.exit_status not in (None, 0))
 
 
 def markdown(r: dict) -> str:

@@ -1,5 +1,5 @@
 """The gRPC load-test client of `jaxinfer bench load`: N concurrent `Generate` streams against a server on this
-machine, and starting / stopping a `jaxinfer serve` of its own.
+machine, and starting / stopping a `jaxinfer serve` of its own (`server_under_test`, shared with `bench soak`).
 
 `run_load`: waits for `grpc.health.v1.Health/Check("")` to say SERVING and reads `ModelInfo`; then `concurrency`
 asyncio workers on one grpc.aio channel send Generate requests back to back (the prompts below in turn, seed =
@@ -13,14 +13,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import ipaddress
+import logging
 import math
 import os
+import shlex
 import signal
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -29,6 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = (
@@ -178,8 +185,10 @@ async def run_load(args: argparse.Namespace, target: str) -> dict:
     }
 
 
-async def start_server(server_args: list[str], log: Path, timeout_s: float) -> tuple[asyncio.subprocess.Process, str]:
-    """Launches `jaxinfer serve --port 0 ...`; returns it and the HOST:PORT it prints on stdout."""
+async def start_server(server_args: list[str], log: Path, timeout_s: float
+                       ) -> tuple[asyncio.subprocess.Process, str, str | None]:
+    """Launches `jaxinfer serve --port 0 ...`; returns it, the HOST:PORT it prints on stdout, and its metrics URL
+    (None unless `server_args` has `--metrics-port`)."""
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", *server_args]
     with open(log, "wb") as err:
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=err)
@@ -193,7 +202,9 @@ async def start_server(server_args: list[str], log: Path, timeout_s: float) -> t
         proc.kill()
         raise RuntimeError(f"the server printed no port in {timeout_s:.0f} s; see {log}") from None
     asyncio.get_running_loop().create_task(proc.stdout.read())  # drain the rest of stdout
-    return proc, line[len(prefix):].decode().split(",")[0].strip()
+    # "HOST:PORT" or "HOST:PORT, metrics on http://HOST:MPORT/metrics"
+    target, _, metrics = line[len(prefix):].decode().strip().partition(", metrics on ")
+    return proc, target.strip(), metrics.strip() or None
 
 
 async def stop_server(proc: asyncio.subprocess.Process, timeout_s: float) -> int:
@@ -207,3 +218,45 @@ async def stop_server(proc: asyncio.subprocess.Process, timeout_s: float) -> int
         await proc.wait()
         return -9
 
+
+
+@dataclasses.dataclass
+class ServerUnderTest:
+    """The server a client workload drives: its address, its metrics URL (or None), and with `--start-server` the
+    process, its log and (once stopped) its exit status."""
+
+    target: str
+    metrics_url: str | None
+    proc: asyncio.subprocess.Process | None = None
+    log: Path | None = None
+    exit_status: int | None = None
+
+
+@contextlib.asynccontextmanager
+async def server_under_test(args: argparse.Namespace, server_args: list[str],
+                            metrics_url: str | None = None) -> AsyncIterator[ServerUnderTest]:
+    """With `args.start_server`: starts `jaxinfer serve --port 0 SERVER_ARGS` (stderr to `args.server_log` or a
+    temp file), notes its command in `args.server_note`, and stops it (SIGTERM) on leaving, setting `exit_status`;
+    otherwise `args.target` with `metrics_url`. Either way the target must be a loopback address.
+
+    Raises:
+      RuntimeError: the started server exited or printed no port in `args.health_timeout_s` seconds.
+      ValueError: a non-loopback target.
+    """
+    if not args.start_server:
+        yield ServerUnderTest(loopback_target(args.target), metrics_url)
+        return
+    log = args.server_log or Path(tempfile.mkstemp(prefix="jaxinfer-serve-", suffix=".log")[1])
+    logger.info("starting jaxinfer serve %s (stderr: %s)", shlex.join(server_args), log)
+    proc, target, started_metrics = await start_server(server_args, log, args.health_timeout_s)
+    args.server_note = " ".join(x for x in (f"`jaxinfer serve --port 0 {shlex.join(server_args)}` (started by "
+                                            "--start-server)", args.server_note) if x)
+    server = ServerUnderTest(target, started_metrics, proc, log)
+    try:
+        loopback_target(target)
+        yield server
+    finally:
+        server.exit_status = await stop_server(proc, args.server_stop_timeout_s)
+        logger.info("the server exited with status %d", server.exit_status)
+        if server.exit_status != 0:
+            logger.error("the server did not exit cleanly; its log: %s", log)

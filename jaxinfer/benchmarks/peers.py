@@ -104,3 +104,17 @@ def run_peer(python: str, script: Path, args: list[str], timeout: int) -> dict:
     except (IndexError, json.JSONDecodeError):
         return {"error": "peer printed no JSON object as its last line"}
     return result if isinstance(result, dict) else {"error": "peer's JSON is not an object"}
+
+
+def run_llamacpp_peer(python: str, script: Path, args: list[str], timeout: int) -> dict:
+    """`run_peer` of the llama.cpp peer; if it dies from a signal, once more with `--no-extra-bufts`.
+
+    llama-cpp-python 0.3.36 built natively died with SIGSEGV in its first Q4_0 prefill on an Intel Xeon with AMX
+    while ggml's extra CPU buffer types (AMX, repacked weight layouts) were on; without them it runs. The result's
+    `extra_bufts` field says which run it is.
+    """
+    result = run_peer(python, script, args, timeout)
+    if "error" in result and result["error"].startswith("peer exited with -"):  # a negative code: a signal
+        logger.warning("llama.cpp peer: %s; rerunning without ggml's extra CPU buffer types", result["error"])
+        result = run_peer(python, script, [*args, "--no-extra-bufts"], timeout)
+    return result

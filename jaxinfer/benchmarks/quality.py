@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxinfer.benchmarks import corpus
 from jaxinfer.benchmarks.report import Report, table
 from jaxinfer.llm import LLM
 from jaxinfer.scheduler.chunk import ScheduledChunk
@@ -39,9 +40,7 @@ from jaxinfer.scheduler.chunk import ScheduledChunk
 logger = logging.getLogger(__name__)
 
 SECTION = ("<!-- quant-quality:begin -->", "<!-- quant-quality:end -->")
-# A verbatim copy of Debian's /usr/share/common-licenses/GPL-3 (its licence allows verbatim copies; source and hash
-# in tests/data/GPL-3.README.md), so the evaluation does not depend on the system's files.
-GPL3 = Path(__file__).resolve().parents[2] / "tests" / "data" / "GPL-3.txt"
+GPL3 = corpus.TEXT_FILE  # the GPL-3 licence text, a verbatim copy in tests/data
 REFERENCE_PPL = 19.66  # HF transformers, SmolLM2-135M-Instruct f32, first 2,048 GPL-3 tokens (issue 9)
 
 # The formats of the issue-9 table: bf16 is the baseline; int8 is the CPU/TPU format (w8a8); fp8 the GPU format.

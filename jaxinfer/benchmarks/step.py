@@ -252,8 +252,9 @@ def run_peers(args: argparse.Namespace, model: Path, prompt: list[int], rows: li
             hf = peers.run_peer(args.peer_python, args.peer_script, [*common, "--dtypes", ",".join(dtypes)],
                                 args.peer_timeout)
         if args.llamacpp_python is not None:
-            llama = peers.run_peer(args.llamacpp_python, args.llamacpp_script, [
-                *common, "--types", args.llamacpp_types, "--cache-dir", str(args.llamacpp_cache)], args.peer_timeout)
+            llama_args = [*common, "--types", args.llamacpp_types, "--cache-dir", str(args.llamacpp_cache)]
+            llama = peers.run_llamacpp_peer(args.llamacpp_python, args.llamacpp_script, llama_args,
+                                            args.peer_timeout)
     for name, result in (("HF transformers", hf), ("llama.cpp", llama)):
         if result and "error" in result:
             logger.warning("%s peer: %s", name, result["error"])

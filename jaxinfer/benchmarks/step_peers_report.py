@@ -127,10 +127,19 @@ def _peer_lines(data: dict) -> list[str]:
     else:
         lc = (f"llama.cpp through llama-cpp-python {ll['llama_cpp']} ({ll['threads']} threads, flash attention "
               f"{'on' if ll['flash_attn'] else 'off'}, {ll['kv_type']} KV cache of {ll['n_ctx']} cells shared by "
-              "the sequences), `scripts/peer_llamacpp.py`: the GGUF re-quantized with `llama_model_quantize` to "
+              f"the sequences{_extra_bufts(ll)}), `scripts/peer_llamacpp.py`: the GGUF re-quantized with "
+              "`llama_model_quantize` to "
               "each type (its own type used as is); batch decode through `llama_batch_init` with one sequence id "
               "per row and `llama_decode`, each row's next token the argmax of its logits.")
     return [hf, lc]
+
+
+def _extra_bufts(ll: dict) -> str:
+    """How the llama.cpp peer loaded its weights, for the prose ("" for the default, or older JSON)."""
+    if ll.get("extra_bufts", True):
+        return ""
+    return (", ggml's extra CPU buffer types (AMX, repacked layouts) off: the first run with them died from a "
+            "signal (SIGSEGV in its first Q4_0 prefill on this CPU)")
 
 
 def section(data: dict, cfg: ModelConfig) -> list[str]:

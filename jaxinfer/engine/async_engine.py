@@ -1,12 +1,19 @@
 """`AsyncEngine`: an `Engine` driven by one background thread, streamed to asyncio callers.
 
 1. `generate(prompt, params, request_id)` hands the request to the engine thread through a queue and waits for
-   its admission: a bad request raises `ValueError` in the caller, and nothing else notices.
+   its admission: a bad request raises `ValueError` in the caller, and nothing else notices. Any other exception
+   of the admission (a tokenizer that raises `TypeError`, say) is the caller's too: it is logged, raised in that
+   caller, nothing is queued, and the loop goes on.
 2. The engine thread owns the device. Between steps it drains the command queue (add, abort), then runs
    `Engine.step()` and pushes each request's `RequestOutput` (cumulative text plus `delta_text`) onto that
    request's asyncio queue with `call_soon_threadsafe`; callers never block it.
 3. When a caller stops iterating (it broke out, was cancelled, or its deadline passed), the request is aborted and
    its pages are freed at the engine's next turn.
+4. A failing device call fails only its own requests (`Engine.step`). An exception the engine cannot pin on one
+   request (in the scheduler, a KV page move, the bookkeeping of a step, an abort) stops the loop, since the
+   engine's state can no longer be trusted: every caller still waiting, streaming or queued gets an
+   `EngineStoppedError` (a `RuntimeError`) naming the cause at once, the engine's requests are aborted (best
+   effort), `is_alive()` turns False, `error` holds the cause, and every later `generate` raises at once.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ from jaxinfer.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop no longer runs: `AsyncEngine.shutdown` was called, or an exception stopped it (then the
+    message names it and `__cause__` is `AsyncEngine.error`)."""
 
 
 @dataclasses.dataclass
@@ -54,9 +66,13 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine | EngineConfig) -> None:
         self.engine = engine if isinstance(engine, Engine) else Engine(engine)
+        self.error: BaseException | None = None  # what stopped the loop, when an exception did
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        # Taken to queue a command and to close the loop: a command queued before the close is answered by it.
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self._thread.start()
 
@@ -73,14 +89,17 @@ class AsyncEngine:
 
         Raises:
           ValueError: the request was rejected (same checks as `Engine.add_request`).
-          RuntimeError: the engine was shut down.
+          EngineStoppedError: (a RuntimeError) the engine was shut down, or its loop stopped, before or while
+            this request ran; the message names the cause.
+          Exception: any other exception `Engine.add_request` raised for this request, as it is (logged too).
         """
-        if self._stop.is_set():
-            raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         admitted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(prompt, params, request_id, loop, outputs, admitted))
+        with self._lock:
+            if self._closed or self._stop.is_set():
+                raise self._closed_error()
+            self._commands.put(_Add(prompt, params, request_id, loop, outputs, admitted))
         try:
             request_id = await asyncio.wrap_future(admitted)  # raises the engine's ValueError here
         except asyncio.CancelledError:
@@ -103,40 +122,64 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Aborts a request at the engine's next turn (its pages are freed then)."""
-        self._commands.put(_Abort(request_id))
+        """Aborts a request at the engine's next turn (its pages are freed then); a no-op once the loop stopped."""
+        if not self._closed:
+            self._commands.put(_Abort(request_id))
 
     def is_alive(self) -> bool:
-        """True while the engine thread runs (False after `shutdown` or if the loop itself died)."""
-        return self._thread.is_alive()
+        """True while the engine loop serves: False after `shutdown` or once the loop stopped on an exception."""
+        return not self._closed and self._thread.is_alive()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stops the engine thread; requests still in flight get a RuntimeError."""
+        """Stops the engine thread; requests still in flight or queued get an `EngineStoppedError`."""
         self._stop.set()
         self._thread.join(timeout_s)
+
+    def _closed_error(self) -> EngineStoppedError:
+        """A fresh exception for one caller (each raise adds to its own traceback)."""
+        if self.error is None:
+            return EngineStoppedError("the engine is shut down")
+        error = EngineStoppedError(f"the engine loop stopped: {type(self.error).__name__}: {self.error}")
+        error.__cause__ = self.error
+        return error
 
     # --- the engine thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
-            if not self.engine.has_unfinished_requests():
-                continue
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if not self.engine.has_unfinished_requests():
+                    continue
+                for out in self.engine.step():  # a device call that fails fails only its requests, in `step`
+                    self._deliver(out.request_id, out)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+        except BaseException as e:  # noqa: BLE001 - the loop is over; every caller must learn why
+            logger.exception("the engine loop stopped")
+            self.error = e
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Answers every caller with `_closed_error()`: the queued (under the lock, so none slips in after), the
+        streaming; then aborts the engine's requests, as far as the engine still can."""
+        with self._lock:
+            self._closed = True
+        while True:
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - the loop must survive; every open stream learns why
-                logger.exception("engine step failed")
-                for request_id in list(self._streams):
-                    self.engine.abort(request_id)
-                    self._deliver(request_id, RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
-                    self._streams.pop(request_id, None)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add) and command.admitted.set_running_or_notify_cancel():
+                command.admitted.set_exception(self._closed_error())
         for request_id in list(self._streams):
-            self._deliver(request_id, RuntimeError("the engine was shut down"))
+            self._deliver(request_id, self._closed_error())
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the engine is broken already; its pages no longer matter
+                logger.exception("could not abort request %s after the engine loop stopped", request_id)
+        self._streams.clear()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -145,21 +188,31 @@ class AsyncEngine:
             return
         while True:
             if isinstance(command, _Add):
-                # A caller cancelled while waiting for admission (client gone, deadline): never admit it.
-                if command.admitted.set_running_or_notify_cancel():
-                    try:
-                        request_id = self.engine.add_request(command.prompt, command.params, command.request_id)
-                    except ValueError as e:
-                        command.admitted.set_exception(e)
-                    else:
-                        self._streams[request_id] = (command.loop, command.outputs)
-                        command.admitted.set_result(request_id)
+                self._admit(command)
             elif isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _admit(self, command: _Add) -> None:
+        """`Engine.add_request` for one caller: any exception it raises is that caller's (nothing was queued)."""
+        # A caller cancelled while waiting for admission (client gone, deadline): never admit it.
+        if not command.admitted.set_running_or_notify_cancel():
+            return
+        try:
+            request_id = self.engine.add_request(command.prompt, command.params, command.request_id)
+        except Exception as e:  # noqa: BLE001 - `add_request` queues all or nothing: only this caller is concerned
+            if not isinstance(e, ValueError):
+                logger.exception("admission failed with an unexpected exception")
+            command.admitted.set_exception(e)
+            return
+        except BaseException:
+            command.admitted.set_exception(EngineStoppedError("the engine loop stopped during admission"))
+            raise
+        self._streams[request_id] = (command.loop, command.outputs)
+        command.admitted.set_result(request_id)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -169,4 +222,5 @@ class AsyncEngine:
         try:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
-            self.engine.abort(request_id)
+            if not self._closed:
+                self.engine.abort(request_id)

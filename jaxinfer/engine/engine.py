@@ -159,7 +159,8 @@ class Engine:
           ValueError: naming the field: duplicate request id, empty prompt, a prompt that leaves no room in the
             context, prompt + max_tokens (or min_tokens) beyond the context, a stop token id outside the vocabulary,
             min_tokens with every token banned, a request that could never fit the KV cache, or bad params
-            (`jaxinfer.request_limits.check_against_model`). Nothing is queued then.
+            (`jaxinfer.request_limits.check_against_model`). Nothing is queued then, nor when anything else
+            raises (a tokenizer's own exception, say: it propagates as it is).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -192,7 +193,7 @@ class Engine:
             for seq in seqs:
                 self.scheduler.add(seq)
                 added.append(seq)
-        except ValueError:
+        except BaseException:  # whatever the exception, the request is queued whole or not at all
             if added:
                 self.scheduler.abort(request_id)
             raise
@@ -261,7 +262,10 @@ class Engine:
             self._apply_kv_ops(self.prefix_cache.take_ops())
         for seq_id, entries in logprobs.items():
             self._seq_logprobs.setdefault(seq_id, []).extend(entries)
-        self.metrics.record_step(sum(len(c.token_ids) for c in prefills), sum(len(c.token_ids) for c in decodes),
+        # Counted by the scheduler's phase, not by shape: a one-token prompt chunk rides in the decode call but
+        # is prefill work.
+        decode_tokens = sum(len(c.token_ids) for c in plan.chunks[:plan.num_decode_seqs])
+        self.metrics.record_step(sum(len(c.token_ids) for c in plan.chunks) - decode_tokens, decode_tokens,
                                  time.perf_counter() - t_start, device_time)
         return self._collect_outputs()
 

@@ -8,8 +8,11 @@
    `finish_reason` and usage.
 3. A cancelled call or a passed deadline cancels the handler; leaving the engine stream aborts the request, and
    its KV pages are freed at the engine's next turn (`AsyncEngine.generate`).
-4. A watchdog flips health to `NOT_SERVING` if the engine thread dies. `stop(grace_s)` refuses new calls, lets
-   in-flight streams finish for `grace_s` seconds, cancels the rest, then stops the engine.
+4. A request whose admission raises something unexpected gets `INTERNAL` with the exception named; the others
+   go on. If the engine loop stops (`AsyncEngine`), every stream gets `UNAVAILABLE` naming the cause at once,
+   later calls get it without waiting, and a watchdog flips health to `NOT_SERVING` within half a second.
+5. `stop(grace_s)` refuses new calls, lets in-flight streams finish for `grace_s` seconds, cancels the rest, then
+   stops the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxinfer.engine.async_engine import AsyncEngine
+from jaxinfer.engine.async_engine import AsyncEngine, EngineStoppedError
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
@@ -37,6 +40,10 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxInfer"].full_name  # "jaxinfer.v1.JaxInfer"
 _WATCHDOG_PERIOD_S = 0.5
 _DEADLINE_SLACK_S = 0.1
+
+
+def _internal_error(e: Exception) -> str:
+    return f"internal error: {type(e).__name__}: {e}"
 
 
 class JaxInferService(pb_grpc.JaxInferServicer):
@@ -54,7 +61,8 @@ class JaxInferService(pb_grpc.JaxInferServicer):
                                 self._server.engine_error is None else f"the engine failed to start: "
                                 f"{self._server.engine_error}")
         if not engine.is_alive():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine loop has stopped")
+            cause = "" if engine.error is None else f": {type(engine.error).__name__}: {engine.error}"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine loop has stopped{cause}")
         return engine
 
     async def _check_request(self, request, context: grpc.aio.ServicerContext) -> None:
@@ -79,6 +87,10 @@ class JaxInferService(pb_grpc.JaxInferServicer):
         except ValueError as e:
             self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - an unexpected error of this request's own: named, not UNKNOWN
+            logger.exception("building the request failed")
+            self._server.metrics.requests.labels("INTERNAL").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, _internal_error(e))
         if self._server.in_flight >= limits.max_queued_requests:
             self._server.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -101,9 +113,14 @@ class JaxInferService(pb_grpc.JaxInferServicer):
                     yield response
                 out = None if out.finished else await anext(stream, None)
             status = "OK"
-        except RuntimeError as e:  # the engine failed or is shutting down
+        except EngineStoppedError as e:  # the engine loop stopped (an exception, or shutting down)
             status = "UNAVAILABLE"
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. the admission raised for this request only (the engine logs it)
+            status = "INTERNAL"
+            await context.abort(grpc.StatusCode.INTERNAL, _internal_error(e))
         finally:
             self._server.in_flight -= 1
             if status is None:  # left early: the client cancelled, or its deadline passed

@@ -1,7 +1,8 @@
 """`IncrementalDetokenizer`: generated ids, fed one at a time, -> text deltas (`str`).
 
 Deltas never end in half a UTF-8 character; `"".join(deltas) + flush()` equals
-`Tokenizer.decode(ids)` of the generated ids. With a `tokenizers` backend each step runs through
+`Tokenizer.decode(ids)` of the generated ids (but for a character begun by the prompt's last
+tokens, which the deltas carry whole: `IncrementalDetokenizer`'s `prompt_ids`). With a `tokenizers` backend each step runs through
 `tokenizers.decoders.DecodeStream` (the same window algorithm, in Rust); with a SentencePiece
 backend, or where `DecodeStream` cannot follow the window (see `IncrementalDetokenizer`), the
 window is decoded here in Python. Both give the same text
@@ -45,7 +46,11 @@ class IncrementalDetokenizer:
       skip_special_tokens: as in `Tokenizer.decode`.
       prompt_ids: optional prompt ids; the last few are used as left context so the first
         generated token decodes as it would mid-text (matters for SentencePiece, which drops
-        the leading space of the first token of a sequence). They produce no output.
+        the leading space of the first token of a sequence). They produce no output, except
+        a character whose UTF-8 bytes begin in the prompt's last tokens and end in generated
+        ones: the delta that completes it carries the whole character (so the deltas then
+        hold one character more than `tokenizer.decode` of the generated ids alone, which
+        would give U+FFFD for its orphaned continuation bytes).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
@@ -58,7 +63,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text: str | None = None  # decoded on demand (the stream does not need it)
         self._emitted: list[str] = []
-        self._stream = self._start_stream()
+        context_text = self._decode(self._ids) if self._ids else ""
+        if context_text.endswith("\ufffd"):
+            # The prompt ends mid-character: the prefix leaves out the unfinished bytes' U+FFFD, so the delta
+            # that completes the character carries all of it (else it would count as prompt text, never emitted).
+            self._prefix_text = context_text.rstrip("\ufffd")
+            self._stream = None
+        else:
+            self._stream = self._start_stream()
 
     @property
     def text(self) -> str:

@@ -179,6 +179,46 @@ def test_numpy_ids_and_whitespace_prompts_generate(smollm2_llm: LLM) -> None:
     assert len(smollm2_llm.generate("   ", params)[0].outputs[0].token_ids) == 3
 
 
+def _assert_idle(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert not llm.engine.has_unfinished_requests() and stats["running"] == 0 and stats["waiting"] == 0
+    assert llm.page_allocator.num_free_pages == llm.page_allocator.num_usable_pages
+
+
+@pytest.mark.parametrize("error", [TypeError, RuntimeError, KeyboardInterrupt])
+def test_a_batch_is_admitted_whole_or_not_at_all(smollm2_llm: LLM, monkeypatch, error) -> None:
+    """A prompt whose tokenizing raises anything (not only ValueError) fails the call and leaves nothing queued."""
+    encode = smollm2_llm.tokenizer.encode
+
+    def encode_or_fail(text: str, *args, **kwargs) -> list[int]:
+        if "poison" in text:
+            raise error("injected tokenizer failure")
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(smollm2_llm.tokenizer, "encode", encode_or_fail)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(error, match="injected"):
+        smollm2_llm.generate(["The first prompt is fine", "the poison one"], params)
+    _assert_idle(smollm2_llm)
+    streamed: list[int] = []
+    (out,) = smollm2_llm.generate(["Another prompt"], params, on_output=lambda i, ids, text: streamed.append(i))
+    assert out.prompt == "Another prompt" and len(out.outputs[0].token_ids) == 3
+    assert streamed and set(streamed) == {0}
+    _assert_idle(smollm2_llm)
+
+
+def test_a_call_that_raises_mid_run_leaves_nothing_queued(smollm2_llm: LLM) -> None:
+    def on_output(index: int, ids: list[int], text: str) -> None:
+        raise RuntimeError("injected callback failure")
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="injected"):
+        smollm2_llm.generate(["One", "Two"], params, on_output=on_output)
+    _assert_idle(smollm2_llm)
+    (out,) = smollm2_llm.generate("Three", params)
+    assert out.prompt == "Three" and len(out.outputs[0].token_ids) == 8
+
+
 def test_bad_model_paths_raise(tmp_path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         LLM(model=tmp_path / "missing.gguf")

@@ -157,6 +157,23 @@ def test_stacked_layer_slices_of_a_quantized_weight(rows):
                                    atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("eq, xs, ws", [("td,df->tf", (3, 64), (64, 40)), ("btd,ndh->btnh", (2, 5, 32), (4, 32, 8))])
+def test_plain_bf16_qeinsum_is_the_bf16_einsum_rounded_once(eq, xs, ws):
+    """On CPU the bf16 plain path asks XLA for an f32 output and rounds it (a faster kernel): the result must be
+    bf16 and equal, element for element, to the f32 einsum of the same bf16 inputs rounded once to bf16."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=xs), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=ws), jnp.bfloat16)
+    got = jax.jit(lambda x, w: qeinsum(eq, x, w))(x, w)
+    assert got.dtype == jnp.bfloat16
+    want = np.einsum(eq, np.asarray(x, np.float64), np.asarray(w, np.float64)).astype(np.float32)
+    want_bf16 = np.asarray(want.astype(ml_dtypes.bfloat16), np.float32)
+    # f32 accumulation order may differ from float64's by an ulp of f32: compare to the bf16 rounding within one
+    # bf16 ulp where the float64 value sits next to a rounding boundary
+    np.testing.assert_allclose(np.asarray(got, np.float32), want_bf16, rtol=2 ** -7, atol=1e-6)
+    assert np.mean(np.asarray(got, np.float32) == want_bf16) > 0.99
+
+
 def test_qeinsum_rejects_an_equation_that_keeps_a_contract_axis():
     q = quantize(_weight((64, 128)), "int8", (-2,))
     with pytest.raises(ValueError, match="contract"):

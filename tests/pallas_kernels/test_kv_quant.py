@@ -118,6 +118,30 @@ def test_write_kv_quantizes_values_and_scales_into_addressed_slots(fmt):
         np.testing.assert_array_equal(np.asarray(got_scale), exp_scale)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("cuts", [(5,), (1, 2, 3), (7, 8), (3, 11)])
+def test_a_pages_contents_do_not_depend_on_how_its_tokens_were_chunked(fmt, cuts):
+    """The exact part of the quantized-cache guarantee (README, "KV cache quantization"): the same K/V vectors
+    written in one call or in chunks (boundaries `cuts`, inside and across pages) give bit-identical values and
+    scales, since every token is quantized with its own scale."""
+    rng = np.random.default_rng(11)
+    layers, pages, heads, ps, hd, n = 2, 6, 2, 4, 8, 13
+    dtype = FORMATS[fmt]
+    k_pages = jnp.zeros((layers, pages, heads, ps, hd), dtype)
+    scale = jnp.zeros((layers, pages, heads, ps), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(n, heads, hd)) * 3, jnp.float32) for _ in range(2))
+    loc = jnp.asarray(ps + np.arange(n), jnp.int32)  # pages 1.. of the sequence
+    whole = write_kv(k_pages, k_pages, k, v, loc, layer=1, k_scale=scale, v_scale=scale)
+    parts = (k_pages, k_pages, scale, scale)
+    for lo, hi in zip((0, *cuts), (*cuts, n)):
+        parts = write_kv(parts[0], parts[1], k[lo:hi], v[lo:hi], loc[lo:hi], layer=1, k_scale=parts[2],
+                         v_scale=parts[3])
+    for a, b in zip(whole, parts):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    written = np.asarray(whole[2])[1, np.asarray(loc) // ps, :, np.asarray(loc) % ps]  # [n, heads]
+    assert written.min() > 0  # every written slot got its scale
+
+
 def test_write_kv_needs_scales_exactly_for_quantized_pages():
     k = jnp.zeros((3, 2, 4, 8), jnp.int8)
     s = jnp.zeros((3, 2, 4), jnp.float32)

@@ -1,7 +1,9 @@
 """A stand-in for `scripts/peer_transformers.py` and `scripts/peer_llamacpp.py` in smoke tests: the same arguments
 and peer protocol (`jaxinfer.benchmarks.peers`), no torch, no llama.cpp. It prints one JSON object with the fields
 the benchmarks read, with plausible made-up numbers (a "[peer]" progress line goes to stderr, as the real peers'
-logs do). With `--types` it answers as the llama.cpp peer.
+logs do). With `--types` it answers as the llama.cpp peer; then, if the environment sets
+`STUB_PEER_SEGFAULT_WITH_EXTRA_BUFTS=1`, it kills itself with SIGSEGV unless `--no-extra-bufts` is given (the crash
+`peers.run_llamacpp_peer` recovers from).
 
     python stub_peer.py --gguf PATH --prompt-file ids.json [--dtypes float32,bfloat16] [--batches 8 ...] ...
     python stub_peer.py --gguf PATH --prompt-file ids.json --types Q4_0,BF16 --cache-dir DIR ...
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -34,7 +38,7 @@ def llamacpp(prompt: list[int], args: argparse.Namespace) -> dict:
                    "file": str(args.cache_dir / f"stub.{t}.gguf"), "load_s": 0.1, "quantize_s": None}
                for t in args.types.split(",")}
     return {"llama_cpp": "stub", "threads": args.threads, "flash_attn": False, "n_ctx": 1024, "kv_type": "f16",
-            "system_info": "stub", "results": results}
+            "extra_bufts": not args.no_extra_bufts, "system_info": "stub", "results": results}
 
 
 def serving(prompts: list[list[int]], output_len: int) -> dict:
@@ -65,6 +69,7 @@ def main() -> None:
     ap.add_argument("--batch-steps", type=int)
     ap.add_argument("--types", help="answer as the llama.cpp peer, for these weight types")
     ap.add_argument("--cache-dir", type=Path, default=Path("."))
+    ap.add_argument("--no-extra-bufts", action="store_true")
     args = ap.parse_args()
     if (args.prompt_file is None) == (args.serving_prompts is None):
         ap.error("give exactly one of --prompt-file and --serving-prompts")
@@ -75,6 +80,8 @@ def main() -> None:
         ap.error("--batches needs an existing --batch-prompts file")
     print(f"[peer] stub peer: {args.types or args.dtypes} on {args.gguf.name}", file=sys.stderr)
     if args.types:
+        if os.environ.get("STUB_PEER_SEGFAULT_WITH_EXTRA_BUFTS") == "1" and not args.no_extra_bufts:
+            os.kill(os.getpid(), signal.SIGSEGV)
         json.dump(llamacpp(prompts, args), sys.stdout)
         sys.stdout.write("\n")
         return

@@ -71,3 +71,24 @@ def test_the_runner_knows_the_scripts_types(peer):
     from jaxinfer.benchmarks.peers import LLAMACPP_TYPES
 
     assert set(LLAMACPP_TYPES) == set(peer.FTYPES)
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_a_peer_killed_by_a_signal_reruns_without_extra_buffer_types(tmp_path, monkeypatch, crash):
+    """The stub dies from SIGSEGV while extra buffer types are on (as llama.cpp's Q4_0 prefill did on an AMX Xeon):
+    `run_llamacpp_peer` must rerun it with `--no-extra-bufts` and return that run's numbers; a peer that does not
+    crash runs once, with them on."""
+    from jaxinfer.benchmarks import peers
+    from tests.jaxinfer.benchmarks.bench_runner import STUB_PEER
+
+    monkeypatch.setenv("STUB_PEER_SEGFAULT_WITH_EXTRA_BUFTS", "1" if crash else "0")
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "ids.json").write_text("[1, 2, 3]")
+    args = ["--gguf", str(tmp_path / "m.gguf"), "--prompt-file", str(tmp_path / "ids.json"), "--types", "Q4_0",
+            "--decode-prompt-len", "2"]
+    if crash:  # the plain run does die from the signal
+        assert peers.run_peer(sys.executable, STUB_PEER, args, 60)["error"].startswith("peer exited with -11")
+    result = peers.run_llamacpp_peer(sys.executable, STUB_PEER, args, 60)
+    assert "error" not in result, result
+    assert result["extra_bufts"] is (not crash)
+    assert set(result["results"]) == {"Q4_0"}

@@ -275,6 +275,20 @@ def test_sixteen_decodes_share_one_device_call(tiny: Engine, tiny_alone) -> None
     assert_idle(tiny)
 
 
+def test_a_one_token_prompt_chunk_counts_as_prefill(tiny: Engine) -> None:
+    """A one-token prompt rides in the decode call (same shape) but is prefill work: the step statistics must
+    count it as a prefill token; its later steps are decodes."""
+    before = dataclasses.replace(tiny.metrics)
+    tiny.add_request(Prompt([7]), SamplingParams(max_tokens=3, temperature=0.0), request_id="one-token")
+    tiny.step()
+    assert tiny.metrics.num_prefill_tokens - before.num_prefill_tokens == 1
+    assert tiny.metrics.num_decode_tokens == before.num_decode_tokens
+    drain(tiny)
+    assert tiny.metrics.num_decode_tokens - before.num_decode_tokens == 2  # tokens 2 and 3 come from decodes
+    assert tiny.metrics.num_prefill_tokens - before.num_prefill_tokens == 1
+    assert_idle(tiny)
+
+
 def test_tiny_together(tiny: Engine, tiny_alone) -> None:
     r = run(tiny, TINY_REQS)
     assert r.tokens() == tiny_alone
@@ -468,6 +482,29 @@ def test_abort_of_a_waiting_request(tiny: Engine) -> None:
     outs = tiny.step()
     assert [(o.request_id, o.finished, o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs] == \
         [("queued", True, "abort", [])]
+    assert_idle(tiny)
+
+
+@pytest.mark.parametrize("error", [TypeError, RuntimeError, KeyboardInterrupt])
+def test_a_request_of_n_samples_is_queued_whole_or_not_at_all(tiny: Engine, monkeypatch, error) -> None:
+    """Any exception while its samples are queued (not only a ValueError) leaves nothing of the request behind."""
+    add = tiny.scheduler.add
+    seen: list[int] = []
+
+    def add_then_fail(seq) -> None:
+        seen.append(seq.sample_index)
+        if seq.sample_index == 1:
+            raise error("injected failure queueing sample 1")
+        add(seq)
+
+    monkeypatch.setattr(tiny.scheduler, "add", add_then_fail)
+    with pytest.raises(error, match="injected"):
+        tiny.add_request([9, 10, 11], SamplingParams(n=3, max_tokens=4), request_id="half")
+    assert seen == [0, 1]  # sample 0 was queued before sample 1 failed
+    assert_idle(tiny)
+    monkeypatch.undo()
+    tiny.add_request([9, 10, 11], SamplingParams(n=3, max_tokens=4), request_id="half")  # the id is free again
+    assert len(drain(tiny)["half"].outputs) == 3
     assert_idle(tiny)
 
 

@@ -1,4 +1,5 @@
-"""`jaxinfer serve` as a user runs it: a subprocess on a free port, a stream in flight at SIGTERM, exit 0; and the
+"""`jaxinfer serve` as a user runs it: a subprocess on a free port; at SIGTERM a stream that can finish within
+`--grace-seconds` finishes, one that cannot gets UNAVAILABLE when the grace ends, and the exit status is 0; and the
 committed stubs are what grpcio-tools makes of the proto."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,10 +23,22 @@ from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parents[3]
 
 
+GRACE_S = 5.0
+LONG_MAX_TOKENS = 4000  # SmolLM2 f32 would need > 800 tokens/s on CPU to finish this within GRACE_S
+
+
+def _collect(call, responses: list, errors: list) -> None:
+    try:
+        for r in call:
+            responses.append(r)
+    except grpc.RpcError as e:
+        errors.append(e)
+
+
 @pytest.mark.slow
-def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0():
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--no-warmup", "--grace-seconds", "60",
-           "--kv-cache-memory-bytes", str(32 << 20)]
+def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_and_exits_0():
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--no-warmup", "--grace-seconds", str(GRACE_S),
+           "--kv-cache-memory-bytes", str(256 << 20)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         line = proc.stdout.readline()  # "jaxinfer: serving gRPC on 127.0.0.1:PORT"
@@ -36,13 +50,40 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0():
             assert time.monotonic() < deadline
             time.sleep(0.2)
         stub = pb_grpc.JaxInferStub(channel)
-        call = stub.Generate(pb.GenerateRequest(text="Count to ten:", sampling=pb.SamplingParams(
-            temperature=0, max_tokens=24, ignore_eos=True)))
-        first = next(call)
+        streams, readers = {}, []
+        for name, max_tokens in (("short", 24), ("long", LONG_MAX_TOKENS)):
+            call = stub.Generate(pb.GenerateRequest(text="Count to ten:", sampling=pb.SamplingParams(
+                temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+            streams[name] = ([], [])  # responses, errors
+            readers.append(threading.Thread(target=_collect, args=(call, *streams[name]), daemon=True))
+            readers[-1].start()
+        short, long = streams["short"][0], streams["long"][0]
+        deadline = time.monotonic() + 300  # first-use compiles of the prefill and both decode shapes
+        while sum(len(r.token_ids) for r in short) < 16 or not long:  # both decoding, 8 short tokens to go
+            assert time.monotonic() < deadline and not streams["short"][1] and not streams["long"][1]
+            time.sleep(0.01)
+        assert sum(len(r.token_ids) for r in short) < 24  # still in flight at the signal
+        t_signal = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        responses = [first, *call]  # the stream in flight completes within the grace period
-        assert sum(len(r.token_ids) for r in responses) == 24 and responses[-1].finish_reason == "length"
-        assert proc.wait(60) == 0
+        while True:  # new calls are refused from the signal on
+            try:
+                stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                break
+            assert time.monotonic() < t_signal + GRACE_S
+            time.sleep(0.02)
+        assert proc.wait(GRACE_S + 60) == 0
+        shutdown_s = time.monotonic() - t_signal
+        for reader in readers:
+            reader.join(10)
+        # The short stream finished within the grace; the long one was cut off at its end with UNAVAILABLE.
+        assert not streams["short"][1] and sum(len(r.token_ids) for r in short) == 24
+        assert short[-1].finish_reason == "length"
+        errors = streams["long"][1]
+        assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors
+        assert sum(len(r.token_ids) for r in long) < LONG_MAX_TOKENS and not any(r.finish_reason for r in long)
+        assert shutdown_s >= GRACE_S - 0.5  # the long stream held the shutdown for the whole grace
         with pytest.raises(grpc.RpcError):  # and the port is closed
             stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
         channel.close()

@@ -2,8 +2,9 @@
 
 Properties: a stream's concatenated deltas equal `LLM.generate` for the same prompt and seed (alone, 32 at once,
 chat input); cancelled streams free their pages within a step while the others finish correctly, and no page
-leaks; bad requests get INVALID_ARGUMENT naming the field and the server keeps serving; health follows warm-up
-and engine death; a stock client (grpcurl, via reflection) lists, health-checks and streams.
+leaks; bad requests get INVALID_ARGUMENT naming the field and the server keeps serving, an unexpected admission
+error INTERNAL; an engine loop crash ends every stream with UNAVAILABLE and health follows warm-up and engine
+death; a stock client (grpcurl, via reflection) lists, health-checks and streams.
 """
 
 from __future__ import annotations
@@ -409,10 +410,67 @@ def test_stock_client_grpcurl_lists_checks_and_streams(served, smollm2_llm: LLM)
     assert responses[-1]["usage"]["completion_tokens"] == 8 and responses[-1]["finish_reason"] == "length"
 
 
-def test_health_reports_not_serving_when_the_engine_loop_dies(served):
-    # Last in the module: stops the engine thread the way a crash of the loop itself would end it.
-    served.server.async_engine._stop.set()
+def test_an_unexpected_admission_error_gets_internal_and_the_server_keeps_serving(served, smollm2_llm: LLM,
+                                                                                   monkeypatch):
+    """An exception the engine does not expect while it admits one request (here, from the scheduler's queue)
+    fails that call with INTERNAL naming it; a stream in flight and later calls are unharmed."""
+    scheduler = served.engine.scheduler
+    add = scheduler.add
+
+    def add_or_fail(seq) -> None:
+        if seq.request_id == "poison":
+            raise TypeError("injected admission failure")
+        add(seq)
+
+    proto = pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = smollm2_llm.generate("Tell me about the sea.", SamplingParams(temperature=0, max_tokens=8,
+                                                                             ignore_eos=True))[0].outputs[0]
+    monkeypatch.setattr(scheduler, "add", add_or_fail)
+    in_flight = served.stub.Generate(pb.GenerateRequest(text="Tell me about the sea.", sampling=proto), timeout=120)
+    ids = list(next(in_flight).token_ids)
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(served.stub, pb.GenerateRequest(text="Hi", request_id="poison", sampling=proto), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "TypeError: injected admission failure" in info.value.details()
+    for r in in_flight:
+        ids += list(r.token_ids)
+    assert ids == expected.token_ids
+    assert len(_stream(served.stub, pb.GenerateRequest(text="Hi", sampling=proto), timeout=60)[1]) == 8
+    assert served.health_status() == SERVING
+
+
+def test_an_engine_loop_crash_fails_every_stream_and_health_turns_not_serving(served, monkeypatch):
+    """Last in the module: it kills the engine loop with a failure no request can be blamed for (the runner's KV
+    cache, inside a step). Every stream in flight ends with UNAVAILABLE naming it, later calls get UNAVAILABLE at
+    once, and health reports NOT_SERVING."""
+    long = pb.SamplingParams(max_tokens=400, ignore_eos=True)
+    calls = [served.stub.Generate(pb.GenerateRequest(text=p, sampling=long), timeout=120) for p in PROMPTS[:3]]
+    for call in calls:
+        next(call)  # all three admitted and streaming
+
+    def failing_settle() -> None:
+        raise RuntimeError("injected KV cache failure")
+
+    monkeypatch.setattr(served.engine.runner.kv, "settle_host_pages", failing_settle)
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the engine loop stopped: RuntimeError: injected KV cache failure" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(served.stub, pb.GenerateRequest(text="After the crash"), timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "engine loop has stopped: RuntimeError: injected KV cache failure" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        served.stub.Tokenize(pb.TokenizeRequest(text="Hello"), timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     deadline = time.monotonic() + 10
     while served.health_status() != NOT_SERVING:
         assert time.monotonic() < deadline, "health still SERVING after the engine loop died"
+        time.sleep(0.1)
+    outcomes = served.server.metrics.registry.get_sample_value
+    deadline = time.monotonic() + 10
+    while (outcomes("jaxinfer_requests_total", {"status": "UNAVAILABLE"}) or 0) < 3:
+        assert time.monotonic() < deadline, "the three streams were not counted UNAVAILABLE"
         time.sleep(0.1)

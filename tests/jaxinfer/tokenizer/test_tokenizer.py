@@ -332,6 +332,21 @@ def test_incremental_detokenizer_truncated_character(smol: Tokenizer) -> None:
     assert tail.endswith("\ufffd")
 
 
+@pytest.mark.parametrize("text", ["Price 😀 now", "Tokyo 東京 ok", "Seoul 서울 ꙮ"])
+def test_a_character_split_between_prompt_and_output_is_streamed_whole(smol: Tokenizer, text: str) -> None:
+    """The prompt ends in the first byte tokens of a character, the first generated token completes it: the
+    deltas must carry the whole character and everything after it (nothing of the prompt's complete text)."""
+    ids = smol.encode(text)
+    cuts = [i for i in range(1, len(ids)) if smol.decode(ids[:i]).endswith("\ufffd")]
+    assert cuts, "the text must split a character across tokens"
+    for cut in cuts:
+        prompt_text = smol.decode(ids[:cut]).rstrip("\ufffd")  # what the prompt shows of itself
+        assert text.startswith(prompt_text)
+        deltas, tail = _stream(smol, ids[cut:], prompt_ids=ids[:cut])
+        assert "".join(deltas) + tail == text[len(prompt_text):], cut
+        assert tail == "" and all("\ufffd" not in d for d in deltas)
+
+
 def _stream_vs_window(tok: Tokenizer, ids: list[int], **kwargs) -> tuple[list[str], list[str]]:
     """Deltas (+ flush) of the DecodeStream path and of the Python window, for the same ids."""
     runs = []
