@@ -21,6 +21,10 @@ def _is_finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+_NUMERIC_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "max_tokens", "min_tokens", "seed", "logprobs")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping rules of one request.
@@ -84,6 +88,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name in _NUMERIC_FIELDS:  # numpy scalars are stored as the Python numbers they hold
+            value = getattr(self, name)
+            if isinstance(value, (np.integer, np.floating)) and not isinstance(value, np.bool_):
+                object.__setattr__(self, name, value.item())
         n, temperature, top_k, top_p, min_p = self.n, self.temperature, self.top_k, self.top_p, self.min_p
         repetition_penalty = self.repetition_penalty
         presence_penalty, frequency_penalty = self.presence_penalty, self.frequency_penalty

@@ -97,3 +97,16 @@ def test_max_tokens_and_min_tokens_messages_name_the_field_and_the_range() -> No
     assert str(info.value).startswith("min_tokens=-1 must be an integer >= 0") and "None" not in str(info.value)
     with pytest.raises(ValueError, match=r"min_tokens=5 must be an integer in \[0, max_tokens=2\]"):
         SamplingParams(min_tokens=5, max_tokens=2)
+
+
+def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
+    """A numpy int / float in a numeric field is the Python number it holds (stored as that), and a numpy float
+    where an integer is needed is still refused."""
+    p = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), top_k=np.int32(3), max_tokens=np.int32(5),
+                       seed=np.uint32(7), logprobs=np.int8(1), top_p=np.float16(0.5))
+    assert (p.n, p.temperature, p.top_k, p.max_tokens, p.seed, p.logprobs, p.top_p) == (2, 0.5, 3, 5, 7, 1, 0.5)
+    assert type(p.max_tokens) is int and type(p.temperature) is float
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=np.float32(5))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=np.float32("nan"))
