@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from collections.abc import Callable, Sequence
 
@@ -96,6 +97,13 @@ class LLM:
             raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; "
                              f"got {type(prompts).__name__}")
         single = isinstance(prompts, (str, dict, Prompt))
+        if isinstance(prompts, (bytearray, set, frozenset)):
+            raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; got a "
+                             f"{type(prompts).__name__}")
+        if not single and hasattr(prompts, "__len__") and len(prompts) and all(
+                isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompts):
+            raise ValueError("prompts is a sequence of ints, which would be read as that many prompts: for one "
+                             "prompt of token ids pass [ids] or {'prompt_token_ids': ids}")
         prompt_list = [prompts] if single else list(prompts)
         if not prompt_list:
             return []

@@ -280,3 +280,18 @@ def test_bfloat16_logits_follow_float32_and_answer_paris(smollm2_llm: LLM) -> No
     forced = llm.generate({"prompt_token_ids": ids[: len(reply.prompt_token_ids) + 1]},
                           SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     assert "Paris" in forced.text
+
+
+@pytest.mark.parametrize("prompts", [[1, 2, 3], (5,), "np", {"a"}, bytearray(b"hi")])
+def test_bare_token_ids_as_prompts_are_refused_with_the_way_to_pass_them(prompts):
+    """A flat sequence of ints (or a numpy id array) would be read as that many one-int prompts: refused before
+    any model is touched, the message saying how to pass one prompt of ids; sets and bytearrays are refused too."""
+    import numpy as np
+
+    from jaxinfer.llm import LLM
+
+    if prompts == "np":
+        prompts = np.array([1, 2, 3])
+    llm = LLM.__new__(LLM)  # the check runs before the engine is used
+    with pytest.raises(ValueError, match=r"pass \[ids\] or|got a (set|bytearray)$"):
+        llm.generate(prompts)
