@@ -92,11 +92,18 @@ class LLM:
           Exception: anything else a prompt's admission, a step or `on_output` raised, as it is. Whatever raised,
             the call's requests are aborted first: nothing of it stays queued.
         """
-        if prompts is None or isinstance(prompts, (bytes, int, float)):
+        single = isinstance(prompts, (str, dict, Prompt))
+        prompt_list = None
+        if single:
+            prompt_list = [prompts]
+        elif prompts is not None and not isinstance(prompts, (bytes, int, float)):
+            try:
+                prompt_list = list(prompts)
+            except TypeError:  # not iterable (an object, a numpy scalar or 0-d array)
+                pass
+        if prompt_list is None:
             raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; "
                              f"got {type(prompts).__name__}")
-        single = isinstance(prompts, (str, dict, Prompt))
-        prompt_list = [prompts] if single else list(prompts)
         if not prompt_list:
             return []
         params = _params_list(sampling_params, len(prompt_list))

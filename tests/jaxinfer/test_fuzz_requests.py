@@ -15,15 +15,16 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import event, example, given, settings
+from hypothesis import assume, event, example, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer import SamplingParams
+from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.prompt import PROMPT_DICT_KEYS, Prompt
 from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                      MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE)
+from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
 from tests.jaxinfer.engine.tiny_model import VOCAB_SIZE, make_tiny_model_dir
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None)
@@ -250,3 +251,63 @@ def test_engine_is_idle_and_correct_after_the_fuzz(tiny: Engine, canary_before) 
     assert not tiny.has_unfinished_requests() and not tiny.scheduler.has_unfinished()
     assert tiny.page_allocator.num_free_pages == tiny.page_allocator.num_usable_pages
     assert _canary(tiny) == canary_before
+
+
+# --- LLM.generate / LLM.chat (tiny chat model) ------------------------------------------------------------------
+
+CHAT_MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool"]) | ANYTHING, "content": ODD_TEXT | ANYTHING},
+    optional={"name": ANYTHING}) | ANYTHING, max_size=3)
+LLM_PARAMS = st.none() | GOOD_PARAMS | st.lists(GOOD_PARAMS | ANYTHING, max_size=3) | ANYTHING
+# Words an LLM error message names (the argument, or the field inside it).
+LLM_FIELDS = ("prompt", "sampling_params", "messages", "add_generation_prompt", "cache_salt", *FIELDS)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory) -> LLM:
+    """The tiny random Llama with a ChatML template (tests/jaxinfer/benchmarks/tiny_chat_model.py)."""
+    root = make_tiny_chat_model(tmp_path_factory.mktemp("fuzz_llm") / "tiny")
+    return LLM(model=str(root), warmup=False, page_size=8, max_num_seqs=8, max_model_len=TINY_MAX_MODEL_LEN,
+               kv_cache_memory_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def llm_canary_before(tiny_llm: LLM) -> list[int]:
+    return tiny_llm.generate([[5, 17, 42, 9, 30]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+                             )[0].outputs[0].token_ids
+
+
+@FUZZ
+@given(prompts=PROMPTS | st.lists(PROMPTS | GOOD_PROMPTS, max_size=3), messages=st.none() | CHAT_MESSAGES
+       | st.lists(CHAT_MESSAGES, max_size=2), params=LLM_PARAMS, add=st.booleans() | ANYTHING)
+@example(prompts=object(), messages=None, params=None, add=True)  # list(prompts) raised TypeError
+@example(prompts=np.float32(1.5), messages=None, params=None, add=True)
+def test_llm_generate_and_chat_fuzz(tiny_llm: LLM, llm_canary_before, prompts, messages, params, add) -> None:
+    """`LLM.generate(prompts)` (or `LLM.chat(messages)` when messages are drawn): a ValueError naming the argument
+    or the field, or one finished output per prompt; a batch is admitted whole or not at all (nothing stays
+    queued either way)."""
+    # A list of 100,000 one-character texts is a valid batch of 100,000 requests: right, but too slow to run here.
+    assume(not isinstance(prompts, (list, tuple, range)) or len(prompts) <= 8)
+    if isinstance(prompts, list) and any(isinstance(p, ValueError) for p in prompts) or \
+            isinstance(prompts, ValueError):
+        return
+    try:
+        if messages is None:
+            outs = tiny_llm.generate(prompts, params)
+        else:
+            outs = tiny_llm.chat(messages, params, add_generation_prompt=add)
+    except ValueError as e:
+        message = str(e)
+        assert any(name in message for name in LLM_FIELDS), f"{message[:300]!r} names no field"
+        event(f"LLM rejected: {blamed_field(message)}")
+    else:
+        event("LLM accepted")
+        assert all(out.finished and out.outputs for out in outs)
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_llm_is_idle_and_correct_after_the_fuzz(tiny_llm: LLM, llm_canary_before) -> None:
+    """Runs after `test_llm_generate_and_chat_fuzz` (file order)."""
+    assert tiny_llm.page_allocator.num_free_pages == tiny_llm.page_allocator.num_usable_pages
+    assert tiny_llm.generate([[5, 17, 42, 9, 30]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+                             )[0].outputs[0].token_ids == llm_canary_before
