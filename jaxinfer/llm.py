@@ -93,18 +93,25 @@ class LLM:
           Exception: anything else a prompt's admission, a step or `on_output` raised, as it is. Whatever raised,
             the call's requests are aborted first: nothing of it stays queued.
         """
-        if prompts is None or isinstance(prompts, (bytes, int, float)):
+        single = isinstance(prompts, (str, dict, Prompt))
+        prompt_list = None
+        if single:
+            prompt_list = [prompts]
+        elif prompts is not None and not isinstance(prompts, (bytes, int, float)):
+            try:
+                prompt_list = list(prompts)
+            except TypeError:  # not iterable (an object, a numpy scalar or 0-d array)
+                pass
+        if prompt_list is None:
             raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; "
                              f"got {type(prompts).__name__}")
-        single = isinstance(prompts, (str, dict, Prompt))
         if isinstance(prompts, (bytearray, set, frozenset)):
             raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; got a "
                              f"{type(prompts).__name__}")
-        if not single and hasattr(prompts, "__len__") and len(prompts) and all(
-                isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompts):
+        if not single and prompt_list and all(
+                isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompt_list):
             raise ValueError("prompts is a sequence of ints, which would be read as that many prompts: for one "
                              "prompt of token ids pass [ids] or {'prompt_token_ids': ids}")
-        prompt_list = [prompts] if single else list(prompts)
         if not prompt_list:
             return []
         params = _params_list(sampling_params, len(prompt_list))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxinfer.request_limits import check_text, check_token_ids
+from jaxinfer.request_limits import check_text, check_token_ids, show
 
 
 PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")  # vLLM's names; any other key is refused
@@ -21,7 +21,7 @@ PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")  # vLLM's names;
 def check_cache_salt(cache_salt: object) -> None:
     """Raises ValueError unless `cache_salt` is None or a non-empty string of valid Unicode text."""
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty string or None")
+        raise ValueError(f"cache_salt={show(cache_salt)} must be a non-empty string or None")
     if cache_salt is not None:
         check_text("cache_salt", cache_salt)
 

@@ -35,6 +35,16 @@ SUPPRESS_WIDTH = 64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+def show(value: object, limit: int = 80) -> str:
+    """`repr(value)` for an error message, cut to about `limit` characters; an int too long for `repr` (over
+    4,300 digits) is shown by its size instead of raising."""
+    try:
+        text = repr(value)
+    except ValueError:  # int -> str conversion limit
+        return f"<an int of {value.bit_length()} bits>" if isinstance(value, int) else f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check_text(name: str, value: object) -> str:
     """Returns `value` if it is a string that encodes to UTF-8 (no lone surrogate), else raises.
 
@@ -75,12 +85,12 @@ def check_token_ids(name: str, ids: object, vocab_size: int | None = None) -> tu
         raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
     wrong = [t for t in ids if not _is_id(t)]
     if wrong:
-        raise ValueError(f"{name} must hold integer token ids; got {wrong[0]!r} ({type(wrong[0]).__name__})")
+        raise ValueError(f"{name} must hold integer token ids; got {show(wrong[0])} ({type(wrong[0]).__name__})")
     out = tuple(int(t) for t in ids)
     bad = [t for t in out if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
         where = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"
-        raise ValueError(f"{name} contains ids outside {where}: {bad[:5]}")
+        raise ValueError(f"{name} contains ids outside {where}: [{", ".join(map(show, bad[:5]))}]")
     return out
 
 
@@ -109,7 +119,7 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
         if not isinstance(m, dict):
             raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
         if m.get("role") not in CHAT_ROLES:
-            raise ValueError(f"{name}[{i}].role={m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}")
+            raise ValueError(f"{name}[{i}].role={show(m.get('role'))} is not one of {', '.join(CHAT_ROLES)}")
         check_text(f"{name}[{i}].content", m.get("content"))
     if add_generation_prompt and messages[-1]["role"] == "assistant":
         raise ValueError(f"{name}: the last message is the assistant's; continuing a message is not supported (end "

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                     MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, check_text, check_token_ids)
+                                     MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, check_text, check_token_ids, show)
 
 __all__ = ["MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams"]
 
@@ -18,7 +18,8 @@ def _is_int(x: object) -> bool:
 
 
 def _is_finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    # An int is finite however large (math.isfinite would overflow converting it to a float).
+    return isinstance(x, int) and not isinstance(x, bool) or isinstance(x, float) and math.isfinite(x)
 
 
 _NUMERIC_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -97,37 +98,39 @@ class SamplingParams:
         presence_penalty, frequency_penalty = self.presence_penalty, self.frequency_penalty
         max_tokens, min_tokens, seed, logprobs = self.max_tokens, self.min_tokens, self.seed, self.logprobs
         if not _is_int(n) or not 1 <= n <= MAX_N:
-            raise ValueError(f"{n=} must be an integer in [1, {MAX_N}]")
+            raise ValueError(f"n={show(n)} must be an integer in [1, {MAX_N}]")
         if not _is_finite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"{temperature=} must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
+            raise ValueError(f"temperature={show(temperature)} must be a finite number in [0, {MAX_TEMPERATURE:g}] "
+                             "(0 means greedy)")
         if not _is_int(top_k) or top_k < -1:
-            raise ValueError(f"{top_k=} must be an integer >= 1, or 0 / -1 to disable")
+            raise ValueError(f"top_k={show(top_k)} must be an integer >= 1, or 0 / -1 to disable")
         if not _is_finite(top_p) or not 0 < top_p <= 1:
-            raise ValueError(f"{top_p=} must be in (0, 1]")
+            raise ValueError(f"top_p={show(top_p)} must be in (0, 1]")
         if not _is_finite(min_p) or not 0 <= min_p <= 1:
-            raise ValueError(f"{min_p=} must be in [0, 1]")
+            raise ValueError(f"min_p={show(min_p)} must be in [0, 1]")
         if not _is_finite(repetition_penalty) or repetition_penalty <= 0:
-            raise ValueError(f"{repetition_penalty=} must be a finite number > 0 (1 disables)")
+            raise ValueError(f"repetition_penalty={show(repetition_penalty)} must be a finite number > 0 "
+                             "(1 disables)")
         if not _is_finite(presence_penalty) or not -2 <= presence_penalty <= 2:
-            raise ValueError(f"{presence_penalty=} must be in [-2, 2]")
+            raise ValueError(f"presence_penalty={show(presence_penalty)} must be in [-2, 2]")
         if not _is_finite(frequency_penalty) or not -2 <= frequency_penalty <= 2:
-            raise ValueError(f"{frequency_penalty=} must be in [-2, 2]")
+            raise ValueError(f"frequency_penalty={show(frequency_penalty)} must be in [-2, 2]")
         if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-            raise ValueError(f"{max_tokens=} must be an integer >= 1 (and the prompt plus max_tokens must fit the "
-                             "context)")
+            raise ValueError(f"max_tokens={show(max_tokens)} must be an integer >= 1 (and the prompt plus "
+                             "max_tokens must fit the context)")
         if not _is_int(min_tokens) or min_tokens < 0:
-            raise ValueError(f"{min_tokens=} must be an integer >= 0" +
+            raise ValueError(f"min_tokens={show(min_tokens)} must be an integer >= 0" +
                              ("" if max_tokens is None else f" and <= max_tokens={max_tokens}"))
         if max_tokens is not None and min_tokens > max_tokens:
-            raise ValueError(f"{min_tokens=} must be an integer in [0, {max_tokens=}]")
+            raise ValueError(f"min_tokens={show(min_tokens)} must be an integer in [0, max_tokens={show(max_tokens)}]")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
-            raise ValueError(f"{seed=} must be an integer in [0, 2**32)")
+            raise ValueError(f"seed={show(seed)} must be an integer in [0, 2**32)")
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"{logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}]")
+            raise ValueError(f"logprobs={show(logprobs)} must be None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"{name}={value!r} must be True or False")
+                raise ValueError(f"{name}={show(value)} must be True or False")
             object.__setattr__(self, name, bool(value))
         object.__setattr__(self, "stop", self._checked_stop())
         stop_ids = () if self.stop_token_ids is None else check_token_ids("stop_token_ids", self.stop_token_ids)
@@ -138,7 +141,7 @@ class SamplingParams:
     def _checked_stop(self) -> tuple[str, ...]:
         stop = self.stop
         if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise ValueError(f"stop={stop!r} must be a string or a list of strings")
+            raise ValueError(f"stop={show(stop)} must be a string or a list of strings")
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         if len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(stop)} strings; the limit is {MAX_STOP_STRINGS}")

@@ -43,7 +43,7 @@ from jaxinfer.engine.step_results import StepResult, VerifyResult
 from jaxinfer.engine.warmup import warmup
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.prompt import Prompt, make_prompt
-from jaxinfer.request_limits import check_against_model, check_text
+from jaxinfer.request_limits import check_against_model, check_text, show
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.scheduler.chunk import ScheduledChunk
@@ -170,11 +170,11 @@ class Engine:
             while request_id in self._requests:
                 request_id = f"req-{next(self._auto_request_ids)}"
         elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+            raise ValueError(f"request_id={show(request_id)} must be a non-empty string")
         else:
             check_text("request_id", request_id)
         if request_id in self._requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
+            raise ValueError(f"request_id={show(request_id)} is already in use")
         prompt = self.make_prompt(prompt, cache_salt)
         text, ids, cache_salt = prompt.text, list(prompt.token_ids), prompt.cache_salt
         check_against_model(params, len(ids), self.model_config.vocab_size, self.tokenizer.eos_ids,
