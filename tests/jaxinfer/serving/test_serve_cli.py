@@ -69,7 +69,9 @@ def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_an
             try:
                 stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
             except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                # UNAVAILABLE once the server refuses calls; a probe caught in flight by grpc's own stop is
+                # CANCELLED by grpc (seen 1 run in 5)
+                assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e
                 break
             assert time.monotonic() < t_signal + GRACE_S
             time.sleep(0.02)
