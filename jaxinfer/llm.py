@@ -93,25 +93,7 @@ class LLM:
           Exception: anything else a prompt's admission, a step or `on_output` raised, as it is. Whatever raised,
             the call's requests are aborted first: nothing of it stays queued.
         """
-        single = isinstance(prompts, (str, dict, Prompt))
-        prompt_list = None
-        if single:
-            prompt_list = [prompts]
-        elif prompts is not None and not isinstance(prompts, (bytes, int, float)):
-            try:
-                prompt_list = list(prompts)
-            except TypeError:  # not iterable (an object, a numpy scalar or 0-d array)
-                pass
-        if prompt_list is None:
-            raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; "
-                             f"got {type(prompts).__name__}")
-        if isinstance(prompts, (bytearray, set, frozenset)):
-            raise ValueError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list of those; got a "
-                             f"{type(prompts).__name__}")
-        if not single and prompt_list and all(
-                isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompt_list):
-            raise ValueError("prompts is a sequence of ints, which would be read as that many prompts: for one "
-                             "prompt of token ids pass [ids] or {'prompt_token_ids': ids}")
+        prompt_list = _prompt_list(prompts)
         if not prompt_list:
             return []
         params = _params_list(sampling_params, len(prompt_list))
@@ -186,6 +168,30 @@ class LLM:
             prompts.append(Prompt(tuple(ids), text=self.tokenizer.decode(ids, skip_special_tokens=False)))
         return self.generate(prompts, sampling_params, on_output=on_output)
 
+
+
+def _prompt_list(prompts) -> list:
+    """`generate`'s prompts as a list: one prompt (str, dict, `Prompt`) or an iterable of them.
+
+    Raises:
+      ValueError: None, bytes, a number, an unordered set or bytearray, something not iterable, or a flat
+        sequence of ints (it would be read as that many prompts: one prompt of ids is `[ids]`).
+    """
+    if isinstance(prompts, (str, dict, Prompt)):
+        return [prompts]
+    what = "prompts must be a string, a dict with 'prompt_token_ids', or a list of those"
+    if isinstance(prompts, (bytearray, set, frozenset)):
+        raise ValueError(f"{what}; got a {type(prompts).__name__}")
+    try:
+        if prompts is None or isinstance(prompts, (bytes, int, float)):
+            raise TypeError
+        items = list(prompts)
+    except TypeError:  # not iterable (an object, a numpy scalar or 0-d array)
+        raise ValueError(f"{what}; got {type(prompts).__name__}") from None
+    if items and all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in items):
+        raise ValueError("prompts is a sequence of ints, which would be read as that many prompts: for one "
+                         "prompt of token ids pass [ids] or {'prompt_token_ids': ids}")
+    return items
 
 def _params_list(sampling_params: object, num_prompts: int) -> list[SamplingParams]:
     """One `SamplingParams` per prompt, from None (the defaults), one for all, or a list of one per prompt.
