@@ -2,7 +2,8 @@
 
 Deltas never end in half a UTF-8 character; `"".join(deltas) + flush()` equals
 `Tokenizer.decode(ids)` of the generated ids (but for a character begun by the prompt's last
-tokens, which the deltas carry whole: `IncrementalDetokenizer`'s `prompt_ids`). With a `tokenizers` backend each step runs through
+tokens, which the deltas carry whole: `IncrementalDetokenizer`'s `prompt_ids`). With a
+`tokenizers` backend each step runs through
 `tokenizers.decoders.DecodeStream` (the same window algorithm, in Rust); with a SentencePiece
 backend, or where `DecodeStream` cannot follow the window (see `IncrementalDetokenizer`), the
 window is decoded here in Python. Both give the same text
