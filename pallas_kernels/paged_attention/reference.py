@@ -36,6 +36,7 @@ from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, kv_
 
 BLOCK_KV_TOKENS = 128  # keys per KV block of the online softmax (whole pages; fewer when the page table is narrow)
 BLOCK_Q = 128  # query rows per tile: a tile skips the KV blocks past its last row's causal end
+SPLIT_MIN_Q_LEN = 16  # from this max_q_len on, sequences with several new tokens are attended one at a time
 
 
 def check_paged_args(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
@@ -197,7 +198,11 @@ def paged_attention_reference(
     tiles of `block_q`, keys in blocks of whole pages (`block_kv_tokens`), and each tile loops (`fori_loop` with
     traced bounds, `pallas_kernels.ragged.kv_block_range`) only over the KV blocks some sequence's rows of the tile
     can see. A decode step therefore reads the real context of its longest sequence, not the padded page-table
-    width, and a prefill skips the fully masked blocks above the causal diagonal.
+    width, and a prefill skips the fully masked blocks above the causal diagonal. Below `SPLIT_MIN_Q_LEN`
+    (decodes, verify windows) all sequences' query rows run in one batched pass. From it on (a step with prefill
+    chunks), every sequence's first new row runs in a batched pass, then each sequence with more rows runs alone
+    (a loop with a traced trip count). Otherwise the decodes of a mixed step would pad to the longest chunk:
+    31 decodes beside a 481-token chunk computed 32 x 512 query rows for 512 real ones (30x slower per layer on CPU).
 
     Sequence b owns flat query rows `cu_q_lens[b] : cu_q_lens[b+1]` (its `q_len` newest tokens) and attends over
     its first `kv_lens[b]` cached positions (which already include those new tokens); query j of b sits at position
@@ -243,60 +248,93 @@ def paged_attention_reference(
 
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [B]
     context_start = kv_lens - q_lens  # [B], position of each sequence's first new token
-    q_seq = queries_by_sequence(q, cu_q_lens, max_q_len)  # [B, Tq, N, H]
-    # Query rows ordered (t, g) inside each kv head: the score dots then come out as [B, K, Tq, G, S] with no
-    # transposing copy of the f32 scores (with (g, t) XLA:CPU copied them in every layer).
-    q_seq = q_seq.reshape(num_seqs, max_q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
 
-    def gather(pages: jax.Array, block: jax.Array) -> jax.Array:
-        """KV block `block` of every sequence: [B, K, block_kv, H] (or scales [B, K, block_kv])."""
-        ids = jax.lax.dynamic_slice_in_dim(page_table, block * pages_per_block, pages_per_block, axis=1)
-        ctx = pages[ids] if layer is None else pages[layer, ids]  # [B, pages_per_block, K, page_size, ...]
-        ctx = jnp.moveaxis(ctx, 2, 1)  # [B, K, pages_per_block, page_size, ...]
-        return ctx.reshape(num_seqs, num_kv_heads, block_kv, *ctx.shape[4:])
+    def attend(q_sub: jax.Array, sub: jax.Array | None, tile_rows: int) -> jax.Array:
+        """Attention of sequences `sub` (all when None), queries [b, K, Tq, G, H] (rows (t, g) inside each kv head:
+        the score dots then come out as [b, K, Tq, G, S] with no transposing copy of the f32 scores) in tiles of
+        `tile_rows`; returns f32 [b, K, Tq, G, H]."""
+        pick = (lambda x: x) if sub is None else (lambda x: x[sub])
+        table, lens, q_len, start = pick(page_table), pick(kv_lens), pick(q_lens), pick(context_start)
+        b, tq_all = q_sub.shape[0], q_sub.shape[2]
 
-    def attend_block(q_blk: jax.Array, q_pos: jax.Array, block: jax.Array, carry: tuple) -> tuple:
-        """Online-softmax update (`pallas_kernels.online_softmax`) of one query tile [B, K, tq, G, H] with
-        KV block `block`; carry (m, l, acc) is f32 [B, K, tq, G, 1], [..., 1], [..., H]."""
-        m_prev, l_prev, acc_prev = carry
-        k_ctx, v_ctx = gather(k_pages, block), gather(v_pages, block)
-        if k_scale is not None:  # int8 / fp8 values take part in the dots in q's dtype (exactly: <= 8 bits)
-            k_ctx, v_ctx = load_values(k_ctx, q.dtype), load_values(v_ctx, q.dtype)
-        s = jnp.einsum("bktgh,bksh->bktgs", q_blk, k_ctx, preferred_element_type=jnp.float32)
-        if k_scale is not None:
-            s = s * gather(k_scale, block)[:, :, None, None, :]  # q . (k_int * k_scale)
-        s = soft_cap_scores(s * sm_scale, soft_cap)
-        kv_pos = block * block_kv + jnp.arange(block_kv)
-        mask = visible(q_pos[:, :, None], kv_pos[None, None, :], kv_lens[:, None, None], sliding_window)
-        s = jnp.where(mask[:, None, :, None, :], s, DEFAULT_MASK_VALUE)  # [B, K, tq, G, S]
-        m = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        p = jnp.exp(s - m)
-        alpha = jnp.exp(m_prev - m)
-        l = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
-        if v_scale is not None:
-            p = p * gather(v_scale, block)[:, :, None, None, :]  # sum_s p_s v_scale_s v_int_s
-        pv = jnp.einsum("bktgs,bksh->bktgh", p.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
-        return m, l, alpha * acc_prev + pv
+        def gather(pages: jax.Array, block: jax.Array) -> jax.Array:
+            """KV block `block` of every sequence: [b, K, block_kv, H] (or scales [b, K, block_kv])."""
+            ids = jax.lax.dynamic_slice_in_dim(table, block * pages_per_block, pages_per_block, axis=1)
+            ctx = pages[ids] if layer is None else pages[layer, ids]  # [b, pages_per_block, K, page_size, ...]
+            ctx = jnp.moveaxis(ctx, 2, 1)  # [b, K, pages_per_block, page_size, ...]
+            return ctx.reshape(b, num_kv_heads, block_kv, *ctx.shape[4:])
 
-    outs = []
-    for first_t in range(0, max_q_len, block_q):  # query tiles; each visits only the KV blocks it can see
-        tq = min(block_q, max_q_len - first_t)
-        q_pos = context_start[:, None] + first_t + jnp.arange(tq)[None, :]  # [B, tq]
-        lo, hi, _ = jax.vmap(functools.partial(kv_block_range, first_t=first_t, block_q=tq, block_kv=block_kv,
-                                               split=0, num_splits=1, sliding_window=sliding_window))(
-            q_len=q_lens, kv_len=kv_lens)
-        rows = (num_seqs, num_kv_heads, tq, group)
-        carry = (jnp.full((*rows, 1), DEFAULT_MASK_VALUE, jnp.float32), jnp.zeros((*rows, 1), jnp.float32),
-                 jnp.zeros((*rows, head_dim), jnp.float32))
-        has_rows = hi > lo  # sequences with a real query in this tile
-        first_block = jnp.min(jnp.where(has_rows, lo, width // pages_per_block))
-        last_block = jnp.max(jnp.where(has_rows, hi, 0))
-        q_blk = q_seq[:, :, first_t : first_t + tq]
-        m, l, acc = jax.lax.fori_loop(first_block, last_block,
-                                      lambda j, c, q_blk=q_blk, q_pos=q_pos: attend_block(q_blk, q_pos, j, c),
-                                      carry)
-        outs.append(acc / jnp.where(l > 0, l, 1.0))
-    out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]  # [B, K, Tq, G, H]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(num_seqs, max_q_len, num_heads, head_dim)  # [B, Tq, N, H]
+        def attend_block(q_blk: jax.Array, q_pos: jax.Array, block: jax.Array, carry: tuple) -> tuple:
+            """Online-softmax update (`pallas_kernels.online_softmax`) of one query tile [b, K, tq, G, H] with
+            KV block `block`; carry (m, l, acc) is f32 [b, K, tq, G, 1], [..., 1], [..., H]."""
+            m_prev, l_prev, acc_prev = carry
+            k_ctx, v_ctx = gather(k_pages, block), gather(v_pages, block)
+            if k_scale is not None:  # int8 / fp8 values take part in the dots in q's dtype (exactly: <= 8 bits)
+                k_ctx, v_ctx = load_values(k_ctx, q.dtype), load_values(v_ctx, q.dtype)
+            s = jnp.einsum("bktgh,bksh->bktgs", q_blk, k_ctx, preferred_element_type=jnp.float32)
+            if k_scale is not None:
+                s = s * gather(k_scale, block)[:, :, None, None, :]  # q . (k_int * k_scale)
+            s = soft_cap_scores(s * sm_scale, soft_cap)
+            kv_pos = block * block_kv + jnp.arange(block_kv)
+            mask = visible(q_pos[:, :, None], kv_pos[None, None, :], lens[:, None, None], sliding_window)
+            s = jnp.where(mask[:, None, :, None, :], s, DEFAULT_MASK_VALUE)  # [b, K, tq, G, S]
+            m = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+            p = jnp.exp(s - m)
+            alpha = jnp.exp(m_prev - m)
+            l = alpha * l_prev + jnp.sum(p, axis=-1, keepdims=True)
+            if v_scale is not None:
+                p = p * gather(v_scale, block)[:, :, None, None, :]  # sum_s p_s v_scale_s v_int_s
+            pv = jnp.einsum("bktgs,bksh->bktgh", p.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+            return m, l, alpha * acc_prev + pv
 
-    return rows_from_sequences(out, cu_q_lens, num_tokens).astype(q.dtype)
+        outs = []
+        for first_t in range(0, tq_all, tile_rows):  # query tiles; each visits only the KV blocks it can see
+            tq = min(tile_rows, tq_all - first_t)
+            q_pos = start[:, None] + first_t + jnp.arange(tq)[None, :]  # [b, tq]
+            lo, hi, _ = jax.vmap(functools.partial(kv_block_range, first_t=first_t, block_q=tq, block_kv=block_kv,
+                                                   split=0, num_splits=1, sliding_window=sliding_window))(
+                q_len=q_len, kv_len=lens)
+            rows = (b, num_kv_heads, tq, group)
+            carry = (jnp.full((*rows, 1), DEFAULT_MASK_VALUE, jnp.float32), jnp.zeros((*rows, 1), jnp.float32),
+                     jnp.zeros((*rows, head_dim), jnp.float32))
+            has_rows = hi > lo  # sequences with a real query in this tile
+            first_block = jnp.min(jnp.where(has_rows, lo, width // pages_per_block))
+            last_block = jnp.max(jnp.where(has_rows, hi, 0))
+            q_blk = q_sub[:, :, first_t : first_t + tq]
+            m, l, acc = jax.lax.fori_loop(first_block, last_block,
+                                          lambda j, c, q_blk=q_blk, q_pos=q_pos: attend_block(q_blk, q_pos, j, c),
+                                          carry)
+            outs.append(acc / jnp.where(l > 0, l, 1.0))
+        return jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+
+    def by_kv_head(x: jax.Array) -> jax.Array:  # [b, Tq, N, H] -> [b, K, Tq, G, H]
+        return x.reshape(x.shape[0], x.shape[1], num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+
+    def by_head(x: jax.Array) -> jax.Array:  # [b, K, Tq, G, H] -> [b, Tq, N, H]
+        return x.transpose(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], num_heads, head_dim)
+
+    if max_q_len < SPLIT_MIN_Q_LEN:  # decodes, verify windows: every sequence's rows in one batched pass
+        out = by_head(attend(by_kv_head(queries_by_sequence(q, cu_q_lens, max_q_len)), None, block_q))
+        return rows_from_sequences(out, cu_q_lens, num_tokens).astype(q.dtype)
+
+    # A step with prefill chunks: a batched pass over every sequence's first new token (all of a decode's), then
+    # each sequence with more rows on its own (a loop with a traced trip count), so a decode's single row never
+    # pads to the longest chunk: B x max_q_len query rows would cost up to B times the real ones.
+    first_row = jnp.where(q_lens > 0, cu_q_lens[:-1], num_tokens)  # padding sequences: dropped by the scatter
+    first = by_head(attend(by_kv_head(q[jnp.minimum(first_row, num_tokens - 1)][:, None]), None, 1))[:, 0]
+    out = jnp.zeros((num_tokens + max_q_len, num_heads, head_dim), jnp.float32).at[first_row].set(first, mode="drop")
+    q_rows = jnp.pad(q, ((0, max_q_len), (0, 0), (0, 0)))  # a chunk's window of max_q_len rows stays in bounds
+    chunked = q_lens > 1
+    chunk_seqs = jnp.nonzero(chunked, size=num_seqs, fill_value=0)[0]
+
+    def one_chunk(i: jax.Array, out: jax.Array) -> jax.Array:
+        seq = chunk_seqs[i]
+        begin = cu_q_lens[seq]
+        rows = jax.lax.dynamic_slice_in_dim(q_rows, begin, max_q_len)  # [Tq, N, H]; rows past q_len: ignored
+        res = by_head(attend(by_kv_head(rows[None]), seq[None], block_q))[0]
+        keep = (jnp.arange(max_q_len) < q_lens[seq])[:, None, None]
+        old = jax.lax.dynamic_slice_in_dim(out, begin, max_q_len)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, res, old), begin, axis=0)
+
+    out = jax.lax.fori_loop(0, jnp.sum(chunked), one_chunk, out)
+    return out[:num_tokens].astype(q.dtype)

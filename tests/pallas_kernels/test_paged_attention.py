@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import paged_attention_reference, write_kv
+from pallas_kernels.paged_attention.reference import SPLIT_MIN_Q_LEN
 
 LN3 = math.log(3.0)
 
@@ -141,9 +142,15 @@ def _ragged_case(group: int, seed: int):
     return q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, (qs, ks, vs), num_tokens
 
 
+# Below SPLIT_MIN_Q_LEN every sequence's query rows run in one batched pass; from it on (a step with prefill
+# chunks) the first rows run batched and each sequence with more rows runs on its own.
+MAX_Q_LENS = [8, SPLIT_MIN_Q_LEN]
+
+
+@pytest.mark.parametrize("max_q_len", MAX_Q_LENS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("group", [1, 2, 3])
-def test_matches_dense_causal_attention_on_ragged_batch(group, dtype):
+def test_matches_dense_causal_attention_on_ragged_batch(group, dtype, max_q_len):
     q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, (qs, ks, vs), num_tokens = _ragged_case(group, seed=group)
     sm_scale = HEAD_DIM**-0.5
     if dtype == "bfloat16":
@@ -158,7 +165,7 @@ def test_matches_dense_causal_attention_on_ragged_batch(group, dtype):
         tol = dict(rtol=2e-2, atol=3e-2)
     else:
         tol = dict(rtol=1e-5, atol=1e-5)
-    max_q_len = 8  # static bound above the longest run (5): the kernel must mask the extra query slots
+    # max_q_len is a static bound above the longest run (5): the kernel must mask the extra query slots
     out = _attend(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q_len=max_q_len, sm_scale=sm_scale)
     assert out.shape == q.shape
     for b in range(len(SEQS)):
@@ -174,11 +181,13 @@ BLOCKINGS = [dict(block_q=1, block_kv_tokens=PAGE_SIZE), dict(block_q=3, block_k
              dict(block_q=2, block_kv_tokens=2 * PAGE_SIZE)]
 
 
+@pytest.mark.parametrize("max_q_len", MAX_Q_LENS)
 @pytest.mark.parametrize("blocks", BLOCKINGS, ids=lambda b: f"q{b['block_q']}-kv{b['block_kv_tokens']}")
-def test_blocked_online_softmax_matches_dense_attention(blocks):
+def test_blocked_online_softmax_matches_dense_attention(blocks, max_q_len):
     q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, (qs, ks, vs), num_tokens = _ragged_case(3, seed=11)
     sm_scale = HEAD_DIM**-0.5
-    out = _attend(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q_len=8, sm_scale=sm_scale, **blocks)
+    out = _attend(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q_len=max_q_len, sm_scale=sm_scale,
+                  **blocks)
     for b in range(len(SEQS)):
         np.testing.assert_allclose(out[cu_q_lens[b]: cu_q_lens[b + 1]], _dense_attention(qs[b], ks[b], vs[b], sm_scale),
                                    rtol=1e-5, atol=1e-5, err_msg=f"sequence {b} (q_len, ctx) = {SEQS[b]}")
@@ -191,9 +200,11 @@ def test_blocking_leaves_window_and_soft_cap_unchanged(blocks):
     q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, _, _ = _ragged_case(2, seed=12)
     args = (jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(kv_lens),
             jnp.asarray(page_table), jnp.asarray(cu_q_lens))
-    kw = dict(max_q_len=8, sm_scale=HEAD_DIM**-0.5, sliding_window=3, soft_cap=2.0)
-    one_block = paged_attention_reference(*args, **kw, block_q=8, block_kv_tokens=MAX_PAGES * PAGE_SIZE)
-    np.testing.assert_allclose(paged_attention_reference(*args, **kw, **blocks), one_block, rtol=1e-5, atol=1e-5)
+    kw = dict(sm_scale=HEAD_DIM**-0.5, sliding_window=3, soft_cap=2.0)
+    one_block = paged_attention_reference(*args, **kw, max_q_len=8, block_q=8, block_kv_tokens=MAX_PAGES * PAGE_SIZE)
+    for max_q_len in MAX_Q_LENS:  # the batched and the per-sequence passes agree
+        np.testing.assert_allclose(paged_attention_reference(*args, **kw, max_q_len=max_q_len, **blocks), one_block,
+                                   rtol=1e-5, atol=1e-5, err_msg=f"{max_q_len=}")
 
 
 def test_stacked_cache_equals_single_layer():
