@@ -36,7 +36,10 @@ from pallas_kernels.ragged import (DEFAULT_MASK_VALUE, check_window_and_cap, kv_
 
 BLOCK_KV_TOKENS = 128  # keys per KV block of the online softmax (whole pages; fewer when the page table is narrow)
 BLOCK_Q = 128  # query rows per tile: a tile skips the KV blocks past its last row's causal end
-SPLIT_MIN_Q_LEN = 16  # from this max_q_len on, sequences with several new tokens are attended one at a time
+# Sequences with several new tokens are attended one at a time when max_q_len >= SPLIT_MIN_Q_LEN and the batched
+# pass would compute at least SPLIT_MIN_WASTE times the rows a step can hold (B x max_q_len vs T).
+SPLIT_MIN_Q_LEN = 16
+SPLIT_MIN_WASTE = 2
 
 
 def check_paged_args(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
@@ -198,11 +201,12 @@ def paged_attention_reference(
     tiles of `block_q`, keys in blocks of whole pages (`block_kv_tokens`), and each tile loops (`fori_loop` with
     traced bounds, `pallas_kernels.ragged.kv_block_range`) only over the KV blocks some sequence's rows of the tile
     can see. A decode step therefore reads the real context of its longest sequence, not the padded page-table
-    width, and a prefill skips the fully masked blocks above the causal diagonal. Below `SPLIT_MIN_Q_LEN`
-    (decodes, verify windows) all sequences' query rows run in one batched pass. From it on (a step with prefill
-    chunks), every sequence's first new row runs in a batched pass, then each sequence with more rows runs alone
-    (a loop with a traced trip count). Otherwise the decodes of a mixed step would pad to the longest chunk:
-    31 decodes beside a 481-token chunk computed 32 x 512 query rows for 512 real ones (30x slower per layer on CPU).
+    width, and a prefill skips the fully masked blocks above the causal diagonal. Decodes, verify windows and
+    batches whose B x max_q_len query slots are not much more than T run all sequences' rows in one batched pass.
+    Otherwise (a long chunk beside short ones: `SPLIT_MIN_Q_LEN`, `SPLIT_MIN_WASTE`) every sequence's first new row
+    runs in a batched pass, then each sequence with more rows runs alone (a loop with a traced trip count), so short
+    ones do not pad to the longest: 31 decodes beside a 481-token chunk took 32 x 512 query slots for 512 real rows
+    (30x slower a layer on CPU), a 422-token chunk beside two new prompts of 50 and 38 tokens 3.4x.
 
     Sequence b owns flat query rows `cu_q_lens[b] : cu_q_lens[b+1]` (its `q_len` newest tokens) and attends over
     its first `kv_lens[b]` cached positions (which already include those new tokens); query j of b sits at position
@@ -313,7 +317,8 @@ def paged_attention_reference(
     def by_head(x: jax.Array) -> jax.Array:  # [b, K, Tq, G, H] -> [b, Tq, N, H]
         return x.transpose(0, 2, 1, 3, 4).reshape(x.shape[0], x.shape[2], num_heads, head_dim)
 
-    if max_q_len < SPLIT_MIN_Q_LEN:  # decodes, verify windows: every sequence's rows in one batched pass
+    if max_q_len < SPLIT_MIN_Q_LEN or num_seqs * max_q_len < SPLIT_MIN_WASTE * num_tokens:
+        # Decodes, verify windows, and batches of chunks of similar length: every sequence's rows in one pass.
         out = by_head(attend(by_kv_head(queries_by_sequence(q, cu_q_lens, max_q_len)), None, block_q))
         return rows_from_sequences(out, cu_q_lens, num_tokens).astype(q.dtype)
 

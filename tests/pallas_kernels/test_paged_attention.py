@@ -144,7 +144,7 @@ def _ragged_case(group: int, seed: int):
 
 # Below SPLIT_MIN_Q_LEN every sequence's query rows run in one batched pass; from it on (a step with prefill
 # chunks) the first rows run batched and each sequence with more rows runs on its own.
-MAX_Q_LENS = [8, SPLIT_MIN_Q_LEN]
+MAX_Q_LENS = [8, SPLIT_MIN_Q_LEN]  # 8 sequences x 16 slots >= SPLIT_MIN_WASTE x 25 rows: split
 
 
 @pytest.mark.parametrize("max_q_len", MAX_Q_LENS)
