@@ -223,9 +223,13 @@ def num_kv_pages(config: EngineConfig, page_bytes: int, max_model_len: int) -> i
         free memory (`free_memory_bytes`).
     """
     budget = config.kv_cache_memory_bytes or default_kv_budget()
-    check_page_fits(config, budget, page_bytes)
     max_useful_pages = config.max_num_seqs * -(-max_model_len // config.page_size)
     num_pages = multihost.agree(min(int(budget) // page_bytes, max_useful_pages) + 1)  # same on every host
+    if num_pages < 2:
+        check_page_fits(config, budget, page_bytes)
+        raise ValueError(f"the leader process's KV cache budget is smaller than one KV page of page_size="
+                         f"{config.page_size} tokens ({page_bytes} bytes); lower page_size or raise "
+                         "kv_cache_memory_bytes")
     cache_bytes, free = (num_pages - 1) * page_bytes, free_memory_bytes()
     if config.kv_cache_memory_bytes is not None and free is not None and cache_bytes > free:
         raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} gives a KV cache of {num_pages - 1} "

@@ -67,6 +67,18 @@ def test_a_page_larger_than_the_budget_names_page_size_and_the_budget(tiny_dir, 
     assert message.endswith("; lower page_size or raise kv_cache_memory_bytes")
 
 
+@pytest.mark.parametrize("budget", [None, 1000])
+def test_the_page_count_after_the_load_names_page_size_and_the_budget_too(budget, monkeypatch):
+    """`num_kv_pages` checks again with the page bytes only the load tells (a draft model's cache, padded heads)."""
+    monkeypatch.setattr(startup, "default_kv_budget", lambda: 4096)
+    config = EngineConfig(page_size=8, kv_cache_memory_bytes=budget)
+    with pytest.raises(ValueError, match=r"is smaller than one KV page of page_size=8 tokens \(5000 bytes\); lower "
+                                         "page_size or raise kv_cache_memory_bytes"):
+        startup.num_kv_pages(config, page_bytes=5000, max_model_len=64)
+    pages = min((budget or 4096) // 500, config.max_num_seqs * 64 // 8) + 1  # budget // page bytes, + null page
+    assert startup.num_kv_pages(config, page_bytes=500, max_model_len=64) == pages
+
+
 def test_a_budget_beyond_the_memory_is_refused_before_it_is_allocated(tiny_dir):
     """Found by a hostile-user trial: a budget of 10**15 bytes (and room for a million sequences) reached the
     allocation and failed there with XLA's RESOURCE_EXHAUSTED."""
