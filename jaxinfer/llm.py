@@ -144,15 +144,17 @@ class LLM:
         """Generates replies to conversations rendered with the model's chat template.
 
         Args:
-          messages: one conversation (a list of `{"role", "content"}` dicts) or a list of conversations. Roles are
-            those the gRPC server takes (`jaxinfer.request_limits.CHAT_ROLES`); more keys reach the template.
+          messages: one conversation (a list of `{"role", "content"}` dicts, each with an optional `"name"`, as
+            OpenAI's) or a list of conversations. Roles are those the gRPC server takes
+            (`jaxinfer.request_limits.CHAT_ROLES`); any other key is refused.
           sampling_params, on_output: as in `generate`.
           add_generation_prompt: end the rendered prompt with the assistant turn's header; then the last message
             must not be the assistant's (continuing a message is not supported).
 
         Raises:
           ValueError: malformed messages, naming the message (`jaxinfer.request_limits.check_chat`: not a list, an
-            unknown role, content that is not text), or a template error, plus everything `generate` raises.
+            unknown key or role, content or name that is not text), or a template error, plus everything
+            `generate` raises.
         """
         if not isinstance(add_generation_prompt, bool):
             raise ValueError(f"add_generation_prompt={add_generation_prompt!r} must be True or False")

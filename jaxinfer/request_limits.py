@@ -4,7 +4,7 @@ apply the same limits with the same messages.
 
 1. Values a request carries are checked where they are built: `SamplingParams.__post_init__` (ranges, types,
    the counts below), `check_text` (strings must be valid Unicode), `check_token_ids` (int ids, numpy integers
-   included), `check_chat` (chat messages and roles).
+   included), `check_chat` (chat messages: their keys, roles and text).
 2. Values that depend on the model (vocabulary, EOS ids, context) are checked by `check_against_model` when
    `Engine.add_request` admits the request, before anything is queued.
 3. No request parameter picks a compiled shape: the sampler's banned-id array is always `SUPPRESS_WIDTH` wide
@@ -15,6 +15,7 @@ Every check raises `ValueError` naming the field (the gRPC server answers it wit
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,11 @@ MAX_TEMPERATURE = 1e4  # far past where sampling is uniform; larger values only 
 # serves every request. MAX_STOP_TOKEN_IDS stop ids plus up to 32 EOS ids fit.
 SUPPRESS_WIDTH = 64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_MESSAGE_KEYS = ("role", "content", "name")  # name: OpenAI's optional participant name, for the template
+# Keys of OpenAI chat messages that jaxinfer does not support, by what they are for (tool calling, audio output,
+# refusals): refused, naming what they are, rather than dropped.
+UNSUPPORTED_CHAT_KEYS = {"tool_calls": "tool calls", "tool_call_id": "tool calls", "function_call": "tool calls",
+                         "audio": "audio", "refusal": "refusals"}
 
 
 def show(value: object, limit: int = 80) -> str:
@@ -98,8 +104,8 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
     """A conversation's messages, checked: what `LLM.chat` and the gRPC `chat` input accept alike.
 
     Args:
-      messages: a non-empty list of dicts with a `role` in CHAT_ROLES and a string `content` (more keys are kept
-        for the chat template).
+      messages: a non-empty list of dicts with a `role` in CHAT_ROLES, a string `content` and optionally a
+        string `name` (OpenAI's participant name, kept for the chat template); no other key.
       add_generation_prompt: whether the prompt ends with the assistant's header; then the last message must not
         be the assistant's (continuing a message is not supported).
       name: the field, for messages (`chat.messages` on gRPC).
@@ -108,8 +114,10 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
       The messages as a list of dicts.
 
     Raises:
-      ValueError: naming the field and the message index: not a list, empty, a message that is not a dict, an
-        unknown role, content that is not valid text, or a last assistant message with the generation prompt on.
+      ValueError: naming the field and the message index: not a list, empty, a message that is not a dict, a key
+        other than CHAT_MESSAGE_KEYS (named, with the close key, or as an OpenAI key that is not supported), an
+        unknown role, content or name that is not valid text, or a last assistant message with the generation
+        prompt on.
     """
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"{name} must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
@@ -118,13 +126,30 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        _check_message_keys(m, f"{name}[{i}]")
         if m.get("role") not in CHAT_ROLES:
             raise ValueError(f"{name}[{i}].role={show(m.get('role'))} is not one of {', '.join(CHAT_ROLES)}")
         check_text(f"{name}[{i}].content", m.get("content"))
+        if "name" in m:
+            check_text(f"{name}[{i}].name", m["name"])
     if add_generation_prompt and messages[-1]["role"] == "assistant":
         raise ValueError(f"{name}: the last message is the assistant's; continuing a message is not supported (end "
                          "with a user message, or turn add_generation_prompt off)")
     return list(messages)
+
+
+def _check_message_keys(message: dict, name: str) -> None:
+    """Raises ValueError naming the first key of `message` that is not one of CHAT_MESSAGE_KEYS."""
+    for key in message:
+        if key in CHAT_MESSAGE_KEYS:
+            continue
+        keys = f"a message's keys are {', '.join(CHAT_MESSAGE_KEYS)}"
+        if key in UNSUPPORTED_CHAT_KEYS:
+            raise ValueError(f"{name} has the key {key!r}, an OpenAI message key jaxinfer does not support "
+                             f"({UNSUPPORTED_CHAT_KEYS[key]}); {keys}")
+        close = difflib.get_close_matches(key, CHAT_MESSAGE_KEYS, n=1) if isinstance(key, str) else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{name} has an unknown key {show(key)}{hint}; {keys}")
 
 
 def check_against_model(params: SamplingParams, num_prompt_tokens: int, vocab_size: int, eos_ids: Collection[int],

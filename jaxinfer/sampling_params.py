@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 
 import numpy as np
@@ -68,6 +69,8 @@ class SamplingParams:
     Raises:
       ValueError: on any out-of-range value (NaN and infinities included) or wrong type (a bool field given
         anything but True / False), naming the field and the value.
+      TypeError: an unknown keyword (Python's error for one), naming it with the closest field and listing the
+        fields; `dataclasses.replace` raises the same.
     """
 
     n: int = 1
@@ -87,6 +90,17 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
+        # Before the dataclass __init__, whose TypeError for an unknown keyword names neither the close field nor
+        # the valid ones.
+        unknown = [name for name in kwargs if name not in _FIELD_NAMES]
+        if unknown:
+            hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
+                name, _FIELD_NAMES, n=1)) else repr(name) for name in unknown]
+            raise TypeError(f"SamplingParams got unknown field(s) {', '.join(hints)}; the fields are "
+                            f"{', '.join(_FIELD_NAMES)}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         for name in _NUMERIC_FIELDS:  # numpy scalars are stored as the Python numbers they hold
@@ -161,3 +175,6 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """True when any of the repetition, presence or frequency penalties is active."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))

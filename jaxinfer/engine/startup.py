@@ -5,6 +5,7 @@ KV cache sizing: a page costs `models.llama.KVCache.bytes_per_page` (plus the sa
 of its own), per device on accelerators with a mesh; the budget is `EngineConfig.kv_cache_memory_bytes` or a share
 of memory (`default_kv_budget`); the cache gets budget // page bytes pages, at most what max_num_seqs sequences of
 max_model_len tokens can use, plus the null page, and every host of a multi-host run takes the leader's count.
+A page must fit the context (page_size <= max_model_len) and the budget; a given budget must fit the free memory.
 """
 
 from __future__ import annotations
@@ -159,6 +160,17 @@ def load_draft(config: EngineConfig, run_cfg: ModelConfig, weights: Weights, qcf
     return draft_lib.DraftModel(cfg=draft_cfg, weights=draft_weights, shares_target_cache=False)
 
 
+def free_memory_bytes() -> int | None:
+    """Memory a KV cache can take now, in bytes: available host memory on CPU, the first device's free memory (its
+    limit minus what is in use) on accelerators; None where the device reports no memory statistics."""
+    if jax.default_backend() == "cpu":
+        return psutil.virtual_memory().available
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return max(stats["bytes_limit"] - stats.get("bytes_in_use", 0), 0)
+
+
 def default_kv_budget() -> int:
     """The KV cache budget in bytes without `kv_cache_memory_bytes`: a share of host memory on CPU (multiples of
     64 MiB), of free device memory after the weights on accelerators."""
@@ -168,9 +180,28 @@ def default_kv_budget() -> int:
         mem = psutil.virtual_memory()
         budget = min(mem.total * DEFAULT_KV_CACHE_HOST_FRACTION, mem.available * 0.5)
         return max(int(budget) // (64 << 20) * (64 << 20), 64 << 20)
-    stats = jax.devices()[0].memory_stats() or {}
-    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    return int(max(free, 0) * DEFAULT_KV_CACHE_DEVICE_FRACTION)
+    return int((free_memory_bytes() or 0) * DEFAULT_KV_CACHE_DEVICE_FRACTION)
+
+
+def check_page_size(config: EngineConfig, max_model_len: int) -> None:
+    """Raises a ValueError naming page_size when one page holds more tokens than the context: a page holds one
+    sequence's tokens, so a larger page is memory no sequence can use."""
+    if config.page_size > max_model_len:
+        whose = "" if config.max_model_len is not None else ", the model's"
+        raise ValueError(f"page_size={config.page_size} is larger than the context, max_model_len={max_model_len} "
+                         f"tokens{whose}: a KV page holds tokens of one sequence, so it must fit the context; use a "
+                         f"page_size in [1, {max_model_len}] (the default is 16)")
+
+
+def check_page_fits(config: EngineConfig, budget: int, page_bytes: int) -> None:
+    """Raises a ValueError naming the budget (`kv_cache_memory_bytes`, or the default share of memory) and
+    page_size when the budget is smaller than one KV page of `page_bytes` bytes."""
+    if budget >= page_bytes:
+        return
+    what = f"kv_cache_memory_bytes={budget}" if config.kv_cache_memory_bytes is not None else \
+        f"the KV cache budget, {budget} bytes (kv_cache_memory_bytes unset: a share of free memory),"
+    raise ValueError(f"{what} is smaller than one KV page of page_size={config.page_size} tokens ({page_bytes} "
+                     "bytes); lower page_size or raise kv_cache_memory_bytes")
 
 
 def kv_page_bytes(config: EngineConfig, run_cfg: ModelConfig, draft: draft_lib.DraftModel | None, mesh) -> int:
@@ -188,13 +219,24 @@ def num_kv_pages(config: EngineConfig, page_bytes: int, max_model_len: int) -> i
     """Pages of the KV cache, the null page included, the same on every host.
 
     Raises:
-      ValueError: a budget smaller than one page.
+      ValueError: a budget smaller than one page, or a `kv_cache_memory_bytes` that gives a cache larger than the
+        free memory (`free_memory_bytes`).
     """
     budget = config.kv_cache_memory_bytes or default_kv_budget()
     max_useful_pages = config.max_num_seqs * -(-max_model_len // config.page_size)
     num_pages = multihost.agree(min(int(budget) // page_bytes, max_useful_pages) + 1)  # same on every host
     if num_pages < 2:
-        raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV page ({page_bytes} bytes)")
+        check_page_fits(config, budget, page_bytes)
+        raise ValueError(f"the leader process's KV cache budget is smaller than one KV page of page_size="
+                         f"{config.page_size} tokens ({page_bytes} bytes); lower page_size or raise "
+                         "kv_cache_memory_bytes")
+    cache_bytes, free = (num_pages - 1) * page_bytes, free_memory_bytes()
+    if config.kv_cache_memory_bytes is not None and free is not None and cache_bytes > free:
+        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} gives a KV cache of {num_pages - 1} "
+                         f"pages ({cache_bytes} bytes), more than the free memory ({free} bytes"
+                         f"{'' if jax.default_backend() == 'cpu' else ' on each device'}); lower kv_cache_memory_bytes "
+                         f"or max_num_seqs (the cache holds at most max_num_seqs={config.max_num_seqs} sequences of "
+                         f"max_model_len={max_model_len} tokens)")
     return num_pages
 
 
@@ -204,8 +246,8 @@ def check_before_load(config: EngineConfig) -> None:
     heads, a draft model's cache). A config that cannot be read here is left to the load to report.
 
     Raises:
-      ValueError: a max_model_len beyond the model's context, a self-draft's num_draft_layers out of range, or a
-        kv_cache_memory_bytes / nonzero kv_offload_bytes smaller than one KV page.
+      ValueError: a max_model_len beyond the model's context, a page_size beyond the context, a self-draft's
+        num_draft_layers out of range, or a KV budget / nonzero kv_offload_bytes smaller than one KV page.
     """
     try:
         cfg = read_model_config(config.model)
@@ -214,6 +256,7 @@ def check_before_load(config: EngineConfig) -> None:
         return
     if config.max_model_len is not None and not 1 <= config.max_model_len <= cfg.max_position_embeddings:
         raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
+    check_page_size(config, config.max_model_len or cfg.max_position_embeddings)
     spec = config.speculative_config
     if spec is not None and spec.method == "self_draft":
         draft_lib.self_draft_layers(cfg.num_layers, spec.num_draft_layers)
@@ -222,9 +265,7 @@ def check_before_load(config: EngineConfig) -> None:
                                                                                    DTYPES[config.dtype]))
     if config.tensor_parallel_size * config.expert_parallel_size > 1 and jax.default_backend() != "cpu":
         page_bytes //= config.tensor_parallel_size
-    if config.kv_cache_memory_bytes is not None and config.kv_cache_memory_bytes < page_bytes:
-        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} is smaller than one KV page "
-                         f"({page_bytes} bytes)")
+    check_page_fits(config, config.kv_cache_memory_bytes or default_kv_budget(), page_bytes)
     if 0 < config.kv_offload_bytes < page_bytes:
         raise ValueError(f"kv_offload_bytes={config.kv_offload_bytes} is smaller than one KV page ({page_bytes} "
                          "bytes)")
@@ -235,8 +276,8 @@ def start(config: EngineConfig) -> Started:
 
     Raises:
       ValueError: a draft model path that does not exist and the `check_before_load` checks (before the target
-        loads), from the model loader or `resolve_quantization`, a max_model_len beyond the model's context, or a
-        KV budget too small for one page.
+        loads), from the model loader or `resolve_quantization`, a max_model_len or page_size beyond the model's
+        context, a KV budget too small for one page, or a kv_cache_memory_bytes beyond the free memory.
     """
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model" and not Path(spec.model).exists():
@@ -258,6 +299,7 @@ def start(config: EngineConfig) -> Started:
     max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
     if not 1 <= max_model_len <= cfg.max_position_embeddings:
         raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
+    check_page_size(config, max_model_len)
     if not config.scan_layers:  # per-layer arrays before a self-draft shares them (one copy of the weights)
         weights = unstack_layers(weights)
     draft = load_draft(config, run_cfg, weights, qcfg, tokenizer.vocab_size)

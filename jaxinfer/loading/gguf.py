@@ -20,57 +20,143 @@ from models.llama import Weights
 
 _PERMUTED_GGUF_ARCHITECTURES = ("llama", "mistral")
 # GGUF value types (llama.cpp's gguf spec): struct formats of the scalars; 8 is a string, 9 an array.
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_VERSIONS = (2, 3)  # those the gguf package reads
+_GGUF_DEFAULT_ALIGNMENT = 32  # of the tensor data, unless general.alignment says otherwise
 _GGUF_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                           "tokenizer.ggml.token_type")
 _GGUF_LONG_ARRAY = 1024  # entries past which the header reader skips an array (tokens, merges, scores)
 
 
+class _EndOfFile(Exception):
+    """A read past the end of the file: it is truncated."""
+
+
+class _BadHeader(Exception):
+    """A GGUF header that does not parse: the message says where."""
+
+
+class _HeaderReader:
+    """Reads GGUF header values from `f` (a file of `size` bytes) in the byte order `order` ("<" or ">"); a read
+    past the end raises `_EndOfFile` before anything is allocated."""
+
+    def __init__(self, f, size: int) -> None:
+        self.f, self.size, self.order = f, size, "<"
+
+    def read(self, n: int) -> bytes:
+        if n > self.size - self.f.tell():
+            raise _EndOfFile
+        return self.f.read(n)
+
+    def unpack(self, fmt: str):
+        fmt = self.order + fmt
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def string(self) -> bytes:
+        return self.read(self.unpack("Q"))
+
+    def value(self, vtype: int):
+        """The next value; for an array, (its entries or None when skipped, its length)."""
+        if vtype == _GGUF_STRING:
+            return self.string().decode("utf-8", "replace")
+        if vtype not in _GGUF_SCALARS and vtype != _GGUF_ARRAY:
+            raise _BadHeader(f"value type {vtype} is not a GGUF type")
+        if vtype != _GGUF_ARRAY:
+            return self.unpack(_GGUF_SCALARS[vtype])
+        etype, count = self.unpack("I"), self.unpack("Q")
+        if etype in _GGUF_SCALARS and count > _GGUF_LONG_ARRAY:
+            skip = count * struct.calcsize(_GGUF_SCALARS[etype])
+            if skip > self.size - self.f.tell():
+                raise _EndOfFile
+            self.f.seek(skip, os.SEEK_CUR)
+            return None, count
+        items = [self.value(etype) for _ in range(count)]
+        return (items if count <= _GGUF_LONG_ARRAY else None), count
+
+
+def _tensor_end(name: str, dims: list[int], ggml_type: int, offset: int) -> int:
+    """Where the data of a tensor at `offset` (from the start of the data section) ends, in bytes."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise _BadHeader(f"tensor {name!r} has the unknown GGML type {ggml_type}") from None
+    return offset + int(np.prod(dims, dtype=object)) // block * type_size
+
+
 def read_gguf_header(path: str | os.PathLike) -> dict:
     """The metadata key/values of a GGUF file read from its header alone (milliseconds; the `gguf` package's
-    reader parses every tokenizer array first). Arrays of more than _GGUF_LONG_ARRAY entries are left out, and
-    `tokenizer.ggml.tokens.count` is set, as in `gguf_metadata`.
+    reader parses every tokenizer array first), after checking that the file holds all the tensor data its
+    header lists. Arrays of more than _GGUF_LONG_ARRAY entries are left out, and `tokenizer.ggml.tokens.count`
+    is set, as in `gguf_metadata`.
 
     Raises:
-      ValueError: if the file is not a GGUF file of version >= 2 or its header is cut short.
+      ValueError: naming the file: empty, not a GGUF file (no magic bytes), a GGUF version other than 2 or 3,
+        truncated (it ends inside its header or before the end of its last tensor's data: an interrupted download
+        or copy), or a header that does not parse.
     """
+    name = repr(os.fspath(path))
+    truncated = f"{name} is truncated: it ends inside its GGUF header, at {{}} bytes (an interrupted download or copy?)"
     with open(path, "rb") as f:
-        def unpack(fmt: str):
-            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-        def value(vtype: int):
-            """The next value; for an array, (its entries or None when skipped, its length)."""
-            if vtype == _GGUF_STRING:
-                return f.read(unpack("<Q")).decode("utf-8", "replace")
-            if vtype != _GGUF_ARRAY:
-                return unpack(_GGUF_SCALARS[vtype])
-            etype, count = unpack("<I"), unpack("<Q")
-            if etype in _GGUF_SCALARS and count > _GGUF_LONG_ARRAY:
-                f.seek(count * struct.calcsize(_GGUF_SCALARS[etype]), os.SEEK_CUR)
-                return None, count
-            items = [value(etype) for _ in range(count)]
-            return (items if count <= _GGUF_LONG_ARRAY else None), count
-
+        size = os.fstat(f.fileno()).st_size
+        r = _HeaderReader(f, size)
+        if size == 0:
+            raise ValueError(f"{name} is empty (0 bytes), not a GGUF file")
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{name} is not a GGUF file: it does not start with the GGUF magic bytes")
         try:
-            if f.read(4) != b"GGUF" or unpack("<I") < 2:
-                raise ValueError("not a GGUF file of version >= 2")
-            _, num_values = unpack("<Q"), unpack("<Q")
-            meta: dict = {}
-            for _ in range(num_values):
-                key = f.read(unpack("<Q")).decode("utf-8")
-                vtype = unpack("<I")
-                got = value(vtype)
-                if vtype == _GGUF_ARRAY:
-                    got, count = got
-                    if key == "tokenizer.ggml.tokens":
-                        meta["tokenizer.ggml.tokens.count"] = count
-                    if got is None or key in _GGUF_TOKENIZER_ARRAYS:
-                        continue
-                meta[key] = got
-        except (struct.error, KeyError, UnicodeDecodeError, OverflowError) as e:
-            raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+            version = r.unpack("I")
+            if version & 0xFFFF == 0:  # written on a big-endian machine, as the gguf package reads it
+                r.order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
+            if version not in _GGUF_VERSIONS:
+                raise ValueError(f"{name} is GGUF version {version}; versions {' and '.join(map(str, _GGUF_VERSIONS))} "
+                                 "are supported")
+            meta, header_end, data_end, last = _scan_header(r)
+        except _EndOfFile:
+            raise ValueError(truncated.format(size)) from None
+        except _BadHeader as e:
+            raise ValueError(f"{name} is not a valid GGUF file: {e}") from None
+    alignment = meta.get("general.alignment", _GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"{name} is not a valid GGUF file: general.alignment={alignment!r} is not a power of two")
+    need = -(-header_end // alignment) * alignment + data_end  # the tensor data starts aligned after the header
+    if need > size:
+        raise ValueError(f"{name} is truncated: {size} bytes, but its last tensor ({last!r}) ends at byte {need} "
+                         "(an interrupted download or copy?)")
     return meta
+
+
+def _scan_header(r: _HeaderReader) -> tuple[dict, int, int, str | None]:
+    """(metadata, where the header ends, where the last tensor's data ends past the data section's start, that
+    tensor's name) of the header after the version.
+
+    Raises:
+      _EndOfFile: the file ends inside the header.
+      _BadHeader: a value or tensor type that GGUF does not have.
+    """
+    num_tensors, num_values = r.unpack("Q"), r.unpack("Q")
+    meta: dict = {}
+    for _ in range(num_values):
+        key = r.string().decode("utf-8", "replace")
+        vtype = r.unpack("I")
+        got = r.value(vtype)
+        if vtype == _GGUF_ARRAY:
+            got, count = got
+            if key == "tokenizer.ggml.tokens":
+                meta["tokenizer.ggml.tokens.count"] = count
+            if got is None or key in _GGUF_TOKENIZER_ARRAYS:
+                continue
+        meta[key] = got
+    data_end, last = 0, None
+    for _ in range(num_tensors):
+        tensor = r.string().decode("utf-8", "replace")
+        dims = [r.unpack("Q") for _ in range(r.unpack("I"))]
+        end = _tensor_end(tensor, dims, r.unpack("I"), r.unpack("Q"))
+        if end > data_end:
+            data_end, last = end, tensor
+    return meta, r.f.tell(), data_end, last
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -85,10 +171,11 @@ def read_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":  # noqa: F821
     """Opens a GGUF file (memory-mapped).
 
     Raises:
-      ValueError: if the file is not a readable GGUF file.
+      ValueError: naming the file: as `read_gguf_header`, or a file the gguf package cannot read.
     """
     import gguf
 
+    read_gguf_header(path)  # names an empty, foreign or truncated file, which the gguf package fails on obscurely
     try:
         return gguf.GGUFReader(os.fspath(path))
     except (ValueError, OSError, KeyError, IndexError, TypeError) as e:

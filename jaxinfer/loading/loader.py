@@ -85,11 +85,10 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
         return cfg, weights, tokenizer
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != b"GGUF":
-        what = "it does not start with the GGUF magic bytes" if path.suffix.lower() == ".gguf" else \
-            "expected a .gguf file or an HF folder with config.json"
-        raise ValueError(f"{str(path)!r} is not a model: {what}")
-    reader = read_gguf(path)
+    if magic != b"GGUF" and path.suffix.lower() != ".gguf":
+        empty = " (it is empty)" if not magic else ""
+        raise ValueError(f"{str(path)!r} is not a model{empty}: expected a .gguf file or an HF folder with config.json")
+    reader = read_gguf(path)  # names an empty, foreign or truncated .gguf file
     cfg, weights = load_gguf_weights(reader, dtype)
     cfg = dataclasses.replace(cfg, name=cfg.name or path.stem)
     return cfg, weights, Tokenizer.from_gguf(reader)

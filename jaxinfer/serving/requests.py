@@ -59,7 +59,8 @@ def chat_messages(chat: pb.ChatInput, for_generation: bool) -> tuple[list[dict],
       ValueError: naming the field (`chat.messages[i]...`).
     """
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = [{"role": m.role, "content": m.content} | ({"name": m.name} if m.HasField("name") else {})
+                for m in chat.messages]
     return check_chat(messages, add and for_generation, name="chat.messages"), add
 
 

@@ -8,9 +8,11 @@
    `finish_reason` and usage.
 3. A cancelled call or a passed deadline cancels the handler; leaving the engine stream aborts the request, and
    its KV pages are freed at the engine's next turn (`AsyncEngine.generate`).
-4. A request whose admission raises something unexpected gets `INTERNAL` with the exception named; the others
-   go on. If the engine loop stops (`AsyncEngine`), every stream gets `UNAVAILABLE` naming the cause at once,
-   later calls get it without waiting, and a watchdog flips health to `NOT_SERVING` within half a second.
+4. Every handler ends an exception the same way (`_maps_errors`): `ValueError` -> `INVALID_ARGUMENT` with its
+   message, a stopped engine -> `UNAVAILABLE`, anything else -> `INTERNAL` naming the exception (its traceback
+   logged), never `UNKNOWN`; the other calls go on. If the engine loop stops (`AsyncEngine`), every stream gets
+   `UNAVAILABLE` naming the cause at once, later calls get it without waiting, and a watchdog flips health to
+   `NOT_SERVING` within half a second.
 5. `stop(grace_s)` refuses new calls, lets in-flight streams finish for `grace_s` seconds, cancels the rest, then
    stops the engine.
 """
@@ -18,8 +20,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +34,7 @@ from jaxinfer.engine.async_engine import AsyncEngine, EngineStoppedError
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.request_limits import check_token_ids
 from jaxinfer.serving.metrics import ServerMetrics
 from jaxinfer.serving.requests import ServerLimits, chat_ids, prompt_from_request, sampling_params_from_proto
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
@@ -43,7 +49,75 @@ _DEADLINE_SLACK_S = 0.1
 
 
 def _internal_error(e: Exception) -> str:
-    return f"internal error: {type(e).__name__}: {e}"
+    """The short details of an unexpected exception: its type and (the first 300 characters of) its message."""
+    text = str(e)
+    return f"internal error: {type(e).__name__}: {text if len(text) <= 300 else text[:300] + '...'}"
+
+
+class _Refused(Exception):
+    """A call the server refuses with a status of its own (`UNAVAILABLE`, `INVALID_ARGUMENT`,
+    `RESOURCE_EXHAUSTED`); `_maps_errors` ends the call with it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and details an exception escaping a handler ends its call with."""
+    if isinstance(e, _Refused):
+        return e.code, str(e)
+    if isinstance(e, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, EngineStoppedError):  # the engine loop stopped (an exception, or shutting down)
+        return grpc.StatusCode.UNAVAILABLE, str(e)
+    return grpc.StatusCode.INTERNAL, _internal_error(e)
+
+
+def _maps_errors(handler):
+    """Wraps a `JaxInferService` handler (a coroutine, or an async generator for a stream) so that an exception
+    escaping it ends the call with `_status`'s code, never grpc's `UNKNOWN`; `INTERNAL` logs the traceback. A
+    stream's final status is counted in `jaxinfer_requests_total` (before the client can see it; a cancelled call
+    as `CANCELLED`, or `DEADLINE_EXCEEDED` when its deadline passed)."""
+
+    async def fail(e: Exception, context: grpc.aio.ServicerContext,
+                   count: Callable[[str], None] | None = None) -> None:
+        if isinstance(e, grpc.aio.AbortError):  # aborted already, with its status
+            raise e
+        code, details = _status(e)
+        if count is not None:
+            count(code.name)
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("%s failed", handler.__name__, exc_info=e)
+        await context.abort(code, details)
+
+    if not inspect.isasyncgenfunction(handler):
+        @functools.wraps(handler)
+        async def unary(self, request, context: grpc.aio.ServicerContext):
+            try:
+                return await handler(self, request, context)
+            except Exception as e:  # noqa: BLE001 - every failure gets a status of its own
+                await fail(e, context)
+
+        return unary
+
+    @functools.wraps(handler)
+    async def stream(self, request, context: grpc.aio.ServicerContext):
+        count = lambda status: self._server.metrics.requests.labels(status).inc()  # noqa: E731
+        try:
+            async for response in handler(self, request, context):
+                yield response
+        except Exception as e:  # noqa: BLE001 - every failure gets a status of its own
+            await fail(e, context, count)
+        except BaseException:  # left early: the client cancelled, or its deadline passed
+            # The client's cancel at its deadline reaches us a few ms before our copy of the deadline passes.
+            remaining = context.time_remaining()
+            count("DEADLINE_EXCEEDED" if remaining is not None and remaining < _DEADLINE_SLACK_S else "CANCELLED")
+            raise
+        else:
+            count("OK")
+
+    return stream
 
 
 class JaxInferService(pb_grpc.JaxInferServicer):
@@ -52,82 +126,52 @@ class JaxInferService(pb_grpc.JaxInferServicer):
     def __init__(self, server: Server) -> None:
         self._server = server
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+    def _ready(self) -> AsyncEngine:
+        """The engine, or `_Refused` (UNAVAILABLE) while the server is stopping, warming up or its engine is dead."""
         engine = self._server.async_engine
         if self._server.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
         if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is warming up" if
-                                self._server.engine_error is None else f"the engine failed to start: "
-                                f"{self._server.engine_error}")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the model is warming up" if self._server.engine_error is None
+                           else f"the engine failed to start: {self._server.engine_error}")
         if not engine.is_alive():
             cause = "" if engine.error is None else f": {type(engine.error).__name__}: {engine.error}"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine loop has stopped{cause}")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"the engine loop has stopped{cause}")
         return engine
 
-    async def _check_request(self, request, context: grpc.aio.ServicerContext) -> None:
-        """INVALID_ARGUMENT for a request that did not parse (naming the field) or is over the size limit."""
+    def _check_request(self, request) -> None:
+        """`_Refused` (INVALID_ARGUMENT) for a request that did not parse (naming the field) or is over the size
+        limit."""
         if isinstance(request, MalformedRequest):
-            self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         limit = self._server.limits.max_request_bytes
         if request.ByteSize() > limit:
-            self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request of {request.ByteSize()} bytes is above the server's limit of {limit}")
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"request of {request.ByteSize()} bytes is above the server's limit of {limit}")
 
+    @_maps_errors
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine = await self._ready(context)
+        engine = self._ready()
         limits = self._server.limits
-        await self._check_request(request, context)
-        try:
-            params = sampling_params_from_proto(request.sampling)
-            # Tokenizing a long prompt takes a while: in a worker thread, not on the event loop or engine thread.
-            prompt = await asyncio.to_thread(prompt_from_request, request, engine.engine)
-        except ValueError as e:
-            self._server.metrics.requests.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Exception as e:  # noqa: BLE001 - an unexpected error of this request's own: named, not UNKNOWN
-            logger.exception("building the request failed")
-            self._server.metrics.requests.labels("INTERNAL").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, _internal_error(e))
+        self._check_request(request)
+        params = sampling_params_from_proto(request.sampling)
+        # Tokenizing a long prompt takes a while: in a worker thread, not on the event loop or engine thread.
+        prompt = await asyncio.to_thread(prompt_from_request, request, engine.engine)
         if self._server.in_flight >= limits.max_queued_requests:
-            self._server.metrics.requests.labels("RESOURCE_EXHAUSTED").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self._server.in_flight} requests in flight; the server's limit is "
-                                f"{limits.max_queued_requests}: retry later")
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self._server.in_flight} requests in flight; the "
+                           f"server's limit is {limits.max_queued_requests}: retry later")
         self._server.in_flight += 1
-        status = None
         try:
             stream = engine.generate(prompt, params, request.request_id or None)
-            try:
-                first = await anext(stream)
-            except ValueError as e:
-                status = "INVALID_ARGUMENT"
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            self._server.metrics.prompt_tokens.inc(len(first.prompt_token_ids))
+            out: RequestOutput | None = await anext(stream)  # admission: a ValueError names the field
+            self._server.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
             finished: set[int] = set()
-            out: RequestOutput | None = first
             while out is not None:
                 for response in self._responses(out, finished):
                     yield response
                 out = None if out.finished else await anext(stream, None)
-            status = "OK"
-        except EngineStoppedError as e:  # the engine loop stopped (an exception, or shutting down)
-            status = "UNAVAILABLE"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:  # noqa: BLE001 - e.g. the admission raised for this request only (the engine logs it)
-            status = "INTERNAL"
-            await context.abort(grpc.StatusCode.INTERNAL, _internal_error(e))
         finally:
             self._server.in_flight -= 1
-            if status is None:  # left early: the client cancelled, or its deadline passed
-                # The client's cancel at its deadline reaches us a few ms before our copy of the deadline passes.
-                remaining = context.time_remaining()
-                status = "DEADLINE_EXCEEDED" if remaining is not None and remaining < _DEADLINE_SLACK_S else "CANCELLED"
-            self._server.metrics.requests.labels(status).inc()
 
     def _responses(self, out: RequestOutput, finished: set[int]) -> list[pb.GenerateResponse]:
         """One response per completion with new tokens or a new finish; usage rides on the request's last one."""
@@ -158,9 +202,10 @@ class JaxInferService(pb_grpc.JaxInferServicer):
                 self._server.metrics.record_finished(out.metrics.ttft_s, 1.0 / rate if rate > 0 else None)
         return responses
 
+    @_maps_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine = (await self._ready(context)).engine
-        await self._check_request(request, context)
+        engine = self._ready().engine
+        self._check_request(request)
 
         def tokenize() -> list[int]:
             which = request.WhichOneof("input")
@@ -170,25 +215,20 @@ class JaxInferService(pb_grpc.JaxInferServicer):
                 return chat_ids(engine, request.chat, for_generation=False)
             raise ValueError("input is required: set one of text, chat")
 
-        try:
-            ids = await asyncio.to_thread(tokenize)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.TokenizeResponse(token_ids=ids)
+        return pb.TokenizeResponse(token_ids=await asyncio.to_thread(tokenize))
 
+    @_maps_errors
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine = (await self._ready(context)).engine
-        await self._check_request(request, context)
-        try:
-            text = await asyncio.to_thread(engine.tokenizer.decode, list(request.token_ids),
-                                           skip_special_tokens=request.skip_special_tokens)
-        except ValueError as e:  # the tokenizer names the id outside the vocabulary
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {e}")
+        engine = self._ready().engine
+        self._check_request(request)
+        ids = list(check_token_ids("token_ids", list(request.token_ids), engine.tokenizer.vocab_size))
+        text = await asyncio.to_thread(engine.tokenizer.decode, ids, skip_special_tokens=request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
+    @_maps_errors
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine = (await self._ready(context)).engine
-        await self._check_request(request, context)
+        engine = self._ready().engine
+        self._check_request(request)
         cfg = engine.model_config
         devices = engine.runner.kv_cache.k.devices()
         platform = next(iter(devices)).platform

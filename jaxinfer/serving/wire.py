@@ -1,10 +1,13 @@
-"""Request bytes the protobuf parser refuses become `INVALID_ARGUMENT` naming the field, not `UNKNOWN`.
+"""Request bytes the protobuf parser refuses become `INVALID_ARGUMENT` naming the field, not `UNKNOWN`; fields the
+server does not know are refused, not dropped.
 
 1. `add_servicer` registers the `jaxinfer.v1.JaxInfer` methods with `tolerant_parser`s: a request that does not
-   parse (a string field holding invalid UTF-8, such as an encoded lone surrogate; truncated bytes) reaches the
-   handler as a `MalformedRequest` instead of failing inside grpc.
+   parse (a string field holding invalid UTF-8, such as an encoded lone surrogate; truncated bytes) or that holds
+   a field this server's messages lack (a misspelt or newer client's) reaches the handler as a `MalformedRequest`
+   instead of failing inside grpc or losing the field.
 2. `malformed_field` walks the raw bytes against the message's descriptor to name the string field that is not
-   UTF-8 (`chat.messages[1].content`, `sampling.stop[0]`), so the handler's error names it.
+   UTF-8 (`chat.messages[1].content`, `sampling.stop[0]`), so the handler's error names it; `unknown_field`
+   names the message that holds a field it does not have.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import dataclasses
 from collections.abc import Callable
 
 import grpc
-from google.protobuf import descriptor, message
+from google.protobuf import descriptor, message, unknown_fields
 
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 
@@ -77,12 +80,35 @@ def malformed_field(data: bytes, desc: descriptor.Descriptor, prefix: str = "") 
     return None
 
 
+def unknown_field(msg: message.Message, path: str = "") -> str | None:
+    """The error for the first field in `msg` (or a message inside it) that its type does not have, naming where
+    (`chat.messages[1]`, `sampling`, or `request` at the top) and the type's fields; None when there is none."""
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    if len(unknown):
+        desc = msg.DESCRIPTOR
+        return (f"{path or 'request'} has a field {desc.full_name} does not have (field number "
+                f"{unknown[0].field_number}: the client's .proto may be newer than the server's, or not "
+                f"jaxinfer.v1's); its fields are {', '.join(f.name for f in desc.fields)}")
+    for field, value in msg.ListFields():
+        if field.type != field.TYPE_MESSAGE:
+            continue
+        name = path + ("." if path else "") + field.name
+        for i, inner in enumerate(value) if field.is_repeated else ((None, value),):
+            error = unknown_field(inner, name if i is None else f"{name}[{i}]")
+            if error is not None:
+                return error
+    return None
+
+
 def tolerant_parser(cls: type[message.Message]) -> Callable[[bytes], message.Message | MalformedRequest]:
-    """`cls.FromString`, except that bytes which do not parse give a `MalformedRequest`."""
+    """`cls.FromString`, except that bytes which do not parse, or hold a field that is not `cls`'s (or not its
+    messages'), give a `MalformedRequest`."""
 
     def parse(data: bytes) -> message.Message | MalformedRequest:
         try:
-            return cls.FromString(data)
+            parsed = cls.FromString(data)
+            error = unknown_field(parsed)
+            return parsed if error is None else MalformedRequest(error)
         except message.DecodeError:
             field = malformed_field(data, cls.DESCRIPTOR)
             if field is not None:

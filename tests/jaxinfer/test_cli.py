@@ -144,7 +144,11 @@ def test_serve_checks_the_host_before_anything_loads(host: str, message: str, ca
 
 @pytest.mark.parametrize("flags, message", [
     (["--max-model-len", "100000"], "max_model_len=100000 must be in [1, 8192]"),
-    (["--kv-cache-memory-bytes", "100"], "kv_cache_memory_bytes=100 is smaller than one KV page"),
+    (["--kv-cache-memory-bytes", "100"], "kv_cache_memory_bytes=100 is smaller than one KV page of page_size=16 "
+                                         "tokens (737280 bytes); lower page_size or raise kv_cache_memory_bytes"),
+    (["--page-size", "1000000000"], "page_size=1000000000 is larger than the context, max_model_len=8192 tokens, the "
+                                    "model's: a KV page holds tokens of one sequence, so it must fit the context; use a "
+                                    "page_size in [1, 8192] (the default is 16)"),
     (["--kv-offload-bytes", "10"], "kv_offload_bytes=10 is smaller than one KV page"),
     (["--speculative-config", '{"method": "self_draft", "num_draft_layers": 30}'],
      "num_draft_layers=30 must be in [1, 30) for a target of 30 layers"),
@@ -156,4 +160,4 @@ def test_options_are_checked_against_the_model_before_its_weights_load(flags, me
     monkeypatch.setattr(startup, "load_model", lambda *a, **k: pytest.fail("the weights loaded before the check"))
     assert cli.main(["generate", "--prompt", "x", *flags]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"jaxinfer: error: {message}" + \
-        ("" if "KV page" not in message else " (737280 bytes)")
+        ("" if "kv_offload_bytes" not in message else " (737280 bytes)")

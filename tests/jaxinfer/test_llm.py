@@ -224,12 +224,15 @@ def test_bad_model_paths_raise(tmp_path) -> None:
         LLM(model=tmp_path / "missing.gguf")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"this is not a model" * 10)
-    with pytest.raises(ValueError, match="not a model"):
+    with pytest.raises(ValueError, match="junk.gguf' is not a GGUF file"):
         LLM(model=junk)
     fake_gguf = tmp_path / "truncated.gguf"
     fake_gguf.write_bytes(b"GGUF" + b"\x00" * 3)
-    with pytest.raises(ValueError, match="GGUF"):
+    with pytest.raises(ValueError, match="truncated.gguf' is truncated: it ends inside its GGUF header"):
         LLM(model=fake_gguf)
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"weights.bin' is not a model \(it is empty\)"):
+        LLM(model=tmp_path / "weights.bin")
     with pytest.raises(ValueError, match="config.json"):
         LLM(model=tmp_path)
     with pytest.raises(ValueError, match="dtype"):

@@ -60,6 +60,29 @@ def test_bad_chats_are_refused_naming_the_message(messages, add, match) -> None:
         check_chat(messages, add)
 
 
+@pytest.mark.parametrize("key, match", [
+    ("contnet", r"messages\[0\] has an unknown key 'contnet' \(did you mean 'content'\?\); a message's keys are "
+                r"role, content, name"),
+    ("colour", r"messages\[0\] has an unknown key 'colour'; a message's keys are role, content, name"),
+    ("tool_calls", r"messages\[0\] has the key 'tool_calls', an OpenAI message key jaxinfer does not support "
+                   r"\(tool calls\); a message's keys are role, content, name"),
+    ("tool_call_id", r"messages\[0\] has the key 'tool_call_id', an OpenAI message key jaxinfer does not support"),
+])
+def test_a_message_key_that_is_not_role_content_or_name_is_refused_naming_it(key, match) -> None:
+    """Found by a hostile-user trial: a misspelt key was dropped silently (the message then had no content)."""
+    with pytest.raises(ValueError, match=match):
+        check_chat([{"role": "user", "content": "hi", key: "x"}])
+
+
+def test_a_message_name_must_be_text() -> None:
+    chat = [{"role": "user", "content": "hi", "name": "ada"}]
+    assert check_chat(chat) == chat  # OpenAI's participant name: kept for the chat template
+    for name, match in ((5, r"messages\[0\].name must be a string, got int"),
+                        ("\ud800", r"messages\[0\].name is not valid Unicode")):
+        with pytest.raises(ValueError, match=match):
+            check_chat([{"role": "user", "content": "hi", "name": name}])
+
+
 def test_good_chats_pass() -> None:
     for role in CHAT_ROLES:
         check_chat([{"role": role, "content": "x"}], add_generation_prompt=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -110,3 +111,34 @@ def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
         SamplingParams(max_tokens=np.float32(5))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=np.float32("nan"))
+
+
+FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+@pytest.mark.parametrize("kwargs, unknown", [
+    ({"temprature": 0}, "'temprature' (did you mean 'temperature'?)"),
+    ({"max_token": 8, "top_k": 2}, "'max_token' (did you mean 'max_tokens'?)"),
+    ({"best_of": 2}, "'best_of'"),
+    ({"stop_ids": [1], "colour": "red"}, "'stop_ids' (did you mean 'stop_token_ids'?), 'colour'"),
+])
+def test_an_unknown_field_is_a_type_error_naming_it_and_the_fields(kwargs, unknown) -> None:
+    """Found by a hostile-user trial: the dataclass's own TypeError named neither the close field nor the valid
+    ones."""
+    message = f"SamplingParams got unknown field(s) {unknown}; the fields are {', '.join(FIELDS)}"
+    with pytest.raises(TypeError) as e:
+        SamplingParams(**kwargs)
+    assert str(e.value) == message
+    with pytest.raises(TypeError) as e:
+        dataclasses.replace(SamplingParams(), **kwargs)
+    assert str(e.value) == message
+
+
+def test_replace_pickle_and_copy_keep_working() -> None:
+    import copy
+    import pickle
+
+    params = SamplingParams(temperature=0.5, stop=["x"], seed=3)
+    assert dataclasses.replace(params, temperature=0) == SamplingParams(temperature=0, stop=("x",), seed=3)
+    assert pickle.loads(pickle.dumps(params)) == params == copy.deepcopy(params) == copy.copy(params)
+    assert SamplingParams(1, 0.5).temperature == 0.5  # positional fields, as dataclasses take them

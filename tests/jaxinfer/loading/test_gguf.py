@@ -19,7 +19,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from jaxinfer.loading.gguf import gguf_metadata, load_gguf_weights, read_gguf, read_gguf_header
-from jaxinfer.loading.loader import read_model_config
+from jaxinfer.loading.loader import default_model_path, load_model, read_model_config
 from jaxinfer.loading.hf import load_hf_weights
 from tests.jaxinfer.loading.hf_goldens import LLAMA3, _golden, _hf_copy, _logits, _runner, llama_src
 
@@ -268,5 +268,73 @@ def test_header_reader_gives_the_metadata_and_config_without_the_tensors(gguf_pa
                                attention_bias=peeked.attention_bias, mlp_bias=peeked.mlp_bias) == peeked
     whole = path.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(whole[:40])
-    with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file"):
+    with pytest.raises(ValueError, match="cut.gguf' is truncated: it ends inside its GGUF header, at 40 bytes"):
         read_gguf_header(tmp_path / "cut.gguf")
+
+
+# --- (c) files that are cut short or are not GGUF: a ValueError naming the file and what is wrong ----------------
+
+SMOLLM2 = default_model_path()
+SMOLLM2_BYTES = SMOLLM2.stat().st_size
+HEADER_BYTES = 1 << 21  # the SmolLM2 GGUF's header (metadata, tokenizer, tensor list) lies in its first 2 MiB
+
+
+def _cut(tmp_path: Path, size: int, name: str = "cut.gguf") -> Path:
+    """A file of `size` bytes that starts like the SmolLM2 GGUF (past its header: zeros, written sparsely)."""
+    path = tmp_path / name
+    with open(SMOLLM2, "rb") as src, open(path, "wb") as f:
+        f.write(src.read(min(size, HEADER_BYTES)))
+        f.truncate(size)
+    return path
+
+
+def _refused(path: Path) -> list[str]:
+    """The messages of read_model_config (start-up's check) and load_model (the load) for `path`."""
+    messages = []
+    for read in (read_model_config, lambda p: load_model(p, np.float32)):
+        with pytest.raises(ValueError) as e:
+            read(path)
+        messages.append(str(e.value))
+    return messages
+
+
+def _last_tensor() -> tuple[str, int]:
+    """(name, end in bytes) of the SmolLM2 GGUF's tensor whose data ends last, by the gguf package's reader."""
+    end, name = max((t.data_offset + t.n_bytes, t.name) for t in gguf.GGUFReader(SMOLLM2).tensors)
+    return name, end
+
+
+@pytest.mark.parametrize("size", [SMOLLM2_BYTES // 2, SMOLLM2_BYTES - 1], ids=["half", "one_byte_short"])
+def test_a_gguf_cut_short_in_its_tensors_is_named_truncated(tmp_path, size):
+    """Found by a hostile-user trial: the first half of the SmolLM2 GGUF failed with a numpy reshape error."""
+    name, end = _last_tensor()
+    assert end == SMOLLM2_BYTES  # the whole file ends with the last tensor's data
+    path = _cut(tmp_path, size)
+    expected = f"{str(path)!r} is truncated: {size} bytes, but its last tensor ({name!r}) ends at byte {end} (an " \
+        "interrupted download or copy?)"
+    assert _refused(path) == [expected, expected]
+
+
+@pytest.mark.parametrize("size", [5, 24, 1000, 1 << 20])
+def test_a_gguf_cut_short_in_its_header_is_named_truncated(tmp_path, size):
+    path = _cut(tmp_path, size)
+    expected = f"{str(path)!r} is truncated: it ends inside its GGUF header, at {size} bytes (an interrupted " \
+        "download or copy?)"
+    assert _refused(path) == [expected, expected]
+
+
+def test_a_whole_gguf_passes_the_check(tmp_path):
+    assert read_model_config(_cut(tmp_path, SMOLLM2_BYTES)) == read_model_config(SMOLLM2)
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"", "is empty (0 bytes), not a GGUF file"),
+    (b"PK\x03\x04 a zip file, not a GGUF one", "is not a GGUF file: it does not start with the GGUF magic bytes"),
+    (b"GGUF\x01\x00\x00\x00" + bytes(16), "is GGUF version 1; versions 2 and 3 are supported"),
+    (b"GGUF\x03\x00\x00\x00" + bytes(8) + (1).to_bytes(8, "little") + (1).to_bytes(8, "little") + b"k"
+     + (99).to_bytes(4, "little"), "is not a valid GGUF file: value type 99 is not a GGUF type"),
+], ids=["empty", "zip", "version1", "bad_value_type"])
+def test_a_file_that_is_not_gguf_is_named(tmp_path, content, what):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    assert _refused(path) == [f"{str(path)!r} {what}"] * 2

@@ -44,3 +44,39 @@ def test_other_messages_and_good_bytes() -> None:
     truncated = good.SerializeToString()[:-3]
     error = tolerant_parser(pb.GenerateRequest)(truncated).error
     assert error == "the request is not a valid jaxinfer.v1.GenerateRequest message"
+
+
+def _with_field(msg, number: int, payload: bytes = b"x") -> bytes:
+    """`msg` serialized plus a length-delimited field `number` (one the message may not have) holding `payload`."""
+    assert number < 16 and len(payload) < 128
+    return msg.SerializeToString() + bytes([number << 3 | 2, len(payload)]) + payload
+
+
+def _chat(*messages: bytes) -> bytes:
+    """A GenerateRequest's bytes whose chat holds the serialized `messages`."""
+    chat = b"".join(bytes([1 << 3 | 2, len(m)]) + m for m in messages)
+    return bytes([3 << 3 | 2, len(chat)]) + chat
+
+
+@pytest.mark.parametrize("data, path, message_type", [
+    (_chat(pb.ChatMessage(role="user", content="hi").SerializeToString(),
+           _with_field(pb.ChatMessage(role="user", content="hi"), 9)), "chat.messages[1]", "ChatMessage"),
+    (_with_field(pb.GenerateRequest(text="hi"), 15), "request", "GenerateRequest"),
+    # sampling (field 4) holding varint field 30 = 1: tag 30 << 3 = 240 is the varint bytes F0 01
+    (pb.GenerateRequest(text="hi").SerializeToString() + bytes([4 << 3 | 2, 3, 0xF0, 0x01, 1]),
+     "sampling", "SamplingParams"),
+], ids=["chat_message", "request", "sampling"])
+def test_a_field_the_server_does_not_know_is_refused_naming_where(data, path, message_type) -> None:
+    """Found by a hostile-user trial: fields this server's .proto lacks (a misspelt or newer client's) were
+    dropped silently."""
+    parsed = tolerant_parser(pb.GenerateRequest)(data)
+    assert isinstance(parsed, MalformedRequest)
+    fields = ", ".join(f.name for f in getattr(pb, message_type).DESCRIPTOR.fields)
+    assert parsed.error.startswith(f"{path} has a field jaxinfer.v1.{message_type} does not have (field number "), \
+        parsed.error
+    assert parsed.error.endswith(f"); its fields are {fields}")
+
+
+def test_a_chat_message_may_carry_a_name() -> None:
+    good = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi", name="ada")]))
+    assert tolerant_parser(pb.GenerateRequest)(good.SerializeToString()) == good
