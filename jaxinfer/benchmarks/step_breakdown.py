@@ -16,7 +16,7 @@ from jaxinfer.benchmarks.decode_timing import GREEDY, run_step
 from jaxinfer.benchmarks.model_setup import DTYPES
 from jaxinfer.benchmarks.probe import median, time_calls
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample
+from jaxinfer.engine.sampling import SamplingRow, sample
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.config import ModelConfig
 from models.llama import forward
@@ -47,11 +47,11 @@ def device_step(runner: ModelRunner, chunk: list[ScheduledChunk]) -> tuple[Calla
     """(one call of the runner's jitted step on device-resident inputs, those inputs (tokens, metadata,
     sampling), the padded logits rows).
 
-    The one reach into the runner's internals (`_prepare`, `_step`): the inputs `execute` builds, without its host
-    work. Re-point it here when the runner's modules move.
+    The one reach into the runner's internals (`_step`): the jitted step on the inputs `execute` builds
+    (`step_inputs`), without its host work. Re-point it here when the runner's modules move.
     """
-    tokens, metadata, rows = runner._prepare(chunk, all_rows=False)
-    sampling = SamplingArrays.build([SamplingRow(GREEDY, 0)], rows, runner.cfg.vocab_size)
+    tokens, metadata, sampling = runner.step_inputs(chunk, [SamplingRow(GREEDY, 0)])
+    rows = sampling.temperature.shape[0]
     inputs = jax.device_put((tokens, metadata, sampling))
 
     def step() -> None:

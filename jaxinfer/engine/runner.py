@@ -98,7 +98,8 @@ class ModelRunner:
         prefill steps of fresh prompts only (no cached context) compile as their own shape bucket.
       vocab_limit: ids at or above it are never sampled (a model's embedding table may be padded past the
         tokenizer's vocabulary); default: the model's vocabulary size.
-      max_pages_per_seq: widest page table (context limit / page size); default from the model's context.
+      max_pages_per_seq: widest page table (context limit / page size); default from the model's context. Times
+        page_size, it is the width of the penalty ids of a batch with penalties (`SamplingArrays.build`).
       mesh: the device mesh the weights are sharded on (`models.partition.shard_model`), or None for one
         device. With a mesh the KV cache is split over KV heads, and every step's outputs (sampled tokens,
         logits) come back replicated, so each process of a multi-host run can read them.
@@ -113,22 +114,10 @@ class ModelRunner:
       ValueError: num_pages < 2.
     """
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: Weights,
-        *,
-        num_pages: int,
-        page_size: int,
-        kv_dtype: jnp.dtype,
-        scan_layers: bool = False,
-        attention: AttentionOps = REFERENCE_OPS,
-        vocab_limit: int | None = None,
-        max_pages_per_seq: int | None = None,
-        mesh: jax.sharding.Mesh | None = None,
-        output_vocab: int | None = None,
-        draft: draft_lib.DraftModel | None = None,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, *, num_pages: int, page_size: int, kv_dtype: jnp.dtype,
+                 scan_layers: bool = False, attention: AttentionOps = REFERENCE_OPS, vocab_limit: int | None = None,
+                 max_pages_per_seq: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                 output_vocab: int | None = None, draft: draft_lib.DraftModel | None = None) -> None:
         self.cfg = cfg
         # Unrolled: one array per layer weight, so no layer's weights are sliced (copied) out of a stack per step.
         self.weights = weights if scan_layers else unstack_layers(weights)
@@ -136,6 +125,9 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_pages_per_seq = max_pages_per_seq or -(-cfg.max_position_embeddings // page_size)
+        self._sampling_arrays = functools.partial(  # penalty ids as wide as the longest context: 2 shapes a batch
+            SamplingArrays.build, vocab=cfg.vocab_size, vocab_limit=self.vocab_limit,
+            penalty_width=self.max_pages_per_seq * page_size)
         self.output_vocab = cfg.vocab_size if output_vocab is None else output_vocab
         self.mesh = mesh
         self.attention = attention
@@ -220,7 +212,7 @@ class ModelRunner:
                     rows: Sequence[SamplingRow]) -> tuple[np.ndarray, AttentionMetadata, SamplingArrays]:
         """The host arrays of one step (the `multihost.Op.STEP` payload): (tokens, metadata, sampling)."""
         tokens, metadata, rows_pad = self._prepare(chunks, all_rows=False)
-        return tokens, metadata, SamplingArrays.build(rows, rows_pad, self.cfg.vocab_size, self.vocab_limit)
+        return tokens, metadata, self._sampling_arrays(rows, rows_pad)
 
     def step_args(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays) -> tuple:
         """The jitted step's arguments for these host arrays."""
@@ -313,7 +305,7 @@ class ModelRunner:
         """The drafting call's host inputs (the `multihost.Op.PROPOSE` payload): (tokens, positions, kv_loc,
         page_table, sampling, k, with_probs), see `step_inputs.draft_inputs`."""
         arrays = draft_inputs(chunks, num_slots, num_tokens, self.page_size, self.max_pages_per_seq)
-        sampling = SamplingArrays.build(rows, arrays[0].shape[0], self.cfg.vocab_size, self.vocab_limit)
+        sampling = self._sampling_arrays(rows, arrays[0].shape[0])
         return *arrays, sampling, num_tokens, any(r.params.temperature > 0 for r in rows)
 
     def propose_args(self, tokens: np.ndarray, positions: np.ndarray, kv_loc: np.ndarray, page_table: np.ndarray,
@@ -342,8 +334,7 @@ class ModelRunner:
         ids, num_drafts = verify_draft_ids(draft_token_ids, next_power_of_two(len(chunks)), num_tokens)
         tokens, metadata, rows_pad = self._prepare(chunks, all_rows=False, verify_width=num_tokens + 1,
                                                    verify_len=verify_len)
-        sampling = SamplingArrays.build(rows, rows_pad, self.cfg.vocab_size, self.vocab_limit)
-        return tokens, metadata, sampling, ids, num_drafts, draft_probs_row
+        return tokens, metadata, self._sampling_arrays(rows, rows_pad), ids, num_drafts, draft_probs_row
 
     def verify_args(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays,
                     ids: np.ndarray, num_drafts: np.ndarray, draft_probs_row: int | None) -> tuple:

@@ -2,8 +2,10 @@
 
 1. On the host, `SamplingArrays.build` turns one `SamplingRow` per sequence into fixed-width arrays: per-row
    parameters, banned ids (always `SUPPRESS_WIDTH` wide: no request's stop ids pick a compiled shape), and the
-   prompt / output ids the penalties need (padded with -1 to power-of-two widths, width 1 when no row uses
-   them, so that few shapes are compiled). Padding rows are greedy and inert.
+   ids the penalties need: one array of each penalised row's prompt ids then output ids, -1 padded, and a count
+   of its prompt ids. That array has one of two widths: 1 when no row uses penalties, else the caller's
+   `penalty_width` (the runner's longest context), so no request's lengths pick a compiled shape. Padding rows
+   are greedy and inert.
 2. On device, `sample` processes each row of logits f32[B, V] in vLLM's order:
      a. ids >= vocab_limit (padding of the embedding table) are masked;
      b. raw log-probabilities: log_softmax of these logits, in f32 (returned, never used for sampling);
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.sampling_math import limit_vocab, sort_descending, token_logprobs
+from jaxinfer.engine.sampling_math import apply_penalties, limit_vocab, scatter_ids, sort_descending, token_logprobs
 from jaxinfer.request_limits import SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -44,13 +46,6 @@ __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "app
            "sample", "sample_keys", "top_logprobs"]
 
 GREEDY_TEMPERATURE = 1e-5  # smallest temperature sampled as such; below it, argmax
-MIN_PENALTY_WIDTH = 16
-
-
-def _bucket(n: int, minimum: int) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +58,8 @@ class SamplingRow:
       sample_index: which of the request's `params.n` samples this sequence is, in [0, n).
       step: index of the output token being sampled (= len(output_token_ids)), >= 0; None means
         len(output_token_ids).
-      prompt_token_ids: the prompt, ids in [0, V); read only for the repetition penalty.
-      output_token_ids: tokens generated so far, ids in [0, V); read only for the penalties.
+      prompt_token_ids: the prompt, ids in [0, V); read only when a penalty is on.
+      output_token_ids: tokens generated so far, ids in [0, V); read only when a penalty is on.
       suppress: token ids in [0, V) never sampled this step (EOS and stop ids before `min_tokens`).
 
     Raises:
@@ -92,16 +87,36 @@ class SamplingRow:
             raise ValueError(f"{step=} must be an integer in [0, 2**31)")
 
 
+def _checked_ids(ids: Sequence[int], vocab: int, row: int, name: str) -> np.ndarray:
+    """i64[len(ids)] of a row's ids; ValueError naming the field unless they lie in [0, vocab)."""
+    arr = np.asarray(ids, np.int64).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+        raise ValueError(f"{name} of row {row} must lie in [0, {vocab=}); got {list(ids)!r}")
+    return arr
+
+
 def _pad_ids(id_lists: Sequence[Sequence[int]], batch: int, width: int, vocab: int, name: str) -> np.ndarray:
     """i32[batch, width] with row i = id_lists[i] followed by -1s; ids must lie in [0, vocab)."""
     out = np.full((batch, width), -1, np.int32)
     for row, ids in enumerate(id_lists):
-        if len(ids):
-            arr = np.asarray(ids, np.int64)
-            if arr.min() < 0 or arr.max() >= vocab:
-                raise ValueError(f"{name} of row {row} must lie in [0, {vocab=}); got {list(ids)!r}")
-            out[row, : len(arr)] = arr
+        arr = _checked_ids(ids, vocab, row, name)
+        out[row, : len(arr)] = arr
     return out
+
+
+def _penalty_ids(rows: Sequence[SamplingRow], batch: int, width: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[batch, width]: each penalised row's prompt ids then output ids, -1 padded; i32[batch]: how many of them
+    are prompt ids). Rows without penalties hold only -1."""
+    ids, num_prompt = np.full((batch, width), -1, np.int32), np.zeros(batch, np.int32)
+    for i, r in enumerate(rows):
+        if r.params.uses_penalties:
+            prompt = _checked_ids(r.prompt_token_ids, vocab, i, "prompt_token_ids")
+            output = _checked_ids(r.output_token_ids, vocab, i, "output_token_ids")
+            if (n := len(prompt) + len(output)) > width:
+                raise ValueError(f"row {i} has {n} prompt + output ids, more than penalty_width={width} (the "
+                                 "longest context)")
+            ids[i, :n], num_prompt[i] = np.concatenate([prompt, output]), len(prompt)
+    return ids, num_prompt
 
 
 @flax.struct.dataclass
@@ -121,9 +136,10 @@ class SamplingArrays:
       step: i32[B], index of the output token being sampled.
       num_logprobs: i32[B], in [0, MAX_LOGPROBS]: top log-probabilities the row wants.
       suppress: i32[B, SUPPRESS_WIDTH], ids in [0, V) set to -inf; -1 pads.
-      prompt_ids: i32[B, Wp], prompt ids of rows with a repetition penalty; -1 pads. Wp is 1 when no row has one,
-        else a power of two >= 16.
-      output_ids: i32[B, Wo], output ids of rows with any penalty; -1 pads. Wo as Wp, for any penalty.
+      penalty_ids: i32[B, W], ids in [0, V) or -1 (padding): a penalised row's prompt ids, then its output ids;
+        other rows hold only -1. W is 1 when no row uses penalties, else `build`'s penalty_width.
+      num_prompt_ids: i32[B], in [0, W]: how many of the row's leading penalty_ids are its prompt (0 for rows
+        without penalties). The repetition penalty reads all of a row's ids, presence and frequency the rest.
       vocab_limit: i32[], ids >= it are never sampled and get no probability.
     """
 
@@ -139,12 +155,13 @@ class SamplingArrays:
     step: jax.Array
     num_logprobs: jax.Array
     suppress: jax.Array
-    prompt_ids: jax.Array
-    output_ids: jax.Array
+    penalty_ids: jax.Array
+    num_prompt_ids: jax.Array
     vocab_limit: jax.Array
 
     @staticmethod
-    def build(rows: Sequence[SamplingRow], batch: int, vocab: int, vocab_limit: int | None = None) -> SamplingArrays:
+    def build(rows: Sequence[SamplingRow], batch: int, vocab: int, vocab_limit: int | None = None, *,
+              penalty_width: int) -> SamplingArrays:
         """Host-side (numpy) arrays for `len(rows)` rows, padded with greedy, inert rows to `batch` rows.
 
         Args:
@@ -152,19 +169,24 @@ class SamplingArrays:
           batch: B, the padded batch size, >= len(rows).
           vocab: V, the logits' last dimension.
           vocab_limit: ids in [vocab_limit, V) are never sampled; None means V.
+          penalty_width: W of `penalty_ids` when some row uses penalties, >= 1 and >= any such row's prompt plus
+            output length: a constant of the caller (the runner's longest context, in tokens), so that penalty
+            inputs take only two shapes per batch size.
 
         Returns:
           numpy arrays, ready to pass to a jitted function calling `sample`.
 
         Raises:
-          ValueError: if batch < len(rows), vocab_limit is not in [1, V], a token id is outside [0, V), or a row
-            bans more than SUPPRESS_WIDTH ids.
+          ValueError: if batch < len(rows), vocab_limit is not in [1, V], penalty_width < 1, a token id is outside
+            [0, V), a row bans more than SUPPRESS_WIDTH ids, or a penalised row has more than penalty_width ids.
         """
         if batch < len(rows):
             raise ValueError(f"{batch=} must be >= the number of rows ({len(rows)})")
         limit = vocab if vocab_limit is None else vocab_limit
         if not 1 <= limit <= vocab:
             raise ValueError(f"{vocab_limit=} must be in [1, {vocab=}]")
+        if penalty_width < 1:
+            raise ValueError(f"{penalty_width=} must be >= 1")
         pad = batch - len(rows)
         ps = [r.params for r in rows]
 
@@ -173,12 +195,8 @@ class SamplingArrays:
 
         if (widest := max((len(r.suppress) for r in rows), default=0)) > SUPPRESS_WIDTH:  # refused at admission
             raise ValueError(f"a row bans {widest} ids; at most {SUPPRESS_WIDTH=} can be banned")
-        rep_rows = [r.params.repetition_penalty != 1 for r in rows]
-        pen_rows = [r.params.uses_penalties for r in rows]
-        prompt_lists = [r.prompt_token_ids if on else () for r, on in zip(rows, rep_rows)]
-        output_lists = [r.output_token_ids if on else () for r, on in zip(rows, pen_rows)]
-        prompt_width = _bucket(max(map(len, prompt_lists), default=0), MIN_PENALTY_WIDTH) if any(rep_rows) else 1
-        output_width = _bucket(max(map(len, output_lists), default=0), MIN_PENALTY_WIDTH) if any(pen_rows) else 1
+        width = penalty_width if any(p.uses_penalties for p in ps) else 1
+        penalty_ids, num_prompt_ids = _penalty_ids(rows, batch, width, vocab)
         return SamplingArrays(
             # Temperatures below GREEDY_TEMPERATURE would overflow logits / T in f32: they are greedy.
             temperature=per_row([p.temperature if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in ps],
@@ -194,8 +212,8 @@ class SamplingArrays:
             step=per_row([r.step for r in rows], 0, np.int32),
             num_logprobs=per_row([p.logprobs or 0 for p in ps], 0, np.int32),
             suppress=_pad_ids([r.suppress for r in rows], batch, SUPPRESS_WIDTH, vocab, "suppress"),
-            prompt_ids=_pad_ids(prompt_lists, batch, prompt_width, vocab, "prompt_token_ids"),
-            output_ids=_pad_ids(output_lists, batch, output_width, vocab, "output_token_ids"),
+            penalty_ids=penalty_ids,
+            num_prompt_ids=num_prompt_ids,
             vocab_limit=np.int32(limit),
         )
 
@@ -219,42 +237,8 @@ class SampleOutput:
     top_token_ids: jax.Array
 
 
-def _scatter_ids(ids: jax.Array, vocab: int, value: jax.Array | int, shape_dtype: jnp.dtype,
-                 add: bool) -> jax.Array:
-    """[B, V] array of `shape_dtype`: zeros, with `value` set (or added) at each row's ids; -1 ids are dropped."""
-    rows = jnp.arange(ids.shape[0])[:, None]
-    safe = jnp.where(ids >= 0, ids, vocab)  # out of range: dropped by the scatter (-1 would wrap to V - 1)
-    zeros = jnp.zeros((ids.shape[0], vocab), shape_dtype)
-    at = zeros.at[rows, safe]
-    return at.add(value, mode="drop") if add else at.set(value, mode="drop")
-
-
 def _uses_penalties(s: SamplingArrays) -> jax.Array:
     return jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
-
-
-def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Repetition, then presence and frequency penalties.
-
-    Repetition (Keskar et al. 2019, CTRL, as in vLLM): for every token seen in the prompt or the output,
-    `l / r if l > 0 else l * r`. Presence and frequency (OpenAI): `l - presence * (c > 0) - frequency * c` with c
-    the token's count in the output. Rows whose penalties are neutral come back bit-identical.
-
-    Args:
-      logits: f32[B, V].
-      s: sampling arrays of B rows.
-
-    Returns:
-      f32[B, V] penalised logits.
-    """
-    vocab = logits.shape[-1]
-    counts = _scatter_ids(s.output_ids, vocab, 1.0, jnp.float32, add=True)  # [B, V] output counts
-    in_prompt = _scatter_ids(s.prompt_ids, vocab, True, jnp.bool_, add=False)  # [B, V]
-    seen = in_prompt | (counts > 0)
-    r = s.repetition_penalty[:, None]
-    logits = jnp.where(seen & (r != 1), jnp.where(logits > 0, logits / r, logits * r), logits)
-    penalty = s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
-    return jnp.where(counts > 0, logits - penalty, logits)
 
 
 def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -274,7 +258,7 @@ def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
 
 def _ban(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """Steps a and c: -inf at ids >= vocab_limit and at each row's suppressed ids."""
-    banned = _scatter_ids(s.suppress, logits.shape[-1], True, jnp.bool_, add=False)  # [B, V]; cheaper on CPU
+    banned = scatter_ids(s.suppress, logits.shape[-1], True, jnp.bool_, add=False)  # [B, V]; cheaper on CPU
     return jnp.where(banned, -jnp.inf, limit_vocab(logits, s.vocab_limit))  # than comparing with the M ids
 
 

@@ -1,16 +1,23 @@
-"""Row-wise reductions and sorts of `jaxinfer.engine.sampling`, written to be cheaper on XLA's CPU backend while
-returning what the plain jnp expression returns (the tests check each against it).
+"""Row-wise math of `jaxinfer.engine.sampling` on [B, V] logits.
 
-- `sort_descending`: the values of `-jnp.sort(-x, axis=-1)`, sorted as int32 keys.
-- `token_logprobs`: one entry of `jax.nn.log_softmax` per row, without the [B, V] result.
+- `scatter_ids` and `apply_penalties`: each row's ids (-1 padded) as a [B, V] mask or count, and the repetition,
+  presence and frequency penalties over them.
+- Cheaper on XLA's CPU backend while returning what the plain jnp expression returns (the tests check each
+  against it): `sort_descending`, the values of `-jnp.sort(-x, axis=-1)` sorted as int32 keys, and
+  `token_logprobs`, one entry of `jax.nn.log_softmax` per row without the [B, V] result.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["limit_vocab", "sort_descending", "token_logprobs"]
+if TYPE_CHECKING:
+    from jaxinfer.engine.sampling import SamplingArrays
+
+__all__ = ["apply_penalties", "limit_vocab", "scatter_ids", "sort_descending", "token_logprobs"]
 
 _LOW_31_BITS = 0x7FFFFFFF
 
@@ -53,3 +60,37 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, vocab_limit: jax.Arr
     top = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
     log_sum_exp = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
     return (jnp.take_along_axis(logits, token_ids[:, None], axis=-1) - top)[:, 0] - log_sum_exp
+
+
+def scatter_ids(ids: jax.Array, vocab: int, value: jax.Array | int, shape_dtype: jnp.dtype, add: bool) -> jax.Array:
+    """[B, V] array of `shape_dtype`: zeros, with `value` set (or added) at each row's ids (i32[B, W], entries in
+    [0, V) or -1, which is dropped)."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    safe = jnp.where(ids >= 0, ids, vocab)  # out of range: dropped by the scatter (-1 would wrap to V - 1)
+    at = jnp.zeros((ids.shape[0], vocab), shape_dtype).at[rows, safe]
+    return at.add(value, mode="drop") if add else at.set(value, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Repetition, then presence and frequency penalties.
+
+    Repetition (Keskar et al. 2019, CTRL, as in vLLM): for every token seen in the prompt or the output,
+    `l / r if l > 0 else l * r`. Presence and frequency (OpenAI): `l - presence * (c > 0) - frequency * c` with c
+    the token's count in the output. Rows whose penalties are neutral come back bit-identical.
+
+    Args:
+      logits: f32[B, V].
+      s: sampling arrays of B rows; row b's `penalty_ids` are its prompt ids (the first `num_prompt_ids[b]`), then
+        its output ids, then -1. Columns past the prompt count as output wherever they are (verify appends drafts).
+
+    Returns:
+      f32[B, V] penalised logits.
+    """
+    vocab, width = logits.shape[-1], s.penalty_ids.shape[-1]
+    in_output = jnp.arange(width)[None, :] >= s.num_prompt_ids[:, None]  # [B, W]
+    counts = scatter_ids(jnp.where(in_output, s.penalty_ids, -1), vocab, 1.0, jnp.float32, add=True)  # [B, V]
+    seen = scatter_ids(s.penalty_ids, vocab, True, jnp.bool_, add=False)  # [B, V]: in the prompt or the output
+    r = s.repetition_penalty[:, None]
+    logits = jnp.where(seen & (r != 1), jnp.where(logits > 0, logits / r, logits * r), logits)
+    penalty = s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
+    return jnp.where(counts > 0, logits - penalty, logits)

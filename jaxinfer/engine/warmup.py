@@ -5,8 +5,10 @@ with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table
 backend has a flash kernel, the same token counts as a fresh prompt's first chunk. With speculative decoding also
 the verify step of every decode batch bucket that gets drafts, padded to that many drafts per sequence, times every
 page-table width, and, with a draft model, its drafting call for the same buckets (greedy rows; sampling rows
-compile on first use). Other shapes (several prefill chunks at once, penalties) compile on
-first use. With the persistent compilation cache a restart loads them all from disk.
+compile on first use). Each of these twice: without penalty inputs (width 1) and with them (as wide as the
+longest context, `SamplingArrays.build`), the only two shapes they take, so a request with penalties compiles
+nothing either. Other shapes (several prefill chunks at once) compile on first use. With the persistent
+compilation cache a restart loads them all from disk.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jaxinfer.scheduler.chunk import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
-Shape = tuple[str, int, int]  # (kind, batch or new tokens, page-table width)
+Shape = tuple[str, int, int, bool]  # (kind, batch or new tokens, page-table width, penalties)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -41,9 +43,10 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
 
 def warmup_shapes(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
                   num_drafts_for: Callable[[int], int] | None = None) -> list[Shape]:
-    """Every shape `warmup` compiles, as (kind, n, page-table width): kind "decode" (n sequences), "prefill" and
-    "fresh" (one sequence of n new tokens, with and without cached context), "verify" and "propose" (n
-    sequences)."""
+    """Every shape `warmup` compiles, as (kind, n, page-table width, penalties): kind "decode" (n sequences),
+    "prefill" and "fresh" (one sequence of n new tokens, with and without cached context), "verify" and "propose"
+    (n sequences); each with penalty inputs of width 1 (no row uses penalties) and, penalties True, of the
+    runner's longest context (`SamplingArrays.build`)."""
     widths = page_table_widths(runner.max_pages_per_seq)
     batches, tokens = batch_buckets(max_num_seqs), token_buckets(max_num_batched_tokens)
     ps = runner.page_size
@@ -57,10 +60,10 @@ def warmup_shapes(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens
         shapes += [("verify", b, p) for p in widths for b in speculating]
         if runner.draft is not None:
             shapes += [("propose", b, p) for p in widths for b in speculating]
-    return shapes
+    return [(kind, n, p, penalties) for penalties in (False, True) for kind, n, p in shapes]
 
 
-def _compile_step(runner: ModelRunner, kind: str, n: int, width: int, greedy: SamplingRow) -> None:
+def _compile_step(runner: ModelRunner, kind: str, n: int, width: int, row: SamplingRow) -> None:
     """Compiles one decode, prefill or fresh-prompt step shape."""
     context = width * runner.page_size
     if kind == "decode":
@@ -69,23 +72,23 @@ def _compile_step(runner: ModelRunner, kind: str, n: int, width: int, greedy: Sa
         chunks = [ScheduledChunk([0] * n, context - n, [NULL_PAGE] * width)]
     else:
         chunks = [ScheduledChunk([0] * n, 0, [NULL_PAGE] * width)]
-    runner.compile_ahead("step", runner.step_args(*runner.step_inputs(chunks, [greedy] * len(chunks))))
+    runner.compile_ahead("step", runner.step_args(*runner.step_inputs(chunks, [row] * len(chunks))))
 
 
 def _compile_spec(runner: ModelRunner, kind: str, batch: int, drafts: int, num_spec_tokens: int, width: int,
-                  greedy: SamplingRow) -> None:
+                  row: SamplingRow) -> None:
     """Compiles one verify or drafting shape (batch sequences of `drafts` drafts each, page-table width)."""
     context = width * runner.page_size - drafts - 1
     if context < 0:
         return
     if kind == "verify":
         chunks = [ScheduledChunk([0] * (drafts + 1), context, [NULL_PAGE] * width)] * batch
-        inputs = runner.verify_inputs(chunks, [greedy] * batch, [[]] * batch, num_spec_tokens,
+        inputs = runner.verify_inputs(chunks, [row] * batch, [[]] * batch, num_spec_tokens,
                                       verify_len=drafts + 1)
         runner.compile_ahead("verify", runner.verify_args(*inputs))
     else:
         chunks = [ScheduledChunk([0], context, [NULL_PAGE] * width)] * batch
-        inputs = runner.propose_inputs(chunks, [greedy] * batch, [drafts] * batch, num_spec_tokens)
+        inputs = runner.propose_inputs(chunks, [row] * batch, [drafts] * batch, num_spec_tokens)
         runner.compile_ahead("propose", runner.propose_args(*inputs[:5]), num_tokens=num_spec_tokens,
                              with_probs=False)
 
@@ -105,14 +108,15 @@ def warmup(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
     """
     from tqdm import tqdm
 
-    greedy = SamplingRow(SamplingParams(temperature=0), seed=0)
+    rows = {False: SamplingRow(SamplingParams(temperature=0), seed=0),  # greedy rows, with or without a penalty
+            True: SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.1), seed=0)}
     shapes = warmup_shapes(runner, max_num_seqs, max_num_batched_tokens, num_drafts_for)
     t0 = time.perf_counter()
-    for kind, n, width in tqdm(shapes, desc="compiling step shapes", unit="shape", leave=False):
+    for kind, n, width, penalties in tqdm(shapes, desc="compiling step shapes", unit="shape", leave=False):
         if kind in ("verify", "propose"):
-            _compile_spec(runner, kind, n, num_drafts_for(n), num_spec_tokens, width, greedy)
+            _compile_spec(runner, kind, n, num_drafts_for(n), num_spec_tokens, width, rows[penalties])
         else:
-            _compile_step(runner, kind, n, width, greedy)
+            _compile_step(runner, kind, n, width, rows[penalties])
     seconds = time.perf_counter() - t0
     logger.info("compiled %d step shapes in %.1f s", len(shapes), seconds)
     return seconds

@@ -100,8 +100,9 @@ def _positions(s: SamplingArrays, draft_token_ids: jax.Array) -> SamplingArrays:
     j = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)  # [B*t]
     before = jnp.arange(k)[None, None, :] < jnp.arange(t)[None, :, None]  # [1, t, k]: draft i precedes position j
     prefix = jnp.where(before, draft_token_ids[:, None, :], -1).reshape(b * t, k)  # [B*t, k], -1 pads
-    output_ids = jnp.concatenate([rows.output_ids, prefix.astype(rows.output_ids.dtype)], axis=1)
-    return rows.replace(step=rows.step + j, output_ids=output_ids)
+    # Appended after the row's prompt and output ids (its penalty_ids), so counted as output.
+    penalty_ids = jnp.concatenate([rows.penalty_ids, prefix.astype(rows.penalty_ids.dtype)], axis=1)  # [B*t, W+k]
+    return rows.replace(step=rows.step + j, penalty_ids=penalty_ids)
 
 
 def _check_shapes(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: jax.Array | None,
@@ -137,7 +138,7 @@ def verify(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: ja
         from (each real row sums to 1). None: deterministic drafts, q_j = one-hot(draft j). Ignored by greedy rows.
       num_drafts: i32[B], in [0, k]: how many of the row's k draft slots are real.
       s: `SamplingArrays` of B rows for the block's first position: `step` is the index of the output token at
-        position 0, `output_ids` the row's output before the drafts (penalty rows), `suppress` its bans.
+        position 0, `penalty_ids` the row's prompt and output before the drafts (penalty rows), `suppress` its bans.
 
     Returns:
       VerifyOutput of B rows.
@@ -150,7 +151,8 @@ def verify(target_logits: jax.Array, draft_token_ids: jax.Array, draft_probs: ja
         bans EOS / stop ids until then), cap its num_drafts so that the whole block lies before min_tokens
         (step + num_drafts < min_tokens), or at 0.
       - Penalties are exact: position j counts the drafts before it as output tokens (they are, whenever j is
-        reached). For rows with penalties, `s.output_ids` must hold the row's output (SamplingArrays.build does).
+        reached). For rows with penalties, `s.penalty_ids` must hold the row's prompt and output
+        (SamplingArrays.build does).
       - A sampling row's draft_probs must be the exact distribution its drafts were drawn from, for the same prefix;
         the proposer may process its own logits any way it likes (temperature, top-k, ...), losslessness holds for
         any q.

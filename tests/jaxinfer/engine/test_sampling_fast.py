@@ -7,6 +7,8 @@ logprobs and top logprobs, bit for bit, whichever path it takes.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,8 @@ V = 1000
 B = 16
 LIMIT = V - 37  # an embedding table padded past the tokenizer's vocabulary
 _sample = jax.jit(sample)
+W = 64  # penalty_width: >= every row's prompt plus output ids here (a runner passes its longest context)
+_build = functools.partial(SamplingArrays.build, penalty_width=W)
 RANDOM_PRIMITIVES = {"random_bits", "random_seed", "random_fold_in", "random_wrap", "threefry2x32"}
 
 
@@ -81,7 +85,7 @@ def _logits(seed: int) -> np.ndarray:
 def test_sample_equals_the_full_path(name: str, params: list[P], vocab_limit: int) -> None:
     for seed in range(3):
         logits = _logits(seed)
-        s = SamplingArrays.build(_rows(params, seed, penalties=name != "greedy, no penalties"), B, V, vocab_limit)
+        s = _build(_rows(params, seed, penalties=name != "greedy, no penalties"), B, V, vocab_limit)
         out = _sample(logits, s)
         tokens, logprobs, top_values, top_ids = map(np.asarray, _full(logits, s))
         np.testing.assert_array_equal(np.asarray(out.token_ids), tokens, err_msg=f"{name}, seed {seed}")
@@ -96,7 +100,7 @@ def test_sample_equals_the_full_path(name: str, params: list[P], vocab_limit: in
 
 def test_greedy_and_sampled_paths_agree_on_a_greedy_batch() -> None:
     logits = _logits(7)
-    s = SamplingArrays.build(_rows(GREEDY, 7), B, V, LIMIT)
+    s = _build(_rows(GREEDY, 7), B, V, LIMIT)
     greedy = jax.jit(sampling._greedy_token_ids)(logits, s)
     full = jax.jit(sampling._sampled_token_ids)(logits, s)
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(full))
@@ -106,7 +110,7 @@ def test_gumbel_max_draws_as_jax_random_categorical() -> None:
     n, vocab = 1024, 64
     logits = np.random.default_rng(8).standard_normal((n, vocab)).astype(np.float32)
     rows = [SamplingRow(P(temperature=1.0), seed=3, step=t) for t in range(n)]
-    s = SamplingArrays.build(rows, n, vocab)
+    s = _build(rows, n, vocab)
     ours = jax.jit(sample)(logits, s).token_ids
     keys = sample_keys(s.seed, s.sample_index, s.step)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(jax.vmap(jax.random.categorical)(keys, logits)))
@@ -153,7 +157,7 @@ def _primitives(jaxpr: jax.extend.core.Jaxpr, skip: object = None) -> set[str]:
 
 
 def test_all_greedy_batch_runs_no_sort_and_no_random_bits() -> None:
-    s = SamplingArrays.build(_rows(GREEDY, 11), B, V, LIMIT)
+    s = _build(_rows(GREEDY, 11), B, V, LIMIT)
     jaxpr = jax.make_jaxpr(sample)(_logits(11), s).jaxpr
     conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
     costly = [(e, b.jaxpr) for e in conds for b in e.params["branches"]
@@ -169,6 +173,6 @@ def test_only_batches_with_sampled_rows_enter_the_sampled_path(monkeypatch: pyte
     monkeypatch.setattr(sampling, "_sampled_token_ids", refuse)
     logits = _logits(12)
     with jax.disable_jit():  # lax.cond then runs only the branch its concrete predicate picks
-        sample(logits, SamplingArrays.build(_rows(GREEDY, 12), B, V, LIMIT))
+        sample(logits, _build(_rows(GREEDY, 12), B, V, LIMIT))
         with pytest.raises(AssertionError, match="sampled path ran"):
-            sample(logits, SamplingArrays.build(_rows(GREEDY + SAMPLED[:1], 12), B, V, LIMIT))
+            sample(logits, _build(_rows(GREEDY + SAMPLED[:1], 12), B, V, LIMIT))

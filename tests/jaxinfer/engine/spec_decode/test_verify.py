@@ -19,12 +19,13 @@ from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
 
 ALPHA = 0.001  # significance of every chi-square goodness-of-fit test here
 N = 20_000  # seeded rows per distribution test, one jitted call
+PENALTY_WIDTH = 64  # >= every row's prompt plus output ids here
 _verify = jax.jit(verify)
 _sample = jax.jit(sample)
 
 
 def _arrays(rows: list[SamplingRow], vocab: int, batch: int | None = None) -> SamplingArrays:
-    return SamplingArrays.build(rows, batch or len(rows), vocab)
+    return SamplingArrays.build(rows, batch or len(rows), vocab, penalty_width=PENALTY_WIDTH)
 
 
 def _row(out: VerifyOutput, i: int) -> list[np.ndarray]:
@@ -198,8 +199,7 @@ def _widen(s: SamplingArrays, like: SamplingArrays) -> SamplingArrays:
     """`s` with its id lists padded with -1 to the widths of `like` (more padding, same meaning, same shapes)."""
     def pad(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.pad(x, ((0, 0), (0, y.shape[1] - x.shape[1])), constant_values=-1)
-    return s.replace(suppress=pad(s.suppress, like.suppress), prompt_ids=pad(s.prompt_ids, like.prompt_ids),
-                     output_ids=pad(s.output_ids, like.output_ids))
+    return s.replace(suppress=pad(s.suppress, like.suppress), penalty_ids=pad(s.penalty_ids, like.penalty_ids))
 
 
 @pytest.mark.parametrize("draft_probs", [True, False])

@@ -1,0 +1,58 @@
+"""Warm-up compiles every step shape a server meets, with and without penalty inputs: requests with penalties then
+compile nothing on the engine thread, and a neutral request's tokens do not change when a penalised one shares its
+steps (tiny random Llama-3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer import SamplingParams
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.warmup import warmup_shapes
+from tests.jaxinfer.engine.test_engine import Req, assert_idle, run
+from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir, random_prompts
+
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 2, 32
+PROMPTS = random_prompts(3, seed=5, min_len=10, max_len=30)  # one prefill chunk each
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PENALISED = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.8,
+                            frequency_penalty=1.5),
+             SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True, presence_penalty=1.0)]
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """A tiny engine warmed at start-up: 2 sequences, 32 tokens a step, one page-table width (8 pages of 8)."""
+    return Engine(EngineConfig(model=str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))), warmup=True,
+                               page_size=8, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                               max_model_len=64, kv_cache_memory_bytes=1 << 20))
+
+
+def _executables(engine: Engine) -> tuple[int, int]:
+    """(shapes the jitted step compiled on first use, executables warm-up compiled ahead of time)."""
+    return engine.runner._step._cache_size(), len(engine.runner._compiled)
+
+
+def test_warmup_compiles_each_shape_with_and_without_penalties(warm: Engine) -> None:
+    shapes = warmup_shapes(warm.runner, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
+    plain = {s[:3] for s in shapes if not s[3]}
+    assert plain and {s[:3] for s in shapes if s[3]} == plain
+    assert _executables(warm) == (0, len(shapes))  # every shape its own executable, none compiled by a call
+
+
+def test_penalised_requests_after_warmup_compile_nothing(warm: Engine) -> None:
+    """Penalised requests alone, then one joining a running neutral request (a one-chunk prefill next to a decode,
+    then decodes of two rows): every step runs a warm-up executable. The neutral request's tokens are the ones it
+    gets alone although its steps now carry the penalised row's ids, and the penalties change the tokens."""
+    before = _executables(warm)
+    alone = {i: run(warm, [Req(f"alone{i}", PROMPTS[i], GREEDY)]).tokens()[f"alone{i}"] for i in (0, 1)}
+    penalised = run(warm, [Req("penalised", PROMPTS[1], PENALISED[0])]).tokens()["penalised"]
+    sampled = run(warm, [Req("sampled", PROMPTS[2], PENALISED[1])]).tokens()["sampled"]
+    together = run(warm, [Req("neutral", PROMPTS[0], GREEDY)],
+                   arrivals={1: [Req("joining", PROMPTS[1], PENALISED[0])]}).tokens()
+    assert _executables(warm) == before
+    assert together["neutral"] == alone[0]
+    assert together["joining"] == penalised != alone[1]  # the penalties act, in either batch
+    assert len(sampled[0]) == 10
+    assert_idle(warm)
