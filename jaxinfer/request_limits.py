@@ -138,6 +138,13 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
     return list(messages)
 
 
+def name_hint(name: object, valid: Collection[str]) -> str:
+    """`name` as written (`show`), with " (did you mean 'x'?)" when one of `valid` is close: for errors that name an
+    unknown field, key or option."""
+    close = difflib.get_close_matches(name, list(valid), n=1) if isinstance(name, str) else []
+    return show(name) + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
 def _check_message_keys(message: dict, name: str) -> None:
     """Raises ValueError naming the first key of `message` that is not one of CHAT_MESSAGE_KEYS."""
     for key in message:
@@ -147,9 +154,7 @@ def _check_message_keys(message: dict, name: str) -> None:
         if key in UNSUPPORTED_CHAT_KEYS:
             raise ValueError(f"{name} has the key {key!r}, an OpenAI message key jaxinfer does not support "
                              f"({UNSUPPORTED_CHAT_KEYS[key]}); {keys}")
-        close = difflib.get_close_matches(key, CHAT_MESSAGE_KEYS, n=1) if isinstance(key, str) else []
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{name} has an unknown key {show(key)}{hint}; {keys}")
+        raise ValueError(f"{name} has an unknown key {name_hint(key, CHAT_MESSAGE_KEYS)}; {keys}")
 
 
 def check_against_model(params: SamplingParams, num_prompt_tokens: int, vocab_size: int, eos_ids: Collection[int],

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 
 import numpy as np
 
 from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                     MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, check_text, check_token_ids, show)
+                                     MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, check_text, check_token_ids, name_hint, show)
 
 __all__ = ["MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams"]
 
@@ -96,8 +95,7 @@ class SamplingParams:
         # the valid ones.
         unknown = [name for name in kwargs if name not in _FIELD_NAMES]
         if unknown:
-            hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
-                name, _FIELD_NAMES, n=1)) else repr(name) for name in unknown]
+            hints = [name_hint(name, _FIELD_NAMES) for name in unknown]
             raise TypeError(f"SamplingParams got unknown field(s) {', '.join(hints)}; the fields are "
                             f"{', '.join(_FIELD_NAMES)}")
         return super().__new__(cls)

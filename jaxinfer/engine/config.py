@@ -13,7 +13,6 @@ line reads it before jax loads; `DTYPES` and `KV_CACHE_DTYPES`, the jnp dtypes, 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -192,8 +191,8 @@ class EngineConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = [name for name in options if name not in fields]
         if unknown:
-            hints = [f"{name!r} (did you mean {' or '.join(close)}?)" if (close := difflib.get_close_matches(
-                name, fields, n=2)) else repr(name) for name in unknown]
+            from jaxinfer.request_limits import name_hint  # noqa: PLC0415 - see the TYPE_CHECKING import above
+            hints = [name_hint(name, fields) for name in unknown]
             raise ValueError(f"unknown engine option(s) {', '.join(hints)}; the options are the EngineConfig fields: "
                              f"{', '.join(sorted(fields))}")
         return cls(**{name: cls.normalize(name, value) for name, value in options.items()})

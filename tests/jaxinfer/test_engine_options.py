@@ -108,5 +108,5 @@ def test_llm_takes_every_field_as_a_keyword(fake_engine):
 def test_llm_names_an_unknown_keyword_and_the_close_fields(fake_engine):
     from jaxinfer import LLM
 
-    with pytest.raises(ValueError, match=r"unknown engine option\(s\) 'max_num_seq' \(did you mean max_num_seqs"):
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) 'max_num_seq' \(did you mean 'max_num_seqs'"):
         LLM(max_num_seq=4)

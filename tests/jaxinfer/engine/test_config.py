@@ -56,8 +56,8 @@ def test_unknown_options_are_named_with_the_close_fields():
     with pytest.raises(ValueError) as e:
         EngineConfig.create(max_num_seq=4, kv_cache_dtypes="int8", colour="red")
     message = str(e.value)
-    assert "unknown engine option(s) 'max_num_seq' (did you mean max_num_seqs" in message
-    assert "'kv_cache_dtypes' (did you mean kv_cache_dtype" in message and "'colour'; the options are" in message
+    assert "unknown engine option(s) 'max_num_seq' (did you mean 'max_num_seqs'?)" in message
+    assert "'kv_cache_dtypes' (did you mean 'kv_cache_dtype'?)" in message and "'colour'; the options are" in message
 
 
 def test_bad_values_still_raise_naming_the_field():

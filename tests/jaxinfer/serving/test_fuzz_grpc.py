@@ -20,11 +20,9 @@ from grpc_health.v1 import health_pb2
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.engine.config import EngineConfig
 from jaxinfer.request_limits import CHAT_ROLES
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
-from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
-from tests.jaxinfer.serving.test_server import ServerThread
+from tests.jaxinfer.serving.test_server import ServerThread, serve_tiny_chat
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None)
 MAX_MODEL_LEN = 96  # short: an accepted request generates at most this many tokens
@@ -121,9 +119,7 @@ def request_bytes(draw) -> bytes:
 
 @pytest.fixture(scope="module")
 def served_tiny(tmp_path_factory):
-    st_ = ServerThread(EngineConfig.create(model=str(make_tiny_chat_model(tmp_path_factory.mktemp("fuzz") / "tiny")),
-                                           **ENGINE))
-    st_.wait_serving()
+    st_ = serve_tiny_chat(tmp_path_factory.mktemp("fuzz"), **ENGINE)
     yield st_
     st_.stop()
 

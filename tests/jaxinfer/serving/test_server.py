@@ -80,6 +80,15 @@ class ServerThread:
         self.channel.close()
 
 
+def serve_tiny_chat(directory: Path, **engine) -> ServerThread:
+    """A serving `ServerThread` over a tiny random chat model built in `directory`, engine options `engine`."""
+    from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model  # noqa: PLC0415 - only these tests
+
+    st = ServerThread(EngineConfig.create(model=str(make_tiny_chat_model(directory / "tiny")), **engine))
+    st.wait_serving()
+    return st
+
+
 @pytest.fixture(scope="module")
 def served():
     st = ServerThread(EngineConfig(dtype="float32", max_num_seqs=48, max_num_batched_tokens=512,

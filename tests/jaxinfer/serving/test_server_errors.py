@@ -7,19 +7,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from jaxinfer.engine.config import EngineConfig
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
-from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
-from tests.jaxinfer.serving.test_server import ServerThread
+from tests.jaxinfer.serving.test_server import ServerThread, serve_tiny_chat
 
 ENGINE = dict(kv_cache_memory_bytes=4 << 20, max_model_len=512, max_num_seqs=4, warmup=False)
 
 
 @pytest.fixture(scope="module")
 def served_tiny(tmp_path_factory):
-    st = ServerThread(EngineConfig.create(model=str(make_tiny_chat_model(tmp_path_factory.mktemp("errors") / "tiny")),
-                                          **ENGINE))
-    st.wait_serving()
+    st = serve_tiny_chat(tmp_path_factory.mktemp("errors"), **ENGINE)
     yield st
     st.stop()
 
