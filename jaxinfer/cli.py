@@ -211,7 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--grace-seconds {args.grace_seconds} must be >= 0")
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 1")
-    from jaxinfer.serving.requests import ServerLimits
+    from jaxinfer.serving.served import ServerLimits
     from jaxinfer.serving.server import run
 
     config = EngineConfig.create(**options)

@@ -1,10 +1,9 @@
 """What the gRPC server checks and translates before a request reaches the engine: sampling values, chat messages
 and the prompt (tokenized here, off the event loop). The per-request limits are those of `jaxinfer.request_limits`, the
-same as the Python API's; `ServerLimits` holds only the server's own (request bytes, requests in flight)."""
+same as the Python API's; the server's own (request bytes, requests in flight) are `served.ServerLimits`."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 from jaxinfer.prompt import Prompt
@@ -14,19 +13,6 @@ from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-    """The server's own limits (those of a request's values are `jaxinfer.request_limits`, for every front end).
-
-    Attributes:
-      max_request_bytes: serialized request size; a larger request gets `INVALID_ARGUMENT`.
-      max_queued_requests: requests in flight (running or waiting) before new ones get `RESOURCE_EXHAUSTED`.
-    """
-
-    max_request_bytes: int = 1 << 20
-    max_queued_requests: int = 256
 
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",

@@ -1,9 +1,11 @@
 """The gRPC server: a thin translation layer between `jaxinfer.v1.JaxInfer` messages and `AsyncEngine` streams.
 
 1. `Server.start()` binds the port (grpc.aio) with the health and reflection services, reports `NOT_SERVING`,
-   and builds the `Engine` (weights, KV cache, warm-up compiles) in a worker thread; then it reports `SERVING`.
+   and starts the `ServedEngine` loading (unless another front end owns it); health turns `SERVING` when it is
+   ready, and `NOT_SERVING` when its loop dies or the server stops.
 2. `Generate` checks the request (bytes that do not parse, e.g. a string that is not UTF-8, in `wire.py`; size;
-   limits and sampling values, in `requests.py`: `INVALID_ARGUMENT` naming the field), refuses it with `RESOURCE_EXHAUSTED` when `max_queued_requests` are already in flight, and streams the
+   limits and sampling values, in `requests.py`: `INVALID_ARGUMENT` naming the field), refuses it with
+   `RESOURCE_EXHAUSTED` when `max_queued_requests` are already in flight (`ServedEngine.slot`), and streams the
    engine's `RequestOutput`s as `GenerateResponse`s: new token ids, text delta, logprobs; the last response carries
    `finish_reason` and usage.
 3. A cancelled call or a passed deadline cancels the handler; leaving the engine stream aborts the request, and
@@ -11,10 +13,10 @@
 4. Every handler ends an exception the same way (`_maps_errors`): `ValueError` -> `INVALID_ARGUMENT` with its
    message, a stopped engine -> `UNAVAILABLE`, anything else -> `INTERNAL` naming the exception (its traceback
    logged), never `UNKNOWN`; the other calls go on. If the engine loop stops (`AsyncEngine`), every stream gets
-   `UNAVAILABLE` naming the cause at once, later calls get it without waiting, and a watchdog flips health to
-   `NOT_SERVING` within half a second.
+   `UNAVAILABLE` naming the cause at once, later calls get it without waiting, and the `ServedEngine`'s watchdog
+   flips health to `NOT_SERVING` within half a second.
 5. `stop(grace_s)` refuses new calls, lets in-flight streams finish for `grace_s` seconds, cancels the rest, then
-   stops the engine.
+   stops the engine if this server owns it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import time
 from collections.abc import Callable
 
 import grpc
@@ -32,11 +33,10 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.engine.async_engine import AsyncEngine, EngineStoppedError
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.request_limits import check_token_ids
-from jaxinfer.serving.metrics import ServerMetrics
-from jaxinfer.serving.requests import ServerLimits, chat_ids, prompt_from_request, sampling_params_from_proto
+from jaxinfer.serving.requests import chat_ids, prompt_from_request, sampling_params_from_proto
+from jaxinfer.serving.served import Overloaded, ServedEngine, ServerLimits, Unavailable
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
 from jaxinfer.serving.wire import MalformedRequest, add_servicer
@@ -44,7 +44,6 @@ from jaxinfer.serving.wire import MalformedRequest, add_servicer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxInfer"].full_name  # "jaxinfer.v1.JaxInfer"
-_WATCHDOG_PERIOD_S = 0.5
 _DEADLINE_SLACK_S = 0.1
 
 
@@ -69,8 +68,10 @@ def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
         return e.code, str(e)
     if isinstance(e, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, EngineStoppedError):  # the engine loop stopped (an exception, or shutting down)
+    if isinstance(e, (EngineStoppedError, Unavailable)):  # not ready, stopping, or the engine loop stopped
         return grpc.StatusCode.UNAVAILABLE, str(e)
+    if isinstance(e, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
     return grpc.StatusCode.INTERNAL, _internal_error(e)
 
 
@@ -127,17 +128,11 @@ class JaxInferService(pb_grpc.JaxInferServicer):
         self._server = server
 
     def _ready(self) -> AsyncEngine:
-        """The engine, or `_Refused` (UNAVAILABLE) while the server is stopping, warming up or its engine is dead."""
-        engine = self._server.async_engine
+        """The engine, or `Unavailable` (UNAVAILABLE) while the server is stopping, warming up or its engine is
+        dead."""
         if self._server.stopping:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
-        if engine is None:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the model is warming up" if self._server.engine_error is None
-                           else f"the engine failed to start: {self._server.engine_error}")
-        if not engine.is_alive():
-            cause = "" if engine.error is None else f": {type(engine.error).__name__}: {engine.error}"
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"the engine loop has stopped{cause}")
-        return engine
+            raise Unavailable("the server is stopping")
+        return self._server.served.ready()
 
     def _check_request(self, request) -> None:
         """`_Refused` (INVALID_ARGUMENT) for a request that did not parse (naming the field) or is over the size
@@ -152,26 +147,20 @@ class JaxInferService(pb_grpc.JaxInferServicer):
     @_maps_errors
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = self._ready()
-        limits = self._server.limits
+        served = self._server.served
         self._check_request(request)
         params = sampling_params_from_proto(request.sampling)
         # Tokenizing a long prompt takes a while: in a worker thread, not on the event loop or engine thread.
         prompt = await asyncio.to_thread(prompt_from_request, request, engine.engine)
-        if self._server.in_flight >= limits.max_queued_requests:
-            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self._server.in_flight} requests in flight; the "
-                           f"server's limit is {limits.max_queued_requests}: retry later")
-        self._server.in_flight += 1
-        try:
+        with served.slot():  # RESOURCE_EXHAUSTED past the limit of requests in flight
             stream = engine.generate(prompt, params, request.request_id or None)
             out: RequestOutput | None = await anext(stream)  # admission: a ValueError names the field
-            self._server.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+            served.record_admitted(out)
             finished: set[int] = set()
             while out is not None:
                 for response in self._responses(out, finished):
                     yield response
                 out = None if out.finished else await anext(stream, None)
-        finally:
-            self._server.in_flight -= 1
 
     def _responses(self, out: RequestOutput, finished: set[int]) -> list[pb.GenerateResponse]:
         """One response per completion with new tokens or a new finish; usage rides on the request's last one."""
@@ -188,7 +177,7 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             if done:
                 finished.add(c.index)
                 msg.finish_reason = c.finish_reason
-            self._server.metrics.generated_tokens.inc(len(c.delta_token_ids))
+            self._server.served.record_tokens(len(c.delta_token_ids))
             responses.append(msg)
         if out.finished:
             usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),
@@ -197,9 +186,7 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             if not responses:
                 responses.append(pb.GenerateResponse(request_id=out.request_id))
             responses[-1].usage.CopyFrom(usage)
-            if out.metrics is not None:
-                rate = out.metrics.decode_tokens_per_s
-                self._server.metrics.record_finished(out.metrics.ttft_s, 1.0 / rate if rate > 0 else None)
+            self._server.served.record_finished(out)
         return responses
 
     @_maps_errors
@@ -242,25 +229,33 @@ class Server:
     """A jaxinfer gRPC server on one port.
 
     Args:
-      config: engine options (the engine is built by `start`).
+      config: engine options (the engine is built by `start`), or a `ServedEngine` that another front end shares
+        (then its owner starts and stops it).
       host, port: where to listen; port 0 picks a free one (see `port` after `start`).
-      limits: per-request limits.
+      limits: the server's limits (with a `ServedEngine`, its own apply).
       metrics_port: HTTP port of the Prometheus exporter; None: no exporter (metrics are still kept).
     """
 
-    def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", port: int = 50051,
+    def __init__(self, config: EngineConfig | ServedEngine, *, host: str = "127.0.0.1", port: int = 50051,
                  limits: ServerLimits = ServerLimits(), metrics_port: int | None = None) -> None:
-        self.config, self.host, self.port, self.limits = config, host, port, limits
-        self.metrics_port = metrics_port
-        self.async_engine: AsyncEngine | None = None
-        self.in_flight = 0
+        self._owns_engine = not isinstance(config, ServedEngine)
+        self.served = ServedEngine(config, limits) if self._owns_engine else config
+        self.host, self.port, self.metrics_port = host, port, metrics_port
         self.stopping = False
-        self.metrics = ServerMetrics(lambda: None if self.async_engine is None else self.async_engine.engine.stats())
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
-        self._watchdog: asyncio.Task | None = None
-        self._load_task: asyncio.Task | None = None
-        self.engine_error: BaseException | None = None
+        self.served.on_serving_change(lambda serving: self._set_health(
+            health_pb2.HealthCheckResponse.SERVING if serving and not self.stopping
+            else health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    # The shared engine's state, under the names the gRPC server has always had.
+    config = property(lambda self: self.served.config)
+    limits = property(lambda self: self.served.limits)
+    metrics = property(lambda self: self.served.metrics)
+    async_engine = property(lambda self: self.served.async_engine)
+    engine_error = property(lambda self: self.served.engine_error)
+    in_flight = property(lambda self: self.served.in_flight)
+    _load_task = property(lambda self: self.served.load_task)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -286,7 +281,8 @@ class Server:
             await self._grpc.stop(0)
             raise ValueError(f"cannot listen on {address}: in use, or not an address of this machine")
         self.port = bound
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING if self.served.serving
+                               else health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._grpc.start()
         if self.metrics_port is not None:
             try:
@@ -294,48 +290,22 @@ class Server:
             except OSError as e:
                 await self._grpc.stop(0)
                 raise ValueError(f"cannot serve metrics on {self.host}:{self.metrics_port}: {e}") from None
-        logger.info("listening on %s:%d; loading the model", self.host, self.port)
-        self._load_task = asyncio.get_running_loop().create_task(self._load())
-
-    async def _load(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            engine = await asyncio.to_thread(Engine, self.config)
-        except asyncio.CancelledError:  # stopped while loading: the load thread finishes, nothing is served
-            logger.info("start-up cancelled")
-            raise
-        except Exception as e:  # noqa: BLE001 - reported through health and the log (`serve` then exits)
-            if isinstance(e, ValueError):  # bad configuration or model: `serve` raises it (the CLI prints it once)
-                logger.debug("the engine failed to start: %s", e)
-            else:
-                logger.exception("the engine failed to start")
-            self.engine_error = e
-            return
-        self.async_engine = AsyncEngine(engine)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        logger.info("serving %s (ready in %.1f s)", engine.model_config.name, time.perf_counter() - t0)
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while not self.stopping:
-            await asyncio.sleep(_WATCHDOG_PERIOD_S)
-            if self.async_engine is not None and not self.async_engine.is_alive():
-                logger.error("the engine loop died; reporting NOT_SERVING")
-                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-                return
+        logger.info("gRPC listening on %s:%d", self.host, self.port)
+        if self._owns_engine:
+            logger.info("loading the model")
+            self.served.start()
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        """Stops accepting calls, lets streams in flight finish for `grace_s` seconds, cancels the rest."""
+        """Stops accepting calls, lets streams in flight finish for `grace_s` seconds, cancels the rest; then
+        stops the engine if this server owns it."""
         self.stopping = True
-        if self._load_task is not None and not self._load_task.done():
-            self._load_task.cancel()
+        if self._owns_engine:
+            self.served.stopping = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if self.async_engine is not None:
-            await asyncio.to_thread(self.async_engine.shutdown)
+        if self._owns_engine:
+            await self.served.stop()
 
     async def wait(self) -> None:
         if self._grpc is not None:

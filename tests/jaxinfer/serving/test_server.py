@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.prompt import Prompt
-from jaxinfer.serving.requests import ServerLimits, prompt_from_request
+from jaxinfer.serving.requests import prompt_from_request
+from jaxinfer.serving.served import ServerLimits
 from jaxinfer.serving.server import Server
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
@@ -345,8 +346,8 @@ def test_bad_requests_get_invalid_argument_naming_the_field(served, field):
 
 
 def test_queue_limit_gives_resource_exhausted(served):
-    limits = served.server.limits
-    served.server.limits = ServerLimits(max_queued_requests=2)
+    limits = served.server.served.limits
+    served.server.served.limits = ServerLimits(max_queued_requests=2)
     try:
         long = pb.SamplingParams(max_tokens=60, ignore_eos=True)
         calls = [served.stub.Generate(pb.GenerateRequest(text="Count:", sampling=long)) for _ in range(2)]
@@ -358,7 +359,7 @@ def test_queue_limit_gives_resource_exhausted(served):
         for call in calls:
             call.cancel()
     finally:
-        served.server.limits = limits
+        served.server.served.limits = limits
 
 
 def test_deadline_aborts_the_request(served):
