@@ -9,16 +9,19 @@ encoding of rendered prompts with message contents kept as plain text.
 * `_chat_template_from_config`: the template of a `tokenizer_config.json` (a string, or the
   `default` entry of a list of named templates).
 * `_compile_template` / `_render`: source -> `jinja2.Template`; messages -> prompt text.
-* `_content_spans`: the `(start, end)` character spans of a rendered prompt that came from message
-  contents, found by re-rendering with a unique placeholder per content (or, when the template
-  rewrites contents, by searching for them).
+* `_content_spans`: the `(start, end, message_index)` character spans of a rendered prompt that
+  came from message contents, found by re-rendering with a unique placeholder per content (or,
+  when the template rewrites contents, by searching for them).
+* `_chat_prompt`: messages -> prompt text and content spans, with HF's `add_generation_prompt`
+  and `continue_final_message` (the prompt cut right after the final message's content).
 * `_encode_rendered`: prompt text -> `list[int]`, special-token text recognised outside the
   content spans only.
 
 Errors: every failure is a `ValueError`: malformed messages, a template that does not compile
 or fails while rendering (syntax error, sandbox violation, `raise_exception(...)`, a Python error
-inside the template), a malformed `chat_template` config entry, or a content holding
-special-token text that a rewriting template makes impossible to locate.
+inside the template), a malformed `chat_template` config entry, a content holding
+special-token text that a rewriting template makes impossible to locate, or a final message that
+cannot be continued.
 """
 
 from __future__ import annotations
@@ -148,19 +151,23 @@ def _content_spans(
     messages: list[dict[str, Any]],
     contents: list[Any],
     rendered: str,
-) -> list[tuple[int, int]]:
+) -> list[tuple[int, int, int]]:
     """Character spans of `rendered` that came from message contents (user text).
 
     `render` renders a message list with the same template and arguments that produced `rendered`;
     `special_re` matches the vocabulary's special-token texts (None when it has none).
+
+    Returns:
+      `(start, end, message_index)` triples, sorted and non-overlapping; a content the template
+      writes twice has two spans, one it drops (or rewrites beyond recognition) has none.
     """
-    texts = [c for c in contents if isinstance(c, str) and c]
+    texts = [(i, c) for i, c in enumerate(contents) if isinstance(c, str) and c]
     if not texts:
         return []
     # Render once more with a unique placeholder for each content; if substituting the real
     # contents back reproduces `rendered`, the placeholders mark exactly where contents went.
     nonce = secrets.token_hex(8)
-    while any(nonce in t for t in texts):
+    while any(nonce in t for _, t in texts):
         nonce = secrets.token_hex(8)
     marker = re.compile("\ue000" + nonce + r"_(\d+)\ue001")
     ph_messages = []
@@ -174,7 +181,7 @@ def _content_spans(
     except ValueError:
         ph_rendered = None  # the template inspects contents; use the fallback below
     if ph_rendered is not None:
-        spans: list[tuple[int, int]] = []
+        spans: list[tuple[int, int, int]] = []
         out: list[str] = []
         pos = 0
         last = 0
@@ -182,9 +189,10 @@ def _content_spans(
             piece = ph_rendered[last : m.start()]
             out.append(piece)
             pos += len(piece)
-            content = contents[int(m.group(1))]
+            index = int(m.group(1))
+            content = contents[index]
             out.append(content)
-            spans.append((pos, pos + len(content)))
+            spans.append((pos, pos + len(content), index))
             pos += len(content)
             last = m.end()
         out.append(ph_rendered[last:])
@@ -195,12 +203,12 @@ def _content_spans(
     logger.debug("chat template rewrites message contents; locating them by search")
     spans = []
     cursor = 0
-    for text in texts:
+    for index, text in texts:
         found = False
         for candidate in (text, text.strip()):
             idx = rendered.find(candidate, cursor) if candidate else -1
             if idx >= 0:
-                spans.append((idx, idx + len(candidate)))
+                spans.append((idx, idx + len(candidate), index))
                 cursor = idx + len(candidate)
                 found = True
                 break
@@ -212,12 +220,69 @@ def _content_spans(
     return spans
 
 
+def _chat_prompt(
+    render: Callable[[list[dict[str, Any]], bool], str],
+    special_re: re.Pattern[str] | None,
+    messages: Any,
+    add_generation_prompt: bool | None,
+    continue_final_message: bool,
+    locate: bool,
+) -> tuple[str, list[tuple[int, int, int]]]:
+    """The prompt text of `messages` and the spans of their contents in it.
+
+    `render(messages, add_generation_prompt)` renders with the model's template. With
+    `continue_final_message` the prompt is rendered without a generation prompt and cut right
+    after the last place the final message's content went (HF's rule: it is the model's turn to
+    continue that message, so no end-of-turn follows). A content the template writes verbatim
+    is kept whole, trailing whitespace included; one it trims (found by search) ends where its
+    stripped text ends.
+
+    Args:
+      messages: checked with `_check_messages`; copied, never modified.
+      add_generation_prompt: None means `not continue_final_message`.
+      locate: compute the content spans (they are always computed to continue a message);
+        otherwise the spans come back empty.
+
+    Returns:
+      `(text, spans)`, spans as in `_content_spans`, all inside `text`.
+
+    Raises:
+      ValueError: malformed messages; `add_generation_prompt` and `continue_final_message` both
+        True; continuing with no messages, a final message without text content, or one whose
+        content the rendered template does not contain; any `_render` / `_content_spans` error.
+    """
+    _check_messages(messages)
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final_message
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message are both True; choose one: "
+                         "start a new assistant turn, or continue the final message")
+    msgs = [dict(m) for m in messages]
+    if continue_final_message and (not msgs or not msgs[-1].get("content")):
+        got = msgs[-1].get("content") if msgs else "no messages"
+        raise ValueError(f"continue_final_message needs a final message with non-empty str content, got {got!r}")
+    rendered = render(msgs, add_generation_prompt)
+    if not (locate or continue_final_message):
+        return rendered, []
+    spans = _content_spans(lambda ms: render(ms, add_generation_prompt), special_re, msgs,
+                           [m.get("content") for m in msgs], rendered)
+    if not continue_final_message:
+        return rendered, spans
+    final = len(msgs) - 1
+    ends = [e for _, e, i in spans if i == final]
+    if not ends:
+        raise ValueError(f"continue_final_message: the final message's content (messages[{final}]) does not appear "
+                         "in the rendered chat template, which drops or rewrites it, so it cannot be continued")
+    cut = ends[-1]
+    return rendered[:cut], [span for span in spans if span[1] <= cut]
+
+
 def _encode_rendered(
     backend: _Backend,
     special_texts: Mapping[str, int],
     special_re: re.Pattern[str] | None,
     rendered: str,
-    content_spans: list[tuple[int, int]],
+    content_spans: list[tuple[int, int, int]],
 ) -> list[int]:
     """Encodes template output: specials allowed outside `content_spans`, plain inside."""
     if special_re is None:
@@ -225,7 +290,7 @@ def _encode_rendered(
     all_matches = [(m.start(), m.end()) for m in special_re.finditer(rendered)]
     # Special tokens found in the template's own text only (each template segment scanned alone).
     bounds = [0]
-    for s, e in content_spans:
+    for s, e, _ in content_spans:
         bounds += [s, e]
     bounds.append(len(rendered))
     kept: list[tuple[int, int]] = []

@@ -22,13 +22,7 @@ from typing import Any
 import jinja2
 
 from jaxinfer.tokenizer.backends import _alternation, _Backend, _HFBackend, _SpecialConfig, _SPBackend
-from jaxinfer.tokenizer.chat_template import (
-    _check_messages,
-    _compile_template,
-    _content_spans,
-    _encode_rendered,
-    _render,
-)
+from jaxinfer.tokenizer.chat_template import _chat_prompt, _compile_template, _encode_rendered, _render
 from jaxinfer.tokenizer.gguf_convert import _from_gguf_metadata, _gguf_tokenizer_metadata
 from jaxinfer.tokenizer.hf_dir import _load_hf_dir
 
@@ -312,7 +306,8 @@ class Tokenizer:
     def render_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Renders `messages` with the model's chat template, for display or logging.
@@ -320,7 +315,13 @@ class Tokenizer:
         Args:
           messages: list of dicts with a str `role` and a str (or None) `content`; other keys
             are passed to the template unchanged.
-          add_generation_prompt: append the header that starts the assistant's turn.
+          add_generation_prompt: append the header that starts the assistant's turn. None (the
+            default) means True, or False when `continue_final_message` is set.
+          continue_final_message: render without a generation prompt and end the text right
+            after the final message's content, so that the model continues that message (a
+            partial assistant reply, say): nothing the template writes after it, such as the
+            end-of-turn token, is kept. As in HF transformers, the cut follows the last place the
+            content went; a content the template trims ends where its stripped text ends.
           **template_kwargs: extra template variables (e.g. `tools`).
 
         Returns:
@@ -329,15 +330,18 @@ class Tokenizer:
 
         Raises:
           ValueError: no chat template, malformed messages, or the template failed (syntax
-            error, sandbox violation, `raise_exception(...)`).
+            error, sandbox violation, `raise_exception(...)`); `add_generation_prompt` and
+            `continue_final_message` both True; with `continue_final_message`, no messages, a
+            final message with None or empty content, or a template whose output does not
+            contain that content.
         """
-        _check_messages(messages)
-        return self._render([dict(m) for m in messages], add_generation_prompt, template_kwargs)
+        return self._chat_prompt(messages, add_generation_prompt, continue_final_message, template_kwargs, False)[0]
 
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template.
@@ -347,7 +351,10 @@ class Tokenizer:
         metadata asks for it, unless the rendered prompt already starts with it.
 
         Args:
-          messages, add_generation_prompt, template_kwargs: as in `render_chat_template`.
+          messages, add_generation_prompt, continue_final_message, template_kwargs: as in
+            `render_chat_template`. With `continue_final_message` the ids end with the final
+            content's tokens: a prefix of the ids with `add_generation_prompt=False` when the
+            template follows the content with a special token (as ChatML's `<|im_end|>`).
 
         Returns:
           list[int], the prompt ids.
@@ -356,14 +363,15 @@ class Tokenizer:
           ValueError: as `render_chat_template`; also when a template rewrites message contents
             so that they cannot be located in its output *and* a content holds special-token text.
         """
-        _check_messages(messages)
-        msgs = [dict(m) for m in messages]
-        rendered = self._render(msgs, add_generation_prompt, template_kwargs)
-        contents = [m.get("content") for m in msgs]
-        spans = _content_spans(lambda ms: self._render(ms, add_generation_prompt, template_kwargs), self._special_re,
-                               msgs, contents, rendered)
+        rendered, spans = self._chat_prompt(messages, add_generation_prompt, continue_final_message, template_kwargs,
+                                            True)
         ids = _encode_rendered(self._backend, self._special_texts, self._special_re, rendered, spans)
         return self._maybe_add_bos(ids, None)
+
+    def _chat_prompt(self, messages: Any, add_generation_prompt: bool | None, continue_final_message: bool,
+                     kwargs: Mapping[str, Any], locate: bool) -> tuple[str, list[tuple[int, int, int]]]:
+        return _chat_prompt(lambda ms, gen: self._render(ms, gen, kwargs), self._special_re, messages,
+                            add_generation_prompt, continue_final_message, locate)
 
     def _template(self) -> jinja2.Template:
         if self._jinja_template is None:
