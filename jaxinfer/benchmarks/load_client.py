@@ -189,7 +189,7 @@ async def start_server(server_args: list[str], log: Path, timeout_s: float
                        ) -> tuple[asyncio.subprocess.Process, str, str | None]:
     """Launches `jaxinfer serve --port 0 ...`; returns it, the HOST:PORT it prints on stdout, and its metrics URL
     (None unless `server_args` has `--metrics-port`)."""
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", *server_args]
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0", *server_args]
     with open(log, "wb") as err:
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=err)
     prefix = b"jaxinfer: serving gRPC on "

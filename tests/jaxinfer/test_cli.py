@@ -58,7 +58,7 @@ def test_kv_cache_dtype_reaches_the_engine_and_a_bad_one_exits_2(command: str, m
     import signal
 
     from jaxinfer import cli, llm
-    from jaxinfer.serving import server
+    from jaxinfer.serving import serve
 
     seen = {}
 
@@ -74,7 +74,7 @@ def test_kv_cache_dtype_reaches_the_engine_and_a_bad_one_exits_2(command: str, m
         raise Stop
 
     monkeypatch.setattr(llm, "LLM", fake_llm)
-    monkeypatch.setattr(server, "run", fake_run)
+    monkeypatch.setattr(serve, "run", fake_run)
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # serve's early stop handlers would exit pytest
     args = [command, "--kv-cache-dtype", "fp8"] + (["--prompt", "x"] if command == "generate" else [])
     with pytest.raises(Stop):

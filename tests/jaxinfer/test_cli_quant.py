@@ -64,7 +64,7 @@ def test_convert_quantized_then_generate_from_it(tmp_path):
 ])
 def test_bad_quantization_exits_2_with_one_line(command, value, message, tmp_path):
     args = {"generate": ["--prompt", "x"], "convert": ["--output", str(tmp_path / "out")],
-            "serve": ["--port", "0", "--no-warmup"]}[command]
+            "serve": ["--port", "0", "--http-port", "0", "--no-warmup"]}[command]
     done = _finish(_start(command, *args, "--quantization", value))
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if "error" in line]

@@ -74,8 +74,8 @@ def test_bad_speculative_config_exits_2_with_one_line(config: str, message: str)
 
 def test_serve_rejects_a_bad_speculative_config_before_starting():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--no-warmup",
-                           "--speculative-config", '{"method": "ngram", "k": 2}'],
+    done = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0",
+                           "--no-warmup", "--speculative-config", '{"method": "ngram", "k": 2}'],
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]

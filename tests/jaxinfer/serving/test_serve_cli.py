@@ -37,7 +37,8 @@ def _collect(call, responses: list, errors: list) -> None:
 
 @pytest.mark.slow
 def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_and_exits_0():
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--no-warmup", "--grace-seconds", str(GRACE_S),
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0", "--no-warmup",
+           "--grace-seconds", str(GRACE_S),
            "--kv-cache-memory-bytes", str(256 << 20)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -109,8 +110,8 @@ def test_bad_serve_flags_exit_2():
     # The last two fail only when the engine starts (after the port is bound): serve must exit, not stay up.
     for args in (["--port", "70000"], ["--max-queued-requests", "0"], ["--model", "/no/such/model.gguf"],
                  ["--metrics-port", "-5"], ["--grace-seconds", "-1"], ["--host", "nosuchhost.invalid", "--no-warmup"],
-                 ["--process-id", "1"], ["--port", "0", "--no-warmup", "--tp", "2"],
-                 ["--port", "0", "--no-warmup", "--ep", "2"]):
+                 ["--process-id", "1"], ["--port", "0", "--http-port", "0", "--no-warmup", "--tp", "2"],
+                 ["--port", "0", "--http-port", "0", "--no-warmup", "--ep", "2"]):
         r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", *args], capture_output=True, text=True,
                            timeout=120, cwd=ROOT, env=env)
         # One line of ours, last, no traceback; flags checked before anything starts print nothing else (before,
@@ -126,8 +127,8 @@ def test_bad_serve_flags_exit_2():
 @pytest.mark.slow
 @pytest.mark.parametrize("delay_s", [0.2, 2.0])  # while importing / while the model loads
 def test_a_stop_signal_during_start_up_exits_0_quietly(delay_s):
-    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--no-warmup"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0",
+                             "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     time.sleep(delay_s)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)

@@ -1,0 +1,324 @@
+"""The OpenAI-compatible HTTP API (FastAPI), a front end of a `ServedEngine` beside the gRPC server.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (200 while serving,
+else 503), `GET /metrics` (the server's Prometheus registry), `POST /tokenize`, `POST /detokenize` (vLLM's).
+
+1. Every `/v1` route checks the bearer token first when the server has an API key (401). A generation request
+   is read by `_read_body` (size limit: 413; bytes that are not UTF-8 JSON: 400), validated by its pydantic model
+   (`protocol.py`: unknown fields and wrong types are a 400 naming the field), translated (`translate.py`, the
+   Python API's checks), and takes one `ServedEngine.slot()` per prompt (429 past the server's limit).
+2. Each prompt's first output is awaited before the response starts, so a request the engine refuses (a prompt
+   that does not fit the context, an id out of the vocabulary) is a 400, never a broken stream.
+3. A client that goes away aborts its requests at once (their KV pages are freed by the engine): a streamed
+   response's generator is cancelled by Starlette when the client disconnects; a non-streamed request is raced
+   against `streams.disconnected`.
+4. Errors have OpenAI's shape (`responses.error_body`): 400 bad value, 401, 404 unknown model or route, 413, 429,
+   503 not serving, 500 for anything else with the exception's type only (its traceback goes to the log).
+   An error after a stream started is sent as a last `data: {"error": ...}` event before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxinfer.engine.async_engine import AsyncEngine, EngineStoppedError
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.prompt import Prompt
+from jaxinfer.request_limits import check_text, check_token_ids, name_hint
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.serving.openai.streams import close, disconnected, first_outputs, last_outputs, merged
+from jaxinfer.serving.openai import translate
+from jaxinfer.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                              TokenizeRequest)
+from jaxinfer.serving.openai.responses import Shaper, error_body, sse
+from jaxinfer.serving.served import Overloaded, ServedEngine, Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+class HTTPError(Exception):
+    """An error response: HTTP status, message, OpenAI error type, and the field it concerns."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
+def _error_response(e: Exception) -> JSONResponse:
+    """The JSON error response of an exception (see the module docstring for the statuses)."""
+    if isinstance(e, HTTPError):
+        status, message, type_, param = e.status, e.message, e.type, e.param
+    elif isinstance(e, ValueError):
+        status, message, type_, param = 400, str(e), "invalid_request_error", None
+    elif isinstance(e, Overloaded):
+        status, message, type_, param = 429, str(e), "rate_limit_error", None
+    elif isinstance(e, (Unavailable, EngineStoppedError)):
+        status, message, type_, param = 503, str(e), "service_unavailable_error", None
+    elif isinstance(e, StarletteHTTPException):
+        status, message, type_, param = e.status_code, str(e.detail), "invalid_request_error", None
+        type_ = "not_found_error" if status == 404 else type_
+    else:
+        logger.exception("internal error", exc_info=e)
+        status, message, type_, param = 500, f"internal error ({type(e).__name__}); see the server log", \
+            "internal_error", None
+    return JSONResponse(error_body(message, type_, param, status), status_code=status)
+
+
+def _answers_errors(handler):
+    """Wraps a route handler: any exception it raises becomes its error response (`_error_response`)."""
+    @functools.wraps(handler)
+    async def answer(*args, **kwargs) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - every error is answered; unexpected ones are logged
+            return _error_response(e)
+
+    return answer
+
+
+async def _route_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    return _error_response(e)
+
+
+def _validation_message(e: ValidationError, model: type[BaseModel]) -> tuple[str, str | None]:
+    """The first problem of a pydantic error as one line naming the field, and the field."""
+    err = e.errors(include_url=False)[0]
+    loc = err["loc"]
+    field = ".".join(str(p) for p in loc) or None
+    if err["type"] == "extra_forbidden":
+        return f"unknown field {name_hint(str(loc[-1]), model.model_fields)}", field
+    if err["type"] == "missing":
+        return f"{field} is required", field
+    return f"{field}: {err['msg']}", field
+
+
+class OpenAIApp:
+    """The HTTP front end of a `ServedEngine`.
+
+    Args:
+      served: the engine, shared with the other front ends (its owner starts and stops it).
+      model_name: the name `/v1/models` lists and requests must give as `model` (or omit).
+      api_key: when set, every `/v1` route needs `Authorization: Bearer <api_key>`.
+
+    Attributes:
+      app: the FastAPI application (an ASGI app, for uvicorn).
+    """
+
+    def __init__(self, served: ServedEngine, model_name: str, api_key: str | None = None) -> None:
+        self.served, self.model_name, self.api_key = served, model_name, api_key
+        self.app = app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(StarletteHTTPException, _route_error)  # unknown route (404), wrong method (405)
+        for path, handler, method in (("/v1/completions", self.completions, "POST"),
+                                      ("/v1/chat/completions", self.chat_completions, "POST"),
+                                      ("/v1/models", self.models, "GET"), ("/health", self.health, "GET"),
+                                      ("/metrics", self.metrics, "GET"), ("/tokenize", self.tokenize, "POST"),
+                                      ("/detokenize", self.detokenize, "POST")):
+            app.add_api_route(path, _answers_errors(handler), methods=[method])
+
+    # --- request checks ---
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                            "authentication_error")
+
+    async def _read_body(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        """The request body as `model`: read up to the size limit, decoded as UTF-8 JSON, validated."""
+        limit = self.served.limits.max_request_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise HTTPError(413, f"the body is {length} bytes; the server's limit is {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"the body is over the server's limit of {limit} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise HTTPError(400, f"the body is not valid UTF-8 (byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise HTTPError(400, f"the body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, f"the body must be a JSON object, got {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            message, field = _validation_message(e, model)
+            raise HTTPError(400, message, param=field) from None
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise HTTPError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                            "not_found_error", "model")
+
+    def _check_supported(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        field = body.unsupported()
+        if field is not None:
+            raise HTTPError(400, f"{field} is not supported by this server yet", param=field)
+
+    # --- generation ---
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._read_body(request, CompletionRequest)
+        engine = self._start(body)
+        params = translate.completion_params(body)
+        prompts = await asyncio.to_thread(translate.completion_prompts, body, engine.engine)
+        echo = ([engine.engine.tokenizer.decode(p.token_ids, skip_special_tokens=False) for p in prompts]
+                if body.echo else None)
+        return await self._generate(request, engine, body, params, prompts, chat=False, echo=echo)
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._read_body(request, ChatCompletionRequest)
+        engine = self._start(body)
+        params = translate.chat_params(body)
+        prompt = await asyncio.to_thread(translate.chat_prompt, body, engine.engine)
+        return await self._generate(request, engine, body, params, [prompt], chat=True, echo=None)
+
+    def _start(self, body: CompletionRequest | ChatCompletionRequest) -> AsyncEngine:
+        self._check_model(body.model)
+        self._check_supported(body)
+        return self.served.ready()
+
+    async def _generate(self, request: Request, engine: AsyncEngine, body, params: SamplingParams,
+                        prompts: Sequence[Prompt], chat: bool, echo: list[str] | None) -> Response:
+        tokenizer = engine.engine.tokenizer
+        shaper = Shaper(chat, self.model_name, params.n, params.logprobs,
+                        lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        slots = contextlib.ExitStack()
+        try:
+            for _ in prompts:
+                slots.enter_context(self.served.slot())  # 429 past the limit of requests in flight
+            streams = [engine.generate(p, params) for p in prompts]
+            firsts = await self._until_disconnect(request, first_outputs(streams))
+            for out in firsts:
+                self.served.record_admitted(out)
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                events = self._events(shaper, streams, firsts, echo, include_usage, slots.pop_all())
+                return StreamingResponse(events, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            outs = await self._until_disconnect(request, last_outputs(streams, firsts, self.served))
+            for out in outs:
+                for c in out.outputs:
+                    if c.finish_reason == "error":
+                        raise RuntimeError(f"generation failed: {c.error}")
+            return JSONResponse(shaper.whole(outs, echo))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            slots.close()
+
+    async def _until_disconnect(self, request: Request, work):
+        """Awaits `work`; if the client disconnects first, cancels it (aborting its requests): `_ClientGone`."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise _ClientGone
+        return task.result()
+
+    async def _events(self, shaper: Shaper, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
+                      echo: list[str] | None, include_usage: bool, slots: contextlib.ExitStack) -> AsyncIterator[str]:
+        """The SSE stream of a request: a chunk per completion with new tokens, the usage chunk, `[DONE]`."""
+        started: set[tuple[int, int]] = set()
+        last = list(firsts)
+        try:
+            async for p, out in merged(streams, firsts):
+                last[p] = out
+                for c in out.outputs:
+                    first = (p, c.index) not in started
+                    if c.finish_reason == "error":
+                        yield sse(error_body(f"generation failed: {c.error}", "internal_error", None, 500))
+                        yield sse("[DONE]")
+                        return
+                    chunk = shaper.chunk(p, c, first, echo[p] if echo else "")
+                    if chunk is not None:
+                        started.add((p, c.index))
+                        self.served.record_tokens(len(c.delta_token_ids))
+                        yield sse(chunk)
+                if out.finished:
+                    self.served.record_finished(out)
+            if include_usage:
+                yield sse(shaper.usage_chunk(last))
+        except Exception as e:  # noqa: BLE001 - the stream has started: the error is its last event
+            response = _error_response(e)
+            yield sse(json.loads(response.body))
+        finally:
+            slots.close()
+            await close(streams)
+        yield sse("[DONE]")
+
+    # --- other routes ---
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        engine = self.served.async_engine
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer",
+                "root": self.served.config.model, "parent": None}
+        if engine is not None:
+            card["max_model_len"] = engine.engine.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self) -> Response:
+        if self.served.serving:
+            return Response(status_code=200)
+        try:
+            self.served.ready()
+            message = "not serving"
+        except Unavailable as e:
+            message = str(e)
+        return JSONResponse(error_body(message, "service_unavailable_error", None, 503), status_code=503)
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.served.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        body = await self._read_body(request, TokenizeRequest)
+        self._check_model(body.model)
+        engine = self.served.ready().engine
+        if (body.prompt is None) == (body.messages is None):
+            raise HTTPError(400, "give one of prompt and messages")
+        if body.messages is not None:
+            ids = list((await asyncio.to_thread(translate.chat_prompt, body, engine, False)).token_ids)
+        else:
+            add_bos = None if body.add_special_tokens else False  # None: as the model's metadata says
+            ids = await asyncio.to_thread(engine.tokenizer.encode, check_text("prompt", body.prompt), add_bos)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        body = await self._read_body(request, DetokenizeRequest)
+        self._check_model(body.model)
+        engine = self.served.ready().engine
+        ids = check_token_ids("tokens", body.tokens, engine.model_config.vocab_size)
+        return JSONResponse({"prompt": engine.tokenizer.decode(ids)})

@@ -1,0 +1,144 @@
+"""Engine outputs -> OpenAI response bodies (plain dicts, serialized by the app): completions and chat
+completions, whole or as server-sent-event chunks, with usage and logprobs in OpenAI's shapes.
+
+Choice indices: a request with several prompts (`/v1/completions` with a list) numbers its choices
+`prompt_index * n + completion_index`, as OpenAI does.
+
+Source: the OpenAI API reference (the completion, chat completion and chunk objects).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+
+TokenText = Callable[[int], str]
+
+
+def new_id(kind: str) -> str:
+    """A response id, `cmpl-...` or `chatcmpl-...`."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: int | str | None = None) -> dict:
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage(outs: Sequence[RequestOutput]) -> dict:
+    """Prompt, completion and total tokens over a request's prompts, and the prompt tokens served from the
+    prefix cache (`prompt_tokens_details.cached_tokens`)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely of an output token's {id: logprob} (the top k plus the sampled token)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, float]], k: int, text_of: TokenText,
+                        offset: int) -> dict:
+    """The `logprobs` of a completion choice: `tokens`, `token_logprobs`, `top_logprobs` (k per token, by token
+    text) and `text_offset` (characters from `offset`, where this span of the choice's text starts)."""
+    tokens = [text_of(t) for t in token_ids]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{text_of(t): lp for t, lp in _top(e, k)} for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, float]], k: int, text_of: TokenText) -> dict:
+    """The `logprobs` of a chat choice: `content`, one `{token, logprob, bytes, top_logprobs}` per token."""
+    def item(t: int, lp: float) -> dict:
+        text = text_of(t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    return {"content": [item(t, e[t]) | {"top_logprobs": [item(u, lp) for u, lp in _top(e, k)]}
+                        for t, e in zip(token_ids, entries)]}
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    """OpenAI's finish reason: "stop" or "length"; an aborted or failed completion is reported as "stop" with
+    the error raised separately by the caller."""
+    return None if c.finish_reason is None else ("length" if c.finish_reason == "length" else "stop")
+
+
+class Shaper:
+    """Builds one request's response bodies.
+
+    Args:
+      chat: chat completions (else completions).
+      model: the served model name.
+      n: completions per prompt (for choice indices).
+      logprobs: top logprobs per token, or None for no logprobs.
+      text_of: a token id's text, for logprobs.
+    """
+
+    def __init__(self, chat: bool, model: str, n: int, logprobs: int | None, text_of: TokenText) -> None:
+        self.chat, self.model, self.n, self.k, self.text_of = chat, model, n, logprobs, text_of
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, chunk: bool) -> dict:
+        return {"id": self.id, "object": self.object + (".chunk" if chunk and self.chat else ""),
+                "created": self.created, "model": self.model}
+
+    def _logprobs(self, c: CompletionOutput, start: int, offset: int) -> dict | None:
+        if self.k is None or c.logprobs is None:
+            return None
+        ids, entries = c.token_ids[start:], c.logprobs[start:]
+        return (chat_logprobs(ids, entries, self.k, self.text_of) if self.chat
+                else completion_logprobs(ids, entries, self.k, self.text_of, offset))
+
+    def whole(self, outs: Sequence[RequestOutput], echo: Sequence[str] | None = None) -> dict:
+        """The response to a non-streamed request: every prompt's finished output (in prompt order)."""
+        choices = []
+        for p, out in enumerate(outs):
+            for c in out.outputs:
+                index = p * self.n + c.index
+                if self.chat:
+                    choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": self._logprobs(c, 0, 0), "finish_reason": finish_reason(c)})
+                else:
+                    prefix = echo[p] if echo else ""
+                    choices.append({"index": index, "text": prefix + c.text,
+                                    "logprobs": self._logprobs(c, 0, len(prefix)), "finish_reason": finish_reason(c)})
+        return self._head(False) | {"choices": choices, "usage": usage(outs)}
+
+    def chunk(self, p: int, c: CompletionOutput, first: bool, echo: str = "") -> dict | None:
+        """The chunk of one completion's new tokens (None when there is nothing new): the first chat chunk of a
+        choice carries the role; a completion's first chunk starts with `echo` (its prompt's text when echoed;
+        pass it with every chunk, for the logprobs' text offsets)."""
+        index = p * self.n + c.index
+        new = len(c.delta_token_ids)
+        if not new and not first and c.finish_reason is None:
+            return None
+        start = len(c.token_ids) - new
+        offset = len(echo) + len(c.text) - len(c.delta_text)
+        if self.chat:
+            delta = ({"role": "assistant", "content": c.delta_text} if first else {"content": c.delta_text})
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": (echo if first else "") + c.delta_text}
+        choice |= {"logprobs": self._logprobs(c, start, offset) if new else None,
+                   "finish_reason": finish_reason(c)}
+        return self._head(True) | {"choices": [choice]}
+
+    def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict:
+        """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
+        return self._head(True) | {"choices": [], "usage": usage(outs)}

@@ -1,0 +1,160 @@
+"""OpenAI request bodies -> what the engine takes: `SamplingParams`, `Prompt`s, chat messages.
+
+The checks are those of the Python API and gRPC (`SamplingParams`, `jaxinfer.request_limits.check_chat`,
+`Engine.make_prompt`), so the three front ends accept the same values with the same messages; what is HTTP's own
+is here: OpenAI's defaults (`max_tokens` 16 for completions, the rest of the context for chat, as vLLM), content
+part lists, `add_generation_prompt` / `continue_final_message`, and the fields that only make sense together.
+
+Source: the OpenAI API reference (Completions, Chat Completions); vLLM's OpenAI-compatible server docs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jaxinfer.prompt import Prompt
+from jaxinfer.request_limits import check_chat, show
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import Engine
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+# A GGUF file name's quantization suffix: "-Q4_1", ".Q4_K_M", "-f16", "-bf16", "-IQ3_XS", ...
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|[Ff]16|[Bb][Ff]16|[Ff]32)$")
+
+
+def served_model_name(model: str | None) -> str:
+    """The default `--served-model-name`: the model file's or folder's name without its quantization suffix
+    (`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`); None, the default model, likewise."""
+    if model is None:
+        from jaxinfer.loading.loader import DEFAULT_MODEL_FILE
+
+        model = DEFAULT_MODEL_FILE
+    path = Path(model.rstrip("/"))
+    name = path.stem if path.suffix.lower() == ".gguf" else path.name
+    return _QUANT_SUFFIX.sub("", name) or name
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+              logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        n=body.n, max_tokens=max_tokens, logprobs=logprobs, seed=body.seed, stop=body.stop,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
+        skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output)
+
+
+def completion_params(body: CompletionRequest) -> SamplingParams:
+    """The `SamplingParams` of a `/v1/completions` body.
+
+    Raises:
+      ValueError: naming the field: a value out of range (as `SamplingParams`), `best_of` other than `n`, `echo`
+        with `logprobs` (that needs prompt logprobs).
+    """
+    _check(body.best_of is None or body.best_of == body.n,
+           f"best_of={show(body.best_of)} is not supported: only best_of equal to n ({body.n})")
+    _check(not (body.echo and body.logprobs is not None),
+           "echo with logprobs is not supported (it needs the prompt's logprobs): set one of them")
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    return _sampling(body, max_tokens, body.logprobs)
+
+
+def chat_params(body: ChatCompletionRequest) -> SamplingParams:
+    """The `SamplingParams` of a `/v1/chat/completions` body: `max_completion_tokens` wins over `max_tokens`
+    (None: up to the context limit); `top_logprobs` needs `logprobs: true` (then it defaults to 0).
+
+    Raises:
+      ValueError: naming the field, as `completion_params`.
+    """
+    _check(body.top_logprobs is None or body.logprobs,
+           "top_logprobs needs logprobs: true")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+
+
+def _content_text(content: object, name: str) -> object:
+    """A message's content: a string as it is; OpenAI content parts of type "text" joined by newlines (as vLLM
+    joins them); anything else is left for `check_chat` to name."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        _check(isinstance(part, dict), f"{name}[{j}] must be a content part {{'type': 'text', 'text': ...}}, "
+                                       f"got {type(part).__name__}")
+        kind = part.get("type")
+        _check(kind == "text", f"{name}[{j}].type={show(kind)} is not supported: this server takes text parts only")
+        _check(set(part) <= {"type", "text"}, f"{name}[{j}] has keys other than 'type' and 'text': "
+                                              f"{sorted(set(part) - {'type', 'text'})}")
+        _check(isinstance(part.get("text"), str), f"{name}[{j}].text must be a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_messages(body: ChatCompletionRequest | TokenizeRequest, for_generation: bool = True) -> list[dict]:
+    """The body's messages as `check_chat` checks them (content part lists joined first).
+
+    Raises:
+      ValueError: naming `messages[i]...`: as `check_chat`; a content part that is not text; both
+        `add_generation_prompt` and `continue_final_message`; `continue_final_message` without a last assistant
+        message.
+    """
+    _check(isinstance(body.messages, list), "messages must be a list")
+    _check(not (body.add_generation_prompt and body.continue_final_message),
+           "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
+           "false to continue the final message")
+    messages = [dict(m, content=_content_text(m["content"], f"messages[{i}].content"))
+                if isinstance(m, dict) and "content" in m else m for i, m in enumerate(body.messages)]
+    messages = check_chat(messages, body.add_generation_prompt and for_generation, name="messages")
+    if body.continue_final_message:
+        _check(messages[-1]["role"] == "assistant",
+               "continue_final_message needs the last message to be the assistant's (the reply to continue)")
+    return messages
+
+
+def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, engine: Engine, for_generation: bool = True) -> Prompt:
+    """The chat's `Prompt` (its template applied; call it off the event loop).
+
+    Raises:
+      ValueError: as `chat_messages`, or the template's own error.
+    """
+    messages = chat_messages(body, for_generation)
+    kwargs = dict(body.chat_template_kwargs or {})
+    for key in ("messages", "add_generation_prompt", "continue_final_message"):
+        _check(key not in kwargs, f"chat_template_kwargs must not set {key!r}: it is a field of the request")
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                               continue_final_message=body.continue_final_message, **kwargs)
+    return Prompt(tuple(ids), cache_salt=getattr(body, "cache_salt", None))
+
+
+def completion_prompts(body: CompletionRequest, engine: Engine) -> list[Prompt]:
+    """The prompts of a `/v1/completions` body: one text, a list of texts, one list of token ids or a list of
+    them; tokenized here (call it off the event loop).
+
+    Raises:
+      ValueError: naming `prompt` (or `prompt[i]`): empty, not valid text, ids outside the vocabulary.
+    """
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    _check(len(prompt) > 0, "prompt must not be empty")
+    out = []
+    for i, p in enumerate(prompt):
+        name = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        _check(len(p) > 0, f"{name} must not be empty")
+        try:
+            out.append(engine.make_prompt(p, cache_salt=body.cache_salt))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    return out
