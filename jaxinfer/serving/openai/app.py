@@ -25,6 +25,7 @@ import functools
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -66,7 +67,7 @@ def _error_response(e: Exception) -> JSONResponse:
     if isinstance(e, HTTPError):
         status, message, type_, param = e.status, e.message, e.type, e.param
     elif isinstance(e, ValueError):
-        status, message, type_, param = 400, str(e), "invalid_request_error", None
+        status, message, type_, param = 400, str(e), "invalid_request_error", _param(str(e))
     elif isinstance(e, Overloaded):
         status, message, type_, param = 429, str(e), "rate_limit_error", None
     elif isinstance(e, (Unavailable, EngineStoppedError)):
@@ -100,13 +101,30 @@ async def _route_error(request: Request, e: StarletteHTTPException) -> JSONRespo
 def _validation_message(e: ValidationError, model: type[BaseModel]) -> tuple[str, str | None]:
     """The first problem of a pydantic error as one line naming the field, and the field."""
     err = e.errors(include_url=False)[0]
-    loc = err["loc"]
-    field = ".".join(str(p) for p in loc) or None
+    loc = list(err["loc"])
+    field = str(loc[0]) if loc else None
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     if err["type"] == "extra_forbidden":
-        return f"unknown field {name_hint(str(loc[-1]), model.model_fields)}", field
+        return f"unknown field {name_hint(field, model.model_fields) if len(loc) == 1 else repr(path)}", field
     if err["type"] == "missing":
-        return f"{field} is required", field
-    return f"{field}: {err['msg']}", field
+        return f"{path} is required", field
+    info = model.model_fields.get(field) if field is not None else None
+    expected = str(info.annotation).replace("typing.", "").replace(" | None", "") if info is not None else ""
+    if " | " in expected and len(loc) > 1 and isinstance(loc[1], str):
+        # a union (prompt, stop, ...): pydantic names the first alternative it tried; name them all
+        return f"{field} must be {expected}, got {type(err.get('input')).__name__}", field
+    return f"{path}: {err['msg']}", field
+
+
+# Fields whose name starts a `SamplingParams` / translation error ("temperature=...", "prompt[1]: ..."): the
+# error's `param`.
+_PARAM = re.compile(r"^([a-z_]+)(?:\[\d+\])?[=:. ]")
+_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+
+
+def _param(message: str) -> str | None:
+    match = _PARAM.match(message)
+    return match.group(1) if match and match.group(1) in _FIELDS else None
 
 
 class OpenAIApp:
@@ -285,7 +303,7 @@ class OpenAIApp:
         self._authorize(request)
         engine = self.served.async_engine
         card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer",
-                "root": self.served.config.model, "parent": None}
+                "root": self.served.config.model or self.model_name, "parent": None}
         if engine is not None:
             card["max_model_len"] = engine.engine.max_model_len
         return JSONResponse({"object": "list", "data": [card]})

@@ -1,0 +1,208 @@
+"""The OpenAI HTTP API driven through the official `openai` client (and raw HTTP where the client would not send
+the request): shapes, streaming, parameters, usage, logprobs, disconnects, and agreement with gRPC and `LLM`."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from jaxinfer import SamplingParams
+from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
+from tests.jaxinfer.serving.http_server import API_KEY
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def client(both_servers) -> openai.OpenAI:
+    return openai.OpenAI(base_url=both_servers.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _grpc_greedy(stub, text: str, max_tokens: int) -> list[int]:
+    ids = []
+    for r in stub.Generate(pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens,
+                                                                                     temperature=0.0))):
+        ids += list(r.token_ids)
+    return ids
+
+
+def _tokens(servers, text: str) -> list[int]:
+    return httpx.post(servers.base_url + "/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+def test_models_health_and_metrics(both_servers):
+    models = httpx.get(both_servers.base_url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
+    assert models["data"][0]["max_model_len"] == both_servers.engine.max_model_len
+    assert httpx.get(both_servers.base_url + "/health").status_code == 200
+    metrics = httpx.get(both_servers.base_url + "/metrics")
+    assert metrics.status_code == 200 and "jaxinfer_kv_pages_total" in metrics.text
+
+
+def test_greedy_completions_equal_grpc_and_llm_generate(client, both_servers, smollm2_llm):
+    """The same prompts, greedy, through three front ends: token for token the same."""
+    http = [client.completions.create(model=both_servers.model_name, prompt=p, max_tokens=12, temperature=0)
+            for p in PROMPTS]
+    offline = smollm2_llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+    for p, resp, ref in zip(PROMPTS, http, offline):
+        grpc_ids = _grpc_greedy(both_servers.stub, p, 12)
+        assert grpc_ids == ref.outputs[0].token_ids
+        assert resp.choices[0].text == ref.outputs[0].text
+        assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+        assert resp.usage.prompt_tokens == len(ref.prompt_token_ids) == len(_tokens(both_servers, p))
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+        assert resp.choices[0].finish_reason == "length" and resp.object == "text_completion"
+
+
+def test_a_list_of_prompts_and_token_ids_give_one_choice_each(client, both_servers):
+    single = [client.completions.create(model=both_servers.model_name, prompt=p, max_tokens=6, temperature=0)
+              for p in PROMPTS[:2]]
+    many = client.completions.create(model=both_servers.model_name, prompt=PROMPTS[:2], max_tokens=6, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert [c.text for c in many.choices] == [s.choices[0].text for s in single]
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in single)
+    ids = client.completions.create(model=both_servers.model_name, prompt=_tokens(both_servers, PROMPTS[0]),
+                                    max_tokens=6, temperature=0)
+    assert ids.choices[0].text == single[0].choices[0].text
+
+
+def test_streamed_completion_equals_the_whole_one_and_reports_usage(client, both_servers):
+    whole = client.completions.create(model=both_servers.model_name, prompt=PROMPTS[2], max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=both_servers.model_name, prompt=PROMPTS[2], max_tokens=16,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_whole_streamed_and_content_parts_agree(client, both_servers, smollm2_llm):
+    name = both_servers.model_name
+    whole = client.chat.completions.create(model=name, messages=CHAT, max_tokens=20, temperature=0)
+    ref = smollm2_llm.chat(CHAT, SamplingParams(max_tokens=20, temperature=0.0))[0]
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == ref.outputs[0].text
+    assert whole.usage.prompt_tokens == len(ref.prompt_token_ids) and whole.object == "chat.completion"
+    chunks = list(client.chat.completions.create(model=name, messages=CHAT, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
+    parts = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                                   {"type": "text", "text": "colours."}]}]
+    joined = [CHAT[0], {"role": "user", "content": "Name three\ncolours."}]
+    assert (client.chat.completions.create(model=name, messages=parts, max_tokens=8, temperature=0)
+            .choices[0].message.content ==
+            client.chat.completions.create(model=name, messages=joined, max_tokens=8, temperature=0)
+            .choices[0].message.content)
+
+
+def test_continue_final_message_continues_the_assistant_reply(client, both_servers):
+    name = both_servers.model_name
+    partial = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    body = {"model": name, "messages": partial, "max_tokens": 4, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    cont = httpx.post(both_servers.base_url + "/v1/chat/completions", json=body, timeout=60).json()
+    # The continuation is what the model generates after the same text given as a raw completion prompt.
+    rendered = both_servers.engine.tokenizer.apply_chat_template(partial, add_generation_prompt=False,
+                                                                 continue_final_message=True)
+    raw = client.completions.create(model=name, prompt=rendered, max_tokens=4, temperature=0)
+    assert cont["choices"][0]["message"]["content"] == raw.choices[0].text
+    both = dict(body, add_generation_prompt=True)
+    r = httpx.post(both_servers.base_url + "/v1/chat/completions", json=both, timeout=60)
+    assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
+
+
+def test_n_seed_and_stop(client, both_servers):
+    name = both_servers.model_name
+    kw = dict(model=name, prompt=PROMPTS[2], max_tokens=10, temperature=1.0, n=3, seed=1234)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # same seed, same samples
+    assert len({c.text for c in a.choices}) > 1  # the n samples differ from each other
+    assert a.usage.completion_tokens == 30
+    greedy = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=16, temperature=0).choices[0].text
+    stop = greedy.split()[2]  # a word the greedy text reaches
+    cut = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert greedy.startswith(cut.choices[0].text)
+
+
+def test_echo_and_completion_logprobs(client, both_servers):
+    name = both_servers.model_name
+    echo = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3)
+    assert echo.choices[0].text == PROMPTS[0] + plain.choices[0].text
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == plain.usage.completion_tokens
+    assert "".join(lp.tokens) == plain.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and value <= 0
+        assert math.isclose(value, max(top.values()), rel_tol=1e-6)  # greedy: the sampled token is the top one
+        assert top[token] == value
+    assert sum(math.exp(v) for v in lp.top_logprobs[0].values()) <= 1 + 1e-5
+
+
+def test_chat_logprobs_shape(client, both_servers):
+    r = client.chat.completions.create(model=both_servers.model_name, messages=CHAT, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert bytes(t.bytes).decode() == t.token
+    bad = httpx.post(both_servers.base_url + "/v1/chat/completions",
+                     json={"messages": CHAT, "top_logprobs": 2}, timeout=30)
+    assert bad.status_code == 400 and "top_logprobs" in bad.json()["error"]["message"]
+
+
+def test_api_key_is_required_on_v1_routes(both_servers):
+    url = f"http://127.0.0.1:{both_servers.keyed.port}"
+    body = {"prompt": "Hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/health").status_code == 200  # probes need no key
+    keyed = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    assert keyed.completions.create(model=both_servers.model_name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def _stream_some(base_url: str, model: str, i: int, disconnect: bool) -> int:
+    """Streams one chat; with `disconnect`, closes the connection after 3 chunks. Returns the chunks read."""
+    body = {"model": model, "messages": [{"role": "user", "content": f"Count from {i} upwards."}],
+            "max_tokens": 40, "temperature": 0.7, "seed": i, "ignore_eos": True, "stream": True}
+    seen, finish = 0, None
+    with httpx.Client(timeout=120) as http, http.stream("POST", base_url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk
+            finish = chunk["choices"][0]["finish_reason"] or finish
+            seen += 1
+            if disconnect and seen == 3:
+                return seen  # leaving the block closes the connection mid-stream
+    assert finish == "length"
+    return seen
+
+
+def test_twenty_concurrent_streams_some_disconnecting_free_every_page(both_servers):
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        jobs = [pool.submit(_stream_some, both_servers.base_url, both_servers.model_name, i, i % 3 == 0)
+                for i in range(20)]
+        seen = [j.result() for j in jobs]
+    assert all(s == 3 for s in seen[::3])
+    assert all(s > 3 for i, s in enumerate(seen) if i % 3)
+    stats = both_servers.wait_idle()
+    assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
