@@ -30,6 +30,12 @@ MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_STRING_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 32  # stop token ids per request
 MAX_TEMPERATURE = 1e4  # far past where sampling is uniform; larger values only overflow f32 arithmetic
+# repetition_penalty in [MIN, MAX]: 1 disables, below 1 favours seen tokens, above 1 disfavours them. Past these
+# bounds the penalty only saturates (a seen token is as good as forced / banned), and near 0 the sampler's f32
+# `logit / penalty` overflows to inf. Both bounds are exact or round up in float32, so a gRPC client (whose floats
+# are float32) can send them as written.
+MIN_REPETITION_PENALTY = 0.05
+MAX_REPETITION_PENALTY = 10.0
 # Width of the sampler's per-row banned ids (EOS and stop ids before min_tokens): fixed, so that one compiled step
 # serves every request. MAX_STOP_TOKEN_IDS stop ids plus up to 32 EOS ids fit.
 SUPPRESS_WIDTH = 64
