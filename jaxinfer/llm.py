@@ -77,8 +77,8 @@ class LLM:
         """Generates completions for the prompts.
 
         Args:
-          prompts: a string, a `{"prompt_token_ids": [...]}` dict, a `Prompt`, or a list of those (each made a
-            `Prompt` once, by `Engine.make_prompt`).
+          prompts: a string, a `{"prompt_token_ids": [...]}` or `{"prompt": text}` dict (not both keys), a
+            `Prompt`, or a list of those (each made a `Prompt` once, by `Engine.make_prompt`).
           sampling_params: one for all prompts or one per prompt; default `SamplingParams()`.
           on_output: streaming callback `(prompt index, new token ids, new text)` of the first sample, called as
             steps produce tokens. Text that could still become part of a stop string is held back until it cannot.

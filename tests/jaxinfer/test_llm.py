@@ -155,6 +155,8 @@ def test_bad_prompts_raise_and_engine_keeps_working(smollm2_llm: LLM) -> None:
     (lambda llm: llm.generate("Hi", SamplingParams(max_tokens=2), on_output=5),
      "on_output must be a callable .* got int"),
     (lambda llm: llm.generate({"prompt": "Hi", "max_tokens": 3}), r"unknown key\(s\) 'max_tokens'"),
+    (lambda llm: llm.generate({"prompt": "Hi", "prompt_token_ids": [1, 2]}),
+     "has both 'prompt' and 'prompt_token_ids'; give one of them"),
     (lambda llm: llm.chat("hello"), r"messages must be a list of \{'role', 'content'\} dicts, got str"),
     (lambda llm: llm.chat([{"role": "wizard", "content": "hi"}]), r"messages\[0\].role='wizard' is not one of"),
     (lambda llm: llm.chat([PARIS_CHAT, [{"role": "user"}]]), r"messages\[1\]\[0\].content must be a string"),
