@@ -131,7 +131,9 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
         raise ValueError(f"{name} must not be empty")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+            kind = type(m).__name__
+            raise ValueError(f"{name}[{i}] is {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}; a message is a dict "
+                             "with 'role' and 'content'")
         _check_message_keys(m, f"{name}[{i}]")
         if m.get("role") not in CHAT_ROLES:
             raise ValueError(f"{name}[{i}].role={show(m.get('role'))} is not one of {', '.join(CHAT_ROLES)}")
