@@ -11,7 +11,8 @@
 The engine options are the `EngineConfig` fields (`jaxinfer.engine.config`), as flags of their dashed names
 (`--max-model-len N`, `--warmup` / `--no-warmup`, ...): each field's metadata gives its help text and which
 subcommands take it. Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input
-exits with status 2 and one line on stderr.
+exits with status 2 and one line on stderr; a request the engine failed (finish_reason "error") exits with status 1
+and one line on stderr giving the engine's reason.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import sys
 import time
 
 from jaxinfer.benchmarks import cli as bench_cli
-from jaxinfer.cli_parser import Parser, print_error
+from jaxinfer.cli_parser import Parser, error_line, print_error
 from jaxinfer.engine.config import EngineConfig  # no jax: the flags are built before jax loads
+
+EXIT_REQUEST_FAILED = 1  # `generate`: the engine failed the request (finish_reason "error")
 
 # Command-line value types of the fields' annotations; fields with a normaliser take their text as typed.
 _FLAG_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str, "bool": bool}
@@ -53,9 +56,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, timing, "
-                          "quantization, weight_bytes; with --speculative-config also the speculative counters) "
-                          "instead of streaming text")
+                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, error, "
+                          "timing, quantization, weight_bytes; with --speculative-config also the speculative "
+                          "counters) instead of streaming text")
     gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
     _add_engine_options(gen, "generate")
     _add_multihost_options(gen)
@@ -305,6 +308,7 @@ def _generate(args: argparse.Namespace) -> int:
             "token_ids": completion.token_ids,
             "text": completion.text,
             "finish_reason": completion.finish_reason,
+            "error": completion.error,  # why the engine failed the request; null unless finish_reason is "error"
             "ttft_s": round(out.metrics.ttft_s, 4),
             "decode_tokens_per_s": round(out.metrics.decode_tokens_per_s, 2),
             "quantization": None if llm.engine.quantization is None else dataclasses.asdict(llm.engine.quantization),
@@ -325,11 +329,14 @@ def _generate(args: argparse.Namespace) -> int:
                 llm.engine.spec_policy.step_k(1), llm.engine.spec_policy.max_step_tokens,
                 stats["spec_accepted_tokens"], stats["spec_draft_tokens"],
                 100 * stats["spec_acceptance_rate"], stats["spec_tokens_per_decode_step"])
+    if completion.finish_reason == "error":
+        sys.stderr.write(error_line(f"the request failed: {completion.error}"))
+        return EXIT_REQUEST_FAILED
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `jaxinfer` command; returns the exit status (2 for bad input)."""
+    """Entry point of the `jaxinfer` command; returns the exit status (2 for bad input, 1 for a failed request)."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,

@@ -77,8 +77,8 @@ class LLM:
         """Generates completions for the prompts.
 
         Args:
-          prompts: a string, a `{"prompt_token_ids": [...]}` dict, a `Prompt`, or a list of those (each made a
-            `Prompt` once, by `Engine.make_prompt`).
+          prompts: a string, a `{"prompt_token_ids": [...]}` or `{"prompt": text}` dict (not both keys), a
+            `Prompt`, or a list of those (each made a `Prompt` once, by `Engine.make_prompt`).
           sampling_params: one for all prompts or one per prompt; default `SamplingParams()`.
           on_output: streaming callback `(prompt index, new token ids, new text)` of the first sample, called as
             steps produce tokens. Text that could still become part of a stop string is held back until it cannot.
@@ -152,20 +152,24 @@ class LLM:
             must not be the assistant's (continuing a message is not supported).
 
         Raises:
-          ValueError: malformed messages, naming the message (`jaxinfer.request_limits.check_chat`: not a list, an
-            unknown key or role, content or name that is not text), or a template error, plus everything
-            `generate` raises.
+          ValueError: malformed messages, naming the message (`jaxinfer.request_limits.check_chat`: not a list, a
+            message that is not a dict, an unknown key or role, content or name that is not text), checked for
+            every conversation before any is rendered; or a template error, plus everything `generate` raises.
         """
         if not isinstance(add_generation_prompt, bool):
             raise ValueError(f"add_generation_prompt={add_generation_prompt!r} must be True or False")
         if not isinstance(messages, (list, tuple)) or not messages:
             check_chat(messages)  # raises, naming what messages is
-        several = not isinstance(messages[0], dict)  # a list of conversations
-        conversations = [(f"messages[{i}]", conv) for i, conv in enumerate(messages)] if several else \
-            [("messages", messages)]
+        # A list of conversations starts with a list; anything else is one conversation, whose messages
+        # check_chat names one by one (`chat(["hello"])`: messages[0] is a str, not a message). Every
+        # conversation is checked before any is rendered.
+        if isinstance(messages[0], (list, tuple)):
+            conversations = [check_chat(conv, add_generation_prompt, name=f"messages[{i}]")
+                             for i, conv in enumerate(messages)]
+        else:
+            conversations = [check_chat(messages, add_generation_prompt)]
         prompts = []
-        for name, conv in conversations:
-            conv = check_chat(conv, add_generation_prompt, name=name)
+        for conv in conversations:
             ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             prompts.append(Prompt(tuple(ids), text=self.tokenizer.decode(ids, skip_special_tokens=False)))
         return self.generate(prompts, sampling_params, on_output=on_output)

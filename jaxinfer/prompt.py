@@ -59,36 +59,37 @@ def make_prompt(prompt: Prompt | str | dict | Sequence[int] | np.ndarray, encode
     """Turns a prompt into a `Prompt`, tokenizing text here, once.
 
     Args:
-      prompt: text, token ids (ints or numpy integers, or a 1-D integer array), `{"prompt_token_ids": [...],
-        "prompt": text}` or `{"prompt": text}` (either dict may carry `"cache_salt"`; no other key), or a `Prompt`
-        (not tokenized again; its ids are checked).
+      prompt: text, token ids (ints or numpy integers, or a 1-D integer array), `{"prompt_token_ids": [...]}` or
+        `{"prompt": text}` (one of the two; either dict may carry `"cache_salt"`; no other key), or a `Prompt`
+        (not tokenized again; its ids are checked; `Prompt(ids, text=...)` carries both).
       encode: the tokenizer's text -> token ids.
       vocab_size: ids must lie in [0, vocab_size).
       cache_salt: the prompt's prefix-cache salt; when given, it wins over one the prompt carries.
 
     Raises:
       ValueError: naming the field: a cache salt that is not a non-empty string, an empty text, text that is not
-        valid Unicode (a lone surrogate), ids outside the vocabulary, a dict with an unknown key or a value of the
-        wrong type, or an unsupported prompt type.
+        valid Unicode (a lone surrogate), ids outside the vocabulary, a dict with an unknown key, with both
+        'prompt' and 'prompt_token_ids' (which of them would be the prompt?) or a value of the wrong type, or an
+        unsupported prompt type.
     """
     if isinstance(prompt, dict):
         unknown = [k for k in prompt if k not in PROMPT_DICT_KEYS]
         if unknown:
             raise ValueError(f"prompt dict has unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
                              f"{', '.join(PROMPT_DICT_KEYS)}")
+        if "prompt" in prompt and "prompt_token_ids" in prompt:
+            raise ValueError("a dict prompt has both 'prompt' and 'prompt_token_ids'; give one of them (a text "
+                             "'prompt', tokenized here, or 'prompt_token_ids')")
         if "prompt_token_ids" not in prompt and not isinstance(prompt.get("prompt"), str):
             got = "" if "prompt" not in prompt else f" (its 'prompt' is of type {type(prompt['prompt']).__name__})"
             raise ValueError(f"a dict prompt needs 'prompt_token_ids' or a text 'prompt'{got}")
         cache_salt = prompt.get("cache_salt") if cache_salt is None else cache_salt
-        text = prompt.get("prompt")
-        if text is not None:
-            check_text("prompt['prompt']", text)
         if "prompt_token_ids" not in prompt:
-            prompt = text  # a text prompt dict, as vLLM's {"prompt": text}
+            prompt = check_text("prompt['prompt']", prompt["prompt"])  # a text prompt dict, as vLLM's {"prompt": text}
         else:
             check_cache_salt(cache_salt)
             ids = check_token_ids("prompt_token_ids", prompt["prompt_token_ids"], vocab_size)
-            return Prompt(ids, text=text, cache_salt=cache_salt)
+            return Prompt(ids, cache_salt=cache_salt)
     elif isinstance(prompt, Prompt) and cache_salt is None:
         cache_salt = prompt.cache_salt
     check_cache_salt(cache_salt)

@@ -30,6 +30,12 @@ MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_STRING_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 32  # stop token ids per request
 MAX_TEMPERATURE = 1e4  # far past where sampling is uniform; larger values only overflow f32 arithmetic
+# repetition_penalty in [MIN, MAX]: 1 disables, below 1 favours seen tokens, above 1 disfavours them. Past these
+# bounds the penalty only saturates (a seen token is as good as forced / banned), and near 0 the sampler's f32
+# `logit / penalty` overflows to inf. Both bounds are exact or round up in float32, so a gRPC client (whose floats
+# are float32) can send them as written.
+MIN_REPETITION_PENALTY = 0.05
+MAX_REPETITION_PENALTY = 10.0
 # Width of the sampler's per-row banned ids (EOS and stop ids before min_tokens): fixed, so that one compiled step
 # serves every request. MAX_STOP_TOKEN_IDS stop ids plus up to 32 EOS ids fit.
 SUPPRESS_WIDTH = 64
@@ -125,7 +131,9 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
         raise ValueError(f"{name} must not be empty")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"{name}[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+            kind = type(m).__name__
+            raise ValueError(f"{name}[{i}] is {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}; a message is a dict "
+                             "with 'role' and 'content'")
         _check_message_keys(m, f"{name}[{i}]")
         if m.get("role") not in CHAT_ROLES:
             raise ValueError(f"{name}[{i}].role={show(m.get('role'))} is not one of {', '.join(CHAT_ROLES)}")

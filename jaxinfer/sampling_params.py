@@ -7,8 +7,9 @@ import math
 
 import numpy as np
 
-from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                     MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, check_text, check_token_ids, name_hint, show)
+from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
+                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY,
+                                     check_text, check_token_ids, name_hint, show)
 
 __all__ = ["MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams"]
 
@@ -43,7 +44,8 @@ class SamplingParams:
       min_p: keep tokens whose probability (after temperature) is >= min_p times the most likely token's; in
         [0, 1], 0 disables.
       repetition_penalty: CTRL penalty (Keskar et al. 2019) for tokens that appear in the prompt or the output:
-        a positive logit is divided by it, a negative one multiplied; > 0, 1 disables.
+        a positive logit is divided by it, a negative one multiplied; in [MIN_REPETITION_PENALTY,
+        MAX_REPETITION_PENALTY] ([0.05, 10]), 1 disables.
       presence_penalty: subtracted once from the logit of every token that appears in the output (OpenAI
         semantics); in [-2, 2].
       frequency_penalty: subtracted from a token's logit once per time it appears in the output; in [-2, 2].
@@ -120,9 +122,9 @@ class SamplingParams:
             raise ValueError(f"top_p={show(top_p)} must be in (0, 1]")
         if not _is_finite(min_p) or not 0 <= min_p <= 1:
             raise ValueError(f"min_p={show(min_p)} must be in [0, 1]")
-        if not _is_finite(repetition_penalty) or repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={show(repetition_penalty)} must be a finite number > 0 "
-                             "(1 disables)")
+        lo, hi = MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        if not _is_finite(repetition_penalty) or not lo <= repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty={show(repetition_penalty)} must be in [{lo:g}, {hi:g}] (1 disables)")
         if not _is_finite(presence_penalty) or not -2 <= presence_penalty <= 2:
             raise ValueError(f"presence_penalty={show(presence_penalty)} must be in [-2, 2]")
         if not _is_finite(frequency_penalty) or not -2 <= frequency_penalty <= 2:

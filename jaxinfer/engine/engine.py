@@ -145,8 +145,8 @@ class Engine:
 
         Args:
           prompt: a `Prompt` (taken as it is: not tokenized again), or anything `make_prompt` takes (text, token
-            ids, `{"prompt_token_ids": [...], "prompt": text}`; either dict may carry `"cache_salt"`), which goes
-            through `make_prompt` once.
+            ids, `{"prompt_token_ids": [...]}` or `{"prompt": text}`, not both; either may carry `"cache_salt"`),
+            which goes through `make_prompt` once.
           params: sampling parameters (default `SamplingParams()`).
           request_id: unique id; one is assigned when None.
           cache_salt: requests with different salts never share prefix-cache pages (e.g. one salt per tenant);

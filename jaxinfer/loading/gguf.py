@@ -95,7 +95,7 @@ def read_gguf_header(path: str | os.PathLike) -> dict:
     Raises:
       ValueError: naming the file: empty, not a GGUF file (no magic bytes), a GGUF version other than 2 or 3,
         truncated (it ends inside its header or before the end of its last tensor's data: an interrupted download
-        or copy), or a header that does not parse.
+        or copy), a header that does not parse, or one that lists no tensors (a vocabulary-only file).
     """
     name = repr(os.fspath(path))
     truncated = f"{name} is truncated: it ends inside its GGUF header, at {{}} bytes (an interrupted download or copy?)"
@@ -118,6 +118,8 @@ def read_gguf_header(path: str | os.PathLike) -> dict:
             raise ValueError(truncated.format(size)) from None
         except _BadHeader as e:
             raise ValueError(f"{name} is not a valid GGUF file: {e}") from None
+    if last is None:
+        raise ValueError(f"{name} holds no tensors: its GGUF header lists no weights (a vocabulary-only GGUF?)")
     alignment = meta.get("general.alignment", _GGUF_DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"{name} is not a valid GGUF file: general.alignment={alignment!r} is not a power of two")
@@ -130,7 +132,7 @@ def read_gguf_header(path: str | os.PathLike) -> dict:
 
 def _scan_header(r: _HeaderReader) -> tuple[dict, int, int, str | None]:
     """(metadata, where the header ends, where the last tensor's data ends past the data section's start, that
-    tensor's name) of the header after the version.
+    tensor's name, None when the header lists no tensors) of the header after the version.
 
     Raises:
       _EndOfFile: the file ends inside the header.
@@ -154,7 +156,7 @@ def _scan_header(r: _HeaderReader) -> tuple[dict, int, int, str | None]:
         tensor = r.string().decode("utf-8", "replace")
         dims = [r.unpack("Q") for _ in range(r.unpack("I"))]
         end = _tensor_end(tensor, dims, r.unpack("I"), r.unpack("Q"))
-        if end > data_end:
+        if last is None or end > data_end:
             data_end, last = end, tensor
     return meta, r.f.tell(), data_end, last
 

@@ -161,3 +161,36 @@ def test_options_are_checked_against_the_model_before_its_weights_load(flags, me
     assert cli.main(["generate", "--prompt", "x", *flags]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"jaxinfer: error: {message}" + \
         ("" if "kv_offload_bytes" not in message else " (737280 bytes)")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_failed_request_prints_its_error_and_exits_1(as_json: bool, capsys, monkeypatch) -> None:
+    from jaxinfer import cli, llm
+    from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    reason = "engine step failed: RuntimeError: boom"
+
+    class FailingLLM:
+        """Stands in for `LLM`: fails every request the way the engine does (`Scheduler.fail`)."""
+
+        def __init__(self, **_):
+            self.engine = self
+            self.quantization = None
+            self.weight_bytes = 0
+
+        def stats(self) -> dict:
+            return {}
+
+        def generate(self, prompt, params, on_output=None):
+            completion = CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=reason)
+            return [RequestOutput(request_id="0", prompt=prompt, prompt_token_ids=[1, 2], outputs=[completion],
+                                  finished=True, metrics=RequestMetrics(0.0, None, 1.0, 0.0, 0.0))]
+
+    monkeypatch.setattr(llm, "LLM", FailingLLM)
+    status = cli.main(["generate", "--prompt", "x", *(["--json"] if as_json else [])])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert captured.err.splitlines()[-1] == f"jaxinfer: error: the request failed: {reason}"
+    if as_json:
+        result = json.loads(captured.out)
+        assert result["finish_reason"] == "error" and result["error"] == reason

@@ -22,8 +22,8 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.prompt import PROMPT_DICT_KEYS, Prompt
-from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                     MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE)
+from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
+                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY)
 from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
 from tests.jaxinfer.engine.tiny_model import VOCAB_SIZE, make_tiny_model_dir
 
@@ -63,7 +63,7 @@ PLAUSIBLE = {
     "top_k": st.integers(-3, 200),
     "top_p": st.floats(-0.5, 1.5) | st.integers(0, 2),
     "min_p": st.floats(-0.5, 1.5),
-    "repetition_penalty": st.floats(-1, 5),
+    "repetition_penalty": st.floats(-1, MAX_REPETITION_PENALTY * 1.5),
     "presence_penalty": st.floats(-3, 3),
     "frequency_penalty": st.floats(-3, 3),
     "max_tokens": st.none() | st.integers(-2, 70),
@@ -99,7 +99,7 @@ def assert_within_limits(sp: SamplingParams) -> None:
     assert integer(sp.top_k) and sp.top_k >= -1
     assert finite(sp.top_p) and 0 < sp.top_p <= 1
     assert finite(sp.min_p) and 0 <= sp.min_p <= 1
-    assert finite(sp.repetition_penalty) and sp.repetition_penalty > 0
+    assert finite(sp.repetition_penalty) and MIN_REPETITION_PENALTY <= sp.repetition_penalty <= MAX_REPETITION_PENALTY
     assert finite(sp.presence_penalty) and -2 <= sp.presence_penalty <= 2
     assert finite(sp.frequency_penalty) and -2 <= sp.frequency_penalty <= 2
     assert sp.max_tokens is None or (integer(sp.max_tokens) and sp.max_tokens >= 1)

@@ -155,6 +155,8 @@ def test_bad_prompts_raise_and_engine_keeps_working(smollm2_llm: LLM) -> None:
     (lambda llm: llm.generate("Hi", SamplingParams(max_tokens=2), on_output=5),
      "on_output must be a callable .* got int"),
     (lambda llm: llm.generate({"prompt": "Hi", "max_tokens": 3}), r"unknown key\(s\) 'max_tokens'"),
+    (lambda llm: llm.generate({"prompt": "Hi", "prompt_token_ids": [1, 2]}),
+     "has both 'prompt' and 'prompt_token_ids'; give one of them"),
     (lambda llm: llm.chat("hello"), r"messages must be a list of \{'role', 'content'\} dicts, got str"),
     (lambda llm: llm.chat([{"role": "wizard", "content": "hi"}]), r"messages\[0\].role='wizard' is not one of"),
     (lambda llm: llm.chat([PARIS_CHAT, [{"role": "user"}]]), r"messages\[1\]\[0\].content must be a string"),
@@ -298,3 +300,19 @@ def test_bare_token_ids_as_prompts_are_refused_with_the_way_to_pass_them(prompts
     llm = LLM.__new__(LLM)  # the check runs before the engine is used
     with pytest.raises(ValueError, match=r"pass \[ids\] or|got a (set|bytearray)$"):
         llm.generate(prompts)
+
+
+@pytest.mark.parametrize("messages, match", [
+    (["hello"], r"^messages\[0\] is a str; a message is a dict with 'role' and 'content'$"),
+    ([{"role": "user", "content": "hi"}, 5], r"^messages\[1\] is an int; a message is a dict with 'role' and "),
+    ([[{"role": "user", "content": "hi"}], ["hello"]], r"^messages\[1\]\[0\] is a str; a message is a dict "),
+    ([[{"role": "user", "content": "hi"}], "hello"], r"^messages\[1\] must be a list of \{'role', 'content'\} "),
+])
+def test_chat_names_a_message_that_is_not_a_dict(messages, match) -> None:
+    """Found by a new-user trial: `chat(["hello"])` was read as a list of conversations and refused as
+    "messages[0] must be a list of dicts". A list whose first item is not a list is one conversation."""
+    from jaxinfer.llm import LLM
+
+    llm = LLM.__new__(LLM)  # the checks run before the tokenizer is used
+    with pytest.raises(ValueError, match=match):
+        llm.chat(messages)

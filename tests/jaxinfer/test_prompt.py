@@ -56,7 +56,10 @@ def _encode(text: str) -> list[int]:
     ({"prompt_token_ids": [1], "promt": "typo"}, r"prompt dict has unknown key\(s\) 'promt'; the keys are prompt"),
     ({"prompt": "hi", "multi_modal_data": {}}, r"unknown key\(s\) 'multi_modal_data'"),
     ({"prompt": 5}, r"needs 'prompt_token_ids' or a text 'prompt' \(its 'prompt' is of type int\)"),
-    ({"prompt_token_ids": [1], "prompt": 5}, r"prompt\['prompt'\] must be a string, got int"),
+    ({"prompt_token_ids": [1], "prompt": "x"}, r"^a dict prompt has both 'prompt' and 'prompt_token_ids'; give one "
+                                                r"of them"),
+    ({"prompt_token_ids": [1], "prompt": 5}, "has both 'prompt' and 'prompt_token_ids'"),
+    ({"prompt": 5, "cache_salt": "t"}, r"\(its 'prompt' is of type int\)"),
     ({"prompt_token_ids": "1 2"}, r"prompt_token_ids must be a list of token ids, got str"),
     ({"prompt": "a\ud800b"}, r"prompt\['prompt'\] is not valid Unicode text: a lone surrogate '\\ud800' at index 1"),
     ("a\ud800b", r"prompt is not valid Unicode text: a lone surrogate"),
@@ -71,4 +74,4 @@ def test_make_prompt_refuses_naming_the_field(prompt, match):
 
 def test_make_prompt_accepts_vllm_prompt_dicts():
     assert make_prompt({"prompt": "ab c", "cache_salt": "t"}, _encode, 8) == Prompt((2, 1), "ab c", "t")
-    assert make_prompt({"prompt_token_ids": [3], "prompt": "abc"}, _encode, 8) == Prompt((3,), "abc")
+    assert make_prompt({"prompt_token_ids": [3], "cache_salt": "t"}, _encode, 8) == Prompt((3,), None, "t")

@@ -49,7 +49,8 @@ def test_requests_that_cannot_run_on_the_model_are_refused(params, prompt_len, m
 @pytest.mark.parametrize("messages, add, match", [
     ("hello", True, "messages must be a list of {'role', 'content'} dicts, got str"),
     ([], True, "messages must not be empty"),
-    (["hi"], True, r"messages\[0\] must be a dict"),
+    (["hi"], True, r"^messages\[0\] is a str; a message is a dict with 'role' and 'content'$"),
+    ([{"role": "user", "content": "hi"}, None], True, r"^messages\[1\] is a NoneType; a message is a dict"),
     ([{"role": "wizard", "content": "hi"}], True, r"messages\[0\].role='wizard' is not one of system, user"),
     ([{"role": "user", "content": 5}], True, r"messages\[0\].content must be a string, got int"),
     ([{"role": "user", "content": "\ud800"}], True, r"messages\[0\].content is not valid Unicode"),

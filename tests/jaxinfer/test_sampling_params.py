@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxinfer.request_limits import MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from jaxinfer.request_limits import (MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                     MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY)
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 BAD = [
@@ -18,7 +19,8 @@ BAD = [
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan),
     ("min_p", -0.1), ("min_p", 1.01), ("min_p", math.nan), ("min_p", math.inf),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.nan),
-    ("repetition_penalty", math.inf),
+    ("repetition_penalty", math.inf), ("repetition_penalty", 1e-300), ("repetition_penalty", 1e30),
+    ("repetition_penalty", MIN_REPETITION_PENALTY / 2), ("repetition_penalty", MAX_REPETITION_PENALTY * 1.01),
     ("presence_penalty", -2.01), ("presence_penalty", 2.5), ("presence_penalty", math.nan),
     ("presence_penalty", -math.inf),
     ("frequency_penalty", -3.0), ("frequency_penalty", 2.01), ("frequency_penalty", math.nan),
@@ -44,7 +46,8 @@ def test_min_tokens_above_max_tokens_raises() -> None:
 @pytest.mark.parametrize("kwargs", [
     dict(n=4), dict(min_p=0.0), dict(min_p=1.0), dict(repetition_penalty=0.5), dict(presence_penalty=-2.0),
     dict(frequency_penalty=2.0), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(temperature=0),
-    dict(top_k=-1), dict(seed=2**32 - 1),
+    dict(top_k=-1), dict(seed=2**32 - 1), dict(repetition_penalty=MIN_REPETITION_PENALTY),
+    dict(repetition_penalty=MAX_REPETITION_PENALTY),
 ])
 def test_boundary_values_are_accepted(kwargs: dict) -> None:
     params = SamplingParams(**kwargs)
@@ -142,3 +145,14 @@ def test_replace_pickle_and_copy_keep_working() -> None:
     assert dataclasses.replace(params, temperature=0) == SamplingParams(temperature=0, stop=("x",), seed=3)
     assert pickle.loads(pickle.dumps(params)) == params == copy.deepcopy(params) == copy.copy(params)
     assert SamplingParams(1, 0.5).temperature == 0.5  # positional fields, as dataclasses take them
+
+
+def test_repetition_penalty_bounds_keep_the_penalised_logits_finite() -> None:
+    """CTRL's `logit / penalty` and `logit * penalty` in the sampler's float32, at the bounds, for logits far past
+    what a model gives (|logit| = 1e4): finite. Just under the old lower bound (> 0) they were not."""
+    logits = np.float32([-1e4, 1e4])
+    for penalty in (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY):
+        p = np.float32(penalty)
+        assert np.isfinite(np.where(logits > 0, logits / p, logits * p)).all()
+    with np.errstate(over="ignore", divide="ignore"):
+        assert not np.isfinite(logits / np.float32(1e-40)).all()  # what the old check let through

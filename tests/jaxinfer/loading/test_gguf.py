@@ -338,3 +338,20 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path, content, what):
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
     assert _refused(path) == [f"{str(path)!r} {what}"] * 2
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["as_gguf_writer_pads_it", "cut_at_the_header_end"])
+def test_a_gguf_with_no_tensors_is_named(gguf_parts, tmp_path, padded):
+    """Found by a new-user trial: a valid header that lists no tensors (a vocabulary-only GGUF) failed as a
+    truncated file whose "last tensor (None)" ended past its end, or, padded to the data alignment as GGUFWriter
+    writes it, got past the start-up check."""
+    _, hf_cfg = gguf_parts
+    path = _write_gguf(tmp_path / "vocab_only.gguf", {}, hf_cfg)
+    reader = gguf.GGUFReader(path)
+    assert not reader.tensors  # the gguf package reads it: the header is valid
+    if not padded:
+        header_end = max(f.offset + sum(part.nbytes for part in f.parts) for f in reader.fields.values())
+        with open(path, "r+b") as f:
+            f.truncate(header_end)
+    assert _refused(path) == [f"{str(path)!r} holds no tensors: its GGUF header lists no weights (a vocabulary-only "
+                              "GGUF?)"] * 2
