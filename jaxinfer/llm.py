@@ -139,6 +139,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         on_output: Callable[[int, list[int], str], None] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to conversations rendered with the model's chat template.
@@ -149,15 +150,19 @@ class LLM:
             (`jaxinfer.request_limits.CHAT_ROLES`); any other key is refused.
           sampling_params, on_output: as in `generate`.
           add_generation_prompt: end the rendered prompt with the assistant turn's header; then the last message
-            must not be the assistant's (continuing a message is not supported).
+            must not be the assistant's.
+          continue_final_message: end the prompt right after the final message's content, so that the model
+            continues it (e.g. a partial assistant reply); needs add_generation_prompt=False (as vLLM's).
 
         Raises:
           ValueError: malformed messages, naming the message (`jaxinfer.request_limits.check_chat`: not a list, a
             message that is not a dict, an unknown key or role, content or name that is not text), checked for
             every conversation before any is rendered; or a template error, plus everything `generate` raises.
         """
-        if not isinstance(add_generation_prompt, bool):
-            raise ValueError(f"add_generation_prompt={add_generation_prompt!r} must be True or False")
+        for flag, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", continue_final_message)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{flag}={value!r} must be True or False")
         if not isinstance(messages, (list, tuple)) or not messages:
             check_chat(messages)  # raises, naming what messages is
         # A list of conversations starts with a list; anything else is one conversation, whose messages
@@ -170,7 +175,8 @@ class LLM:
             conversations = [check_chat(messages, add_generation_prompt)]
         prompts = []
         for conv in conversations:
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message)
             prompts.append(Prompt(tuple(ids), text=self.tokenizer.decode(ids, skip_special_tokens=False)))
         return self.generate(prompts, sampling_params, on_output=on_output)
 

@@ -113,7 +113,7 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
       messages: a non-empty list of dicts with a `role` in CHAT_ROLES, a string `content` and optionally a
         string `name` (OpenAI's participant name, kept for the chat template); no other key.
       add_generation_prompt: whether the prompt ends with the assistant's header; then the last message must not
-        be the assistant's (continuing a message is not supported).
+        be the assistant's (to continue it, render with add_generation_prompt off and continue_final_message on).
       name: the field, for messages (`chat.messages` on gRPC).
 
     Returns:
@@ -141,8 +141,9 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
         if "name" in m:
             check_text(f"{name}[{i}].name", m["name"])
     if add_generation_prompt and messages[-1]["role"] == "assistant":
-        raise ValueError(f"{name}: the last message is the assistant's; continuing a message is not supported (end "
-                         "with a user message, or turn add_generation_prompt off)")
+        raise ValueError(f"{name}: the last message is the assistant's while add_generation_prompt is on: end "
+                         "with a user message, or turn add_generation_prompt off (and continue_final_message on, "
+                         "to continue that reply)")
     return list(messages)
 
 

@@ -46,6 +46,19 @@ def test_chat_answer_names_paris(smollm2_llm: LLM) -> None:
     assert "<|im_end|>" not in out.text  # special tokens are skipped in text
 
 
+def test_chat_continue_final_message_continues_the_reply(smollm2_llm: LLM) -> None:
+    partial = [*PARIS_CHAT, {"role": "assistant", "content": "The capital of France is"}]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    out = smollm2_llm.chat(partial, params, add_generation_prompt=False, continue_final_message=True)[0]
+    # The prompt ends with the partial reply (no end of turn after it); the model goes on from there, as it
+    # does from the same ids given as a raw prompt.
+    assert smollm2_llm.tokenizer.decode(out.prompt_token_ids).endswith("The capital of France is")
+    raw = smollm2_llm.generate({"prompt_token_ids": out.prompt_token_ids}, params)[0]
+    assert out.outputs[0].token_ids == raw.outputs[0].token_ids and "Paris" in out.outputs[0].text
+    with pytest.raises(ValueError, match="continue_final_message"):
+        smollm2_llm.chat(partial, params, continue_final_message=True)  # add_generation_prompt is True
+
+
 def test_batch_gives_same_greedy_tokens_as_alone(smollm2_llm: LLM) -> None:
     prompts = ["The three primary colors are", "def fibonacci(n):", "In 1969, the first humans"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

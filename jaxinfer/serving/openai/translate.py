@@ -106,28 +106,20 @@ def chat_messages(body: ChatCompletionRequest | TokenizeRequest, for_generation:
     """The body's messages as `check_chat` checks them (content part lists joined first).
 
     Raises:
-      ValueError: naming `messages[i]...`: as `check_chat`; a content part that is not text; both
-        `add_generation_prompt` and `continue_final_message`; `continue_final_message` without a last assistant
-        message.
+      ValueError: naming `messages[i]...`: as `check_chat`; a content part that is not text.
     """
     _check(isinstance(body.messages, list), "messages must be a list")
-    _check(not (body.add_generation_prompt and body.continue_final_message),
-           "add_generation_prompt and continue_final_message cannot both be true: set add_generation_prompt "
-           "false to continue the final message")
     messages = [dict(m, content=_content_text(m["content"], f"messages[{i}].content"))
                 if isinstance(m, dict) and "content" in m else m for i, m in enumerate(body.messages)]
-    messages = check_chat(messages, body.add_generation_prompt and for_generation, name="messages")
-    if body.continue_final_message:
-        _check(messages[-1]["role"] == "assistant",
-               "continue_final_message needs the last message to be the assistant's (the reply to continue)")
-    return messages
+    return check_chat(messages, body.add_generation_prompt and for_generation, name="messages")
 
 
 def chat_prompt(body: ChatCompletionRequest | TokenizeRequest, engine: Engine, for_generation: bool = True) -> Prompt:
     """The chat's `Prompt` (its template applied; call it off the event loop).
 
     Raises:
-      ValueError: as `chat_messages`, or the template's own error.
+      ValueError: as `chat_messages`; both `add_generation_prompt` and `continue_final_message`
+        (`Tokenizer.apply_chat_template`), or the template's own error.
     """
     messages = chat_messages(body, for_generation)
     kwargs = dict(body.chat_template_kwargs or {})
