@@ -1,11 +1,13 @@
-"""`jaxinfer serve` as a user runs it: a subprocess on a free port; at SIGTERM a stream that can finish within
-`--grace-seconds` finishes, one that cannot gets UNAVAILABLE when the grace ends, and the exit status is 0; and the
-committed stubs are what grpcio-tools makes of the proto."""
+"""`jaxinfer serve` as a user runs it: a subprocess on free ports; at SIGTERM a stream that can finish within
+`--grace-seconds` finishes, one that cannot gets UNAVAILABLE (gRPC) or a last error event (HTTP) when the grace
+ends, and the exit status is 0; and the committed stubs are what grpcio-tools makes of the proto."""
 
 from __future__ import annotations
 
 import filecmp
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -35,6 +38,19 @@ def _collect(call, responses: list, errors: list) -> None:
         errors.append(e)
 
 
+def _collect_http(base_url: str, max_tokens: int, events: list) -> None:
+    """Streams a greedy completion over HTTP; appends every event (parsed JSON, or the string "[DONE]")."""
+    body = {"prompt": "Count to ten:", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.Client(timeout=300) as http, http.stream("POST", base_url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    except httpx.HTTPError as e:
+        events.append(e)
+
+
 @pytest.mark.slow
 def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_and_exits_0():
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0", "--no-warmup",
@@ -44,6 +60,8 @@ def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_an
     try:
         line = proc.stdout.readline()  # "jaxinfer: serving gRPC on 127.0.0.1:PORT"
         assert "serving gRPC on" in line, line + proc.stderr.read()
+        http_line = proc.stdout.readline()  # "jaxinfer: serving HTTP (OpenAI API) on http://127.0.0.1:PORT/v1 ..."
+        base_url = re.search(r"(http://\S+)/v1", http_line).group(1)
         channel = grpc.insecure_channel(line.split()[-1])
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + 120
@@ -58,12 +76,19 @@ def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_an
             streams[name] = ([], [])  # responses, errors
             readers.append(threading.Thread(target=_collect, args=(call, *streams[name]), daemon=True))
             readers[-1].start()
+        http_streams = {"short": [], "long": []}
+        for name, max_tokens in (("short", 24), ("long", LONG_MAX_TOKENS)):
+            readers.append(threading.Thread(target=_collect_http, args=(base_url, max_tokens, http_streams[name]),
+                                            daemon=True))
+            readers[-1].start()
         short, long = streams["short"][0], streams["long"][0]
         deadline = time.monotonic() + 300  # first-use compiles of the prefill and both decode shapes
-        while sum(len(r.token_ids) for r in short) < 16 or not long:  # both decoding, 8 short tokens to go
+        while (sum(len(r.token_ids) for r in short) < 16 or not long or len(http_streams["short"]) < 4
+               or not http_streams["long"]):  # all decoding, 8 gRPC short tokens to go
             assert time.monotonic() < deadline and not streams["short"][1] and not streams["long"][1]
             time.sleep(0.01)
         assert sum(len(r.token_ids) for r in short) < 24  # still in flight at the signal
+        assert "[DONE]" not in http_streams["short"]
         t_signal = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         while True:  # new calls are refused from the signal on
@@ -87,8 +112,15 @@ def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_an
         assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.UNAVAILABLE, errors
         assert sum(len(r.token_ids) for r in long) < LONG_MAX_TOKENS and not any(r.finish_reason for r in long)
         assert shutdown_s >= GRACE_S - 0.5  # the long stream held the shutdown for the whole grace
-        with pytest.raises(grpc.RpcError):  # and the port is closed
+        # HTTP likewise: the short stream ended normally, the long one with an error event, both with [DONE].
+        hshort, hlong = http_streams["short"], http_streams["long"]
+        assert hshort[-1] == "[DONE]" and hshort[-2]["choices"][0]["finish_reason"] == "length", hshort[-3:]
+        assert sum(1 for e in hshort if isinstance(e, dict) and "error" not in e) <= 24
+        assert hlong[-1] == "[DONE]" and hlong[-2]["error"]["type"] == "service_unavailable_error", hlong[-3:]
+        with pytest.raises(grpc.RpcError):  # and the ports are closed
             stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(base_url + "/health", timeout=2)
         channel.close()
     finally:
         if proc.poll() is None:
