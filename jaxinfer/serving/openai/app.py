@@ -4,7 +4,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `
 else 503), `GET /metrics` (the server's Prometheus registry), `POST /tokenize`, `POST /detokenize` (vLLM's).
 
 1. Every `/v1` route checks the bearer token first when the server has an API key (401). A generation request
-   is read by `_read_body` (size limit: 413; bytes that are not UTF-8 JSON: 400), validated by its pydantic model
+   is read by `_read_body` (size limit: 413; bytes that are not UTF-8 JSON, numbers of over 4,300 digits and
+   nesting past the recursion limit: 400), validated by its pydantic model
    (`protocol.py`: unknown fields and wrong types are a 400 naming the field), translated (`translate.py`, the
    Python API's checks), and takes one `ServedEngine.slot()` per prompt (429 past the server's limit).
 2. Each prompt's first output is awaited before the response starts, so a request the engine refuses (a prompt
@@ -179,6 +180,10 @@ class OpenAIApp:
             raise HTTPError(400, f"the body is not valid UTF-8 (byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise HTTPError(400, f"the body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+        except ValueError as e:  # an integer of more digits than int() converts
+            raise HTTPError(400, f"the body is not valid JSON here: {str(e).split(';')[0]}") from None
+        except RecursionError:
+            raise HTTPError(400, "the body is not valid JSON here: it is nested too deeply") from None
         if not isinstance(data, dict):
             raise HTTPError(400, f"the body must be a JSON object, got {type(data).__name__}")
         try:
