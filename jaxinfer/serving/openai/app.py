@@ -275,11 +275,14 @@ class OpenAIApp:
                       echo: list[str] | None, include_usage: bool, slots: contextlib.ExitStack) -> AsyncIterator[str]:
         """The SSE stream of a request: a chunk per completion with new tokens, the usage chunk, `[DONE]`."""
         started: set[tuple[int, int]] = set()
+        ended: set[tuple[int, int]] = set()  # an engine output repeats the samples that finished before it
         last = list(firsts)
         try:
             async for p, out in merged(streams, firsts):
                 last[p] = out
                 for c in out.outputs:
+                    if (p, c.index) in ended:
+                        continue
                     first = (p, c.index) not in started
                     if c.finish_reason == "error":
                         yield sse(error_body(f"generation failed: {c.error}", "internal_error", None, 500))
@@ -288,6 +291,8 @@ class OpenAIApp:
                     chunk = shaper.chunk(p, c, first, echo[p] if echo else "")
                     if chunk is not None:
                         started.add((p, c.index))
+                        if c.finish_reason is not None:
+                            ended.add((p, c.index))
                         self.served.record_tokens(len(c.delta_token_ids))
                         yield sse(chunk)
                 if out.finished:
