@@ -362,8 +362,9 @@ def test_a_sample_that_finishes_before_the_others_gets_one_finish_chunk() -> Non
     from jaxinfer.serving.served import ServedEngine
 
     def out(finished: bool, *samples: tuple[list[int], int, str | None]) -> RequestOutput:
-        return RequestOutput("r", None, [5], [CompletionOutput(i, "x" * len(ids), ids, reason, "x" * new, ids[len(ids) - new:])
-                                              for i, (ids, new, reason) in enumerate(samples)], finished)
+        completions = [CompletionOutput(i, "x" * len(ids), ids, reason, "x" * new, ids[len(ids) - new:])
+                       for i, (ids, new, reason) in enumerate(samples)]
+        return RequestOutput("r", None, [5], completions, finished)
 
     outputs = [out(False, ([1], 1, None), ([], 0, None)),  # sample 1 has no token yet
                out(False, ([1, 2], 1, "length"), ([1], 1, None)),
