@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxinfer.prompt import Prompt
-from jaxinfer.request_limits import check_chat, show
+from jaxinfer.request_limits import check_chat, check_text, show
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
@@ -135,12 +135,15 @@ def completion_prompts(body: CompletionRequest, engine: Engine) -> list[Prompt]:
     them; tokenized here (call it off the event loop).
 
     Raises:
-      ValueError: naming `prompt` (or `prompt[i]`): empty, not valid text, ids outside the vocabulary.
+      ValueError: naming `prompt` (or `prompt[i]`): empty, not valid text, ids outside the vocabulary; naming
+        `cache_salt`: not valid text.
     """
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
         prompt = [prompt]
     _check(len(prompt) > 0, "prompt must not be empty")
+    if body.cache_salt is not None:  # the request's field, not the prompt's: named as itself
+        check_text("cache_salt", body.cache_salt)
     out = []
     for i, p in enumerate(prompt):
         name = "prompt" if len(prompt) == 1 else f"prompt[{i}]"

@@ -145,6 +145,12 @@ BAD = {
                                       "invalid_request_error", "messages", ["messages[0].content", "surrogate"]),
     "a lone surrogate in stop": (COMPLETIONS, b'{"prompt": "hi", "stop": ["\\ud800"]}', 400,
                                  "invalid_request_error", "stop", ["stop[0]", "surrogate"]),
+    # Found by this file: the message said "prompt: cache_salt ..." and param was "prompt".
+    "a lone surrogate in cache_salt": (COMPLETIONS, b'{"prompt": "hi", "cache_salt": "\\ud800"}', 400,
+                                       "invalid_request_error", "cache_salt", ["cache_salt", "surrogate"]),
+    "a lone surrogate in a chat's cache_salt": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+                                                b'"cache_salt": "\\ud800"}', 400, "invalid_request_error",
+                                                "cache_salt", ["cache_salt", "surrogate"]),
     "a token id past the vocabulary": (COMPLETIONS, {"prompt": [1, 2, 49152]}, 400, "invalid_request_error",
                                        "prompt", ["prompt", "49152"]),
     "a negative token id": (COMPLETIONS, {"prompt": [[1, 2], [-1]]}, 400, "invalid_request_error", "prompt",
