@@ -44,7 +44,7 @@ from jaxinfer.serving.openai.streams import close, disconnected, first_outputs, 
 from jaxinfer.serving.openai import translate
 from jaxinfer.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               TokenizeRequest)
-from jaxinfer.serving.openai.responses import Shaper, error_body, sse
+from jaxinfer.serving.openai.responses import Shaper, error_body, sse, usage as usage_of
 from jaxinfer.serving.served import Overloaded, ServedEngine, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -236,8 +236,10 @@ class OpenAIApp:
             for out in firsts:
                 self.served.record_admitted(out)
             if body.stream:
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
-                events = self._events(shaper, streams, firsts, echo, include_usage, slots.pop_all())
+                options = body.stream_options
+                usage = (options is not None and options.include_usage,
+                         options is not None and options.include_usage and options.continuous_usage_stats)
+                events = self._events(shaper, streams, firsts, echo, usage, slots.pop_all())
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             outs = await self._until_disconnect(request, last_outputs(streams, firsts, self.served))
@@ -267,8 +269,10 @@ class OpenAIApp:
         return task.result()
 
     async def _events(self, shaper: Shaper, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                      echo: list[str] | None, include_usage: bool, slots: contextlib.ExitStack) -> AsyncIterator[str]:
-        """The SSE stream of a request: a chunk per completion with new tokens, the usage chunk, `[DONE]`."""
+                      echo: list[str] | None, usage: tuple[bool, bool], slots: contextlib.ExitStack
+                      ) -> AsyncIterator[str]:
+        """The SSE stream of a request: a chunk per completion with new tokens (with the usage so far when
+        `usage[1]`, vLLM's `continuous_usage_stats`), the usage chunk (when `usage[0]`), `[DONE]`."""
         started: set[tuple[int, int]] = set()
         last = list(firsts)
         try:
@@ -284,10 +288,10 @@ class OpenAIApp:
                     if chunk is not None:
                         started.add((p, c.index))
                         self.served.record_tokens(len(c.delta_token_ids))
-                        yield sse(chunk)
+                        yield sse(chunk | ({"usage": usage_of(last)} if usage[1] else {}))
                 if out.finished:
                     self.served.record_finished(out)
-            if include_usage:
+            if usage[0]:
                 yield sse(shaper.usage_chunk(last))
         except Exception as e:  # noqa: BLE001 - the stream has started: the error is its last event
             response = _error_response(e)

@@ -80,6 +80,12 @@ def test_streamed_completion_equals_the_whole_one_and_reports_usage(client, both
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 16
     assert all(c.usage is None for c in chunks[:-1])
+    counted = list(client.completions.create(
+        model=both_servers.model_name, prompt=PROMPTS[2], max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    so_far = [c.usage.completion_tokens for c in counted]  # vLLM's continuous usage: the tokens so far
+    assert so_far == sorted(so_far) and so_far[0] >= 1 and so_far[-1] == 16
+    assert len(counted[:-1]) == len(chunks[:-1])
 
 
 def test_chat_whole_streamed_and_content_parts_agree(client, both_servers, smollm2_llm):
