@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import re
 
 import httpx2 as httpx
 import openai
@@ -212,3 +213,52 @@ def test_twenty_concurrent_streams_some_disconnecting_free_every_page(both_serve
     assert all(s > 3 for i, s in enumerate(seen) if i % 3)
     stats = both_servers.wait_idle()
     assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_output_json_schema_regex_and_choice(client, both_servers):
+    import jsonschema  # noqa: PLC0415
+
+    name = both_servers.model_name
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    r = client.chat.completions.create(model=name, messages=ask, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    streamed = list(client.chat.completions.create(model=name, messages=ask, max_tokens=60, temperature=0,
+                                                   stream=True, response_format={"type": "json_object"}))
+    text = "".join(c.choices[0].delta.content or "" for c in streamed)  # whole, or cut at max_tokens
+    assert text.lstrip().startswith("{")
+    if streamed[-1].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    regex = client.completions.create(model=name, prompt="Today's date:", max_tokens=16, temperature=0.7, seed=5,
+                                      extra_body={"guided_regex": r"20\d\d-[01]\d-[0-3]\d"})
+    assert re.fullmatch(r"20\d\d-[01]\d-[0-3]\d", regex.choices[0].text)
+    pick = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Pick a fruit."}],
+                                          max_tokens=8, temperature=0,
+                                          extra_body={"structured_outputs": {"choice": ["apple", "pear"]}})
+    assert pick.choices[0].message.content in ("apple", "pear")
+    for body, field in (({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
+                         "response_format"), ({"guided_regex": "("}, "guided_regex"),
+                        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex and guided_choice"),
+                        ({"response_format": {"type": "yaml"}}, "response_format.type")):
+        bad = httpx.post(both_servers.base_url + "/v1/completions", json={"prompt": "x", **body}, timeout=30)
+        assert bad.status_code == 400 and field in bad.json()["error"]["message"], bad.text
+
+
+def test_structured_output_over_grpc(both_servers):
+    import grpc  # noqa: PLC0415
+
+    so = pb.StructuredOutputs(choice=pb.Choices(choices=["cat", "dog", "bird"]))
+    request = pb.GenerateRequest(text="My favourite pet is a", sampling=pb.SamplingParams(
+        max_tokens=8, temperature=0, structured_outputs=so))
+    text = "".join(r.text for r in both_servers.stub.Generate(request))
+    assert text in ("cat", "dog", "bird")
+    bad = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(structured_outputs=pb.StructuredOutputs(regex="(")))
+    with pytest.raises(grpc.RpcError) as info:
+        list(both_servers.stub.Generate(bad))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in info.value.details()
