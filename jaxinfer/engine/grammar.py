@@ -74,7 +74,10 @@ class Grammars:
             source = self._tokenizer.hf_json
             if source is None:
                 source = TokenizerWrapper(_PieceTokens(self._tokenizer, self.vocab_size))
-            self._ll = LLTokenizer(source, n_vocab=self.vocab_size, eos_token=eos or None)
+            try:
+                self._ll = LLTokenizer(source, n_vocab=self.vocab_size, eos_token=eos or None)
+            except (ValueError, RuntimeError) as e:  # e.g. a tokenizer.json without a decoder
+                raise ValueError(f"structured_outputs: llguidance cannot read this model's tokenizer ({e})") from None
         return self._ll
 
     def add(self, seq_ids: Sequence[int], params: SamplingParams) -> None:
