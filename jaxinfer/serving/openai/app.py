@@ -179,6 +179,9 @@ class OpenAIApp:
             raise HTTPError(400, f"the body is not valid UTF-8 (byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise HTTPError(400, f"the body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+        except (ValueError, RecursionError) as e:  # an integer of over 4300 digits; arrays nested too deeply
+            what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise HTTPError(400, f"the body is not JSON this server reads: {what}") from None
         if not isinstance(data, dict):
             raise HTTPError(400, f"the body must be a JSON object, got {type(data).__name__}")
         try:
