@@ -75,8 +75,12 @@ def test_server_with_ngram_streams_plain_greedy_tokens_and_exports_the_engines_s
                                           timeout=10).read().decode()
             stats = st.engine.stats()
             samples = _spec_samples(st.server.metrics)
+            itl_count = st.server.metrics.sample("jaxinfer:inter_token_latency_seconds_count")
+            generated = st.server.metrics.sample("jaxinfer:generation_tokens_total")
         finally:
             st.stop()
+        # one inter-token latency per token after the first, however many tokens an output (a verify step) brought
+        assert generated == len(streams[name]) and itl_count == len(streams[name]) - 1
         if spec is None:
             assert "jaxinfer:spec_" not in body and samples == {}
             continue
