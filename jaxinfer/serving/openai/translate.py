@@ -10,8 +10,6 @@ Source: the OpenAI API reference (Completions, Chat Completions); vLLM's OpenAI-
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxinfer.prompt import Prompt
@@ -19,25 +17,12 @@ from jaxinfer.request_limits import check_chat, show
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured_outputs import structured_outputs_from
 from jaxinfer.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from jaxinfer.serving.served import served_model_name  # noqa: F401 - its home was here
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-# A GGUF file name's quantization suffix: "-Q4_1", ".Q4_K_M", "-f16", "-bf16", "-IQ3_XS", ...
-_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|[Ff]16|[Bb][Ff]16|[Ff]32)$")
-
-
-def served_model_name(model: str | None) -> str:
-    """The default `--served-model-name`: the model file's or folder's name without its quantization suffix
-    (`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`); None, the default model, likewise."""
-    if model is None:
-        from jaxinfer.loading.loader import DEFAULT_MODEL_FILE
-
-        model = DEFAULT_MODEL_FILE
-    path = Path(model.rstrip("/"))
-    name = path.stem if path.suffix.lower() == ".gguf" else path.name
-    return _QUANT_SUFFIX.sub("", name) or name
 
 
 def _check(condition: bool, message: str) -> None:
