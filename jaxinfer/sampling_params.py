@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from jaxinfer.structured_outputs import StructuredOutputsParams, structured_outputs_from
 from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY,
                                      check_text, check_token_ids, name_hint, show)
@@ -64,6 +65,9 @@ class SamplingParams:
       ignore_eos: keep generating after the model's EOS token.
       include_stop_str_in_output: return the matched stop string at the end of the text.
       skip_special_tokens: leave special tokens out of the returned text.
+      structured_outputs: a constraint on the output (a JSON schema, any JSON object, a regex, a choice of
+        strings, or a grammar): a `jaxinfer.structured_outputs.StructuredOutputsParams` or a dict of its fields,
+        checked here (an invalid schema or grammar raises). None: unconstrained.
 
     The limits are those of `jaxinfer.request_limits`, the same for every front end.
 
@@ -91,6 +95,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
         # Before the dataclass __init__, whose TypeError for an unknown keyword names neither the close field nor
@@ -151,6 +156,7 @@ class SamplingParams:
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+        object.__setattr__(self, "structured_outputs", structured_outputs_from(self.structured_outputs))
 
     def _checked_stop(self) -> tuple[str, ...]:
         stop = self.stop

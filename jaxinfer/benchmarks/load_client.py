@@ -100,34 +100,83 @@ async def wait_serving(channel: grpc.aio.Channel, timeout_s: float) -> None:
     raise TimeoutError(f"the server was not SERVING after {timeout_s:.0f} s (last health answer: {last})")
 
 
-async def worker(stub: pb_grpc.JaxInferStub, args: argparse.Namespace, stats: Stats) -> None:
-    """Sends requests back to back until `stats.t_end`; cancelled by `run_load` at the end."""
-    while time.perf_counter() < stats.t_end:
-        k = stats.sent
-        stats.sent += 1
+class RequestFailed(Exception):
+    """A request that ended in an error: its code (a gRPC status name, or "HTTP <status>") and message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def grpc_sender(stub: pb_grpc.JaxInferStub, args: argparse.Namespace):
+    """Request k over gRPC: an async iterator of (new tokens, finish reason) per response."""
+    async def send(k: int) -> AsyncIterator[tuple[int, str]]:
         request = pb.GenerateRequest(text=PROMPTS[k % len(PROMPTS)], sampling=pb.SamplingParams(
             temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + k, ignore_eos=True))
-        t_send, t_first, t_last, n, finish = time.perf_counter(), None, None, 0, ""
         call = stub.Generate(request, timeout=args.request_timeout_s)
         try:
             async for response in call:
-                t = time.perf_counter()
-                if response.token_ids:
-                    t_first, t_last = t_first or t, t
-                    n += len(response.token_ids)
-                    if stats.t_measure <= t < stats.t_end:
-                        stats.window_tokens += len(response.token_ids)
-                finish = response.finish_reason or finish
+                yield len(response.token_ids), response.finish_reason
         except grpc.aio.AioRpcError as e:
-            code = e.code().name
-            stats.errors[code] += 1
-            msgs = stats.error_messages.setdefault(code, [])
-            if len(msgs) < 3 and not any(m.endswith(f": {e.details()}") for m in msgs):  # first distinct ones
-                msgs.append(f"t={time.perf_counter() - stats.t_measure:+.1f} s: {e.details()}")
+            raise RequestFailed(e.code().name, e.details()) from None
+        finally:
+            call.cancel()  # no-op after a clean end; cancels the RPC when the worker is cancelled
+
+    return send
+
+
+def http_sender(client, base_url: str, args: argparse.Namespace):
+    """Request k over the OpenAI HTTP API (a streamed `/v1/completions` with the same prompt and sampling as
+    `grpc_sender`'s, usage on every chunk): an async iterator of (new tokens, finish reason) per chunk."""
+    import json  # noqa: PLC0415 - only the HTTP client needs it
+
+    async def send(k: int) -> AsyncIterator[tuple[int, str]]:
+        body = {"prompt": PROMPTS[k % len(PROMPTS)], "temperature": args.temperature, "max_tokens": args.max_tokens,
+                "seed": args.seed + k, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        seen = 0
+        async with client.stream("POST", base_url + "/v1/completions", json=body,
+                                 timeout=args.request_timeout_s) as r:
+            if r.status_code != 200:
+                raise RequestFailed(f"HTTP {r.status_code}", (await r.aread()).decode(errors="replace")[:200])
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RequestFailed(f"HTTP {chunk['error']['code']}", chunk["error"]["message"])
+                tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else seen
+                finish = chunk["choices"][0]["finish_reason"] if chunk["choices"] else None
+                yield tokens - seen, finish or ""
+                seen = tokens
+
+    return send
+
+
+async def worker(send, args: argparse.Namespace, stats: Stats) -> None:
+    """Sends requests (`send(k)`: `grpc_sender` / `http_sender`) back to back until `stats.t_end`; cancelled by
+    `run_load` at the end."""
+    while time.perf_counter() < stats.t_end:
+        k = stats.sent
+        stats.sent += 1
+        t_send, t_first, t_last, n, finish = time.perf_counter(), None, None, 0, ""
+        try:
+            async with contextlib.aclosing(send(k)) as stream:  # closed at once when the worker is cancelled
+                async for tokens, reason in stream:
+                    t = time.perf_counter()
+                    if tokens:
+                        t_first, t_last = t_first or t, t
+                        n += tokens
+                        if stats.t_measure <= t < stats.t_end:
+                            stats.window_tokens += tokens
+                    finish = reason or finish
+        except RequestFailed as e:
+            stats.errors[e.code] += 1
+            msgs = stats.error_messages.setdefault(e.code, [])
+            if len(msgs) < 3 and not any(m.endswith(f": {e.message}") for m in msgs):  # first distinct ones
+                msgs.append(f"t={time.perf_counter() - stats.t_measure:+.1f} s: {e.message}")
             await asyncio.sleep(0.1)  # a failing server is not hammered in a tight loop
             continue
-        finally:
-            call.cancel()  # no-op after a clean end; cancels the RPC when this task is cancelled
         t_done = time.perf_counter()
         if finish != "length" or n != args.max_tokens:
             stats.wrong_length.append(f"finish_reason={finish!r}, {n} tokens")
@@ -144,16 +193,25 @@ async def warm_up(stats: Stats, t_min: float, min_requests: int, timeout_s: floa
         await asyncio.sleep(0.05)
 
 
-async def run_load(args: argparse.Namespace, target: str) -> dict:
-    """Runs steps 1-3 of the module docstring against `target`; returns the results."""
-    async with grpc.aio.insecure_channel(target) as channel:
+async def run_load(args: argparse.Namespace, target: str, http_url: str | None = None) -> dict:
+    """Runs steps 1-3 of the module docstring against `target` (gRPC: health, `ModelInfo`, and the requests
+    unless `http_url` is given: then they go to that OpenAI HTTP API); returns the results."""
+    async with contextlib.AsyncExitStack() as stack:
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(target))
         await wait_serving(channel, args.health_timeout_s)
         stub = pb_grpc.JaxInferStub(channel)
         info = await stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
+        if http_url is None:
+            send = grpc_sender(stub, args)
+        else:
+            import httpx2  # noqa: PLC0415 - only the HTTP client needs it
+
+            limits = httpx2.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+            send = http_sender(await stack.enter_async_context(httpx2.AsyncClient(limits=limits)), http_url, args)
         load_start = os.getloadavg()
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = Stats(t_measure=math.inf, t_end=math.inf)  # set when the warm-up is over
-        tasks = [asyncio.create_task(worker(stub, args, stats)) for _ in range(args.concurrency)]
+        tasks = [asyncio.create_task(worker(send, args, stats)) for _ in range(args.concurrency)]
         await warm_up(stats, t0 + args.warmup_s, args.warmup_requests, args.request_timeout_s)
         stats.t_measure = time.perf_counter()
         stats.t_end = stats.t_measure + args.duration_s
@@ -186,9 +244,10 @@ async def run_load(args: argparse.Namespace, target: str) -> dict:
 
 
 async def start_server(server_args: list[str], log: Path, timeout_s: float
-                       ) -> tuple[asyncio.subprocess.Process, str, str | None]:
-    """Launches `jaxinfer serve --port 0 ...`; returns it, the HOST:PORT it prints on stdout, and its metrics URL
-    (None unless `server_args` has `--metrics-port`)."""
+                       ) -> tuple[asyncio.subprocess.Process, str, str | None, str | None]:
+    """Launches `jaxinfer serve --port 0 --http-port 0 ...`; returns it, the gRPC HOST:PORT it prints on stdout,
+    its metrics URL (None unless `server_args` has `--metrics-port`) and its HTTP API's base URL (None with
+    `--no-http`)."""
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0", *server_args]
     with open(log, "wb") as err:
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=err)
@@ -201,10 +260,14 @@ async def start_server(server_args: list[str], log: Path, timeout_s: float
     except TimeoutError:
         proc.kill()
         raise RuntimeError(f"the server printed no port in {timeout_s:.0f} s; see {log}") from None
-    asyncio.get_running_loop().create_task(proc.stdout.read())  # drain the rest of stdout
     # "HOST:PORT" or "HOST:PORT, metrics on http://HOST:MPORT/metrics"
     target, _, metrics = line[len(prefix):].decode().strip().partition(", metrics on ")
-    return proc, target.strip(), metrics.strip() or None
+    http_url = None
+    if "--no-http" not in server_args:  # "jaxinfer: serving HTTP (OpenAI API) on http://HOST:PORT/v1 as ..."
+        http_line = (await proc.stdout.readline()).decode()
+        http_url = http_line.split(" on ", 1)[1].split("/v1", 1)[0] if " on http" in http_line else None
+    asyncio.get_running_loop().create_task(proc.stdout.read())  # drain the rest of stdout
+    return proc, target.strip(), metrics.strip() or None, http_url
 
 
 async def stop_server(proc: asyncio.subprocess.Process, timeout_s: float) -> int:
@@ -222,11 +285,12 @@ async def stop_server(proc: asyncio.subprocess.Process, timeout_s: float) -> int
 
 @dataclasses.dataclass
 class ServerUnderTest:
-    """The server a client workload drives: its address, its metrics URL (or None), and with `--start-server` the
+    """The server a client workload drives: its gRPC address, its metrics URL and HTTP API URL (or None), and with `--start-server` the
     process, its log and (once stopped) its exit status."""
 
     target: str
     metrics_url: str | None
+    http_url: str | None = None
     proc: asyncio.subprocess.Process | None = None
     log: Path | None = None
     exit_status: int | None = None
@@ -248,10 +312,10 @@ async def server_under_test(args: argparse.Namespace, server_args: list[str],
         return
     log = args.server_log or Path(tempfile.mkstemp(prefix="jaxinfer-serve-", suffix=".log")[1])
     logger.info("starting jaxinfer serve %s (stderr: %s)", shlex.join(server_args), log)
-    proc, target, started_metrics = await start_server(server_args, log, args.health_timeout_s)
+    proc, target, started_metrics, http_url = await start_server(server_args, log, args.health_timeout_s)
     args.server_note = " ".join(x for x in (f"`jaxinfer serve --port 0 {shlex.join(server_args)}` (started by "
                                             "--start-server)", args.server_note) if x)
-    server = ServerUnderTest(target, started_metrics, proc, log)
+    server = ServerUnderTest(target, started_metrics, http_url, proc, log)
     try:
         loopback_target(target)
         yield server

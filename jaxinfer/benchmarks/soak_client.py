@@ -31,7 +31,8 @@ from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-GAUGES = ("jaxinfer_requests_running", "jaxinfer_requests_waiting", "jaxinfer_kv_pages_used", "jaxinfer_kv_pages_total")
+GAUGES = ("jaxinfer:num_requests_running", "jaxinfer:num_requests_waiting", "jaxinfer:kv_pages_used",
+          "jaxinfer:kv_pages_total")
 
 
 @dataclasses.dataclass
@@ -152,7 +153,8 @@ def reference_mismatch(r: PlannedRequest, o: Outcome, ref: Outcome) -> str | Non
 
 
 def scrape(metrics_url: str) -> dict[str, float]:
-    """The server's `/metrics` samples by name (label-free ones; labelled ones as `name{k="v"}`).
+    """The server's `/metrics` samples by name (label-free ones; labelled ones as `name{k="v"}`; the `model_name`
+    label every sample has is left out, a server serves one model).
 
     Raises:
       OSError: the endpoint does not answer.
@@ -162,7 +164,7 @@ def scrape(metrics_url: str) -> dict[str, float]:
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
             samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return samples
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxinfer.engine import multihost, startup
 from jaxinfer.engine.config import DTYPES, EngineConfig
+from jaxinfer.engine.grammar import Grammars
 from jaxinfer.engine.metrics import EngineMetrics, engine_stats
 from jaxinfer.engine.request_outputs import request_output
 from jaxinfer.engine.sampling import SamplingRow
@@ -96,6 +97,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._seq_logprobs: dict[int, list[dict[int, float]]] = {}
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self._auto_request_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         if config.warmup:
@@ -188,6 +190,7 @@ class Engine:
             seqs.append(Seq(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=list(ids),
                             params=params, seed=base_seed, detokenizer=detok, arrival_time=now,
                             sample_index=index, cache_salt=cache_salt))
+        self.grammars.add([s.seq_id for s in seqs], params)  # a grammar it cannot build: ValueError, nothing queued
         added = []
         try:
             for seq in seqs:
@@ -234,7 +237,8 @@ class Engine:
         t_start = time.perf_counter()
         spec_slots = None
         if self.spec_policy is not None:
-            spec_slots = self.spec_policy.plan(s.seq_id for s in self.scheduler.running if s.is_decoding)
+            spec_slots = self.spec_policy.plan(s.seq_id for s in self.scheduler.running  # not constrained ones
+                                               if s.is_decoding and s.seq_id not in self.grammars)
         plan = self.scheduler.schedule(spec_slots)
         self._apply_kv_ops(plan.kv_ops)
         sampled: dict[int, int | list[int]] = {}
@@ -318,6 +322,10 @@ class Engine:
                 sampled[seq.seq_id] = int(result.token_ids[i])
                 if seq.params.logprobs is not None:
                     logprobs[seq.seq_id] = [result.row_logprobs(i, seq.params.logprobs)]
+                if (refused := self.grammars.consume(seq.seq_id, sampled[seq.seq_id])) is not None:
+                    del sampled[seq.seq_id]
+                    self.scheduler.fail(seq, refused)
+                    continue
             if self.spec_policy is not None and seq.is_decoding:
                 emitted = sampled[seq.seq_id]
                 self.spec_policy.record(seq.seq_id, chunk.num_draft_tokens,
@@ -337,7 +345,8 @@ class Engine:
         return [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,
                             step=len(c.seq.output_token_ids), prompt_token_ids=c.seq.prompt_token_ids,
                             output_token_ids=c.seq.output_token_ids,
-                            suppress=self.scheduler.suppressed_token_ids(c.seq)) for c in chunks]
+                            suppress=self.scheduler.suppressed_token_ids(c.seq),
+                            allowed=self.grammars.allowed(c.seq.seq_id) if c.samples else None) for c in chunks]
 
     def _execute(self, chunks: list[ScheduledChunk], draft_probs_row: int | None = None) -> StepResult | VerifyResult:
         rows = self._sampling_rows(chunks)
@@ -362,6 +371,7 @@ class Engine:
                 req.reported_finished = True
                 self.metrics.num_finished += 1
                 for seq in req.seqs:
+                    self.grammars.forget(seq.seq_id)
                     if self.spec_policy is not None:
                         self.spec_policy.forget(seq.seq_id)
                         self._proposer.forget(seq.seq_id)

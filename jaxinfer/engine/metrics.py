@@ -17,7 +17,12 @@ from jaxinfer.scheduler.sequence import Sequence
 
 @dataclasses.dataclass
 class EngineMetrics:
-    """Counters and latency samples gathered by the engine (seconds and token counts)."""
+    """Counters and latency samples gathered by the engine (seconds and token counts).
+
+    `steps_by_num_tokens` maps a step's scheduled tokens (prefill + decode, drafts included) to the number of
+    steps that had that many: exact, and bounded by the step's token budget (a histogram's source at any buckets;
+    read it with `.copy()` from another thread).
+    """
 
     num_steps: int = 0
     num_device_calls: int = 0
@@ -31,6 +36,7 @@ class EngineMetrics:
     queue_time_s: list[float] = dataclasses.field(default_factory=list)
     step_time_s: float = 0.0
     host_time_s: float = 0.0
+    steps_by_num_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def record_step(self, prefill_tokens: int, decode_tokens: int, step_s: float, device_s: float) -> None:
         """Counts one engine step: its prefill and decode tokens, its wall time and the part spent in device
@@ -38,6 +44,8 @@ class EngineMetrics:
         self.num_steps += 1
         self.num_prefill_tokens += prefill_tokens
         self.num_decode_tokens += decode_tokens
+        n = prefill_tokens + decode_tokens
+        self.steps_by_num_tokens[n] = self.steps_by_num_tokens.get(n, 0) + 1
         self.step_time_s += step_s
         self.host_time_s += step_s - device_s
 

@@ -11,16 +11,19 @@ from jaxinfer.scheduler.sequence import Sequence as Seq
 
 def request_metrics(seqs: Sequence[Seq], arrival_time: float, finished: bool) -> RequestMetrics:
     """TTFT from the earliest first token of the request's samples; decode speed over the longest sample, once
-    finished (0.0 before)."""
+    finished (0.0 before); the earliest first scheduling and the latest token of its samples."""
     first = [s.first_token_time for s in seqs if s.first_token_time is not None]
     ends = [s.finish_time for s in seqs if s.finish_time is not None]
+    scheduled = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
+    last = [s.last_token_time for s in seqs if s.last_token_time is not None]
     num_out = max((len(s.output_token_ids) for s in seqs), default=0)
     ttft = (min(first) - arrival_time) if first else 0.0
     decode_time = (max(ends) - min(first)) if first and ends and finished else 0.0
     return RequestMetrics(
         arrival_time=arrival_time, first_token_time=min(first) if first else None,
         finish_time=max(ends) if ends and finished else None, ttft_s=ttft,
-        decode_tokens_per_s=(num_out - 1) / decode_time if num_out > 1 and decode_time > 0 else 0.0)
+        decode_tokens_per_s=(num_out - 1) / decode_time if num_out > 1 and decode_time > 0 else 0.0,
+        first_scheduled_time=min(scheduled, default=None), last_token_time=max(last, default=None))
 
 
 def request_output(request_id: str, prompt: str | None, prompt_token_ids: Sequence[int], seqs: Sequence[Seq],

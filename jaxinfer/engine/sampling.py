@@ -4,12 +4,16 @@
    parameters, banned ids (always `SUPPRESS_WIDTH` wide: no request's stop ids pick a compiled shape), and the
    ids the penalties need: one array of each penalised row's prompt ids then output ids, -1 padded, and a count
    of its prompt ids. That array has one of two widths: 1 when no row uses penalties, else the caller's
-   `penalty_width` (the runner's longest context), so no request's lengths pick a compiled shape. Padding rows
+   `penalty_width` (the runner's longest context), so no request's lengths pick a compiled shape. Each row's
+   allowed tokens travel as a packed bitmask i32[B, ceil(V / 32)], all ones where a row is unconstrained, so
+   constrained (structured output) and unconstrained rows share one batch and one compiled step. Padding rows
    are greedy and inert.
 2. On device, `sample` processes each row of logits f32[B, V] in vLLM's order:
      a. ids >= vocab_limit (padding of the embedding table) are masked;
      b. raw log-probabilities: log_softmax of these logits, in f32 (returned, never used for sampling);
-     c. bans: the row's suppressed ids (EOS / stop ids before min_tokens) get -inf;
+     c. bans: the row's suppressed ids (EOS / stop ids before min_tokens) and every token whose bit in the row's
+        bitmask is 0 get -inf (the bits are unpacked on device, fused with the other bans; the raw logprobs of b
+        stay those of the unmasked distribution, as for every ban);
      d. repetition penalty (Keskar et al. 2019, CTRL) over tokens seen in the prompt or the output;
      e. presence and frequency penalties (OpenAI) over the output tokens' counts;
      -> greedy rows (temperature 0) take the argmax here;
@@ -38,7 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.sampling_math import apply_penalties, limit_vocab, scatter_ids, sort_descending, token_logprobs
+from jaxinfer.engine import sampling_host
+from jaxinfer.engine.sampling_math import (apply_penalties, limit_vocab, scatter_ids, sort_descending, token_logprobs,
+                                           unpack_bitmask)
 from jaxinfer.request_limits import SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -61,9 +67,13 @@ class SamplingRow:
       prompt_token_ids: the prompt, ids in [0, V); read only when a penalty is on.
       output_token_ids: tokens generated so far, ids in [0, V); read only when a penalty is on.
       suppress: token ids in [0, V) never sampled this step (EOS and stop ids before `min_tokens`).
+      allowed: i32[ceil(V / 32)], the tokens this step may sample as a packed bitmask in llguidance's layout (bit
+        j of word i, `(word >> j) & 1`, allows token 32 i + j), read when `SamplingArrays.build` runs; None allows
+        every token.
 
     Raises:
-      ValueError: if seed, sample_index or step is out of range, naming it.
+      ValueError: if seed, sample_index or step is out of range, or allowed is not a 1-D int32 numpy array,
+        naming it.
     """
 
     params: SamplingParams
@@ -73,6 +83,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     suppress: Sequence[int] = ()
+    allowed: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         seed, sample_index = self.seed, self.sample_index
@@ -85,38 +96,7 @@ class SamplingRow:
             raise ValueError(f"{sample_index=} must be an integer in [0, n={self.params.n})")
         if not isinstance(step, (int, np.integer)) or not 0 <= step < 2**31:
             raise ValueError(f"{step=} must be an integer in [0, 2**31)")
-
-
-def _checked_ids(ids: Sequence[int], vocab: int, row: int, name: str) -> np.ndarray:
-    """i64[len(ids)] of a row's ids; ValueError naming the field unless they lie in [0, vocab)."""
-    arr = np.asarray(ids, np.int64).reshape(-1)
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
-        raise ValueError(f"{name} of row {row} must lie in [0, {vocab=}); got {list(ids)!r}")
-    return arr
-
-
-def _pad_ids(id_lists: Sequence[Sequence[int]], batch: int, width: int, vocab: int, name: str) -> np.ndarray:
-    """i32[batch, width] with row i = id_lists[i] followed by -1s; ids must lie in [0, vocab)."""
-    out = np.full((batch, width), -1, np.int32)
-    for row, ids in enumerate(id_lists):
-        arr = _checked_ids(ids, vocab, row, name)
-        out[row, : len(arr)] = arr
-    return out
-
-
-def _penalty_ids(rows: Sequence[SamplingRow], batch: int, width: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """(i32[batch, width]: each penalised row's prompt ids then output ids, -1 padded; i32[batch]: how many of them
-    are prompt ids). Rows without penalties hold only -1."""
-    ids, num_prompt = np.full((batch, width), -1, np.int32), np.zeros(batch, np.int32)
-    for i, r in enumerate(rows):
-        if r.params.uses_penalties:
-            prompt = _checked_ids(r.prompt_token_ids, vocab, i, "prompt_token_ids")
-            output = _checked_ids(r.output_token_ids, vocab, i, "output_token_ids")
-            if (n := len(prompt) + len(output)) > width:
-                raise ValueError(f"row {i} has {n} prompt + output ids, more than penalty_width={width} (the "
-                                 "longest context)")
-            ids[i, :n], num_prompt[i] = np.concatenate([prompt, output]), len(prompt)
-    return ids, num_prompt
+        sampling_host.check_allowed(self.allowed)
 
 
 @flax.struct.dataclass
@@ -136,6 +116,9 @@ class SamplingArrays:
       step: i32[B], index of the output token being sampled.
       num_logprobs: i32[B], in [0, MAX_LOGPROBS]: top log-probabilities the row wants.
       suppress: i32[B, SUPPRESS_WIDTH], ids in [0, V) set to -inf; -1 pads.
+      token_bitmask: i32[B, ceil(V / 32)], packed allowed tokens (`SamplingRow.allowed`'s layout); tokens whose
+        bit is 0 are set to -inf with the bans. -1 (all allowed) for unconstrained and padding rows: always
+        present, so constrained and unconstrained batches share one compiled step.
       penalty_ids: i32[B, W], ids in [0, V) or -1 (padding): a penalised row's prompt ids, then its output ids;
         other rows hold only -1. W is 1 when no row uses penalties, else `build`'s penalty_width.
       num_prompt_ids: i32[B], in [0, W]: how many of the row's leading penalty_ids are its prompt (0 for rows
@@ -155,6 +138,7 @@ class SamplingArrays:
     step: jax.Array
     num_logprobs: jax.Array
     suppress: jax.Array
+    token_bitmask: jax.Array
     penalty_ids: jax.Array
     num_prompt_ids: jax.Array
     vocab_limit: jax.Array
@@ -178,7 +162,8 @@ class SamplingArrays:
 
         Raises:
           ValueError: if batch < len(rows), vocab_limit is not in [1, V], penalty_width < 1, a token id is outside
-            [0, V), a row bans more than SUPPRESS_WIDTH ids, or a penalised row has more than penalty_width ids.
+            [0, V), a row bans more than SUPPRESS_WIDTH ids, a penalised row has more than penalty_width ids, or a
+            row's `allowed` is not ceil(V / 32) words or allows no token below vocab_limit.
         """
         if batch < len(rows):
             raise ValueError(f"{batch=} must be >= the number of rows ({len(rows)})")
@@ -196,7 +181,7 @@ class SamplingArrays:
         if (widest := max((len(r.suppress) for r in rows), default=0)) > SUPPRESS_WIDTH:  # refused at admission
             raise ValueError(f"a row bans {widest} ids; at most {SUPPRESS_WIDTH=} can be banned")
         width = penalty_width if any(p.uses_penalties for p in ps) else 1
-        penalty_ids, num_prompt_ids = _penalty_ids(rows, batch, width, vocab)
+        penalty_ids, num_prompt_ids = sampling_host.penalty_ids(rows, batch, width, vocab)
         return SamplingArrays(
             # Temperatures below GREEDY_TEMPERATURE would overflow logits / T in f32: they are greedy.
             temperature=per_row([p.temperature if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in ps],
@@ -211,7 +196,8 @@ class SamplingArrays:
             sample_index=per_row([r.sample_index for r in rows], 0, np.int32),
             step=per_row([r.step for r in rows], 0, np.int32),
             num_logprobs=per_row([p.logprobs or 0 for p in ps], 0, np.int32),
-            suppress=_pad_ids([r.suppress for r in rows], batch, SUPPRESS_WIDTH, vocab, "suppress"),
+            suppress=sampling_host.pad_ids([r.suppress for r in rows], batch, SUPPRESS_WIDTH, vocab, "suppress"),
+            token_bitmask=sampling_host.token_bitmask(rows, batch, vocab, limit),
             penalty_ids=penalty_ids,
             num_prompt_ids=num_prompt_ids,
             vocab_limit=np.int32(limit),
@@ -257,9 +243,11 @@ def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
 
 
 def _ban(logits: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Steps a and c: -inf at ids >= vocab_limit and at each row's suppressed ids."""
-    banned = scatter_ids(s.suppress, logits.shape[-1], True, jnp.bool_, add=False)  # [B, V]; cheaper on CPU
-    return jnp.where(banned, -jnp.inf, limit_vocab(logits, s.vocab_limit))  # than comparing with the M ids
+    """Steps a and c: -inf at ids >= vocab_limit, at each row's suppressed ids and where its bitmask has a 0."""
+    vocab = logits.shape[-1]
+    # The suppressed ids scattered to [B, V]: cheaper on CPU than comparing every column with the M ids.
+    banned = scatter_ids(s.suppress, vocab, True, jnp.bool_, add=False) | ~unpack_bitmask(s.token_bitmask, vocab)
+    return jnp.where(banned, -jnp.inf, limit_vocab(logits, s.vocab_limit))
 
 
 def _penalised(logits: jax.Array, s: SamplingArrays) -> jax.Array:

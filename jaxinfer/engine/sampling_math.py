@@ -2,6 +2,7 @@
 
 - `scatter_ids` and `apply_penalties`: each row's ids (-1 padded) as a [B, V] mask or count, and the repetition,
   presence and frequency penalties over them.
+- `unpack_bitmask`: each row's packed token bitmask (llguidance's layout) as a [B, V] mask.
 - Cheaper on XLA's CPU backend while returning what the plain jnp expression returns (the tests check each
   against it): `sort_descending`, the values of `-jnp.sort(-x, axis=-1)` sorted as int32 keys, and
   `token_logprobs`, one entry of `jax.nn.log_softmax` per row without the [B, V] result.
@@ -17,7 +18,10 @@ import jax.numpy as jnp
 if TYPE_CHECKING:
     from jaxinfer.engine.sampling import SamplingArrays
 
-__all__ = ["apply_penalties", "limit_vocab", "scatter_ids", "sort_descending", "token_logprobs"]
+__all__ = ["BITMASK_BITS", "apply_penalties", "bitmask_words", "limit_vocab", "scatter_ids", "sort_descending",
+           "token_logprobs", "unpack_bitmask"]
+
+BITMASK_BITS = 32  # tokens per word of a packed token bitmask
 
 _LOW_31_BITS = 0x7FFFFFFF
 
@@ -60,6 +64,29 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, vocab_limit: jax.Arr
     top = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
     log_sum_exp = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
     return (jnp.take_along_axis(logits, token_ids[:, None], axis=-1) - top)[:, 0] - log_sum_exp
+
+
+def bitmask_words(vocab: int) -> int:
+    """ceil(vocab / 32): the int32 words of one row's packed token bitmask over `vocab` tokens."""
+    return -(-vocab // BITMASK_BITS)
+
+
+def unpack_bitmask(bitmask: jax.Array, vocab: int) -> jax.Array:
+    """bool[B, vocab]: token t of row b is allowed iff bit t % 32 of word t // 32 of bitmask[b] is 1.
+
+    Args:
+      bitmask: i32[B, ceil(vocab / 32)], llguidance's layout: bit j (`(word >> j) & 1`) of word i is token 32 i + j.
+      vocab: V, a static int.
+
+    Raises:
+      ValueError: at trace time, if bitmask is not i32[B, ceil(vocab / 32)], naming both.
+    """
+    if bitmask.ndim != 2 or bitmask.shape[1] != bitmask_words(vocab) or bitmask.dtype != jnp.int32:
+        raise ValueError(f"token_bitmask must be i32[B, ceil(V / 32)] = i32[B, {bitmask_words(vocab)}] for {vocab=}; "
+                         f"got {bitmask.dtype}{list(bitmask.shape)}")
+    shifts = jnp.arange(BITMASK_BITS, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [B, W, 32]; arithmetic shift: bit 31 too
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab] != 0
 
 
 def scatter_ids(ids: jax.Array, vocab: int, value: jax.Array | int, shape_dtype: jnp.dtype, add: bool) -> jax.Array:

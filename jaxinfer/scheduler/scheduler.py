@@ -61,7 +61,7 @@ class Scheduler:
       config: limits.
       allocator: the KV pages; the scheduler is their only user.
       eos_ids: the model's end-of-sequence ids.
-      clock: seconds, for `first_scheduled_time`, `first_token_time` and `finish_time`.
+      clock: seconds, for `first_scheduled_time`, `first_token_time`, `last_token_time` and `finish_time`.
       prefix_cache: reuse cached full pages of earlier sequences (None disables prefix caching).
     """
 
@@ -323,6 +323,7 @@ class Scheduler:
                     reason = append_token(seq, token_id, self.eos_ids, self.config.max_model_len)
                     if reason is not None:
                         break
+                seq.last_token_time = now
                 # a stop inside a block drops the drafts after it, whose K/V then holds no token of the sequence
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             if self.prefix_cache is not None:  # after the tokens: pages completed by accepted drafts have them

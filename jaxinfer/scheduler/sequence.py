@@ -67,7 +67,8 @@ class Sequence:
       emitted_token_count: ids of `output_token_ids` already returned by `stream_delta`.
       finish_reason: "stop" | "length" | "abort" | "error", or None while live.
       error: the message of a FINISHED_ERROR.
-      first_scheduled_time, first_token_time, finish_time: seconds on the scheduler's clock, or None.
+      first_scheduled_time, first_token_time, last_token_time, finish_time: seconds on the scheduler's clock, or
+        None; `last_token_time` is the step that appended the newest output token.
       num_preemptions: times this sequence was preempted (its K/V dropped and recomputed).
       cache_salt: requests with different salts never share prefix-cache pages (None is a salt too).
       cached_entries: prefix-cache entries of this sequence's full computed pages, in order (scheduler-owned).
@@ -95,6 +96,7 @@ class Sequence:
     error: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
     cache_salt: str | None = None

@@ -31,6 +31,12 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kw["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kw["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.HasField("structured_outputs"):
+        kind = msg.structured_outputs.WhichOneof("constraint")
+        if kind is None:
+            raise ValueError("sampling: structured_outputs must set one of json, json_object, regex, choice, grammar")
+        value = getattr(msg.structured_outputs, kind)
+        kw["structured_outputs"] = {kind: list(value.choices) if kind == "choice" else value}
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:

@@ -21,8 +21,8 @@ import socket
 import uvicorn
 
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.serving.metrics_port import MetricsPort
 from jaxinfer.serving.openai.app import OpenAIApp
-from jaxinfer.serving.openai.translate import served_model_name
 from jaxinfer.serving.served import ServedEngine, ServerLimits
 from jaxinfer.serving.server import Server
 
@@ -66,7 +66,8 @@ class HTTPServer:
     Args:
       served: the shared engine (its owner starts and stops it).
       host, port: where to listen (port 0: a free one; see `port` after `start`).
-      model_name: the served model name; None derives it from the model path (`served_model_name`).
+      model_name: the name the API serves the model as; None: the `ServedEngine`'s (`served.model_name`, which
+        also labels the metrics).
       api_key: bearer token every `/v1` route requires, or None.
       grace_s: the longest uvicorn waits for open connections once stopping, past the engine's own grace.
     """
@@ -74,7 +75,7 @@ class HTTPServer:
     def __init__(self, served: ServedEngine, *, host: str = "127.0.0.1", port: int = 8000,
                  model_name: str | None = None, api_key: str | None = None, grace_s: float = 10.0) -> None:
         self.served, self.host, self.port = served, host, port
-        self.model_name = model_name or served_model_name(served.config.model)
+        self.model_name = model_name or served.model_name
         self.api = OpenAIApp(served, self.model_name, api_key)
         config = uvicorn.Config(self.api.app, log_config=None, access_log=False, lifespan="off", ws="none",
                                 timeout_graceful_shutdown=grace_s + 5.0, timeout_keep_alive=30)
@@ -133,9 +134,10 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal during the model load stops cleanly too
         loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
-    served = ServedEngine(config, limits)
+    served = ServedEngine(config, limits, model_name)
     grpc_server = None if port is None else Server(served, host=host, port=port)
     http = None
+    exporter = None
     try:
         if grpc_server is not None:
             await grpc_server.start()
@@ -145,9 +147,10 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int | No
             await http.start()
         if metrics_port is not None:
             try:
-                metrics_port = served.metrics.serve_http(metrics_port, host)
+                exporter = MetricsPort(served.metrics.registry, metrics_port, host)
             except OSError as e:
                 raise ValueError(f"cannot serve metrics on {host}:{metrics_port}: {e}") from None
+            metrics_port = exporter.port
     except BaseException:
         if grpc_server is not None:
             await grpc_server.stop(0)
@@ -184,6 +187,8 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int | No
         http.close(force=True)
         await http.wait()
     hurried.cancel()
+    if exporter is not None:
+        await asyncio.to_thread(exporter.close)
     if served.engine_error is not None:
         error = served.engine_error
         raise error if isinstance(error, ValueError) else RuntimeError(f"the engine failed to start: {error}")

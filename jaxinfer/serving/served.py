@@ -6,8 +6,9 @@
 2. `ready()` is a front end's first step for every call: the `AsyncEngine`, or `Unavailable` naming why not
    (stopping, warming up, failed to start, engine loop stopped). `slot()` counts a request in flight for its whole
    life and refuses it with `Overloaded` past `ServerLimits.max_queued_requests`, whichever front end sent it.
-3. `record_usage` / `record_finished` keep the token counters and latency histograms of `ServerMetrics`, one
-   registry for all front ends.
+3. `record_admitted` counts a request's prompt and gives the front end the `RequestRecorder` that it feeds the
+   request's outputs (tokens, latencies, outcome) into: one `ServerMetrics` registry for all front ends, every
+   sample labelled with the served `model_name`.
 4. `stop()` refuses new calls (`ready()` raises), stops the watchdog and shuts the engine down; the front ends
    drain their streams before calling it.
 """
@@ -18,18 +19,34 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from jaxinfer.engine.async_engine import AsyncEngine
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.serving.metrics import ServerMetrics
+from jaxinfer.serving.metrics import RequestRecorder, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 _WATCHDOG_PERIOD_S = 0.5
+# A GGUF file name's quantization suffix: "-Q4_1", ".Q4_K_M", "-f16", "-bf16", "-IQ3_XS", ...
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|[Ff]16|[Bb][Ff]16|[Ff]32)$")
+
+
+def served_model_name(model: str | None) -> str:
+    """The default `--served-model-name`: the model file's or folder's name without its quantization suffix
+    (`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`); None, the default model, likewise."""
+    if model is None:
+        from jaxinfer.loading.loader import DEFAULT_MODEL_FILE
+
+        model = DEFAULT_MODEL_FILE
+    path = Path(model.rstrip("/"))
+    name = path.stem if path.suffix.lower() == ".gguf" else path.name
+    return _QUANT_SUFFIX.sub("", name) or name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,21 +78,31 @@ class ServedEngine:
     Args:
       config: engine options; `start` builds the engine from them.
       limits: the server's limits (request bytes, requests in flight).
+      model_name: the served model name (`--served-model-name`: the HTTP API's model, the `model_name` label of
+        the metrics); None derives it from `config.model` (`served_model_name`).
 
     Attributes:
       async_engine: the `AsyncEngine` once loaded, else None.
       engine_error: the exception that stopped the engine from starting, else None.
       in_flight: requests counted by `slot()` now.
+      model_name: the served model name.
       metrics: the Prometheus registry of the whole server.
     """
 
-    def __init__(self, config: EngineConfig, limits: ServerLimits = ServerLimits()) -> None:
+    def __init__(self, config: EngineConfig, limits: ServerLimits = ServerLimits(),
+                 model_name: str | None = None) -> None:
         self.config, self.limits = config, limits
+        self.model_name = model_name or served_model_name(config.model)
         self.async_engine: AsyncEngine | None = None
         self.engine_error: BaseException | None = None
         self.stopping = False
         self.in_flight = 0
-        self.metrics = ServerMetrics(lambda: None if self.async_engine is None else self.async_engine.engine.stats())
+        self.metrics = ServerMetrics(
+            lambda: None if self.async_engine is None else self.async_engine.engine.stats(),
+            model_name=self.model_name, max_model_len=config.max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            steps_by_num_tokens=lambda: ({} if self.async_engine is None
+                                         else self.async_engine.engine.metrics.steps_by_num_tokens.copy()))
         self.load_task: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self._listeners: list[Callable[[bool], object]] = []
@@ -164,19 +191,10 @@ class ServedEngine:
         finally:
             self.in_flight -= 1
 
-    def record_admitted(self, out: RequestOutput) -> None:
-        """Counts an admitted request's prompt tokens (call with its first output)."""
-        self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-
-    def record_tokens(self, count: int) -> None:
-        """Counts tokens streamed to a client."""
-        self.metrics.generated_tokens.inc(count)
-
-    def record_finished(self, out: RequestOutput) -> None:
-        """Observes a finished request's TTFT and mean time per output token."""
-        if out.metrics is not None:
-            rate = out.metrics.decode_tokens_per_s
-            self.metrics.record_finished(out.metrics.ttft_s, 1.0 / rate if rate > 0 else None)
+    def record_admitted(self, out: RequestOutput) -> RequestRecorder:
+        """Counts an admitted request's prompt tokens (call with its first output); returns the recorder to call
+        with every output of the request, this first one included (`RequestRecorder.record`)."""
+        return self.metrics.admitted(out)
 
     async def stop(self) -> None:
         """Refuses new calls, stops the watchdog and shuts the engine down (streams still in flight get

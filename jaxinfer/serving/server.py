@@ -35,6 +35,7 @@ from jaxinfer.engine.async_engine import AsyncEngine, EngineStoppedError
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.request_limits import check_token_ids
+from jaxinfer.serving.metrics_port import MetricsPort
 from jaxinfer.serving.requests import chat_ids, prompt_from_request, sampling_params_from_proto
 from jaxinfer.serving.served import Overloaded, ServedEngine, ServerLimits, Unavailable
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
@@ -78,8 +79,8 @@ def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
 def _maps_errors(handler):
     """Wraps a `JaxInferService` handler (a coroutine, or an async generator for a stream) so that an exception
     escaping it ends the call with `_status`'s code, never grpc's `UNKNOWN`; `INTERNAL` logs the traceback. A
-    stream's final status is counted in `jaxinfer_requests_total` (before the client can see it; a cancelled call
-    as `CANCELLED`, or `DEADLINE_EXCEEDED` when its deadline passed)."""
+    stream's final status is counted in `jaxinfer:grpc_requests_total` (before the client can see it; a cancelled
+    call as `CANCELLED`, or `DEADLINE_EXCEEDED` when its deadline passed)."""
 
     async def fail(e: Exception, context: grpc.aio.ServicerContext,
                    count: Callable[[str], None] | None = None) -> None:
@@ -104,7 +105,7 @@ def _maps_errors(handler):
 
     @functools.wraps(handler)
     async def stream(self, request, context: grpc.aio.ServicerContext):
-        count = lambda status: self._server.metrics.requests.labels(status).inc()  # noqa: E731
+        count = self._server.metrics.count_grpc
         try:
             async for response in handler(self, request, context):
                 yield response
@@ -155,9 +156,10 @@ class JaxInferService(pb_grpc.JaxInferServicer):
         with served.slot():  # RESOURCE_EXHAUSTED past the limit of requests in flight
             stream = engine.generate(prompt, params, request.request_id or None)
             out: RequestOutput | None = await anext(stream)  # admission: a ValueError names the field
-            served.record_admitted(out)
+            recorder = served.record_admitted(out)
             finished: set[int] = set()
             while out is not None:
+                recorder.record(out)  # before the client sees it
                 for response in self._responses(out, finished):
                     yield response
                 out = None if out.finished else await anext(stream, None)
@@ -177,7 +179,6 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             if done:
                 finished.add(c.index)
                 msg.finish_reason = c.finish_reason
-            self._server.served.record_tokens(len(c.delta_token_ids))
             responses.append(msg)
         if out.finished:
             usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),
@@ -186,7 +187,6 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             if not responses:
                 responses.append(pb.GenerateResponse(request_id=out.request_id))
             responses[-1].usage.CopyFrom(usage)
-            self._server.served.record_finished(out)
         return responses
 
     @_maps_errors
@@ -233,7 +233,8 @@ class Server:
         (then its owner starts and stops it).
       host, port: where to listen; port 0 picks a free one (see `port` after `start`).
       limits: the server's limits (with a `ServedEngine`, its own apply).
-      metrics_port: HTTP port of the Prometheus exporter; None: no exporter (metrics are still kept).
+      metrics_port: HTTP port of the Prometheus exporter (`/metrics` only); None: no exporter (metrics are still
+        kept).
     """
 
     def __init__(self, config: EngineConfig | ServedEngine, *, host: str = "127.0.0.1", port: int = 50051,
@@ -244,6 +245,7 @@ class Server:
         self.stopping = False
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
+        self._exporter: MetricsPort | None = None
         self.served.on_serving_change(lambda serving: self._set_health(
             health_pb2.HealthCheckResponse.SERVING if serving and not self.stopping
             else health_pb2.HealthCheckResponse.NOT_SERVING))
@@ -286,10 +288,11 @@ class Server:
         await self._grpc.start()
         if self.metrics_port is not None:
             try:
-                self.metrics_port = self.metrics.serve_http(self.metrics_port, self.host)
+                self._exporter = MetricsPort(self.metrics.registry, self.metrics_port, self.host)
             except OSError as e:
                 await self._grpc.stop(0)
                 raise ValueError(f"cannot serve metrics on {self.host}:{self.metrics_port}: {e}") from None
+            self.metrics_port = self._exporter.port
         logger.info("gRPC listening on %s:%d", self.host, self.port)
         if self._owns_engine:
             logger.info("loading the model")
@@ -304,6 +307,9 @@ class Server:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
+        if self._exporter is not None:
+            await asyncio.to_thread(self._exporter.close)
+            self._exporter = None
         if self._owns_engine:
             await self.served.stop()
 

@@ -78,6 +78,9 @@ class _HFBackend:
     def special_token_texts(self) -> dict[str, int]:
         return dict(self._special_texts)
 
+    def to_json(self) -> str:
+        return self._special.to_str()
+
 
 class _SPBackend:
     """A sentencepiece model; control (and unknown) pieces are the special tokens."""

@@ -175,6 +175,12 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._config.chat_template
 
+    @property
+    def hf_json(self) -> str | None:
+        """The HF `tokenizers` JSON of this tokenizer (what llguidance builds its token table from); None for a
+        sentencepiece one."""
+        return self._backend.to_json() if isinstance(self._backend, _HFBackend) else None
+
     def __repr__(self) -> str:
         kind = "sentencepiece" if isinstance(self._backend, _SPBackend) else "tokenizers"
         return f"Tokenizer({kind}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={sorted(self.eos_ids)})"

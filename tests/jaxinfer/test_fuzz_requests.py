@@ -24,6 +24,8 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.prompt import PROMPT_DICT_KEYS, Prompt
 from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY)
+from jaxinfer.structured_outputs import KINDS as STRUCTURED_KINDS
+from jaxinfer.structured_outputs import StructuredOutputsParams
 from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
 from tests.jaxinfer.engine.tiny_model import VOCAB_SIZE, make_tiny_model_dir
 
@@ -76,6 +78,11 @@ PLAUSIBLE = {
     "ignore_eos": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "structured_outputs": st.none() | st.dictionaries(
+        st.sampled_from(STRUCTURED_KINDS) | st.text(max_size=4),
+        st.sampled_from(['{"type": "object"}', '{"type": "integer"}', "{", "[a-z]+", "(", "yes|no", "",
+                         'start: "a"']) | st.lists(ODD_TEXT, max_size=3) | st.booleans() | ODD_TEXT,
+        max_size=2),
 }
 assert set(PLAUSIBLE) == set(FIELDS)
 SAMPLING_KWARGS = st.fixed_dictionaries({}, optional={f: PLAUSIBLE[f] | ANYTHING for f in FIELDS})
@@ -114,6 +121,7 @@ def assert_within_limits(sp: SamplingParams) -> None:
     assert all(type(t) is int and t >= 0 for t in sp.stop_token_ids)
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         assert type(getattr(sp, name)) is bool
+    assert sp.structured_outputs is None or isinstance(sp.structured_outputs, StructuredOutputsParams)
 
 
 def build_params(kw: dict) -> SamplingParams | ValueError:

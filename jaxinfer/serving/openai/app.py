@@ -45,7 +45,8 @@ from jaxinfer.serving.openai.streams import close, disconnected, first_outputs, 
 from jaxinfer.serving.openai import translate
 from jaxinfer.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               TokenizeRequest)
-from jaxinfer.serving.openai.responses import Shaper, error_body, sse
+from jaxinfer.serving.openai.responses import Shaper, error_body, sse, usage as usage_of
+from jaxinfer.serving.metrics import RequestRecorder
 from jaxinfer.serving.served import Overloaded, ServedEngine, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -238,14 +239,15 @@ class OpenAIApp:
                 slots.enter_context(self.served.slot())  # 429 past the limit of requests in flight
             streams = [engine.generate(p, params) for p in prompts]
             firsts = await self._until_disconnect(request, first_outputs(streams))
-            for out in firsts:
-                self.served.record_admitted(out)
+            recorders = [self.served.record_admitted(out) for out in firsts]
             if body.stream:
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
-                events = self._events(shaper, streams, firsts, echo, include_usage, slots.pop_all())
+                options = body.stream_options
+                usage = (options is not None and options.include_usage,
+                         options is not None and options.include_usage and options.continuous_usage_stats)
+                events = self._events(shaper, streams, firsts, recorders, echo, usage, slots.pop_all())
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            outs = await self._until_disconnect(request, last_outputs(streams, firsts, self.served))
+            outs = await self._until_disconnect(request, last_outputs(streams, firsts, recorders))
             for out in outs:
                 for c in out.outputs:
                     if c.finish_reason == "error":
@@ -272,14 +274,17 @@ class OpenAIApp:
         return task.result()
 
     async def _events(self, shaper: Shaper, streams: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput],
-                      echo: list[str] | None, include_usage: bool, slots: contextlib.ExitStack) -> AsyncIterator[str]:
-        """The SSE stream of a request: a chunk per completion with new tokens, the usage chunk, `[DONE]`."""
+                      recorders: list[RequestRecorder], echo: list[str] | None, usage: tuple[bool, bool],
+                      slots: contextlib.ExitStack) -> AsyncIterator[str]:
+        """The SSE stream of a request: a chunk per completion with new tokens (with the usage so far when
+        `usage[1]`, vLLM's `continuous_usage_stats`), the usage chunk (when `usage[0]`), `[DONE]`."""
         started: set[tuple[int, int]] = set()
         ended: set[tuple[int, int]] = set()  # an engine output repeats the samples that finished before it
         last = list(firsts)
         try:
             async for p, out in merged(streams, firsts):
                 last[p] = out
+                recorders[p].record(out)
                 for c in out.outputs:
                     if (p, c.index) in ended:
                         continue
@@ -293,11 +298,8 @@ class OpenAIApp:
                         started.add((p, c.index))
                         if c.finish_reason is not None:
                             ended.add((p, c.index))
-                        self.served.record_tokens(len(c.delta_token_ids))
-                        yield sse(chunk)
-                if out.finished:
-                    self.served.record_finished(out)
-            if include_usage:
+                        yield sse(chunk | ({"usage": usage_of(last)} if usage[1] else {}))
+            if usage[0]:
                 yield sse(shaper.usage_chunk(last))
         except Exception as e:  # noqa: BLE001 - the stream has started: the error is its last event
             response = _error_response(e)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from starlette.requests import Request
 
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.serving.served import ServedEngine
+from jaxinfer.serving.metrics import RequestRecorder
 
 
 async def disconnected(request: Request) -> None:
@@ -40,17 +40,18 @@ async def first_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Req
     return list(results)
 
 
-async def last_outputs(streams, firsts: list[RequestOutput], served: ServedEngine) -> list[RequestOutput]:
-    """Each stream's finished output (the streams are closed if this is cancelled)."""
-    async def last(stream, out: RequestOutput) -> RequestOutput:
+async def last_outputs(streams, firsts: list[RequestOutput], recorders: list[RequestRecorder]) -> list[RequestOutput]:
+    """Each stream's finished output, every output recorded on the way (the streams are closed if this is
+    cancelled)."""
+    async def last(stream, out: RequestOutput, recorder: RequestRecorder) -> RequestOutput:
+        recorder.record(out)
         while not out.finished:
             out = await anext(stream)
-        served.record_tokens(sum(len(c.token_ids) for c in out.outputs))
-        served.record_finished(out)
+            recorder.record(out)
         return out
 
     try:
-        return list(await asyncio.gather(*(last(s, o) for s, o in zip(streams, firsts))))
+        return list(await asyncio.gather(*(last(s, o, r) for s, o, r in zip(streams, firsts, recorders))))
     finally:
         await close(streams)
 

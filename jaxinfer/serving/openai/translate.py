@@ -10,33 +10,19 @@ Source: the OpenAI API reference (Completions, Chat Completions); vLLM's OpenAI-
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxinfer.prompt import Prompt
 from jaxinfer.request_limits import check_chat, check_text, show
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.structured_outputs import structured_outputs_from
 from jaxinfer.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from jaxinfer.serving.served import served_model_name  # noqa: F401 - its home was here
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-# A GGUF file name's quantization suffix: "-Q4_1", ".Q4_K_M", "-f16", "-bf16", "-IQ3_XS", ...
-_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|[Ff]16|[Bb][Ff]16|[Ff]32)$")
-
-
-def served_model_name(model: str | None) -> str:
-    """The default `--served-model-name`: the model file's or folder's name without its quantization suffix
-    (`.../SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`); None, the default model, likewise."""
-    if model is None:
-        from jaxinfer.loading.loader import DEFAULT_MODEL_FILE
-
-        model = DEFAULT_MODEL_FILE
-    path = Path(model.rstrip("/"))
-    name = path.stem if path.suffix.lower() == ".gguf" else path.name
-    return _QUANT_SUFFIX.sub("", name) or name
 
 
 def _check(condition: bool, message: str) -> None:
@@ -44,8 +30,43 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> dict | None:
+    """The body's output constraint as `StructuredOutputsParams` fields: from OpenAI's `response_format`
+    (`json_object`, or `json_schema` with its `schema`; `text` is none), vLLM's `structured_outputs` dict, or
+    vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
+
+    Raises:
+      ValueError: naming the field: more than one of them, or a `response_format` of another shape.
+    """
+    given = []
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        rf = body.response_format
+        if rf.get("type") == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf.get("type") == "json_schema":
+            spec = rf.get("json_schema")
+            _check(isinstance(spec, dict) and isinstance(spec.get("schema"), (dict, bool)),
+                   "response_format.json_schema.schema must be a JSON schema (an object)")
+            given.append(("response_format", {"json": spec["schema"]}))
+        else:
+            raise ValueError(f"response_format.type={show(rf.get('type'))} must be text, json_object or json_schema")
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", body.structured_outputs))
+    for kind in ("json", "regex", "choice", "grammar"):
+        if (value := getattr(body, f"guided_{kind}")) is not None:
+            given.append((f"guided_{kind}", {kind: value}))
+    _check(len(given) <= 1, f"set one output constraint, not {' and '.join(name for name, _ in given)}")
+    return given[0] if given else None
+
+
 def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
               logprobs: int | None) -> SamplingParams:
+    constraint = structured_outputs(body)
+    try:  # the constraint's errors name the field it came from
+        so = None if constraint is None else structured_outputs_from(constraint[1], constraint[0])
+    except ValueError as e:
+        message = str(e).replace("structured_outputs", constraint[0], 1)
+        raise ValueError(message if message.startswith(constraint[0]) else f"{constraint[0]}: {message}") from None
     return SamplingParams(
         n=body.n, max_tokens=max_tokens, logprobs=logprobs, seed=body.seed, stop=body.stop,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -53,7 +74,8 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
-        skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output)
+        skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+        structured_outputs=so)
 
 
 def completion_params(body: CompletionRequest) -> SamplingParams:

@@ -123,8 +123,8 @@ def test_soak_smoke_reports_a_corrupted_reference_and_nothing_else(tmp_path, mon
     assert data["cancelled"] >= must_cancel and data["wrong"] == 0 and data["server_exit_status"] == 0
     end, last = data["end"], scraped[-1]
     assert end["kv_pages_used"] == end["running"] == end["waiting"] == data["pages_leaked"] == 0
-    assert end["health"] == "SERVING" and end["kv_pages_total"] == last["jaxinfer_kv_pages_total"] > 0
-    assert last["jaxinfer_kv_pages_used"] == 0
+    assert end["health"] == "SERVING" and end["kv_pages_total"] == last["jaxinfer:kv_pages_total"] > 0
+    assert last["jaxinfer:kv_pages_used"] == 0
     assert data["model"]["max_model_len"] == 64 and data["settings"]["concurrency"] == 2
     for key in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "load_s"):
         assert_positive_finite(data[key], key)

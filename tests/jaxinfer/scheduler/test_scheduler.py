@@ -221,14 +221,18 @@ def test_times_come_from_the_clock_and_survive_preemption() -> None:
     sched.add(two)
     step(sched)  # schedule at 100, update at 101
     assert (one.first_scheduled_time, one.first_token_time, two.first_token_time) == (100.0, 101.0, 101.0)
+    assert (one.last_token_time, two.last_token_time) == (101.0, 101.0)
     out = step(sched)  # two preempts itself at 102; one samples at 103
     assert out.preempted == [two] and one.first_token_time == 101.0
+    assert (one.last_token_time, two.last_token_time) == (103.0, 101.0)  # a preempted sequence keeps its own
     step(sched)  # 104, 105: one's 3rd token; two is readmitted with the 2 tokens its 1 free page holds
     assert (two.first_scheduled_time, two.first_token_time, two.finish_time) == (100.0, 101.0, None)
     step(sched)  # 106, 107: one needs that page back (two is preempted again) and finishes (4 tokens)
-    assert one.finish_time == 107.0 and one.finish_reason == "length" and two.num_preemptions == 2
+    assert one.finish_time == one.last_token_time == 107.0 and one.finish_reason == "length"
+    assert two.num_preemptions == 2
     step(sched)  # 108, 109: two recomputes and samples its 2nd and last token
     assert (two.first_token_time, two.finish_time, two.output_token_ids) == (101.0, 109.0, [9, 9])
+    assert two.last_token_time == 109.0
 
 
 def test_parallel_samples_share_the_prompt_pages_of_sample_0() -> None:

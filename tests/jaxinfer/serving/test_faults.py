@@ -57,7 +57,7 @@ def served_tiny(tiny_model):
 
 
 def _cancelled_count(st: ServerThread) -> float:
-    value = st.server.metrics.registry.get_sample_value("jaxinfer_requests_total", {"status": "CANCELLED"})
+    value = st.server.metrics.sample("jaxinfer:grpc_requests_total", {"status": "CANCELLED"})
     return value or 0.0
 
 

@@ -101,9 +101,12 @@ SAMPLING = {  # the fields both endpoints share
     "cache_salt": (st.none() | texts(8), ODD_TEXT),
     "user": (texts(8), ODD_TEXT),  # ignored
     "metadata": (st.none() | st.dictionaries(texts(5), texts(5), max_size=2), st.dictionaries(texts(5), ANY)),
-    "response_format": (st.sampled_from([None, {}]), st.just({"type": "json_object"})),  # unsupported when set
-    "logit_bias": (st.sampled_from([None, {}]), st.just({"1": 2.0})),
-    "guided_regex": (st.sampled_from([None, ""]), st.just("a+")),
+    "response_format": (st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]), st.sampled_from([
+        {}, {"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "n"}},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "bogus"}}}])),
+    "logit_bias": (st.sampled_from([None, {}]), st.just({"1": 2.0})),  # unsupported when not empty
+    "guided_regex": (st.sampled_from([None, "a+", "[0-9]{1,3}"]), st.sampled_from(["", "(", "a" * 5000])),
 }
 COMPLETION_ONLY = {
     "prompt": (st.one_of(texts(40).filter(bool), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),

@@ -3,13 +3,17 @@ the request): shapes, streaming, parameters, usage, logprobs, disconnects, and a
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import functools
 import json
 import math
+import re
 
 import httpx2 as httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer import SamplingParams
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
@@ -42,7 +46,92 @@ def test_models_health_and_metrics(both_servers):
     assert models["data"][0]["max_model_len"] == both_servers.engine.max_model_len
     assert httpx.get(both_servers.base_url + "/health").status_code == 200
     metrics = httpx.get(both_servers.base_url + "/metrics")
-    assert metrics.status_code == 200 and "jaxinfer_kv_pages_total" in metrics.text
+    assert metrics.status_code == 200
+    assert f'jaxinfer:kv_cache_usage_perc{{model_name="{both_servers.model_name}"}}' in metrics.text
+
+
+def _scrape(servers) -> dict[tuple[str, tuple], float]:
+    """The HTTP `/metrics` samples by (name, labels but `model_name`); every sample must carry the served model
+    name."""
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(servers.base_url + "/metrics").text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None) == servers.model_name, s
+            samples[(s.name, tuple(sorted(labels.items())))] = s.value
+    return samples
+
+
+def test_metrics_count_what_both_front_ends_served(client, both_servers):
+    """Requests through gRPC and HTTP (whole with two prompts, streamed chat) on one engine: the token counters
+    equal the usage the responses reported; one inter-token latency per token after a completion's first; one
+    sample per request in each per-request histogram, the phases adding up to the end-to-end latency; tokens per
+    step as the engine counted them."""
+    both_servers.wait_idle()
+    before, stats_before = _scrape(both_servers), both_servers.engine.stats()
+    prompt_tokens = completion_tokens = requests = 0
+    reasons: collections.Counter = collections.Counter()
+    for text, max_tokens in (("The capital of France is", 8), ("Once upon a time", 5)):
+        sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        responses = list(both_servers.stub.Generate(pb.GenerateRequest(text=text, sampling=sampling)))
+        prompt_tokens += responses[-1].usage.prompt_tokens
+        completion_tokens += responses[-1].usage.completion_tokens
+        reasons.update(r.finish_reason for r in responses if r.finish_reason)
+        requests += 1
+    whole = client.completions.create(model=both_servers.model_name, prompt=PROMPTS[:2], max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    prompt_tokens += whole.usage.prompt_tokens
+    completion_tokens += whole.usage.completion_tokens
+    reasons.update(c.finish_reason for c in whole.choices)
+    requests += 2  # one engine request per prompt
+    chunks = list(client.chat.completions.create(model=both_servers.model_name, messages=CHAT, max_tokens=7,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    prompt_tokens += chunks[-1].usage.prompt_tokens
+    completion_tokens += chunks[-1].usage.completion_tokens
+    reasons.update(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    requests += 1
+    stats = both_servers.wait_idle()
+    after = _scrape(both_servers)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert completion_tokens == 8 + 5 + 2 * 6 + 7 and sum(reasons.values()) == requests == 5
+    assert delta("jaxinfer:prompt_tokens_total") == prompt_tokens
+    assert delta("jaxinfer:generation_tokens_total") == completion_tokens
+    assert delta("jaxinfer:inter_token_latency_seconds_count") == completion_tokens - requests  # n = 1 each
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds", "time_to_first_token_seconds",
+                 "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        assert delta(f"jaxinfer:{name}_count") == requests, name
+    seconds = {name: delta(f"jaxinfer:{name}_seconds_sum") for name in (
+        "e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+        "request_inference_time", "time_to_first_token", "inter_token_latency")}
+    assert min(seconds.values()) >= 0.0 and seconds["request_decode_time"] > 0.0
+    close = functools.partial(pytest.approx, rel=1e-6, abs=1e-9)
+    # each request's gaps add up to its decode time; queue + prefill + decode = e2e (finished at its last token)
+    assert seconds["inter_token_latency"] == close(seconds["request_decode_time"])
+    assert seconds["e2e_request_latency"] == close(seconds["request_queue_time"] + seconds["request_prefill_time"]
+                                                   + seconds["request_decode_time"])
+    assert seconds["request_inference_time"] == close(seconds["request_prefill_time"]
+                                                      + seconds["request_decode_time"])
+    assert seconds["time_to_first_token"] == close(seconds["request_queue_time"] + seconds["request_prefill_time"])
+    assert delta("jaxinfer:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("jaxinfer:request_generation_tokens_sum") == completion_tokens
+    assert {r: delta("jaxinfer:request_success_total", finished_reason=r) for r in ("stop", "length", "abort", "error")
+            } == {"stop": reasons["stop"], "length": reasons["length"], "abort": 0, "error": 0}
+    assert delta("jaxinfer:grpc_requests_total", status="OK") == 2
+    steps = stats["steps"] - stats_before["steps"]
+    assert delta("jaxinfer:iteration_tokens_total_count") == delta("jaxinfer:engine_steps_total") == steps > 0
+    assert delta("jaxinfer:iteration_tokens_total_sum") == (stats["prefill_tokens"] + stats["decode_tokens"]
+                                                            - stats_before["prefill_tokens"]
+                                                            - stats_before["decode_tokens"])
+    assert delta("jaxinfer:prefix_cache_queries_total") == (stats["prefix_cache_queried_tokens"]
+                                                            - stats_before["prefix_cache_queried_tokens"])
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert after[(f"jaxinfer:{gauge}", ())] == 0, gauge
 
 
 def test_greedy_completions_equal_grpc_and_llm_generate(client, both_servers, smollm2_llm):
@@ -80,6 +169,12 @@ def test_streamed_completion_equals_the_whole_one_and_reports_usage(client, both
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 16
     assert all(c.usage is None for c in chunks[:-1])
+    counted = list(client.completions.create(
+        model=both_servers.model_name, prompt=PROMPTS[2], max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    so_far = [c.usage.completion_tokens for c in counted]  # vLLM's continuous usage: the tokens so far
+    assert so_far == sorted(so_far) and so_far[0] >= 1 and so_far[-1] == 16
+    assert len(counted[:-1]) == len(chunks[:-1])
 
 
 def test_chat_whole_streamed_and_content_parts_agree(client, both_servers, smollm2_llm):
@@ -206,3 +301,52 @@ def test_twenty_concurrent_streams_some_disconnecting_free_every_page(both_serve
     assert all(s > 3 for i, s in enumerate(seen) if i % 3)
     stats = both_servers.wait_idle()
     assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_structured_output_json_schema_regex_and_choice(client, both_servers):
+    import jsonschema  # noqa: PLC0415
+
+    name = both_servers.model_name
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    r = client.chat.completions.create(model=name, messages=ask, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    streamed = list(client.chat.completions.create(model=name, messages=ask, max_tokens=60, temperature=0,
+                                                   stream=True, response_format={"type": "json_object"}))
+    text = "".join(c.choices[0].delta.content or "" for c in streamed)  # whole, or cut at max_tokens
+    assert text.lstrip().startswith("{")
+    if streamed[-1].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    regex = client.completions.create(model=name, prompt="Today's date:", max_tokens=16, temperature=0.7, seed=5,
+                                      extra_body={"guided_regex": r"20\d\d-[01]\d-[0-3]\d"})
+    assert re.fullmatch(r"20\d\d-[01]\d-[0-3]\d", regex.choices[0].text)
+    pick = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Pick a fruit."}],
+                                          max_tokens=8, temperature=0,
+                                          extra_body={"structured_outputs": {"choice": ["apple", "pear"]}})
+    assert pick.choices[0].message.content in ("apple", "pear")
+    for body, field in (({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objec"}}}},
+                         "response_format"), ({"guided_regex": "("}, "guided_regex"),
+                        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex and guided_choice"),
+                        ({"response_format": {"type": "yaml"}}, "response_format.type")):
+        bad = httpx.post(both_servers.base_url + "/v1/completions", json={"prompt": "x", **body}, timeout=30)
+        assert bad.status_code == 400 and field in bad.json()["error"]["message"], bad.text
+
+
+def test_structured_output_over_grpc(both_servers):
+    import grpc  # noqa: PLC0415
+
+    so = pb.StructuredOutputs(choice=pb.Choices(choices=["cat", "dog", "bird"]))
+    request = pb.GenerateRequest(text="My favourite pet is a", sampling=pb.SamplingParams(
+        max_tokens=8, temperature=0, structured_outputs=so))
+    text = "".join(r.text for r in both_servers.stub.Generate(request))
+    assert text in ("cat", "dog", "bird")
+    bad = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(structured_outputs=pb.StructuredOutputs(regex="(")))
+    with pytest.raises(grpc.RpcError) as info:
+        list(both_servers.stub.Generate(bad))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in info.value.details()

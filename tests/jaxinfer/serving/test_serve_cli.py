@@ -53,16 +53,17 @@ def _collect_http(base_url: str, max_tokens: int, events: list) -> None:
 
 @pytest.mark.slow
 def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_and_exits_0():
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0", "--no-warmup",
-           "--grace-seconds", str(GRACE_S),
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0", "--metrics-port", "0",
+           "--served-model-name", "my-model", "--no-warmup", "--grace-seconds", str(GRACE_S),
            "--kv-cache-memory-bytes", str(256 << 20)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        line = proc.stdout.readline()  # "jaxinfer: serving gRPC on 127.0.0.1:PORT"
+        line = proc.stdout.readline()  # "jaxinfer: serving gRPC on 127.0.0.1:PORT, metrics on http://.../metrics"
         assert "serving gRPC on" in line, line + proc.stderr.read()
+        metrics_url = re.search(r"metrics on (http://\S+/metrics)", line).group(1)
         http_line = proc.stdout.readline()  # "jaxinfer: serving HTTP (OpenAI API) on http://127.0.0.1:PORT/v1 ..."
         base_url = re.search(r"(http://\S+)/v1", http_line).group(1)
-        channel = grpc.insecure_channel(line.split()[-1])
+        channel = grpc.insecure_channel(re.search(r"serving gRPC on (\S+?),? ", line).group(1))
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + 120
         while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
@@ -89,6 +90,11 @@ def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_an
             time.sleep(0.01)
         assert sum(len(r.token_ids) for r in short) < 24  # still in flight at the signal
         assert "[DONE]" not in http_streams["short"]
+        # --served-model-name names the model for the HTTP API and labels the metrics port's samples
+        assert [m["id"] for m in httpx.get(base_url + "/v1/models").json()["data"]] == ["my-model"]
+        running = [line for line in httpx.get(metrics_url).text.splitlines()
+                   if line.startswith("jaxinfer:num_requests_running{")]
+        assert len(running) == 1 and re.fullmatch(r'\S+\{model_name="my-model"\} [1-4]\.0', running[0]), running
         t_signal = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         while True:  # new calls are refused from the signal on
@@ -121,6 +127,8 @@ def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_an
             stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
         with pytest.raises(httpx.ConnectError):
             httpx.get(base_url + "/health", timeout=2)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(metrics_url, timeout=2)
         channel.close()
     finally:
         if proc.poll() is None:

@@ -177,7 +177,7 @@ def test_32_concurrent_streams_equal_offline_and_run_batched(served, smollm2_llm
 
     def sample_metrics() -> None:  # what a Prometheus scrape would read
         while not stop_sampling.is_set():
-            running_seen.append(served.server.metrics.registry.get_sample_value("jaxinfer_requests_running") or 0)
+            running_seen.append(served.server.metrics.sample("jaxinfer:num_requests_running") or 0)
             time.sleep(0.005)
 
     def worker(i: int) -> None:
@@ -217,15 +217,27 @@ def test_n_completions_and_logprobs_equal_offline(served, smollm2_llm: LLM):
             assert all(abs(got[t] - want[t]) < 1e-5 for t in want)
 
 
-def test_metrics_endpoint_serves_prometheus_text(served):
+def test_metrics_port_serves_prometheus_text_on_metrics_only(served):
+    import urllib.error
     import urllib.request
 
-    body = urllib.request.urlopen(f"http://127.0.0.1:{served.server.metrics_port}/metrics", timeout=10).read().decode()
-    for name in ("jaxinfer_time_to_first_token_seconds_bucket", "jaxinfer_time_per_output_token_seconds_count",
-                 "jaxinfer_requests_running", "jaxinfer_requests_waiting", "jaxinfer_kv_pages_used",
-                 "jaxinfer_kv_pages_total", "jaxinfer_preemptions_total", "jaxinfer_generated_tokens_total",
-                 'jaxinfer_requests_total{status="OK"}'):
-        assert name in body, name
+    _stream(served.stub, pb.GenerateRequest(text="Hi", sampling=pb.SamplingParams(max_tokens=3)))
+    base = f"http://127.0.0.1:{served.server.metrics_port}"
+    body = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    label = f'model_name="{served.server.served.model_name}"'
+    for name in ("jaxinfer:time_to_first_token_seconds_bucket", "jaxinfer:inter_token_latency_seconds_count",
+                 "jaxinfer:e2e_request_latency_seconds_count", "jaxinfer:num_requests_running",
+                 "jaxinfer:num_requests_waiting", "jaxinfer:kv_cache_usage_perc", "jaxinfer:kv_pages_total",
+                 "jaxinfer:num_preemptions_total", "jaxinfer:generation_tokens_total", "jaxinfer:prompt_tokens_total",
+                 "jaxinfer:iteration_tokens_total_count", "jaxinfer:prefix_cache_queries_total",
+                 "jaxinfer:grpc_requests_total"):
+        assert f"\n{name}{{" in body, name
+        assert all(label in line for line in body.splitlines() if line.startswith(name + "{")), name
+    assert f'jaxinfer:grpc_requests_total{{{label},status="OK"}}' in body
+    for path in ("/", "/health", "/metrics/extra"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(base + path, timeout=10)
+        assert info.value.code == 404, path
 
 
 def _page_holders(engine, request_id: str) -> int:
@@ -369,11 +381,11 @@ def test_deadline_aborts_the_request(served):
         _stream(served.stub, pb.GenerateRequest(text="Tell me everything", sampling=proto, request_id="deadline"),
                 timeout=1.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    outcomes = served.server.metrics.registry.get_sample_value
+    outcomes = served.server.metrics.sample
     deadline = time.monotonic() + 10
-    while not outcomes("jaxinfer_requests_total", {"status": "DEADLINE_EXCEEDED"}) and time.monotonic() < deadline:
+    while not outcomes("jaxinfer:grpc_requests_total", {"status": "DEADLINE_EXCEEDED"}) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert outcomes("jaxinfer_requests_total", {"status": "DEADLINE_EXCEEDED"}) >= 1
+    assert outcomes("jaxinfer:grpc_requests_total", {"status": "DEADLINE_EXCEEDED"}) >= 1
     deadline = time.monotonic() + 10
     while _page_holders(engine, "deadline") and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -479,8 +491,8 @@ def test_an_engine_loop_crash_fails_every_stream_and_health_turns_not_serving(se
     while served.health_status() != NOT_SERVING:
         assert time.monotonic() < deadline, "health still SERVING after the engine loop died"
         time.sleep(0.1)
-    outcomes = served.server.metrics.registry.get_sample_value
+    outcomes = served.server.metrics.sample
     deadline = time.monotonic() + 10
-    while (outcomes("jaxinfer_requests_total", {"status": "UNAVAILABLE"}) or 0) < 3:
+    while (outcomes("jaxinfer:grpc_requests_total", {"status": "UNAVAILABLE"}) or 0) < 3:
         assert time.monotonic() < deadline, "the three streams were not counted UNAVAILABLE"
         time.sleep(0.1)

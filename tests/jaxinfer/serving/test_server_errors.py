@@ -132,8 +132,8 @@ def test_detokenize_names_an_id_outside_the_vocabulary(served_tiny):
 
 
 def test_generate_outcomes_are_counted_once_by_status(served_tiny, monkeypatch):
-    count = lambda status: served_tiny.server.metrics.registry.get_sample_value(  # noqa: E731
-        "jaxinfer_requests_total", {"status": status}) or 0
+    count = lambda status: served_tiny.server.metrics.sample(  # noqa: E731
+        "jaxinfer:grpc_requests_total", {"status": status}) or 0
     before = {s: count(s) for s in ("OK", "INVALID_ARGUMENT", "INTERNAL")}
     _still_serving(served_tiny)
     with pytest.raises(grpc.RpcError):

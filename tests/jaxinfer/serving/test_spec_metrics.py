@@ -1,6 +1,7 @@
-"""Speculative decoding's Prometheus metrics (`jaxinfer_spec_*`): exported from `Engine.stats()` only when
-speculation is on, with the engine's values; and a gRPC server with speculation on streams the tokens of a server
-without it (greedy) while its /metrics endpoint shows the drafts."""
+"""Speculative decoding's Prometheus metrics (vLLM's `jaxinfer:spec_decode_num_*` and jaxinfer's own
+`jaxinfer:spec_*`): exported from `Engine.stats()` only when speculation is on, with the engine's values; and a
+gRPC server with speculation on streams the tokens of a server without it (greedy) while its /metrics endpoint
+shows the drafts."""
 
 from __future__ import annotations
 
@@ -18,26 +19,40 @@ BASE_STATS = {"running": 1, "waiting": 2, "kv_pages_used": 3, "kv_pages_total": 
 SPEC_STATS = {"spec_draft_tokens": 40, "spec_accepted_tokens": 30, "spec_verify_rows": 10, "spec_emitted_tokens": 40,
               "spec_decode_rows": 12, "spec_decode_tokens": 42, "spec_verify_steps": 9, "spec_off_steps": 2,
               "spec_acceptance_rate": 0.75, "spec_mean_accepted_length": 4.0, "spec_tokens_per_decode_step": 3.5}
-COUNTERS = ("draft_tokens", "accepted_tokens", "verify_rows", "emitted_tokens", "decode_rows", "decode_tokens",
-            "verify_steps", "off_steps")
-GAUGES = ("acceptance_rate", "mean_accepted_length", "tokens_per_decode_step")
+# `Engine.stats()` key -> exported counter (without `_total`): vLLM's three names, then jaxinfer's own.
+COUNTERS = {"spec_verify_rows": "spec_decode_num_drafts", "spec_draft_tokens": "spec_decode_num_draft_tokens",
+            "spec_accepted_tokens": "spec_decode_num_accepted_tokens", "spec_emitted_tokens": "spec_emitted_tokens",
+            "spec_decode_rows": "spec_decode_rows", "spec_decode_tokens": "spec_decode_tokens",
+            "spec_verify_steps": "spec_verify_steps", "spec_off_steps": "spec_off_steps"}
+GAUGES = ("spec_acceptance_rate", "spec_mean_accepted_length", "spec_tokens_per_decode_step")
+MODEL = "tiny"
+
+
+def _server_metrics(stats) -> ServerMetrics:
+    return ServerMetrics(stats, model_name=MODEL)
 
 
 def _spec_samples(metrics: ServerMetrics) -> dict[str, float]:
-    return {s.name: s.value for family in metrics.registry.collect() for s in family.samples
-            if s.name.startswith("jaxinfer_spec_")}
+    samples = {}
+    for family in metrics.registry.collect():
+        for s in family.samples:
+            if s.name.startswith("jaxinfer:spec_"):
+                assert s.labels == {"model_name": metrics.model_name}, s
+                samples[s.name] = s.value
+    return samples
 
 
 def test_spec_metrics_only_when_speculation_is_on():
-    assert _spec_samples(ServerMetrics(lambda: dict(BASE_STATS))) == {}
-    assert _spec_samples(ServerMetrics(lambda: None)) == {}  # engine still warming up: nothing, no error
-    samples = _spec_samples(ServerMetrics(lambda: BASE_STATS | SPEC_STATS))
-    want = {f"jaxinfer_spec_{c}_total": SPEC_STATS[f"spec_{c}"] for c in COUNTERS}  # counters get _total
-    want |= {f"jaxinfer_spec_{g}": SPEC_STATS[f"spec_{g}"] for g in GAUGES}
+    assert _spec_samples(_server_metrics(lambda: dict(BASE_STATS))) == {}
+    assert _spec_samples(_server_metrics(lambda: None)) == {}  # engine still warming up: nothing, no error
+    samples = _spec_samples(_server_metrics(lambda: BASE_STATS | SPEC_STATS))
+    want = {f"jaxinfer:{name}_total": SPEC_STATS[key] for key, name in COUNTERS.items()}  # counters get _total
+    want |= {f"jaxinfer:{g}": SPEC_STATS[g] for g in GAUGES}
     assert samples == want
-    types = {family.name: family.type for family in ServerMetrics(lambda: BASE_STATS | SPEC_STATS).registry.collect()}
-    assert all(types[f"jaxinfer_spec_{c}"] == "counter" for c in COUNTERS)
-    assert all(types[f"jaxinfer_spec_{g}"] == "gauge" for g in GAUGES)
+    types = {family.name: family.type
+             for family in _server_metrics(lambda: BASE_STATS | SPEC_STATS).registry.collect()}
+    assert all(types[f"jaxinfer:{name}"] == "counter" for name in COUNTERS.values())
+    assert all(types[f"jaxinfer:{g}"] == "gauge" for g in GAUGES)
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +75,22 @@ def test_server_with_ngram_streams_plain_greedy_tokens_and_exports_the_engines_s
                                           timeout=10).read().decode()
             stats = st.engine.stats()
             samples = _spec_samples(st.server.metrics)
+            itl_count = st.server.metrics.sample("jaxinfer:inter_token_latency_seconds_count")
+            generated = st.server.metrics.sample("jaxinfer:generation_tokens_total")
         finally:
             st.stop()
+        # one inter-token latency per token after the first, however many tokens an output (a verify step) brought
+        assert generated == len(streams[name]) and itl_count == len(streams[name]) - 1
         if spec is None:
-            assert "jaxinfer_spec_" not in body and samples == {}
+            assert "jaxinfer:spec_" not in body and samples == {}
             continue
-        for c in COUNTERS:
-            assert f"jaxinfer_spec_{c}_total " in body, c
-            assert samples[f"jaxinfer_spec_{c}_total"] == stats[f"spec_{c}"]
+        label = f'{{model_name="{st.server.served.model_name}"}}'
+        for key, name in COUNTERS.items():
+            assert f"jaxinfer:{name}_total{label} " in body, name
+            assert samples[f"jaxinfer:{name}_total"] == stats[key]
         for g in GAUGES:
-            assert f"# TYPE jaxinfer_spec_{g} gauge" in body, g
-            assert samples[f"jaxinfer_spec_{g}"] == pytest.approx(stats[f"spec_{g}"])
+            assert f"# TYPE jaxinfer:{g} gauge" in body, g
+            assert samples[f"jaxinfer:{g}"] == pytest.approx(stats[g])
         assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
         assert stats["spec_decode_tokens"] >= 31  # decode steps made all tokens but the prefill's first
     assert streams["spec"] == streams["plain"] and len(streams["plain"]) == 32

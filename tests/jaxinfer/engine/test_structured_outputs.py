@@ -1,0 +1,87 @@
+"""Structured output through the Python API: JSON schema, any JSON object, regex, choice and grammar constraints
+on SmolLM2, checked against independent references (`jsonschema`, `re`), invalid constraints refused naming the
+field, and unconstrained rows of the same batch unchanged."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxinfer import SamplingParams
+from jaxinfer.structured_outputs import StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "colour": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "age", "colour"], "additionalProperties": False}
+PROMPT = "Describe a person as JSON with a name, an age and a favourite colour:"
+
+
+def _chat(llm, content: str, so: dict, **kw):
+    params = SamplingParams(max_tokens=kw.pop("max_tokens", 64), structured_outputs=so, **kw)
+    return llm.chat([{"role": "user", "content": content}], params)[0].outputs[0]
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}])
+def test_json_schema_output_parses_and_validates(smollm2_llm, kw):
+    out = _chat(smollm2_llm, PROMPT, {"json": SCHEMA}, max_tokens=80, **kw)
+    assert out.finish_reason == "stop", out  # the constraint completed and the model ended with EOS
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_json_object_regex_choice_and_grammar(smollm2_llm):
+    obj = _chat(smollm2_llm, "Give me a JSON object about cats.", {"json_object": True}, temperature=0, max_tokens=60)
+    # A free object may run past max_tokens; whole or cut, it is an object's text.
+    assert obj.text.lstrip().startswith("{") and (obj.finish_reason == "length" or isinstance(json.loads(obj.text), dict))
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    regex = _chat(smollm2_llm, "Write a US phone number.", {"regex": phone}, temperature=0.8, seed=3)
+    assert re.fullmatch(phone, regex.text), regex.text
+    choices = ["positive", "negative", "neutral"]
+    for text in ("I love this film!", "This was a terrible day."):
+        choice = _chat(smollm2_llm, f"Sentiment of: {text}", {"choice": choices}, temperature=0)
+        assert choice.text in choices and choice.finish_reason == "stop"
+    grammar = 'start: "The answer is " number "."\nnumber: /[0-9]{1,3}/'
+    g = _chat(smollm2_llm, "What is 6 times 7?", {"grammar": grammar}, temperature=0)
+    assert re.fullmatch(r"The answer is [0-9]{1,3}\.", g.text), g.text
+    gbnf = 'root ::= "yes" | "no"'  # llama.cpp's format, converted
+    assert _chat(smollm2_llm, "Is the sky blue?", {"grammar": gbnf}, temperature=0).text in ("yes", "no")
+
+
+def test_constrained_and_unconstrained_rows_in_one_batch(smollm2_llm):
+    """An unconstrained request's greedy tokens are the same alone and beside constrained ones; every sample of
+    a constrained request with n > 1 obeys the constraint."""
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = smollm2_llm.generate("The three primary colours are", plain)[0].outputs[0].token_ids
+    so = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=12, structured_outputs={"regex": "[a-z]{3,8}"})
+    outs = smollm2_llm.generate(["The three primary colours are", "A word:"], [plain, so])
+    assert outs[0].outputs[0].token_ids == alone
+    assert len(outs[1].outputs) == 3
+    for c in outs[1].outputs:
+        assert re.fullmatch("[a-z]{3,8}", c.text), c.text
+
+
+@pytest.mark.parametrize(("so", "match"), [
+    ({"json": {"type": "objec"}}, r"structured_outputs\.json is not valid"),
+    ({"json": "{not json"}, r"structured_outputs\.json is not valid JSON"),
+    ({"regex": "("}, r"structured_outputs\.regex is not valid"),
+    ({"grammar": "start: undefined_rule"}, r"structured_outputs\.grammar is not valid"),
+    ({"choice": []}, r"structured_outputs\.choice must be a non-empty list"),
+    ({"choice": ["a", 3]}, r"structured_outputs\.choice\[1\] must be a string"),
+    ({}, "exactly one of"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one of .* got regex, choice"),
+    ({"jsn": {}}, "unknown key 'jsn' \\(did you mean 'json'\\?\\)"),
+    ({"regex": "\ud800"}, r"structured_outputs\.regex is not valid Unicode"),
+    ("json", "must be a StructuredOutputsParams or a dict"),
+])
+def test_invalid_constraints_are_refused_naming_the_field(so, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured_outputs=so)
+
+
+def test_params_are_hashable_and_equal_by_value():
+    a = SamplingParams(structured_outputs={"json": {"b": 1, "type": "object"}})
+    b = SamplingParams(structured_outputs=StructuredOutputsParams(json='{"type": "object", "b": 1}'))
+    assert a == b and hash(a) == hash(b) and a.structured_outputs.kind == "json"
