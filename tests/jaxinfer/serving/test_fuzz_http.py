@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import types
 
 import httpx2 as httpx
 import pytest
@@ -380,7 +381,9 @@ def test_a_sample_that_finishes_before_the_others_gets_one_finish_chunk() -> Non
     async def events(chat: bool) -> list[str]:
         api = OpenAIApp(ServedEngine(EngineConfig(warmup=False)), MODEL)
         shaper = Shaper(chat, MODEL, 2, None, str)
-        return [e async for e in api._events(shaper, [stream()], outputs[:1], None, True, contextlib.ExitStack())]
+        recorders = [types.SimpleNamespace(record=lambda out: None)]  # the metrics are not under test here
+        return [e async for e in api._events(shaper, [stream()], outputs[:1], recorders, None, (True, False),
+                                             contextlib.ExitStack())]
 
     for chat in (False, True):
         lines = [line for e in asyncio.run(events(chat)) for line in e.splitlines() if line]

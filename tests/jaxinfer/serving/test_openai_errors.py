@@ -243,7 +243,8 @@ def test_the_in_flight_limit_is_a_429(both_servers, canary):
     """A long stream of our own holds a slot (the canary may too); with a limit of one, a new request is a 429."""
     served = both_servers.served
     saved = served.limits
-    hold = {"prompt": "Count to a hundred:", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+    # Long enough to outlast the checks on an idle machine (40 tokens could finish before the second post).
+    hold = {"prompt": "Count to a hundred:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.Client(timeout=120) as http, http.stream("POST", both_servers.base_url + COMPLETIONS, json=hold) as r:
         assert r.status_code == 200
