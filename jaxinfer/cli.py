@@ -295,9 +295,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     on_output = None if args.json else stream
     if args.chat:
-        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, on_output=on_output)
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, on_output=on_output, use_tqdm=False)
     else:
-        outputs = llm.generate(args.prompt, params, on_output=on_output)
+        outputs = llm.generate(args.prompt, params, on_output=on_output, use_tqdm=False)
     out = outputs[0]
     completion = out.outputs[0]
     stats = llm.engine.stats()
