@@ -56,8 +56,8 @@ def auto_dtype(stored: str | None, platform: str, native_bf16: bool) -> str:
 def resolve_dtype(dtype: str, model: str | os.PathLike | None, platform: str | None = None) -> str:
     """`dtype` itself unless it is "auto"; else `auto_dtype` for the model's stored dtype on this platform.
 
-    Raises:
-      ValueError: as `jaxinfer.loading.stored_dtype`, for a model path that does not exist or unreadable metadata.
+    A model whose metadata cannot be read (a missing path, a file that is no model) counts as not saying: the load
+    that follows raises the error that names it.
     """
     if dtype != "auto":
         return dtype
@@ -65,4 +65,8 @@ def resolve_dtype(dtype: str, model: str | os.PathLike | None, platform: str | N
         import jax  # noqa: PLC0415 - only when resolving
 
         platform = jax.default_backend()
-    return auto_dtype(stored_dtype(model), platform, platform == "cpu" and cpu_has_native_bf16())
+    try:
+        stored = stored_dtype(model)
+    except (ValueError, OSError):
+        stored = None
+    return auto_dtype(stored, platform, platform == "cpu" and cpu_has_native_bf16())
