@@ -134,12 +134,12 @@ _GGUF_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 def stored_dtype(model: str | os.PathLike | None) -> str | None:
     """The dtype a model's weights are stored in, read from its metadata alone (no weights): "float32",
-    "float16", "bfloat16", "quantized" (a GGUF of quantized blocks, Q4_1 and the like, or a quantized checkpoint),
-    or None when the metadata does not say (an HF config.json without `torch_dtype`, a GGUF without
-    `general.file_type`).
+    "float16", "bfloat16", "quantized" (a GGUF of quantized blocks, Q4_1 and the like), or None when the metadata does not
+    say (an HF config.json without `torch_dtype`, a GGUF without `general.file_type`).
 
     Sources: an HF folder's `torch_dtype` (or `dtype`, transformers' newer name) in config.json; a GGUF file's
-    `general.file_type`; a checkpoint's JSON `dtype` and quantization.
+    `general.file_type`; a checkpoint's JSON `dtype` (for a quantized checkpoint, that of the weights it left
+    unquantized, which is also its activation dtype).
 
     Raises:
       ValueError: as `read_model_config`, for a path that does not exist or metadata it cannot read.
@@ -147,9 +147,7 @@ def stored_dtype(model: str | os.PathLike | None) -> str | None:
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
-    if orbax_format.is_orbax_checkpoint(path):
-        if orbax_format.checkpoint_quantization(path) is not None:
-            return "quantized"
+    if orbax_format.is_orbax_checkpoint(path):  # a quantized one: the dtype of the weights it left unquantized
         return orbax_format.read_checkpoint_json(path)[1].name
     if path.is_dir():
         hf = read_hf_config(path)
