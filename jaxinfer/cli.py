@@ -259,7 +259,11 @@ def _convert(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such file or folder")
     t0 = time.perf_counter()
-    out = convert(args.model, args.output, dtype=options["dtype"], quantization=options["quantization"])
+    from jaxinfer.engine.auto_dtype import resolve_dtype
+
+    # auto: the dtype an engine on this machine would run the source in, so that the checkpoint runs the same
+    dtype = resolve_dtype(options["dtype"], args.model)
+    out = convert(args.model, args.output, dtype=dtype, quantization=options["quantization"])
     logging.getLogger("jaxinfer").info("converted in %.1f s", time.perf_counter() - t0)
     print(out)
     return 0
@@ -295,9 +299,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     on_output = None if args.json else stream
     if args.chat:
-        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, on_output=on_output)
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, on_output=on_output, use_tqdm=False)
     else:
-        outputs = llm.generate(args.prompt, params, on_output=on_output)
+        outputs = llm.generate(args.prompt, params, on_output=on_output, use_tqdm=False)
     out = outputs[0]
     completion = out.outputs[0]
     stats = llm.engine.stats()

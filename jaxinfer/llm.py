@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import time
 from collections.abc import Callable, Sequence
 
 from jaxinfer.engine.config import EngineConfig
@@ -73,6 +74,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_output: Callable[[int, list[int], str], None] | None = None,
+        use_tqdm: bool | Callable[..., object] = True,
     ) -> list[RequestOutput]:
         """Generates completions for the prompts.
 
@@ -82,6 +84,9 @@ class LLM:
           sampling_params: one for all prompts or one per prompt; default `SamplingParams()`.
           on_output: streaming callback `(prompt index, new token ids, new text)` of the first sample, called as
             steps produce tokens. Text that could still become part of a stop string is held back until it cannot.
+          use_tqdm: show a progress bar on stderr (vLLM's): prompts finished out of the call's, with prompt and
+            output tokens per second since the call began. True: `tqdm.tqdm`; False: none; a callable: called
+            as `tqdm.tqdm` would be (`total=`, `desc=`, `unit=`, ...) to make the bar, e.g. `tqdm.notebook.tqdm`.
 
         Returns:
           One finished `RequestOutput` per prompt, in order (`n` completions each).
@@ -89,7 +94,8 @@ class LLM:
         Raises:
           ValueError: an empty prompt, a prompt that does not fit the context, a request that can never fit the KV
             cache, bad params (not a `SamplingParams` or a list of them, or a list of the wrong length), or an
-            `on_output` that is not callable. Raised before any request runs.
+            `on_output` that is not callable, or a `use_tqdm` that is neither a bool nor callable. Raised before any
+            request runs.
           Exception: anything else a prompt's admission, a step or `on_output` raised, as it is. Whatever raised,
             the call's requests are aborted first: nothing of it stays queued.
         """
@@ -100,12 +106,17 @@ class LLM:
         if on_output is not None and not callable(on_output):
             raise ValueError(f"on_output must be a callable (prompt index, new token ids, new text) or None, got "
                              f"{type(on_output).__name__}")
+        if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+            raise ValueError(f"use_tqdm must be True, False or a callable making a tqdm-like bar, got "
+                             f"{type(use_tqdm).__name__}")
         request_ids: list[str] = []
         final: dict[str, RequestOutput] = {}
+        progress = _Progress(False, 0)
         try:
             for prompt, sp in zip(prompt_list, params):
                 request_ids.append(self.engine.add_request(prompt, sp))
             index = {request_id: i for i, request_id in enumerate(request_ids)}
+            progress = _Progress(use_tqdm, len(request_ids))
             while len(final) < len(request_ids):
                 for out in self.engine.step():
                     if out.request_id not in index:
@@ -116,11 +127,14 @@ class LLM:
                             on_output(index[out.request_id], list(first.delta_token_ids), first.delta_text)
                     if out.finished:
                         final[out.request_id] = out
+                        progress.finished(out)
         except BaseException:
             # Whatever raised (a rejected prompt, a failing step, on_output, Ctrl-C), none of this call's requests
             # stays queued: a later call runs and returns only its own.
             self._drop([request_id for request_id in request_ids if request_id not in final])
             raise
+        finally:
+            progress.close()
         return [final[request_id] for request_id in request_ids]
 
     def _drop(self, request_ids: list[str]) -> None:
@@ -141,6 +155,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         on_output: Callable[[int, list[int], str], None] | None = None,
+        use_tqdm: bool | Callable[..., object] = True,
     ) -> list[RequestOutput]:
         """Generates replies to conversations rendered with the model's chat template.
 
@@ -148,7 +163,7 @@ class LLM:
           messages: one conversation (a list of `{"role", "content"}` dicts, each with an optional `"name"`, as
             OpenAI's) or a list of conversations. Roles are those the gRPC server takes
             (`jaxinfer.request_limits.CHAT_ROLES`); any other key is refused.
-          sampling_params, on_output: as in `generate`.
+          sampling_params, on_output, use_tqdm: as in `generate`.
           add_generation_prompt: end the rendered prompt with the assistant turn's header; then the last message
             must not be the assistant's.
           continue_final_message: end the prompt right after the final message's content, so that the model
@@ -178,8 +193,36 @@ class LLM:
             ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                      continue_final_message=continue_final_message)
             prompts.append(Prompt(tuple(ids), text=self.tokenizer.decode(ids, skip_special_tokens=False)))
-        return self.generate(prompts, sampling_params, on_output=on_output)
+        return self.generate(prompts, sampling_params, on_output=on_output, use_tqdm=use_tqdm)
 
+
+class _Progress:
+    """The progress bar of one `generate` call: prompts finished, with prompt and output tokens/s (vLLM's)."""
+
+    def __init__(self, use_tqdm: bool | Callable[..., object], total: int) -> None:
+        self.bar = None
+        if use_tqdm is False:
+            return
+        if use_tqdm is True:
+            from tqdm import tqdm as use_tqdm  # noqa: PLC0415 - loaded only when a bar is shown
+        self.bar = use_tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.prompt_tokens = self.output_tokens = 0
+
+    def finished(self, out: RequestOutput) -> None:
+        """Counts one finished request: its prompt once, the tokens of all its samples."""
+        if self.bar is None:
+            return
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"input: {self.prompt_tokens / elapsed:.2f} toks/s, "
+                                 f"output: {self.output_tokens / elapsed:.2f} toks/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _prompt_list(prompts) -> list:

@@ -28,7 +28,7 @@ def drift(kv_dtype: str, windows: int, max_tokens: int) -> tuple[int, float]:
     differ, worst = 0, 0.0
     for i in range(windows):
         prompt = text[i * 900: i * 900 + 1200]
-        cold, hit = (llm.generate([prompt], params)[0].outputs[0] for _ in range(2))
+        cold, hit = (llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for _ in range(2))
         same = 0
         while same < len(cold.token_ids) and cold.token_ids[same] == hit.token_ids[same]:
             same += 1

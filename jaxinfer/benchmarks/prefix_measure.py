@@ -48,9 +48,9 @@ def bench_ttft(llm: LLM, text_ids: list[int], reps: int, prefix_tokens: int = PR
     for i in range(reps + 1):  # pair 0 compiles the shapes and is not reported
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        (c,) = llm.generate([{"prompt_token_ids": prefix + questions[2 * i]}], ONE_TOKEN)
+        (c,) = llm.generate([{"prompt_token_ids": prefix + questions[2 * i]}], ONE_TOKEN, use_tqdm=False)
         t1 = time.perf_counter()
-        (w,) = llm.generate([{"prompt_token_ids": prefix + questions[2 * i + 1]}], ONE_TOKEN)
+        (w,) = llm.generate([{"prompt_token_ids": prefix + questions[2 * i + 1]}], ONE_TOKEN, use_tqdm=False)
         t2 = time.perf_counter()
         assert c.num_cached_tokens == 0 and w.num_cached_tokens == prefix_tokens // PS * PS, (c, w)
         if i:
@@ -204,11 +204,11 @@ def bench_break_even(llm: LLM, text_ids: list[int], reps: int, pages: tuple[int,
             for mode in ("recompute", "host", "device"):
                 llm.reset_prefix_cache()
                 if mode != "recompute":
-                    llm.generate([{"prompt_token_ids": prefix + qa}], ONE_TOKEN)
+                    llm.generate([{"prompt_token_ids": prefix + qa}], ONE_TOKEN, use_tqdm=False)
                 if mode == "host":
                     _evict_all_to_host(llm)
                 hits0 = engine.prefix_cache.stats.host_hit_pages
-                (out,) = llm.generate([{"prompt_token_ids": prefix + qb}], ONE_TOKEN)
+                (out,) = llm.generate([{"prompt_token_ids": prefix + qb}], ONE_TOKEN, use_tqdm=False)
                 expect = 0 if mode == "recompute" else k * PS
                 assert out.num_cached_tokens == expect, (k, mode, out.num_cached_tokens)
                 assert engine.prefix_cache.stats.host_hit_pages - hits0 == (k if mode == "host" else 0)

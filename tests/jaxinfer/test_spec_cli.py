@@ -88,8 +88,8 @@ def test_generate_smollm2_copy_text_with_ngram_matches_the_api(smollm2_llm: LLM)
     prompt = ("Repeat the list exactly.\nList: apples, pears, plums, cherries, grapes, lemons, limes.\n"
               "Repeat: apples, pears,")
     expected = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
-    done = _jaxinfer("generate", "--prompt", prompt, "--temperature", "0", "--max-tokens", "24", "--json",
-                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    done = _jaxinfer("generate", "--prompt", prompt, "--dtype", "float32", "--temperature", "0", "--max-tokens", "24",
+                     "--json", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert got["token_ids"] == expected.token_ids and got["text"] == expected.text

@@ -24,7 +24,8 @@ def test_smollm2_perplexity_matches_hf_transformers():
     from jaxinfer.llm import LLM
 
     ev = _script()
-    llm = LLM(warmup=False, enable_prefix_caching=False, max_num_batched_tokens=512, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(dtype="float32", warmup=False, enable_prefix_caching=False, max_num_batched_tokens=512,
+              kv_cache_memory_bytes=256 << 20)
     ids = llm.tokenizer.encode(ev.GPL3.read_text(encoding="utf-8"))[:2048]
     assert len(ids) == 2048
     nll = ev.mean_nll(llm, ids, chunk=512)

@@ -141,7 +141,7 @@ MAX_TOKENS = [12, 5, 9, 3]  # different lengths: requests leave the batch at dif
 def _smollm2_run(tp: int) -> tuple[np.ndarray, list[list[int]]]:
     """(logits of one 40-token prefill, greedy tokens of PROMPTS) from an engine with tensor_parallel_size=tp."""
     # A 16-token step budget splits the longer prompts into chunks prefilled beside the others' decodes.
-    llm = LLM(tensor_parallel_size=tp, warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
+    llm = LLM(tensor_parallel_size=tp, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
               kv_cache_memory_bytes=64 << 20)
     if tp > 1:  # the weights really are split: the rules' shard shapes, on tp devices
         w = llm.runner.weights.layers

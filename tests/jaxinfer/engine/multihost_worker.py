@@ -17,8 +17,8 @@ MAX_TOKENS = [10, 4, 7]
 # (brought back from the host tier): the page transfers run on both processes.
 LONG = "Here is a long document about lighthouses, tides, ships and the people who keep the lights burning. " * 4
 OTHERS = [f"Question {i}: explain why the sky looks blue at noon and red at sunset, in detail." * 2 for i in range(3)]
-ENGINE_OPTIONS = dict(warmup=False, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=10 << 20,
-                      kv_offload_bytes=64 << 20)
+ENGINE_OPTIONS = dict(dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
+                      kv_cache_memory_bytes=10 << 20, kv_offload_bytes=64 << 20)
 
 
 SPEC_PROMPTS = ["Repeat exactly: one two three four five six seven eight nine ten.\none two three four",

@@ -153,9 +153,9 @@ def test_smollm2_checkpoint_from_the_cli_generates_the_gguf_tokens(tmp_path):
     """`jaxinfer convert` of the default GGUF; weights, logits and greedy tokens equal the GGUF's."""
     out = tmp_path / "smollm2"
     args = ["--prompt", "The capital of France is", "--temperature", "0", "--max-tokens", "8", "--json",
-            "--kv-cache-memory-bytes", str(16 << 20)]
+            "--kv-cache-memory-bytes", str(16 << 20), "--dtype", "float32"]  # f32: the weights compare exactly
     from_gguf = _jaxinfer("generate", *args)  # runs beside the conversion
-    done = _finish(_jaxinfer("convert", "--output", str(out)))
+    done = _finish(_jaxinfer("convert", "--output", str(out), "--dtype", "float32"))
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"{out}\n" and "saving 11 arrays" in done.stderr
     from_ckpt = _jaxinfer("generate", "--model", str(out), *args)  # runs beside the in-process checks
