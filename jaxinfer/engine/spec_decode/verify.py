@@ -62,7 +62,7 @@ class VerifyOutput:
       logprobs: f32[B, k+1], raw log-probability (log_softmax of the unprocessed target logits at that position)
         of each emitted token, as `SampleOutput.logprobs`; 0 where token_ids is -1.
       top_logprobs: f32[B, k+1, MAX_LOGPROBS], `SampleOutput.top_logprobs` of every position (filled only when
-        some row has num_logprobs > 0); positions past num_accepted are not emitted and must be ignored.
+        some row wants logprobs); positions past num_accepted are not emitted and must be ignored.
       top_token_ids: i32[B, k+1, MAX_LOGPROBS], their ids, as `SampleOutput.top_token_ids`.
       ranks: i32[B, k+1], each emitted token's rank in its position's raw distribution, as `SampleOutput.ranks`
         (filled as top_logprobs, else zeros); 0 where token_ids is -1.

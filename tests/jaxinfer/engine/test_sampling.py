@@ -354,6 +354,12 @@ def test_top_logprobs_skipped_when_no_row_asks() -> None:
     assert np.all(np.asarray(out.ranks) == 0)
     ref = reference_raw_logprobs(logits[0], V)
     np.testing.assert_allclose(float(out.logprobs[0]), ref[int(out.token_ids[0])], rtol=1e-5, atol=1e-5)
+    # logprobs=0 wants no top tokens but still its sampled token's rank.
+    out = _sample(logits, _build([SamplingRow(P(temperature=5.0, logprobs=0), seed=s) for s in range(B)], B, V))
+    for i in range(B):
+        ref = reference_raw_logprobs(logits[i], V)
+        assert int(out.ranks[i]) == 1 + np.sum(ref > ref[int(out.token_ids[i])]), i
+    assert np.any(np.asarray(out.ranks) > 1)
 
 
 # ---------------------------------------------------------------- host-side validation
