@@ -16,6 +16,7 @@ _LAZY = {
     "Prompt": "jaxinfer.prompt",
     "RequestOutput": "jaxinfer.outputs",
     "CompletionOutput": "jaxinfer.outputs",
+    "Logprob": "jaxinfer.outputs",
 }
 __all__ = list(_LAZY)
 

@@ -56,9 +56,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, error, "
-                          "timing, quantization, weight_bytes; with --speculative-config also the speculative "
-                          "counters) instead of streaming text")
+                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, stop_reason, "
+                          "error, timing, quantization, weight_bytes; with --speculative-config also the "
+                          "speculative counters) instead of streaming text")
     gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
     _add_engine_options(gen, "generate")
     _add_multihost_options(gen)
@@ -312,6 +312,7 @@ def _generate(args: argparse.Namespace) -> int:
             "token_ids": completion.token_ids,
             "text": completion.text,
             "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,  # the --stop string that ended it, else null
             "error": completion.error,  # why the engine failed the request; null unless finish_reason is "error"
             "ttft_s": round(out.metrics.ttft_s, 4),
             "decode_tokens_per_s": round(out.metrics.decode_tokens_per_s, 2),

@@ -5,6 +5,23 @@ from __future__ import annotations
 import dataclasses
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's entry in `CompletionOutput.logprobs` (vLLM's `Logprob`).
+
+    Attributes:
+      logprob: the token's log-probability under the model's raw distribution (log_softmax of the unprocessed
+        logits: before penalties, temperature and truncation), <= 0.
+      rank: its 1-based rank in that distribution (1 = most likely): position + 1 for the top tokens; for the
+        sampled token when it is not among them, 1 + the number of tokens with a strictly larger logprob.
+      decoded_token: the text of this one id as the tokenizer decodes it alone (special tokens included).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     """One generated completion.
@@ -16,9 +33,13 @@ class CompletionOutput:
       finish_reason: "stop" (EOS, stop id or stop string), "length" (max_tokens or the context limit), "abort"
         (aborted by the caller) or "error" (this request failed; see `error`); None while running.
       delta_text, delta_token_ids: what is new since the previous output of this request (streaming).
-      logprobs: per generated token, {token id: log-probability} of the top `SamplingParams.logprobs` tokens of
-        the model's raw distribution plus the sampled token; None unless asked for.
+      logprobs: per generated token, {token id: `Logprob`} of the top `SamplingParams.logprobs` tokens of the
+        model's raw distribution plus the sampled token (first, as vLLM orders it); None unless asked for.
       error: why the request failed, when finish_reason is "error".
+      cumulative_logprob: the sum of the generated tokens' raw logprobs, when `logprobs` was asked for, else None
+        (as vLLM V1).
+      stop_reason: what ended the completion with "stop", as vLLM: the matched stop string, or the id from
+        `stop_token_ids`; None for EOS, "length", "abort", "error" and while running.
     """
 
     index: int
@@ -27,8 +48,10 @@ class CompletionOutput:
     finish_reason: str | None
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     error: str | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass

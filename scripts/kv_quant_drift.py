@@ -35,7 +35,7 @@ def drift(kv_dtype: str, windows: int, max_tokens: int) -> tuple[int, float]:
         differ += same < len(cold.token_ids)
         for j in range(same):
             t = cold.token_ids[j]
-            worst = max(worst, abs(cold.logprobs[j][t] - hit.logprobs[j][t]))
+            worst = max(worst, abs(cold.logprobs[j][t].logprob - hit.logprobs[j][t].logprob))
     return differ, worst
 
 

@@ -37,13 +37,14 @@ from jaxinfer.engine.auto_dtype import resolve_dtype
 from jaxinfer.engine.config import DTYPES, EngineConfig
 from jaxinfer.engine.grammar import Grammars
 from jaxinfer.engine.metrics import EngineMetrics, engine_stats
+from jaxinfer.engine.output_logprobs import OutputLogprobs
 from jaxinfer.engine.request_outputs import request_output
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
 from jaxinfer.engine.spec_decode.proposer import StepProposer
 from jaxinfer.engine.step_results import StepResult, VerifyResult
 from jaxinfer.engine.warmup import warmup
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.prompt import Prompt, make_prompt
 from jaxinfer.request_limits import check_against_model, check_text, show
 from jaxinfer.sampling_params import SamplingParams
@@ -99,7 +100,7 @@ class Engine:
         self._verify_len = 0  # this step's verify window bound (drafts per sequence + 1), 0 without drafts
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
-        self._seq_logprobs: dict[int, list[dict[int, float]]] = {}
+        self._logprobs = OutputLogprobs(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self._auto_request_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
@@ -245,7 +246,7 @@ class Engine:
         plan = self.scheduler.schedule(spec_slots)
         self._apply_kv_ops(plan.kv_ops)
         sampled: dict[int, int | list[int]] = {}
-        logprobs: dict[int, list[dict[int, float]]] = {}
+        logprobs: dict[int, list[dict[int, Logprob]]] = {}
         decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.samples]
         prefills = [c for c in plan.chunks if not (len(c.token_ids) == 1 and c.samples)]
         device_time = 0.0
@@ -268,7 +269,7 @@ class Engine:
         if self.prefix_cache is not None:  # registering pages can free host-tier copies
             self._apply_kv_ops(self.prefix_cache.take_ops())
         for seq_id, entries in logprobs.items():
-            self._seq_logprobs.setdefault(seq_id, []).extend(entries)
+            self._logprobs.extend(seq_id, entries)
         # Counted by the scheduler's phase, not by shape: a one-token prompt chunk rides in the decode call but
         # is prefill work.
         decode_tokens = sum(len(c.token_ids) for c in plan.chunks[:plan.num_decode_seqs])
@@ -289,7 +290,7 @@ class Engine:
                 calls[kind]([op.src for op in run], [op.dst for op in run])
 
     def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int | list[int]],
-                   logprobs: dict[int, list[dict[int, float]]], draft_probs_row: int | None = None) -> None:
+                   logprobs: dict[int, list[dict[int, Logprob]]], draft_probs_row: int | None = None) -> None:
         """Runs chunks in one device call; on an exception retries them one by one and fails only the culprit.
 
         draft_probs_row: where these chunks' draft probabilities start among the runner's last proposal's rows
@@ -320,11 +321,11 @@ class Engine:
             if isinstance(result, VerifyResult):
                 sampled[seq.seq_id] = result.emitted(i)
                 if seq.params.logprobs is not None:
-                    logprobs[seq.seq_id] = result.row_logprobs(i, seq.params.logprobs)
+                    logprobs[seq.seq_id] = result.row_logprobs(i, seq.params.logprobs, self._logprobs.decode)
             else:
                 sampled[seq.seq_id] = int(result.token_ids[i])
                 if seq.params.logprobs is not None:
-                    logprobs[seq.seq_id] = [result.row_logprobs(i, seq.params.logprobs)]
+                    logprobs[seq.seq_id] = [result.row_logprobs(i, seq.params.logprobs, self._logprobs.decode)]
                 if (refused := self.grammars.consume(seq.seq_id, sampled[seq.seq_id])) is not None:
                     del sampled[seq.seq_id]
                     self.scheduler.fail(seq, refused)
@@ -383,10 +384,10 @@ class Engine:
         return outputs
 
     def _request_output(self, req: _Request, deltas: list[tuple[list[int], str]], finished: bool) -> RequestOutput:
-        logprobs = [self._seq_logprobs.get(s.seq_id, [])[: len(s.output_token_ids)]
-                    if s.params.logprobs is not None else None for s in req.seqs]
+        logprobs = [self._logprobs.of(s.seq_id, len(s.output_token_ids)) if s.params.logprobs is not None else None
+                    for s in req.seqs]
         if finished:
             for seq in req.seqs:
-                self._seq_logprobs.pop(seq.seq_id, None)
+                self._logprobs.forget(seq.seq_id)
         return request_output(req.request_id, req.prompt, req.prompt_token_ids, req.seqs, req.arrival_time, deltas,
                               logprobs, finished)

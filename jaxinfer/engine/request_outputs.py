@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxinfer.scheduler.sequence import Sequence as Seq
 
 
@@ -28,20 +28,24 @@ def request_metrics(seqs: Sequence[Seq], arrival_time: float, finished: bool) ->
 
 def request_output(request_id: str, prompt: str | None, prompt_token_ids: Sequence[int], seqs: Sequence[Seq],
                    arrival_time: float, deltas: Sequence[tuple[list[int], str]],
-                   logprobs: Sequence[list[dict[int, float]] | None], finished: bool) -> RequestOutput:
+                   logprobs: Sequence[tuple[list[dict[int, Logprob]], float] | None],
+                   finished: bool) -> RequestOutput:
     """One request's output.
 
     Args:
       request_id, prompt, prompt_token_ids, arrival_time: the request's.
       seqs: its samples' sequences, in sample order.
       deltas: per sample, (token ids, text) new since the last output.
-      logprobs: per sample, the logprobs of its output tokens so far, or None when not asked for.
+      logprobs: per sample, the logprobs of its output tokens so far and the sum of the sampled tokens', or None
+        when not asked for.
       finished: every sample has finished.
     """
     completions = [CompletionOutput(index=seq.sample_index, text=seq.text, token_ids=list(seq.output_token_ids),
                                     finish_reason=seq.finish_reason, delta_text=delta_text,
-                                    delta_token_ids=delta_ids, logprobs=seq_logprobs, error=seq.error)
-                   for seq, (delta_ids, delta_text), seq_logprobs in zip(seqs, deltas, logprobs)]
+                                    delta_token_ids=delta_ids, logprobs=None if lp is None else lp[0],
+                                    error=seq.error, cumulative_logprob=None if lp is None else lp[1],
+                                    stop_reason=seq.stop_reason)
+                   for seq, (delta_ids, delta_text), lp in zip(seqs, deltas, logprobs)]
     return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
                          outputs=completions, finished=finished, metrics=request_metrics(seqs, arrival_time, finished),
                          num_cached_tokens=max(s.num_cached_tokens for s in seqs))

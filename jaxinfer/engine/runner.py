@@ -245,7 +245,7 @@ class ModelRunner:
         out, finite = jax.device_get(self.run_step(*inputs))
         n = len(chunks)
         return StepResult(token_ids=out.token_ids[:n], logprobs=out.logprobs[:n], top_logprobs=out.top_logprobs[:n],
-                          top_token_ids=out.top_token_ids[:n], finite=finite[:n],
+                          top_token_ids=out.top_token_ids[:n], ranks=out.ranks[:n], finite=finite[:n],
                           num_padded_tokens=num_padded_tokens(inputs[0], chunks))
 
     def compile_step(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> jax.stages.Compiled:
@@ -386,4 +386,5 @@ class ModelRunner:
         n = len(chunks)
         return VerifyResult(num_accepted=out.num_accepted[:n], token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
                             top_logprobs=out.top_logprobs[:n], top_token_ids=out.top_token_ids[:n],
-                            finite=finite[:n], num_padded_tokens=num_padded_tokens(inputs[0], chunks))
+                            ranks=out.ranks[:n], finite=finite[:n],
+                            num_padded_tokens=num_padded_tokens(inputs[0], chunks))

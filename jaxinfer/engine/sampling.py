@@ -28,7 +28,8 @@
    The key depends only on the request (seed), which of its n samples the row is, and the index of the output
    token, and every step above acts on the row alone, so a request draws the same tokens alone or in any batch.
    A batch of greedy rows only (decided on device, so one compiled step serves all batches) stops at the argmax
-   after e; b is then one log-sum-exp per row, and the [B, V] log_softmax is computed only for top logprobs.
+   after e; b is then one log-sum-exp per row, and the [B, V] log_softmax (top logprobs, the sampled token's
+   rank) is computed only when some row wants logprobs (`logprobs=0` included).
 3. The host slices `top_logprobs` / `top_token_ids` to each request's `logprobs`.
 """
 
@@ -114,7 +115,8 @@ class SamplingArrays:
       seed: u32[B], the request's seed.
       sample_index: i32[B], which of the request's n samples the row is.
       step: i32[B], index of the output token being sampled.
-      num_logprobs: i32[B], in [0, MAX_LOGPROBS]: top log-probabilities the row wants.
+      num_logprobs: i32[B], in [-1, MAX_LOGPROBS]: top log-probabilities the row wants; -1 when it wants no
+        logprobs (0 still wants its token's logprob and rank).
       suppress: i32[B, SUPPRESS_WIDTH], ids in [0, V) set to -inf; -1 pads.
       token_bitmask: i32[B, ceil(V / 32)], packed allowed tokens (`SamplingRow.allowed`'s layout); tokens whose
         bit is 0 are set to -inf with the bans. -1 (all allowed) for unconstrained and padding rows: always
@@ -195,7 +197,7 @@ class SamplingArrays:
             seed=per_row([r.seed for r in rows], 0, np.uint32),
             sample_index=per_row([r.sample_index for r in rows], 0, np.int32),
             step=per_row([r.step for r in rows], 0, np.int32),
-            num_logprobs=per_row([p.logprobs or 0 for p in ps], 0, np.int32),
+            num_logprobs=per_row([-1 if p.logprobs is None else p.logprobs for p in ps], -1, np.int32),
             suppress=sampling_host.pad_ids([r.suppress for r in rows], batch, SUPPRESS_WIDTH, vocab, "suppress"),
             token_bitmask=sampling_host.token_bitmask(rows, batch, vocab, limit),
             penalty_ids=penalty_ids,
@@ -212,15 +214,19 @@ class SampleOutput:
       token_ids: i32[B], sampled ids in [0, vocab_limit).
       logprobs: f32[B], the sampled token's raw log-probability (log_softmax of the unprocessed logits).
       top_logprobs: f32[B, MAX_LOGPROBS], the largest raw log-probabilities of each row, descending. Filled only
-        when some row of the batch has num_logprobs > 0, else zeros.
+        when some row of the batch wants logprobs (num_logprobs >= 0), else zeros.
       top_token_ids: i32[B, MAX_LOGPROBS], their token ids in [0, vocab_limit); -1 where vocab_limit <
         MAX_LOGPROBS leaves no token, and everywhere when not filled.
+      ranks: i32[B], in [1, vocab_limit]: the sampled token's rank in the raw distribution, 1 + the number of raw
+        log-probabilities strictly larger than its own (vLLM's rank; tied tokens share one). Filled as
+        top_logprobs, else zeros.
     """
 
     token_ids: jax.Array
     logprobs: jax.Array
     top_logprobs: jax.Array
     top_token_ids: jax.Array
+    ranks: jax.Array
 
 
 def _uses_penalties(s: SamplingArrays) -> jax.Array:
@@ -293,18 +299,36 @@ def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1)
 
 
-def _no_top_logprobs(raw_logprobs: jax.Array, *_) -> tuple[jax.Array, jax.Array]:
-    b = raw_logprobs.shape[0]
-    return jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.full((b, MAX_LOGPROBS), -1, jnp.int32)
+def _ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """i32[B]: 1 + how many entries of row b of f32[B, V] are strictly larger than its entry at token_ids[b]."""
+    own = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)  # [B, 1]
+    return (jnp.sum(raw_logprobs > own, axis=-1) + 1).astype(jnp.int32)
 
 
-def top_logprobs(raw_logprobs: jax.Array, num_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`SampleOutput.top_logprobs` and `.top_token_ids` of raw log-probabilities f32[B, V], given i32[B] wants.
+def _top_logprobs_and_ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return *_top_logprobs(raw_logprobs), _ranks(raw_logprobs, token_ids)
+
+
+def _no_top_logprobs(x: jax.Array, *_) -> tuple[jax.Array, jax.Array, jax.Array]:
+    b = x.shape[0]
+    return (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.full((b, MAX_LOGPROBS), -1, jnp.int32),
+            jnp.zeros((b,), jnp.int32))
+
+
+def top_logprobs(raw_logprobs: jax.Array, num_logprobs: jax.Array,
+                 token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`SampleOutput.top_logprobs`, `.top_token_ids` and `.ranks` of raw log-probabilities f32[B, V].
+
+    Args:
+      raw_logprobs: f32[B, V], -inf at ids >= vocab_limit.
+      num_logprobs: i32[B], the top log-probabilities each row wants, -1 for none (`SamplingArrays`).
+      token_ids: i32[B], in [0, V): the token whose rank each row reports.
 
     Returns:
-      f32[B, MAX_LOGPROBS] and i32[B, MAX_LOGPROBS], filled only when some row has num_logprobs > 0.
+      f32[B, MAX_LOGPROBS], i32[B, MAX_LOGPROBS] and i32[B], filled only when some row has num_logprobs >= 0.
     """
-    return jax.lax.cond(jnp.any(num_logprobs > 0), _top_logprobs, _no_top_logprobs, raw_logprobs)
+    return jax.lax.cond(jnp.any(num_logprobs >= 0), _top_logprobs_and_ranks, _no_top_logprobs, raw_logprobs,
+                        token_ids)
 
 
 def sample_keys(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
@@ -344,8 +368,9 @@ def _sampled_token_ids(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return jnp.argmax(jnp.where(s.temperature[:, None] > 0, noise + truncated, penalised), axis=-1)
 
 
-def _top_logprobs_of_logits(logits: jax.Array, vocab_limit: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _top_logprobs(jax.nn.log_softmax(limit_vocab(logits, vocab_limit), axis=-1))
+def _top_logprobs_of_logits(logits: jax.Array, vocab_limit: jax.Array,
+                            token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _top_logprobs_and_ranks(jax.nn.log_softmax(limit_vocab(logits, vocab_limit), axis=-1), token_ids)
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
@@ -365,8 +390,8 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     logits = logits.astype(jnp.float32)
     token_ids = jax.lax.cond(jnp.all(s.temperature == 0), _greedy_token_ids, _sampled_token_ids, logits, s)
     token_ids = token_ids.astype(jnp.int32)
-    # Raw log-probabilities over [B, V] only when some row asks for its top ones.
-    top_values, top_ids = jax.lax.cond(jnp.any(s.num_logprobs > 0), _top_logprobs_of_logits, _no_top_logprobs,
-                                       logits, s.vocab_limit)
+    # Raw log-probabilities over [B, V] (top ones, the sampled token's rank) only when some row asks for them.
+    top_values, top_ids, ranks = jax.lax.cond(jnp.any(s.num_logprobs >= 0), _top_logprobs_of_logits,
+                                              _no_top_logprobs, logits, s.vocab_limit, token_ids)
     return SampleOutput(token_ids=token_ids, logprobs=token_logprobs(logits, token_ids, s.vocab_limit),
-                        top_logprobs=top_values, top_token_ids=top_ids)
+                        top_logprobs=top_values, top_token_ids=top_ids, ranks=ranks)

@@ -4,8 +4,24 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
+
+from jaxinfer.outputs import Logprob
+
+TokenText = Callable[[int], str]
+
+
+def _entry(token_id: int, logprob: float, rank: int, top_ids: np.ndarray, top_values: np.ndarray,
+           decode: TokenText) -> dict[int, Logprob]:
+    """vLLM's entry: the sampled token first, then the top tokens (rank = position + 1); a top token that is the
+    sampled one keeps the first place and takes the top entry's rank."""
+    out = {token_id: Logprob(logprob, rank, decode(token_id))}
+    for position, (t, v) in enumerate(zip(top_ids.tolist(), top_values.tolist())):
+        if t >= 0:
+            out[t] = Logprob(v, position + 1, decode(t))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +32,7 @@ class StepResult:
       token_ids: i32[B] sampled tokens.
       logprobs: f32[B] raw log-probability of each sampled token.
       top_logprobs, top_token_ids: f32/i32[B, 20] top raw log-probabilities and their ids (filled when asked).
+      ranks: i32[B], the sampled tokens' ranks in the raw distribution (filled when asked, else 0).
       finite: bool[B], False where the row's logits held NaN or inf (the row's token is meaningless then).
     """
 
@@ -23,14 +40,15 @@ class StepResult:
     logprobs: np.ndarray
     top_logprobs: np.ndarray
     top_token_ids: np.ndarray
+    ranks: np.ndarray
     finite: np.ndarray
     num_padded_tokens: int = 0  # token rows the step computed beyond the real tokens (bucket padding)
 
-    def row_logprobs(self, row: int, n: int) -> dict[int, float]:
-        """{token id: logprob} of row's top n raw tokens plus its sampled token."""
-        out = {int(t): float(v) for t, v in zip(self.top_token_ids[row, :n], self.top_logprobs[row, :n]) if t >= 0}
-        out[int(self.token_ids[row])] = float(self.logprobs[row])
-        return out
+    def row_logprobs(self, row: int, n: int, decode: TokenText) -> dict[int, Logprob]:
+        """{token id: Logprob} of the row's sampled token, then its top n raw tokens (`CompletionOutput.logprobs`);
+        decode(id) gives each entry's `decoded_token`."""
+        return _entry(int(self.token_ids[row]), float(self.logprobs[row]), int(self.ranks[row]),
+                      self.top_token_ids[row, :n], self.top_logprobs[row, :n], decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +60,7 @@ class VerifyResult:
       token_ids: i32[B, k+1], the emitted tokens at [0, num_accepted], then -1.
       logprobs: f32[B, k+1], their raw log-probabilities.
       top_logprobs, top_token_ids: f32/i32[B, k+1, 20], per position (filled when asked).
+      ranks: i32[B, k+1], the emitted tokens' ranks (filled when asked, else 0).
       finite: bool[B], False where any of the row's logits held NaN or inf.
     """
 
@@ -50,6 +69,7 @@ class VerifyResult:
     logprobs: np.ndarray
     top_logprobs: np.ndarray
     top_token_ids: np.ndarray
+    ranks: np.ndarray
     finite: np.ndarray
     num_padded_tokens: int = 0
 
@@ -57,13 +77,9 @@ class VerifyResult:
         """The row's emitted ids: its accepted drafts, then the target's token."""
         return self.token_ids[row, : int(self.num_accepted[row]) + 1].tolist()
 
-    def row_logprobs(self, row: int, n: int) -> list[dict[int, float]]:
-        """Per emitted token of the row: {token id: logprob} of the top n raw tokens plus the emitted token."""
-        out = []
-        for j in range(int(self.num_accepted[row]) + 1):
-            entry = {int(t): float(v) for t, v in zip(self.top_token_ids[row, j, :n], self.top_logprobs[row, j, :n])
-                     if t >= 0}
-            entry[int(self.token_ids[row, j])] = float(self.logprobs[row, j])
-            out.append(entry)
-        return out
+    def row_logprobs(self, row: int, n: int, decode: TokenText) -> list[dict[int, Logprob]]:
+        """Per emitted token of the row, as `StepResult.row_logprobs`: the emitted token, then the top n."""
+        return [_entry(int(self.token_ids[row, j]), float(self.logprobs[row, j]), int(self.ranks[row, j]),
+                       self.top_token_ids[row, j, :n], self.top_logprobs[row, j, :n], decode)
+                for j in range(int(self.num_accepted[row]) + 1)]
 

@@ -66,6 +66,7 @@ class Sequence:
       emitted_text_len: characters of `text` already returned by `stream_delta`.
       emitted_token_count: ids of `output_token_ids` already returned by `stream_delta`.
       finish_reason: "stop" | "length" | "abort" | "error", or None while live.
+      stop_reason: the stop string or `stop_token_ids` id that ended it with "stop" (vLLM's); None otherwise.
       error: the message of a FINISHED_ERROR.
       first_scheduled_time, first_token_time, last_token_time, finish_time: seconds on the scheduler's clock, or
         None; `last_token_time` is the step that appended the newest output token.
@@ -93,6 +94,7 @@ class Sequence:
     emitted_text_len: int = 0
     emitted_token_count: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     error: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

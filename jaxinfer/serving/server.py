@@ -6,8 +6,9 @@
 2. `Generate` checks the request (bytes that do not parse, e.g. a string that is not UTF-8, in `wire.py`; size;
    limits and sampling values, in `requests.py`: `INVALID_ARGUMENT` naming the field), refuses it with
    `RESOURCE_EXHAUSTED` when `max_queued_requests` are already in flight (`ServedEngine.slot`), and streams the
-   engine's `RequestOutput`s as `GenerateResponse`s: new token ids, text delta, logprobs; the last response carries
-   `finish_reason` and usage.
+   engine's `RequestOutput`s as `GenerateResponse`s: new token ids, text delta, logprobs (with ranks); the last
+   response of each completion carries `finish_reason` (and vLLM's stop reason: `stop_str` / `stop_token_id`),
+   the request's last one usage.
 3. A cancelled call or a passed deadline cancels the handler; leaving the engine stream aborts the request, and
    its KV pages are freed at the engine's next turn (`AsyncEngine.generate`).
 4. Every handler ends an exception the same way (`_maps_errors`): `ValueError` -> `INVALID_ARGUMENT` with its
@@ -175,10 +176,15 @@ class JaxInferService(pb_grpc.JaxInferServicer):
                                       text=c.delta_text)
             if c.logprobs is not None and c.delta_token_ids:
                 for entry in c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]:
-                    msg.logprobs.add(top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.items()])
+                    msg.logprobs.add(top=[pb.TopLogprob(token_id=t, logprob=lp.logprob, rank=lp.rank)
+                                          for t, lp in entry.items()])
             if done:
                 finished.add(c.index)
                 msg.finish_reason = c.finish_reason
+                if isinstance(c.stop_reason, str):
+                    msg.stop_str = c.stop_reason
+                elif c.stop_reason is not None:
+                    msg.stop_token_id = c.stop_reason
             responses.append(msg)
         if out.finished:
             usage = pb.Usage(prompt_tokens=len(out.prompt_token_ids),

@@ -88,7 +88,7 @@ def test_stop_string_spanning_tokens(smollm2_llm: LLM) -> None:
     assert len(stop) >= 2 and stop not in base.text[:start]
     out = smollm2_llm.generate("The history of Rome", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
     got = out[0].outputs[0]
-    assert got.finish_reason == "stop"
+    assert (got.finish_reason, got.stop_reason) == ("stop", stop)
     assert got.text == base.text[: base.text.index(stop)]
     assert got.token_ids == base.token_ids[:7]
     kept = smollm2_llm.generate("The history of Rome", SamplingParams(
@@ -114,10 +114,11 @@ def test_stop_token_ids_and_max_tokens(smollm2_llm: LLM) -> None:
     base = smollm2_llm.generate("Counting: one, two,", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     ids = base[0].outputs[0].token_ids
     assert len(ids) == 10 and base[0].outputs[0].finish_reason == "length"
+    assert base[0].outputs[0].stop_reason is None
     stop_id = ids[4]
     out = smollm2_llm.generate("Counting: one, two,", SamplingParams(temperature=0, max_tokens=10,
                                                                       stop_token_ids=[stop_id]))[0].outputs[0]
-    assert out.finish_reason == "stop"
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
     assert out.token_ids == ids[: ids.index(stop_id) + 1]
 
 
@@ -125,6 +126,7 @@ def test_min_tokens_suppresses_eos(smollm2_llm: LLM) -> None:
     plain = smollm2_llm.chat(PARIS_CHAT, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
     eos_at = len(plain.token_ids)
     assert plain.token_ids[-1] in smollm2_llm.tokenizer.eos_ids  # the model stops early by itself
+    assert (plain.finish_reason, plain.stop_reason) == ("stop", None)  # EOS: no stop_reason, as vLLM
     out = smollm2_llm.chat(PARIS_CHAT, SamplingParams(temperature=0, max_tokens=40, min_tokens=eos_at + 4))
     ids = out[0].outputs[0].token_ids
     assert len(ids) >= eos_at + 4

@@ -62,8 +62,10 @@ class VerifyOutput:
       logprobs: f32[B, k+1], raw log-probability (log_softmax of the unprocessed target logits at that position)
         of each emitted token, as `SampleOutput.logprobs`; 0 where token_ids is -1.
       top_logprobs: f32[B, k+1, MAX_LOGPROBS], `SampleOutput.top_logprobs` of every position (filled only when
-        some row has num_logprobs > 0); positions past num_accepted are not emitted and must be ignored.
+        some row wants logprobs); positions past num_accepted are not emitted and must be ignored.
       top_token_ids: i32[B, k+1, MAX_LOGPROBS], their ids, as `SampleOutput.top_token_ids`.
+      ranks: i32[B, k+1], each emitted token's rank in its position's raw distribution, as `SampleOutput.ranks`
+        (filled as top_logprobs, else zeros); 0 where token_ids is -1.
     """
 
     num_accepted: jax.Array
@@ -71,6 +73,7 @@ class VerifyOutput:
     logprobs: jax.Array
     top_logprobs: jax.Array
     top_token_ids: jax.Array
+    ranks: jax.Array
 
 
 def _accept_keys(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
@@ -207,8 +210,10 @@ def _emit(drafts: jax.Array, final: jax.Array, num_accepted: jax.Array, raw_logp
     n = num_accepted[:, None]
     drafts_then_pad = jnp.pad(drafts, ((0, 0), (0, 1)))  # [B, t]
     token_ids = jnp.where(position < n, drafts_then_pad, jnp.where(position == n, final, -1))  # [B, t]
-    logprobs = jnp.take_along_axis(raw_logprobs, jnp.maximum(token_ids, 0)[..., None], axis=-1)[..., 0]
+    safe_ids = jnp.maximum(token_ids, 0)  # [B, t], -1 made a valid index
+    logprobs = jnp.take_along_axis(raw_logprobs, safe_ids[..., None], axis=-1)[..., 0]
     logprobs = jnp.where(token_ids >= 0, logprobs, 0.0)
-    top_values, top_ids = top_logprobs(raw_logprobs.reshape(b * t, vocab), num_logprobs)
+    top_values, top_ids, ranks = top_logprobs(raw_logprobs.reshape(b * t, vocab), num_logprobs, safe_ids.reshape(-1))
     return VerifyOutput(num_accepted=num_accepted, token_ids=token_ids, logprobs=logprobs,
-                        top_logprobs=top_values.reshape(b, t, -1), top_token_ids=top_ids.reshape(b, t, -1))
+                        top_logprobs=top_values.reshape(b, t, -1), top_token_ids=top_ids.reshape(b, t, -1),
+                        ranks=jnp.where(token_ids >= 0, ranks.reshape(b, t), 0))

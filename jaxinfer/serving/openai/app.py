@@ -230,9 +230,7 @@ class OpenAIApp:
 
     async def _generate(self, request: Request, engine: AsyncEngine, body, params: SamplingParams,
                         prompts: Sequence[Prompt], chat: bool, echo: list[str] | None) -> Response:
-        tokenizer = engine.engine.tokenizer
-        shaper = Shaper(chat, self.model_name, params.n, params.logprobs,
-                        lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        shaper = Shaper(chat, self.model_name, params.n, params.logprobs)
         slots = contextlib.ExitStack()
         try:
             for _ in prompts:

@@ -1,5 +1,6 @@
 """Engine outputs -> OpenAI response bodies (plain dicts, serialized by the app): completions and chat
-completions, whole or as server-sent-event chunks, with usage and logprobs in OpenAI's shapes.
+completions, whole or as server-sent-event chunks, with usage and logprobs in OpenAI's shapes (token texts are the
+engine's `Logprob.decoded_token`s) and vLLM's `stop_reason` on each choice.
 
 Choice indices: a request with several prompts (`/v1/completions` with a list) numbers its choices
 `prompt_index * n + completion_index`, as OpenAI does.
@@ -12,11 +13,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from jaxinfer.outputs import CompletionOutput, RequestOutput
-
-TokenText = Callable[[int], str]
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def new_id(kind: str) -> str:
@@ -43,31 +42,31 @@ def usage(outs: Sequence[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """The k most likely of an output token's {id: logprob} (the top k plus the sampled token)."""
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The k most likely of an output token's entries (its top tokens plus the sampled one), by rank on ties."""
+    return sorted(entry.values(), key=lambda lp: (-lp.logprob, lp.rank))[:k]
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, float]], k: int, text_of: TokenText,
-                        offset: int) -> dict:
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int, offset: int) -> dict:
     """The `logprobs` of a completion choice: `tokens`, `token_logprobs`, `top_logprobs` (k per token, by token
     text) and `text_offset` (characters from `offset`, where this span of the choice's text starts)."""
-    tokens = [text_of(t) for t in token_ids]
+    tokens = [e[t].decoded_token for t, e in zip(token_ids, entries)]
     offsets = []
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-            "top_logprobs": [{text_of(t): lp for t, lp in _top(e, k)} for e in entries], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(token_ids, entries)],
+            "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, k)} for e in entries],
+            "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, float]], k: int, text_of: TokenText) -> dict:
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int) -> dict:
     """The `logprobs` of a chat choice: `content`, one `{token, logprob, bytes, top_logprobs}` per token."""
-    def item(t: int, lp: float) -> dict:
-        text = text_of(t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+    def item(lp: Logprob) -> dict:
+        text = lp.decoded_token
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
 
-    return {"content": [item(t, e[t]) | {"top_logprobs": [item(u, lp) for u, lp in _top(e, k)]}
+    return {"content": [item(e[t]) | {"top_logprobs": [item(lp) for lp in _top(e, k)]}
                         for t, e in zip(token_ids, entries)]}
 
 
@@ -85,11 +84,10 @@ class Shaper:
       model: the served model name.
       n: completions per prompt (for choice indices).
       logprobs: top logprobs per token, or None for no logprobs.
-      text_of: a token id's text, for logprobs.
     """
 
-    def __init__(self, chat: bool, model: str, n: int, logprobs: int | None, text_of: TokenText) -> None:
-        self.chat, self.model, self.n, self.k, self.text_of = chat, model, n, logprobs, text_of
+    def __init__(self, chat: bool, model: str, n: int, logprobs: int | None) -> None:
+        self.chat, self.model, self.n, self.k = chat, model, n, logprobs
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -102,8 +100,8 @@ class Shaper:
         if self.k is None or c.logprobs is None:
             return None
         ids, entries = c.token_ids[start:], c.logprobs[start:]
-        return (chat_logprobs(ids, entries, self.k, self.text_of) if self.chat
-                else completion_logprobs(ids, entries, self.k, self.text_of, offset))
+        return (chat_logprobs(ids, entries, self.k) if self.chat
+                else completion_logprobs(ids, entries, self.k, offset))
 
     def whole(self, outs: Sequence[RequestOutput], echo: Sequence[str] | None = None) -> dict:
         """The response to a non-streamed request: every prompt's finished output (in prompt order)."""
@@ -113,11 +111,13 @@ class Shaper:
                 index = p * self.n + c.index
                 if self.chat:
                     choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": self._logprobs(c, 0, 0), "finish_reason": finish_reason(c)})
+                                    "logprobs": self._logprobs(c, 0, 0), "finish_reason": finish_reason(c),
+                                    "stop_reason": c.stop_reason})
                 else:
                     prefix = echo[p] if echo else ""
                     choices.append({"index": index, "text": prefix + c.text,
-                                    "logprobs": self._logprobs(c, 0, len(prefix)), "finish_reason": finish_reason(c)})
+                                    "logprobs": self._logprobs(c, 0, len(prefix)), "finish_reason": finish_reason(c),
+                                    "stop_reason": c.stop_reason})
         return self._head(False) | {"choices": choices, "usage": usage(outs)}
 
     def chunk(self, p: int, c: CompletionOutput, first: bool, echo: str = "") -> dict | None:
@@ -136,7 +136,7 @@ class Shaper:
         else:
             choice = {"index": index, "text": (echo if first else "") + c.delta_text}
         choice |= {"logprobs": self._logprobs(c, start, offset) if new else None,
-                   "finish_reason": finish_reason(c)}
+                   "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
         return self._head(True) | {"choices": [choice]}
 
     def usage_chunk(self, outs: Sequence[RequestOutput]) -> dict:

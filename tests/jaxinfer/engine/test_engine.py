@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 
 import jax.numpy as jnp
@@ -522,34 +523,83 @@ def test_n_samples_differ_and_are_reproducible(tiny: Engine) -> None:
     assert_idle(tiny)
 
 
+def reference_logprobs(engine: Engine, prompt: list[int], output: list[int]) -> np.ndarray:
+    """f64[len(output), V]: the raw log-softmax before each output token, from one full forward over prompt +
+    output (`ModelRunner.compute_logits`)."""
+    ids = list(prompt) + list(output)
+    pages = engine.page_allocator.allocate(pages_for(engine, len(ids)))
+    try:
+        logits = engine.runner.compute_logits([ScheduledChunk(ids, 0, pages)])
+    finally:
+        engine.page_allocator.free(pages)
+    logits = logits[len(prompt) - 1 : len(ids) - 1].astype(np.float64)
+    logsm = logits - logits.max(-1, keepdims=True)
+    return logsm - np.log(np.exp(logsm).sum(-1, keepdims=True))
+
+
+def assert_rank(rank: int, row: np.ndarray, token: int, tol: float = 1e-5) -> None:
+    """rank is 1 + the number of raw logprobs strictly above token's, by the f64 reference row; a logprob within
+    tol of token's may count either way (the engine compares f32 values)."""
+    lowest, highest = 1 + np.sum(row > row[token] + tol), 1 + np.sum(row > row[token] - tol) - 1
+    assert lowest <= rank <= max(lowest, highest), (rank, lowest, highest)
+
+
 def test_logprobs_are_the_models_log_softmax(tiny: Engine) -> None:
     prompt = TINY_PROMPTS[4]
     params = SamplingParams(logprobs=3, temperature=0, max_tokens=6, ignore_eos=True)
     out = run(tiny, [Req("lp", prompt, params)]).final["lp"].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 6
     for token, entry in zip(out.token_ids, out.logprobs):
-        assert len(entry) == 3 and token in entry
-        assert entry[token] == max(entry.values()) and all(v <= 0 for v in entry.values())
+        assert len(entry) == 3 and next(iter(entry)) == token  # the sampled token first, as vLLM
+        assert entry[token].logprob == max(e.logprob for e in entry.values()) and all(
+            e.logprob <= 0 for e in entry.values())
     # Against a full forward pass over prompt + output.
-    ids = list(prompt) + out.token_ids
-    pages = tiny.page_allocator.allocate(pages_for(tiny, len(ids)))
-    try:
-        logits = tiny.runner.compute_logits([ScheduledChunk(ids, 0, pages)])
-    finally:
-        tiny.page_allocator.free(pages)
-    logits = logits[len(prompt) - 1 : len(ids) - 1].astype(np.float64)
-    logsm = logits - logits.max(-1, keepdims=True)
-    logsm -= np.log(np.exp(logsm).sum(-1, keepdims=True))
+    logsm = reference_logprobs(tiny, prompt, out.token_ids)
     for row, token, entry in zip(logsm, out.token_ids, out.logprobs):
         assert token == int(row.argmax())
-        top3 = np.argsort(row)[::-1][:3]
-        assert set(entry) == {int(t) for t in top3}
-        np.testing.assert_allclose([entry[int(t)] for t in top3], row[top3], atol=1e-4)
-    # Sampled rows: the dict holds the sampled token even when it is not in the top k.
-    sampled = run(tiny, [Req("lp2", prompt, SamplingParams(logprobs=1, temperature=1.0, seed=3, max_tokens=8,
-                                                               ignore_eos=True))]).final["lp2"].outputs[0]
-    assert len(sampled.logprobs) == 8
-    assert all(t in e and 1 <= len(e) <= 2 for t, e in zip(sampled.token_ids, sampled.logprobs))
+        top3 = [int(t) for t in np.argsort(row)[::-1][:3]]
+        assert set(entry) == set(top3)
+        np.testing.assert_allclose([entry[t].logprob for t in top3], row[top3], atol=1e-4)
+        assert [entry[t].rank for t in top3] == [1, 2, 3]  # position + 1
+        assert all(e.decoded_token == tiny.tokenizer.decode([t], skip_special_tokens=False) for t, e in entry.items())
+    sampled_sum = math.fsum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs))
+    assert out.cumulative_logprob == pytest.approx(sampled_sum, rel=1e-12, abs=1e-9)
+    assert out.cumulative_logprob == pytest.approx(sum(row[t] for row, t in zip(logsm, out.token_ids)), abs=1e-3)
+    # Sampled rows: the dict holds the sampled token (with its own rank, computed on device) even when it is not
+    # in the top k; logprobs=0 holds only the sampled token.
+    for n in (1, 0):
+        sampled = run(tiny, [Req("lp2", prompt, SamplingParams(logprobs=n, temperature=1.0, seed=3, max_tokens=8,
+                                                                   ignore_eos=True))]).final["lp2"].outputs[0]
+        assert len(sampled.logprobs) == 8
+        assert all(next(iter(e)) == t and 1 <= len(e) <= n + 1 for t, e in zip(sampled.token_ids, sampled.logprobs))
+        logsm = reference_logprobs(tiny, prompt, sampled.token_ids)
+        ranks = [e[t].rank for t, e in zip(sampled.token_ids, sampled.logprobs)]
+        for rank, row, token in zip(ranks, logsm, sampled.token_ids):
+            assert_rank(rank, row, token)
+        assert max(ranks) > 1  # some sampled token lies outside the top 1: its rank is the device's
+        assert sampled.cumulative_logprob == pytest.approx(
+            math.fsum(e[t].logprob for t, e in zip(sampled.token_ids, sampled.logprobs)), rel=1e-12, abs=1e-9)
+    plain = run(tiny, [Req("lp3", prompt, dataclasses.replace(params, logprobs=None))]).final["lp3"].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None  # as vLLM V1, without logprobs
+    assert plain.token_ids == out.token_ids
+    assert_idle(tiny)
+
+
+def test_stop_reason_is_the_stop_id_or_stop_string(tiny: Engine) -> None:
+    """vLLM's stop_reason: the stop token id, the matched stop string; None when the request ends by length."""
+    prompt = TINY_PROMPTS[5]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ref = run(tiny, [Req("ref", prompt, greedy)]).final["ref"].outputs[0]
+    assert (ref.finish_reason, ref.stop_reason) == ("length", None)
+    stop_id = ref.token_ids[4]
+    stop_str = tiny.tokenizer.decode([ref.token_ids[6]])
+    outs = run(tiny, [Req("id", prompt, dataclasses.replace(greedy, stop_token_ids=[stop_id])),
+                      Req("str", prompt, dataclasses.replace(greedy, stop=[stop_str]))]).final
+    by_id, by_str = outs["id"].outputs[0], outs["str"].outputs[0]
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", stop_id)
+    assert by_id.token_ids == ref.token_ids[: ref.token_ids.index(stop_id) + 1]
+    assert (by_str.finish_reason, by_str.stop_reason) == ("stop", stop_str)
+    assert by_str.text == ref.text[: ref.text.index(stop_str)]
     assert_idle(tiny)
 
 

@@ -328,14 +328,38 @@ def test_logprobs_are_raw_log_softmax(vocab: int) -> None:
         assert np.all(np.diff(np.asarray(out.top_logprobs[i, :k])) <= 0)
         if vocab < MAX_LOGPROBS:
             assert np.all(np.asarray(out.top_token_ids[i, limit:]) == -1)
+        assert int(out.ranks[i]) == 1 + np.sum(ref > ref[token])  # every row, once some row asks
+
+
+def test_sampled_token_ranks_are_their_place_in_the_raw_distribution() -> None:
+    """Hot sampling, penalties and bans pick tokens far down the raw distribution: their rank is 1 + the number
+    of raw logprobs strictly above theirs (float64 NumPy reference), for rows that asked and rows that did not."""
+    n = 64
+    logits = _logits(11, batch=n)
+    params = [P(temperature=3.0, logprobs=2), P(temperature=1.5), P(temperature=0, repetition_penalty=3.0)]
+    rows = [SamplingRow(params[i % 3], seed=i, prompt_token_ids=np.argsort(-logits[i])[:4].tolist(),
+                        suppress=[int(np.argmax(logits[i]))] if i % 4 == 0 else []) for i in range(n)]
+    out = _sample(logits, _build(rows, n, V))
+    ranks = np.asarray(out.ranks)
+    for i in range(n):
+        ref = reference_raw_logprobs(logits[i], V)
+        assert ranks[i] == 1 + np.sum(ref > ref[int(out.token_ids[i])]), i
+    assert ranks.min() >= 1 and np.sum(ranks > 1) > n // 2 and ranks.max() > 5  # far from the argmax
 
 
 def test_top_logprobs_skipped_when_no_row_asks() -> None:
     logits = _logits(5)
     out = _sample(logits, _build([SamplingRow(P(), seed=0)], B, V))
     assert np.all(np.asarray(out.top_token_ids) == -1)
+    assert np.all(np.asarray(out.ranks) == 0)
     ref = reference_raw_logprobs(logits[0], V)
     np.testing.assert_allclose(float(out.logprobs[0]), ref[int(out.token_ids[0])], rtol=1e-5, atol=1e-5)
+    # logprobs=0 wants no top tokens but still its sampled token's rank.
+    out = _sample(logits, _build([SamplingRow(P(temperature=5.0, logprobs=0), seed=s) for s in range(B)], B, V))
+    for i in range(B):
+        ref = reference_raw_logprobs(logits[i], V)
+        assert int(out.ranks[i]) == 1 + np.sum(ref > ref[int(out.token_ids[i])]), i
+    assert np.any(np.asarray(out.ranks) > 1)
 
 
 # ---------------------------------------------------------------- host-side validation

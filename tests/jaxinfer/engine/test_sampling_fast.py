@@ -49,7 +49,7 @@ def full_path_sample(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, .
     sampled = jax.vmap(jax.random.categorical)(keys, truncated)
     tokens = jnp.where(s.temperature > 0, sampled, jnp.argmax(penalised, axis=-1)).astype(jnp.int32)
     top_values, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)
-    return tokens, jnp.take_along_axis(raw, tokens[:, None], -1)[:, 0], top_values, top_ids
+    return tokens, jnp.take_along_axis(raw, tokens[:, None], -1)[:, 0], top_values, top_ids, raw
 
 
 _full = jax.jit(full_path_sample)
@@ -87,14 +87,16 @@ def test_sample_equals_the_full_path(name: str, params: list[P], vocab_limit: in
         logits = _logits(seed)
         s = _build(_rows(params, seed, penalties=name != "greedy, no penalties"), B, V, vocab_limit)
         out = _sample(logits, s)
-        tokens, logprobs, top_values, top_ids = map(np.asarray, _full(logits, s))
+        tokens, logprobs, top_values, top_ids, raw = map(np.asarray, _full(logits, s))
         np.testing.assert_array_equal(np.asarray(out.token_ids), tokens, err_msg=f"{name}, seed {seed}")
         np.testing.assert_array_equal(np.asarray(out.logprobs), logprobs)
         if any(p.logprobs for p in params):
             np.testing.assert_array_equal(np.asarray(out.top_logprobs), top_values)
             np.testing.assert_array_equal(np.asarray(out.top_token_ids), top_ids)
+            own = raw[np.arange(B), tokens][:, None]  # tokens 5 and 6 tie: one rank for both
+            np.testing.assert_array_equal(np.asarray(out.ranks), 1 + np.sum(raw > own, axis=-1))
         else:
-            assert np.all(np.asarray(out.top_token_ids) == -1)
+            assert np.all(np.asarray(out.top_token_ids) == -1) and np.all(np.asarray(out.ranks) == 0)
         assert np.all((tokens >= 0) & (tokens < vocab_limit))
 
 

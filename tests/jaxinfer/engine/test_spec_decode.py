@@ -338,9 +338,13 @@ def assert_same(got: RequestOutput, ref: RequestOutput, ref_index: int | None = 
         if r.logprobs is not None:
             assert len(c.logprobs) == len(c.token_ids) == len(r.logprobs), name
             for pos, (entry, ref_entry) in enumerate(zip(c.logprobs, r.logprobs)):
-                assert set(entry) == set(ref_entry), (name, pos)
-                for token, value in ref_entry.items():
-                    assert entry[token] == pytest.approx(value, abs=LOGPROB_TOL), (name, pos, token)
+                assert list(entry) == list(ref_entry), (name, pos)
+                for token, want in ref_entry.items():
+                    got = entry[token]
+                    assert got.logprob == pytest.approx(want.logprob, abs=LOGPROB_TOL), (name, pos, token)
+                    assert (got.rank, got.decoded_token) == (want.rank, want.decoded_token), (name, pos, token)
+            assert c.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=LOGPROB_TOL * len(c.token_ids))
+        assert c.stop_reason == r.stop_reason, name
 
 
 def assert_all_same(r: Run, ref: dict[str, RequestOutput]) -> None:
@@ -438,6 +442,9 @@ def test_stops_inside_an_accepted_block(ngram: Engine, refs: Refs, k: int) -> No
     assert_all_same(first, {r.rid: ref[r.rid] for r in limits})
     assert_all_same(second, {r.rid: ref[r.rid] for r in stops})
     assert stats["spec_accepted_tokens"] > 0
+    reasons = {rid: out.outputs[0].stop_reason for rid, out in (first.outputs | second.outputs).items()}
+    assert reasons == {"eos": None, "max_7": None, "max_13": None, "min_tokens": None, "stop_id": reply[stop_id_at],
+                       "stop_string": s2, "stop_string_included": s1, "two_stop_strings": s2}
 
     # where the reference stopped
     text = tok.decode(paragraph)

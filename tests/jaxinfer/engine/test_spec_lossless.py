@@ -52,7 +52,7 @@ from tokenizers import models, pre_tokenizers
 from jaxinfer import SamplingParams
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import Logprob, RequestOutput
 from tests.jaxinfer.engine.tiny_model import FIRST_WORD_ID, make_tiny_model_dir, random_prompts
 
 ALPHA = 0.001  # significance of every chi-square test in this module
@@ -165,7 +165,7 @@ def spec3(dirs) -> Engine:
 class Completion:
     token_ids: list[int]
     deltas: list[list[int]]  # the new token ids of each step that gave the sequence some
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
     num_cached_tokens: int  # prompt tokens found in the prefix cache
 
 
@@ -208,7 +208,7 @@ def top_k_distributions(engine: Engine, contexts: list[Context], top_k: int) -> 
         results, spec = run(engine, [(PROMPT + list(c), params) for c in padded])
         assert not any(spec.values())
         for r in results[: len(batch)]:
-            ranked = sorted(r.logprobs[0].items(), key=lambda kv: -kv[1])
+            ranked = sorted(((t, e.logprob) for t, e in r.logprobs[0].items()), key=lambda kv: -kv[1])
             # top_k must be a clear cut, so that the engine's truncation and this one keep the same tokens
             assert ranked[top_k - 1][1] - ranked[top_k][1] > 1e-3, ranked[: top_k + 1]
             x = np.array([v for _, v in ranked[:top_k]], np.float64)
@@ -503,13 +503,16 @@ def greedy_reference(target_off) -> list[Completion]:
 
 def assert_same_greedy(results: list[Completion], reference: list[Completion]) -> None:
     """The same tokens, and per token the same top-2 raw logprobs (up to float rounding: the target computed
-    them in verify blocks of several tokens instead of one token at a time)."""
+    them in verify blocks of several tokens instead of one token at a time), ranks and decoded tokens."""
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     for r, ref in zip(results, reference):
         assert len(r.logprobs) == len(ref.logprobs) == GREEDY_MAX_TOKENS
         for got, want in zip(r.logprobs, ref.logprobs):
-            assert got.keys() == want.keys()
-            np.testing.assert_allclose([got[t] for t in want], list(want.values()), rtol=0, atol=1e-4)
+            assert list(got) == list(want)
+            np.testing.assert_allclose([got[t].logprob for t in want], [e.logprob for e in want.values()], rtol=0,
+                                       atol=1e-4)
+            assert [(e.rank, e.decoded_token) for e in got.values()] == \
+                [(e.rank, e.decoded_token) for e in want.values()]
 
 
 def _seeded(seed: int) -> SamplingParams:
@@ -537,6 +540,23 @@ def test_greedy_matches_speculation_off(k, mixed_run, greedy_reference):
     assert 0 < spec["spec_accepted_tokens"] < spec["spec_draft_tokens"], spec  # both outcomes were verified
     if k == 3:
         assert any(len(d) > 2 for r in results for d in r.deltas)  # a step emitted 2+ accepted drafts
+
+
+def test_greedy_ranks_match_speculation_off(spec3, target_off):
+    """The rank of each emitted token (computed in verify, per position) equals the rank decoding without
+    speculation computes. A repetition penalty moves greedy tokens off the raw argmax (ranks > 1), and logprobs=0
+    leaves only the sampled token's entry, whose rank is the device's."""
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_MAX_TOKENS, ignore_eos=True, logprobs=0,
+                            repetition_penalty=2.0)
+    requests = [(p, params) for p in GREEDY_PROMPTS]
+    results, spec = run(spec3, requests)
+    reference, _ = run(target_off, requests)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    ranks = [[e[t].rank for t, e in zip(r.token_ids, r.logprobs)] for r in results]
+    assert ranks == [[e[t].rank for t, e in zip(r.token_ids, r.logprobs)] for r in reference]
+    assert all(len(e) == 1 for r in results for e in r.logprobs)
+    assert max(max(r) for r in ranks) > 1 and min(min(r) for r in ranks) >= 1
+    assert spec["spec_accepted_tokens"] > 0, spec
 
 
 def test_greedy_with_the_target_as_draft_accepts_every_draft(dirs, greedy_reference):

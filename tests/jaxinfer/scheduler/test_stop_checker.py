@@ -24,14 +24,27 @@ def feed(tokens: list[int], max_model_len: int = 100, prompt: tuple[int, ...] = 
 
 def test_eos_stops_and_stays_in_the_ids_unless_ignored() -> None:
     seq, reason, n = feed([1, EOS_ID, 2])
-    assert (reason, n, seq.output_token_ids, seq.text) == ("stop", 2, [1, EOS_ID], "bb")
+    assert (reason, n, seq.output_token_ids, seq.text, seq.stop_reason) == ("stop", 2, [1, EOS_ID], "bb", None)
     seq, reason, n = feed([1, EOS_ID, 2], ignore_eos=True)
-    assert reason is None and seq.text == "bbccc"
+    assert reason is None and seq.text == "bbccc" and seq.stop_reason is None
 
 
 def test_stop_token_id_stops_and_stays_in_the_ids() -> None:
     seq, reason, n = feed([1, 3, 2], stop_token_ids=[3])
-    assert (reason, seq.output_token_ids, seq.text) == ("stop", [1, 3], "bbd")
+    assert (reason, seq.output_token_ids, seq.text, seq.stop_reason) == ("stop", [1, 3], "bbd", 3)
+
+
+def test_stop_reason_is_the_stop_id_or_string_and_none_for_eos_and_length() -> None:
+    """vLLM's stop_reason: the stop token id or the stop string that matched; None for EOS (checked first, also
+    when listed among the stop ids) and for "length"."""
+    assert feed([1, EOS_ID], stop_token_ids=[EOS_ID])[0].stop_reason is None
+    assert feed([1, EOS_ID], stop_token_ids=[EOS_ID], ignore_eos=True)[0].stop_reason == EOS_ID
+    seq, reason, _ = feed([3, 1, 2], stop=["cc", "dbbc"], stop_token_ids=[4])
+    assert (reason, seq.stop_reason) == ("stop", "dbbc")  # the string that matched (earliest), not the other
+    seq, reason, _ = feed([1, 2, 4], stop=["cc"], stop_token_ids=[4])
+    assert (reason, seq.stop_reason) == ("stop", "cc")
+    seq, reason, _ = feed([1, 2, 3], stop=["zz"], stop_token_ids=[4], max_tokens=2)
+    assert (reason, seq.stop_reason) == ("length", None)
 
 
 @pytest.mark.parametrize("include, text", [(False, "b"), (True, "bbc")])
@@ -63,7 +76,7 @@ def test_min_tokens_defers_stop_ids_and_stop_strings() -> None:
 
 def test_max_tokens_gives_length_and_flushes_held_text() -> None:
     seq, reason, n = feed([1, 45, 2], max_tokens=2)
-    assert (reason, n, seq.output_token_ids, seq.text) == ("length", 2, [1, 45], "bbT")
+    assert (reason, n, seq.output_token_ids, seq.text, seq.stop_reason) == ("length", 2, [1, 45], "bbT", None)
 
 
 def test_stop_string_match_skips_the_flush() -> None:

@@ -243,6 +243,60 @@ def test_echo_and_completion_logprobs(client, both_servers):
     assert sum(math.exp(v) for v in lp.top_logprobs[0].values()) <= 1 + 1e-5
 
 
+def test_logprobs_are_the_engines(client, both_servers, smollm2_llm):
+    """Completion and chat logprobs carry what `LLM.generate` returns: per token its `Logprob.decoded_token` (the
+    tokenizer's text of that one id), its logprob, and the top tokens by text with their logprobs."""
+    name, tok = both_servers.model_name, smollm2_llm.tokenizer
+    plain = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
+    ref = smollm2_llm.generate(PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))[0].outputs[0]
+    lp = plain.choices[0].logprobs
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    for t, entry, value, top in zip(ref.token_ids, ref.logprobs, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value == pytest.approx(entry[t].logprob, abs=1e-5)
+        assert top.keys() == {e.decoded_token for e in entry.values()}
+        assert all(top[e.decoded_token] == pytest.approx(e.logprob, abs=1e-5) for e in entry.values())
+    chat = client.chat.completions.create(model=name, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    ref = smollm2_llm.chat(CHAT, SamplingParams(max_tokens=5, temperature=0.0, logprobs=3))[0].outputs[0]
+    for t, entry, item in zip(ref.token_ids, ref.logprobs, chat.choices[0].logprobs.content, strict=True):
+        assert item.token == entry[t].decoded_token and item.logprob == pytest.approx(entry[t].logprob, abs=1e-5)
+        by_rank = sorted(entry.values(), key=lambda e: e.rank)
+        assert [x.token for x in item.top_logprobs] == [e.decoded_token for e in by_rank]
+
+
+def test_stop_reason_over_http_and_grpc(client, both_servers):
+    """vLLM's `stop_reason` on each choice, whole and streamed: the stop string, the stop token id; null for
+    length and EOS. gRPC: `stop_str` / `stop_token_id` on the response that finishes the completion."""
+    name, url = both_servers.model_name, both_servers.base_url + "/v1/completions"
+    base = {"model": name, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0}
+
+    def choice(**kw) -> dict:
+        return httpx.post(url, json=base | kw, timeout=60).json()["choices"][0]
+
+    ref = choice()
+    assert (ref["finish_reason"], ref["stop_reason"]) == ("length", None)
+    stop = ref["text"].split()[2]
+    stop_id = _grpc_greedy(both_servers.stub, PROMPTS[2], 16)[5]
+    assert (choice(stop=[stop])["stop_reason"], choice(stop_token_ids=[stop_id])["stop_reason"]) == (stop, stop_id)
+    chunks = [c.choices[0] for c in client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=16,
+                                                              temperature=0, stop=[stop], stream=True)]
+    assert [c.stop_reason for c in chunks] == [None] * (len(chunks) - 1) + [stop]
+    assert chunks[-1].finish_reason == "stop"
+    eos = httpx.post(both_servers.base_url + "/v1/chat/completions", timeout=60,
+                     json={"model": name, "messages": CHAT, "max_tokens": 200, "temperature": 0}).json()["choices"][0]
+    assert (eos["finish_reason"], eos["stop_reason"]) == ("stop", None)  # the model's EOS
+
+    def grpc_last(**kw) -> pb.GenerateResponse:
+        sampling = pb.SamplingParams(max_tokens=16, temperature=0.0, **kw)
+        return [r for r in both_servers.stub.Generate(pb.GenerateRequest(text=PROMPTS[2], sampling=sampling))
+                if r.finish_reason][-1]
+
+    by_str, by_id, length = grpc_last(stop=[stop]), grpc_last(stop_token_ids=[stop_id]), grpc_last()
+    assert (by_str.finish_reason, by_str.WhichOneof("stop_reason"), by_str.stop_str) == ("stop", "stop_str", stop)
+    assert (by_id.WhichOneof("stop_reason"), by_id.stop_token_id) == ("stop_token_id", stop_id)
+    assert (length.finish_reason, length.WhichOneof("stop_reason")) == ("length", None)
+
+
 def test_chat_logprobs_shape(client, both_servers):
     r = client.chat.completions.create(model=both_servers.model_name, messages=CHAT, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=2)

@@ -203,18 +203,19 @@ def test_n_completions_and_logprobs_equal_offline(served, smollm2_llm: LLM):
     offline = smollm2_llm.generate("A list of colors:", sp)[0]
     proto = pb.SamplingParams(n=2, temperature=0.9, seed=21, max_tokens=6, logprobs=2)
     ids: dict[int, list[int]] = {0: [], 1: []}
-    logprobs: dict[int, list[dict[int, float]]] = {0: [], 1: []}
+    logprobs: dict[int, list[dict[int, tuple[float, int]]]] = {0: [], 1: []}
     finishes = {}
     for r in served.stub.Generate(pb.GenerateRequest(text="A list of colors:", sampling=proto)):
         ids[r.index] += list(r.token_ids)
-        logprobs[r.index] += [{t.token_id: t.logprob for t in entry.top} for entry in r.logprobs]
+        logprobs[r.index] += [{t.token_id: (t.logprob, t.rank) for t in entry.top} for entry in r.logprobs]
         if r.finish_reason:
             finishes[r.index] = r.finish_reason
     for c in offline.outputs:
         assert ids[c.index] == c.token_ids and finishes[c.index] == c.finish_reason
         for got, want in zip(logprobs[c.index], c.logprobs, strict=True):
-            assert got.keys() == want.keys()
-            assert all(abs(got[t] - want[t]) < 1e-5 for t in want)
+            assert list(got) == list(want)  # the sampled token first, then the top ones
+            assert all(abs(got[t][0] - want[t].logprob) < 1e-5 and got[t][1] == want[t].rank for t in want)
+    assert any(e[t].rank > 2 for c in offline.outputs for t, e in zip(c.token_ids, c.logprobs))  # beyond the top 2
 
 
 def test_metrics_port_serves_prometheus_text_on_metrics_only(served):

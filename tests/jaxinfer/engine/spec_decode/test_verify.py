@@ -157,6 +157,8 @@ def test_no_drafts_is_sample_and_bonus_uses_sample_key():
     np.testing.assert_array_equal(first.logprobs[:, 0], expected.logprobs)
     np.testing.assert_array_equal(first.top_logprobs[:, 0], expected.top_logprobs)
     np.testing.assert_array_equal(first.top_token_ids[:, 0], expected.top_token_ids)
+    np.testing.assert_array_equal(first.ranks[:, 0], expected.ranks)
+    assert np.all(first.ranks[:, 1:] == 0)  # not emitted
     no_slots = _verify(logits[:, :1], drafts[:, :0], None, np.zeros(b, np.int32), s)  # k = 0
     np.testing.assert_array_equal(no_slots.token_ids[:, 0], expected.token_ids)
 
@@ -169,6 +171,24 @@ def test_no_drafts_is_sample_and_bonus_uses_sample_key():
     np.testing.assert_array_equal(block.token_ids[:, k], bonus.token_ids)
     np.testing.assert_array_equal(block.logprobs[:, k], bonus.logprobs)
     np.testing.assert_array_equal(block.top_token_ids[:, k], bonus.top_token_ids)
+    np.testing.assert_array_equal(block.ranks[:, k], bonus.ranks)
+
+
+def test_ranks_of_emitted_tokens_are_their_place_in_the_raw_distribution():
+    """Accepted drafts (drawn from a q unlike the target), corrections and bonus tokens: each one's rank is 1 + the
+    number of raw target logprobs at its position strictly above its own (float64 NumPy reference); 0 past it."""
+    vocab, k, b = 16, 4, 64
+    logits, drafts, q, num_drafts = _random_batch(b, vocab, k, seed=5)
+    rows = [SamplingRow(P(temperature=2.0, logprobs=1 if i % 2 else None), seed=i) for i in range(b)]
+    out = _verify(logits, drafts, q, num_drafts, _arrays(rows, vocab))
+    ranks, token_ids = np.asarray(out.ranks), np.asarray(out.token_ids)
+    raw = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    for i in range(b):
+        n = int(out.num_accepted[i]) + 1
+        want = [1 + np.sum(raw[i, j] > raw[i, j, token_ids[i, j]]) for j in range(n)]
+        assert ranks[i, :n].tolist() == want, i
+        assert np.all(ranks[i, n:] == 0)
+    assert np.sum(ranks > 1) > b and np.any(np.asarray(out.num_accepted) > 1)
 
 
 # ---------------------------------------------------------------- seeds and batch independence
@@ -223,8 +243,9 @@ def test_row_independent_of_batch(draft_probs):
             return None if x is None else np.roll(x, -i, axis=0)
         alone = _verify(moved(logits), moved(drafts), moved(q), moved(num_drafts), _widen(_arrays([row], vocab, b), s))
         got, want = _row(together, i), _row(alone, 0)
-        for name, x, y in zip(["num_accepted", "token_ids", "logprobs", "top_logprobs", "top_token_ids"], got, want):
-            if name.startswith("top") and not row.params.logprobs:
+        names = ["num_accepted", "token_ids", "logprobs", "top_logprobs", "top_token_ids", "ranks"]
+        for name, x, y in zip(names, got, want, strict=True):
+            if (name.startswith("top") or name == "ranks") and not row.params.logprobs:
                 continue  # filled only when some row of the batch asks for them
             np.testing.assert_array_equal(x, y, err_msg=f"row {i} {name}")
 
