@@ -28,6 +28,13 @@ from jaxinfer.tokenizer import Tokenizer
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def _short(error: str) -> str:
+    """llguidance's error text on one line, without the parser state and grammar it appends (kilobytes)."""
+    head = error.split("<state>")[0].split("<grammar>")[0]
+    message = " ".join(line.strip() for line in head.strip().splitlines())
+    return message if len(message) <= 300 else message[:297] + "..."
+
+
 class _PieceTokens:
     """A sentencepiece vocabulary as llguidance's `TokenizerWrapper` wants it: each id's bytes ("▁" is a space,
     `<0xNN>` pieces are that byte, special pieces are empty) and an encode function."""
@@ -93,10 +100,26 @@ class Grammars:
 
         first = LLMatcher(self._ll_tokenizer(), so.llguidance_grammar(), log_level=0)
         if first.is_error():
-            message = " ".join(line.strip() for line in first.get_error().strip().splitlines())
-            raise ValueError(f"structured_outputs.{so.kind} is not valid: {message}")
+            raise ValueError(f"structured_outputs.{so.kind} is not valid: {_short(first.get_error())}")
+        self._probe(first, so.kind)
         for i, seq_id in enumerate(seq_ids):
             self._matchers[seq_id] = first if i == 0 else first.deep_copy()
+
+    def _probe(self, matcher, kind: str) -> None:
+        """ValueError naming the field when the grammar fails on its first token: llguidance builds its lexer
+        lazily, so a regex such as `a{1000000}` passes the build and fails with "too many expressions" only when
+        a token is consumed (found by a user trial: it was a failed request, an HTTP 500). A copy of the matcher
+        consumes the first token its mask allows; the request's own matcher is untouched."""
+        mask = np.zeros(self.words, np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{kind} cannot be used: {_short(matcher.get_error())}")
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        if allowed.size == 0:
+            return  # nothing allowed: the step fails the request naming the constraint
+        probe = matcher.deep_copy()
+        if not probe.consume_token(int(allowed[0])) or probe.is_error():
+            raise ValueError(f"structured_outputs.{kind} cannot be used: {_short(probe.get_error())}")
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._matchers
@@ -116,7 +139,7 @@ class Grammars:
         if matcher is None or matcher.is_stopped():
             return None
         if not matcher.consume_token(token_id):
-            return f"the constrained output cannot continue with token {token_id}: {matcher.get_error()}"
+            return f"the constrained output cannot continue with token {token_id}: {_short(matcher.get_error())}"
         return None
 
     def forget(self, seq_id: int) -> None:

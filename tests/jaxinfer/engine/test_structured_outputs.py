@@ -81,6 +81,20 @@ def test_invalid_constraints_are_refused_naming_the_field(so, match):
         SamplingParams(structured_outputs=so)
 
 
+@pytest.mark.parametrize("regex", ["a{1000000}", "((a{100}){100}){100}"])
+def test_a_grammar_that_fails_on_its_first_token_is_refused_at_admission(smollm2_llm, regex):
+    """llguidance builds these regexes and fails only when a token is consumed ("too many expressions"): the
+    engine probes a copy at admission, so the request is refused naming the field, with a short message, and
+    nothing is queued; the next request runs."""
+    params = SamplingParams(max_tokens=4, structured_outputs={"regex": regex})  # passes the build-time check
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: lexer error") as e:
+        smollm2_llm.generate("hi", params)
+    assert len(str(e.value)) <= 400 and "<state>" not in str(e.value)
+    assert not smollm2_llm.engine.has_unfinished_requests()
+    ok = smollm2_llm.generate("hi", SamplingParams(max_tokens=4, structured_outputs={"regex": "[0-9]{1,3}"}))
+    assert re.fullmatch("[0-9]{1,3}", ok[0].outputs[0].text)
+
+
 def test_params_are_hashable_and_equal_by_value():
     a = SamplingParams(structured_outputs={"json": {"b": 1, "type": "object"}})
     b = SamplingParams(structured_outputs=StructuredOutputsParams(json='{"type": "object", "b": 1}'))
