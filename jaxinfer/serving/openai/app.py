@@ -231,6 +231,10 @@ class OpenAIApp:
     async def _generate(self, request: Request, engine: AsyncEngine, body, params: SamplingParams,
                         prompts: Sequence[Prompt], chat: bool, echo: list[str] | None) -> Response:
         shaper = Shaper(chat, self.model_name, params.n, params.logprobs)
+        limit = self.served.limits.max_queued_requests
+        if len(prompts) > limit:  # a 429 would say "retry later" of a request that can never fit
+            raise HTTPError(400, f"prompt has {len(prompts)} prompts; the server takes at most {limit} requests in "
+                                 "flight (--max-queued-requests): send fewer prompts per request", param="prompt")
         slots = contextlib.ExitStack()
         try:
             for _ in prompts:

@@ -259,6 +259,19 @@ def test_the_in_flight_limit_is_a_429(both_servers, canary):
     # leaving the block disconnected the held stream: its request is aborted
 
 
+def test_more_prompts_than_the_in_flight_limit_is_a_400_not_a_429(both_servers, canary):
+    """A request of more prompts than the server ever takes at once can never succeed: 400 naming prompt (a 429
+    saying "retry later" before; found by the user trial)."""
+    served = both_servers.served
+    saved = served.limits
+    served.limits = dataclasses.replace(saved, max_queued_requests=2)
+    try:
+        r = _post(both_servers, COMPLETIONS, {"prompt": ["a", "b", "c"], "max_tokens": 1})
+        assert_error(r, 400, "invalid_request_error", "3 prompts", "at most 2", param="prompt")
+    finally:
+        served.limits = saved
+
+
 class _NotServing:
     """An HTTP server on its own event loop (in a thread) whose `ServedEngine` is never started."""
 
