@@ -246,6 +246,13 @@ class RequestRecorder:
             self._finished = True
             self._record_finished(out)
 
+    def abandoned(self) -> None:
+        """The caller left before the request finished (a disconnect, a cancelled call): it is counted once as
+        finished with reason "abort", as vLLM counts it. Nothing happens after its finished output."""
+        if not self._finished:
+            self._finished = True
+            self._m.request_success.labels(self._m.model_name, "abort").inc()
+
     def _record_finished(self, out: RequestOutput) -> None:
         m, t = self._m, out.metrics
         reasons = {c.finish_reason for c in out.outputs}

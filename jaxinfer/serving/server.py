@@ -159,11 +159,14 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             out: RequestOutput | None = await anext(stream)  # admission: a ValueError names the field
             recorder = served.record_admitted(out)
             finished: set[int] = set()
-            while out is not None:
-                recorder.record(out)  # before the client sees it
-                for response in self._responses(out, finished):
-                    yield response
-                out = None if out.finished else await anext(stream, None)
+            try:
+                while out is not None:
+                    recorder.record(out)  # before the client sees it
+                    for response in self._responses(out, finished):
+                        yield response
+                    out = None if out.finished else await anext(stream, None)
+            finally:
+                recorder.abandoned()  # a cancelled call or a passed deadline: counted as aborted (no-op when done)
 
     def _responses(self, out: RequestOutput, finished: set[int]) -> list[pb.GenerateResponse]:
         """One response per completion with new tokens or a new finish; usage rides on the request's last one."""

@@ -236,6 +236,7 @@ class OpenAIApp:
             raise HTTPError(400, f"prompt has {len(prompts)} prompts; the server takes at most {limit} requests in "
                                  "flight (--max-queued-requests): send fewer prompts per request", param="prompt")
         slots = contextlib.ExitStack()
+        recorders: list[RequestRecorder] = []
         try:
             for _ in prompts:
                 slots.enter_context(self.served.slot())  # 429 past the limit of requests in flight
@@ -256,6 +257,8 @@ class OpenAIApp:
                         raise RuntimeError(f"generation failed: {c.error}")
             return JSONResponse(shaper.whole(outs, echo))
         except _ClientGone:
+            for recorder in recorders:
+                recorder.abandoned()
             return Response(status_code=499)
         finally:
             slots.close()
@@ -307,6 +310,8 @@ class OpenAIApp:
             response = _error_response(e)
             yield sse(json.loads(response.body))
         finally:
+            for recorder in recorders:  # a client that left mid-stream: its requests count as aborted
+                recorder.abandoned()
             slots.close()
             await close(streams)
         yield sse("[DONE]")

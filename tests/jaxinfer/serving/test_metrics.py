@@ -79,6 +79,21 @@ def test_a_request_s_outputs_give_its_token_counts_latencies_and_outcome():
     assert reasons == {"stop": 0, "length": 1, "abort": 0, "error": 0}
 
 
+def test_a_request_its_caller_left_counts_once_as_aborted():
+    m = _metrics()
+    outs = _two_sample_request()
+    left = m.admitted(outs[0])
+    left.record(outs[0])
+    left.abandoned()
+    left.abandoned()
+    done = m.admitted(outs[0])
+    for out in outs:
+        done.record(out)
+    done.abandoned()  # after its finished output: nothing
+    reasons = {r: m.sample("jaxinfer:request_success_total", {"finished_reason": r}) for r in ("length", "abort")}
+    assert reasons == {"length": 1, "abort": 1}
+
+
 def test_a_request_that_failed_before_its_first_token_has_no_token_phases():
     m = _metrics()
     out = _output({}, {0: []}, {0: "error"}, None, None, finish_time=11.0)

@@ -347,6 +347,10 @@ def _stream_some(base_url: str, model: str, i: int, disconnect: bool) -> int:
 
 
 def test_twenty_concurrent_streams_some_disconnecting_free_every_page(both_servers):
+    def aborted() -> float:
+        return both_servers.served.metrics.sample("jaxinfer:request_success_total", {"finished_reason": "abort"})
+
+    before = aborted()
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         jobs = [pool.submit(_stream_some, both_servers.base_url, both_servers.model_name, i, i % 3 == 0)
                 for i in range(20)]
@@ -355,6 +359,7 @@ def test_twenty_concurrent_streams_some_disconnecting_free_every_page(both_serve
     assert all(s > 3 for i, s in enumerate(seen) if i % 3)
     stats = both_servers.wait_idle()
     assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert aborted() - before == 7  # each disconnected stream counts once (none did before: user trial)
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
