@@ -66,6 +66,12 @@ def _set_bits(mask: np.ndarray, ids: np.ndarray, on: bool) -> None:
         np.bitwise_and.at(mask, words, ~bits)
 
 
+def _allows_some(mask: np.ndarray, limit: int) -> bool:
+    """Whether the packed bitmask (uint32 view) allows some token below `limit`."""
+    full, rest = divmod(limit, BITMASK_BITS)
+    return bool(mask[:full].any() or rest and mask[full] & np.uint32((1 << rest) - 1))
+
+
 class TokenRules:
     """The compiled allowed ids and bad words of an engine's sequences.
 
@@ -103,8 +109,7 @@ class TokenRules:
                 _set_bits(base, np.asarray(ids, np.int64), on=False)
             else:
                 multi.append(tuple(ids))
-        full, rest = divmod(self.sampled_vocab_size, BITMASK_BITS)
-        if not (base[:full].any() or rest and base[full] & np.uint32((1 << rest) - 1)):
+        if not _allows_some(base, self.sampled_vocab_size):
             field = "bad_words" if params.allowed_token_ids is None else "allowed_token_ids with bad_words"
             raise ValueError(f"{field}: the bad words ban every token that could be sampled")
         return _Rules(base.view(np.int32), tuple(multi))
@@ -117,7 +122,12 @@ class TokenRules:
     def allowed(self, seq_id: int, output_token_ids: Sequence[int], grammar_mask: np.ndarray | None
                 ) -> np.ndarray | None:
         """i32[ceil(V / 32)]: the sequence's allowed tokens this step (module docstring, 2) ANDed with
-        `grammar_mask` (same layout, or None); None when neither restricts anything."""
+        `grammar_mask` (same layout, or None); None when neither restricts anything.
+
+        Raises:
+          ValueError: naming the fields, when they leave no token to sample at this step (a bad word's last
+            token the only one allowed_token_ids or the output constraint leaves): the engine fails that request.
+        """
         rules = self._rules.get(seq_id)
         if rules is None:
             return grammar_mask
@@ -127,6 +137,10 @@ class TokenRules:
                   and tuple(output_token_ids[len(output_token_ids) - len(word) + 1:]) == word[:-1]]
         if banned:
             _set_bits(mask.view(np.uint32), np.asarray(banned, np.int64), on=False)
+        if not _allows_some(mask.view(np.uint32), self.sampled_vocab_size):
+            raise ValueError("bad_words leave no token that allowed_token_ids or structured_outputs allow at this step "
+                             "(the output ends with a bad word's other tokens)" if banned else
+                             "allowed_token_ids and structured_outputs allow no common token at this step")
         return mask
 
     def speculates(self, seq_id: int) -> bool:

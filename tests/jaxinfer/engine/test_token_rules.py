@@ -96,6 +96,18 @@ def test_rules_that_leave_no_token_are_refused_naming_the_field(compile_rules) -
         compile_rules(allowed_token_ids=[5, 6], bad_words=["w5", "w6"])
 
 
+def test_a_step_with_no_token_left_raises_naming_the_fields(compile_rules) -> None:
+    rules, compiled = compile_rules(allowed_token_ids=[5, 9], bad_words=["w5 w5", "w5 w9"])
+    rules.add([0], compiled)
+    assert _bits(rules.allowed(0, [9], None)) == {5, 9}
+    with pytest.raises(ValueError, match=r"^bad_words leave no token that allowed_token_ids or structured_outputs"):
+        rules.allowed(0, [9, 5], None)
+    grammar = np.zeros(WORDS, np.int32)
+    grammar[0] = 1 << 6
+    with pytest.raises(ValueError, match=r"^allowed_token_ids and structured_outputs allow no common token"):
+        rules.allowed(0, [], grammar)
+
+
 # --- through the engine -----------------------------------------------------------------------------------------
 
 
@@ -115,7 +127,7 @@ def tiny_ngram(tiny_dir) -> Engine:
 
 
 def _greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **kw)
+    return SamplingParams(**{"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **kw})
 
 
 def _outputs(engine: Engine, reqs: list[Req]) -> dict[str, list[list[int]]]:
@@ -179,6 +191,15 @@ def test_the_engine_honours_the_rules(tiny: Engine, baseline: dict[str, list[int
     free = _outputs(tiny, [Req("free", PROMPTS[2], SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=40,
                                                                   ignore_eos=True))])["free"]
     assert not set(free[0]) <= set(baseline["p2"][:3]) | {7, 8, 9}
+
+
+def test_a_request_left_without_a_token_fails_alone(tiny: Engine) -> None:
+    failing = SamplingParams(allowed_token_ids=[5], bad_words=["w5 w5"], max_tokens=4)
+    r = run(tiny, [Req("stuck", PROMPTS[0], failing), Req("fine", PROMPTS[1], _greedy(max_tokens=4))])
+    stuck = r.final["stuck"].outputs[0]
+    assert stuck.finish_reason == "error" and stuck.token_ids == [5] and "bad_words leave no token" in stuck.error
+    assert r.final["fine"].outputs[0].finish_reason == "length" and len(r.final["fine"].outputs[0].token_ids) == 4
+    assert_idle(tiny)
 
 
 def test_the_bad_word_never_appears_in_the_text(tiny: Engine, baseline: dict[str, list[int]]) -> None:
