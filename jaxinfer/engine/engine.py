@@ -131,12 +131,14 @@ class Engine:
     # --- requests -----------------------------------------------------------------------------------------------
 
     def make_prompt(self, prompt: Prompt | str | dict | Sequence[int], cache_salt: str | None = None) -> Prompt:
-        """`jaxinfer.prompt.make_prompt` with this engine's tokenizer and vocabulary: text is tokenized here, once.
+        """`jaxinfer.prompt.make_prompt` with this engine's tokenizer and vocabulary (`runner.vocab_limit`: ids both
+        the tokenizer and the embedding have; past the tokenizer's an id cannot be detokenized): text is tokenized
+        here, once.
 
         Raises:
           ValueError: as `jaxinfer.prompt.make_prompt`.
         """
-        return make_prompt(prompt, self.tokenizer.encode, self.model_config.vocab_size, cache_salt)
+        return make_prompt(prompt, self.tokenizer.encode, self.runner.vocab_limit, cache_salt)
 
     def add_request(
         self,
@@ -163,9 +165,8 @@ class Engine:
           ValueError: naming the field: duplicate request id, empty prompt, a prompt that leaves no room in the
             context, prompt + max_tokens (or min_tokens) beyond the context, a stop, logit_bias or allowed token id
             outside the vocabulary, min_tokens or bad_words banning every token, a request that never fits the KV
-            cache, or bad params
-            (`jaxinfer.request_limits.check_against_model`). Nothing is queued then, nor when anything else
-            raises (a tokenizer's own exception, say: it propagates as it is).
+            cache, or bad params (`jaxinfer.request_limits.check_against_model`). Nothing is queued then, nor when
+            anything else raises (a tokenizer's own exception, say: it propagates as it is).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
