@@ -40,8 +40,10 @@ def test_more_banned_ids_than_the_sampler_holds_are_refused() -> None:
     (SamplingParams(max_tokens=None, min_tokens=15), 2, r"min_tokens=15: the prompt \(2 tokens\) leaves room"),
     (SamplingParams(), 16, "does not fit the context of 16 tokens"),
     (SamplingParams(), 0, "prompt must not be empty"),
-    (SamplingParams(logit_bias={1: 2.0, VOCAB: 1.0}, max_tokens=4), 2, r"^logit_bias contains ids outside \[0, 4\): \[4\]"),
-    (SamplingParams(allowed_token_ids=[1, 9], max_tokens=4), 2, r"^allowed_token_ids contains ids outside \[0, 4\): \[9\]"),
+    (SamplingParams(logit_bias={1: 2.0, VOCAB: 1.0}, max_tokens=4), 2,
+     r"^logit_bias contains ids outside \[0, 4\): \[4\]"),
+    (SamplingParams(allowed_token_ids=[1, 9], max_tokens=4), 2,
+     r"^allowed_token_ids contains ids outside \[0, 4\): \[9\]"),
     (SamplingParams(min_tokens=2, max_tokens=4, allowed_token_ids=[0, 0]), 2,
      r"^min_tokens=2 bans every one of allowed_token_ids \(they are stop or EOS ids\)"),
 ])
