@@ -208,6 +208,23 @@ def test_the_bad_word_never_appears_in_the_text(tiny: Engine, baseline: dict[str
     assert word in base.split()
     text = run(tiny, [Req("text", PROMPTS[0], _greedy(bad_words=[word]))]).final["text"].outputs[0].text
     assert word not in text.split() and text != base
+    a, b = baseline["p1"][4:6]
+    pair = f" w{a} w{b} "
+    assert pair in f" {tiny.tokenizer.decode(baseline['p1'])} "
+    text = run(tiny, [Req("pair", PROMPTS[1], _greedy(bad_words=[pair.strip()]))]).final["pair"].outputs[0].text
+    assert pair not in f" {text} "
+
+
+@pytest.mark.parametrize("word", ["Elwes", "wise old", "wizard"])
+def test_bad_words_of_several_bpe_tokens_never_appear_in_smollm2_text(smollm2_llm, word: str) -> None:
+    """A real BPE vocabulary: the word (3, 2 and 2 tokens, each with and without a leading space) is in the
+    greedy text, and not with it banned."""
+    prompt = "Once upon a time, in a small village,"
+    variants = bad_words_token_ids(smollm2_llm.engine.tokenizer, [word])
+    assert len(variants) == 2 and all(len(v) >= 2 for v in variants)
+    free = smollm2_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    banned = smollm2_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, bad_words=[word]))
+    assert word in free and word not in banned[0].outputs[0].text
 
 
 def test_speculative_decoding_gives_the_same_tokens_and_honours_the_rules(tiny_ngram: Engine,
