@@ -116,7 +116,7 @@ class SamplingArrays:
         bit is 0 are set to -inf with the bans. -1 (all allowed) for unconstrained and padding rows: always
         present, so constrained and unconstrained batches share one compiled step.
       penalty_ids: i32[B, W], ids in [0, V) or -1 (padding): a penalised row's prompt ids, then its output ids;
-        other rows hold only -1. W is 1 when no row uses penalties, else `build`'s penalty_width.
+        other rows hold only -1. W is 1 when no row uses penalties or a bias, else `build`'s penalty_width.
       num_prompt_ids: i32[B], in [0, W]: how many of the row's leading penalty_ids are its prompt (0 for rows
         without penalties). The repetition penalty reads all of a row's ids, presence and frequency the rest.
       bias_ids: i32[B, L], the row's logit_bias ids in [0, V), distinct, then -1. L is 1 when no row uses
