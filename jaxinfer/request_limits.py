@@ -8,7 +8,9 @@ apply the same limits with the same messages.
 2. Values that depend on the model (vocabulary, EOS ids, context) are checked by `check_against_model` when
    `Engine.add_request` admits the request, before anything is queued.
 3. No request parameter picks a compiled shape: the sampler's banned-id array is always `SUPPRESS_WIDTH` wide
-   (`jaxinfer.engine.sampling`), which `MAX_STOP_TOKEN_IDS` keeps within bounds.
+   (`jaxinfer.engine.sampling`), which `MAX_STOP_TOKEN_IDS` keeps within bounds; `allowed_token_ids` and
+   `bad_words` become the always-present token bitmask (no shape of their own); a logit bias is
+   `MAX_LOGIT_BIAS` wide whenever some row of the batch has one (the same variant as the penalty inputs).
 
 Every check raises `ValueError` naming the field (the gRPC server answers it with `INVALID_ARGUMENT`).
 """
@@ -29,6 +31,11 @@ MAX_LOGPROBS = 20  # top log-probabilities per output token
 MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_STRING_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 32  # stop token ids per request
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit); the sampler's bias arrays are this wide
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| per token, as OpenAI: -100 in effect bans a token, +100 forces it
+MAX_ALLOWED_TOKEN_IDS = 16384  # allowed_token_ids per request (folded into the token bitmask on the host)
+MAX_BAD_WORDS = 64  # bad_words per request
+MAX_BAD_WORD_CHARS = 256  # characters per bad word
 MAX_TEMPERATURE = 1e4  # far past where sampling is uniform; larger values only overflow f32 arithmetic
 # repetition_penalty in [MIN, MAX]: 1 disables, below 1 favours seen tokens, above 1 disfavours them. Past these
 # bounds the penalty only saturates (a seen token is as good as forced / banned), and near 0 the sampler's f32
@@ -181,8 +188,9 @@ def check_against_model(params: SamplingParams, num_prompt_tokens: int, vocab_si
 
     Raises:
       ValueError: naming the field: an empty prompt, or one that leaves no room to generate; prompt + max_tokens
-        or prompt + min_tokens beyond the context; a stop token id outside the vocabulary; or min_tokens with every
-        token of the vocabulary banned (nothing could be generated).
+        or prompt + min_tokens beyond the context; a stop token id, logit_bias id or allowed token id outside the
+        vocabulary; allowed_token_ids of which none can be sampled; or min_tokens with every token of the
+        vocabulary (or of allowed_token_ids) banned (nothing could be generated).
     """
     if num_prompt_tokens < 1:
         raise ValueError("prompt must not be empty (it encodes to no tokens)")
@@ -198,14 +206,24 @@ def check_against_model(params: SamplingParams, num_prompt_tokens: int, vocab_si
         raise ValueError(f"min_tokens={params.min_tokens}: the prompt ({num_prompt_tokens} tokens) leaves room for "
                          f"at most {room} in the context of {max_model_len} tokens")
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
+    sampled = vocab_size if sampled_vocab_size is None else sampled_vocab_size
+    allowed = None
+    if params.allowed_token_ids is not None:
+        check_token_ids("allowed_token_ids", params.allowed_token_ids, vocab_size)
+        allowed = {t for t in params.allowed_token_ids if t < sampled}
+        if not allowed:
+            raise ValueError(f"allowed_token_ids allows no id the model can sample (ids below {sampled})")
     if params.min_tokens:
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         if len(banned) > SUPPRESS_WIDTH:
             raise ValueError(f"stop_token_ids: with min_tokens={params.min_tokens}, {len(banned)} ids (stop ids and "
                              f"the model's EOS ids) would be banned; at most {SUPPRESS_WIDTH} can be")
-        sampled = vocab_size if sampled_vocab_size is None else sampled_vocab_size
         if sum(0 <= t < sampled for t in banned) >= sampled:
             raise ValueError(f"min_tokens={params.min_tokens} with stop_token_ids={list(params.stop_token_ids)} bans "
                              f"every token the model can sample ({sampled}, with its EOS ids): nothing could be "
                              "generated")
+        if allowed is not None and allowed <= banned:
+            raise ValueError(f"min_tokens={params.min_tokens} bans every one of allowed_token_ids (they are stop or "
+                             "EOS ids): nothing could be generated")
 

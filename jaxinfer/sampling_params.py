@@ -8,9 +8,10 @@ import math
 import numpy as np
 
 from jaxinfer.structured_outputs import StructuredOutputsParams, structured_outputs_from
-from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
-                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY,
-                                     check_text, check_token_ids, name_hint, show)
+from jaxinfer.request_limits import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                                     MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY,
+                                     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                                     MIN_REPETITION_PENALTY, check_text, check_token_ids, name_hint, show)
 
 __all__ = ["MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams"]
 
@@ -24,6 +25,23 @@ def _is_finite(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) or isinstance(x, float) and math.isfinite(x)
 
 
+class _FrozenBias(dict):
+    """`SamplingParams.logit_bias`: a dict (token id -> bias) that cannot change, so that the frozen
+    `SamplingParams` stays hashable; it compares equal to a plain dict of the same items."""
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self) -> tuple:  # unpickling would otherwise go through the refused __setitem__
+        return _FrozenBias, (dict(self),)
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("SamplingParams.logit_bias cannot be changed (SamplingParams is frozen); build new params "
+                        "with dataclasses.replace")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+
 _NUMERIC_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "max_tokens", "min_tokens", "seed", "logprobs")
 
@@ -32,8 +50,9 @@ _NUMERIC_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_pe
 class SamplingParams:
     """Sampling and stopping rules of one request.
 
-    The engine applies the logit processors in this order (as vLLM's sampler does): repetition penalty,
-    presence/frequency penalties, temperature, min_p, top_k, top_p; see `jaxinfer.engine.sampling`.
+    The engine applies the logit processors in this order (as vLLM V1's sampler does): allowed_token_ids and
+    bad_words (and a structured output constraint) mask, logit_bias, repetition penalty, presence/frequency
+    penalties, temperature, min_p, top_k, top_p; see `jaxinfer.engine.sampling`.
 
     Attributes:
       n: number of independent samples (output sequences) for the prompt, in [1, MAX_N]. They share the seed and differ by
@@ -68,6 +87,16 @@ class SamplingParams:
       structured_outputs: a constraint on the output (a JSON schema, any JSON object, a regex, a choice of
         strings, or a grammar): a `jaxinfer.structured_outputs.StructuredOutputsParams` or a dict of its fields,
         checked here (an invalid schema or grammar raises). None: unconstrained.
+      logit_bias: token id -> bias added to that token's raw logit before the penalties (OpenAI / vLLM
+        semantics): at most MAX_LOGIT_BIAS (300) entries, ids ints >= 0 (`Engine.add_request` checks them against
+        the vocabulary), biases finite in [-MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE] ([-100, 100]). Stored as
+        a read-only dict; an empty one is None.
+      allowed_token_ids: only these ids may be sampled (vLLM); None allows every token. Non-empty, at most
+        MAX_ALLOWED_TOKEN_IDS ids; checked against the vocabulary by `Engine.add_request`.
+      bad_words: words never generated (vLLM): each is tokenized with and without a leading space; a word of one
+        token bans that token, a longer word bans its last token whenever the output so far ends with its other
+        tokens. At most MAX_BAD_WORDS, each of 1 to MAX_BAD_WORD_CHARS characters with a non-space one; a string
+        is one word.
 
     The limits are those of `jaxinfer.request_limits`, the same for every front end.
 
@@ -96,6 +125,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | dict | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] | str | None = None
 
     def __new__(cls, *args: object, **kwargs: object) -> SamplingParams:
         # Before the dataclass __init__, whose TypeError for an unknown keyword names neither the close field nor
@@ -157,20 +189,55 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids has {len(stop_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
         object.__setattr__(self, "structured_outputs", structured_outputs_from(self.structured_outputs))
+        object.__setattr__(self, "logit_bias", self._checked_logit_bias())
+        if self.allowed_token_ids is not None:
+            allowed = check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not 1 <= len(allowed) <= MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids has {len(allowed)} ids; it must have 1 to {MAX_ALLOWED_TOKEN_IDS} "
+                                 "(None allows every token)")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        object.__setattr__(self, "bad_words", self._checked_strings("bad_words", self.bad_words, MAX_BAD_WORDS,
+                                                                    MAX_BAD_WORD_CHARS))
 
     def _checked_stop(self) -> tuple[str, ...]:
-        stop = self.stop
-        if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise ValueError(f"stop={show(stop)} must be a string or a list of strings")
-        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(stop)} strings; the limit is {MAX_STOP_STRINGS}")
-        for i, s in enumerate(stop):
-            check_text(f"stop[{i}]", s)
-            if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop[{i}] has {len(s)} characters; stop strings must have 1 to "
-                                 f"{MAX_STOP_STRING_CHARS}")
-        return stop
+        return self._checked_strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
+
+    @staticmethod
+    def _checked_strings(name: str, value: object, max_count: int, max_chars: int) -> tuple[str, ...]:
+        """`stop` or `bad_words` as a tuple of 1 to max_chars characters each (bad words need a non-space one)."""
+        kind = "stop strings" if name == "stop" else "bad words"
+        if value is not None and not isinstance(value, (str, list, tuple)):
+            raise ValueError(f"{name}={show(value)} must be a string or a list of strings")
+        value = () if value is None else (value,) if isinstance(value, str) else tuple(value)
+        if len(value) > max_count:
+            raise ValueError(f"{name} has {len(value)} strings; the limit is {max_count}")
+        for i, s in enumerate(value):
+            check_text(f"{name}[{i}]", s)
+            if not 1 <= len(s) <= max_chars:
+                raise ValueError(f"{name}[{i}] has {len(s)} characters; {kind} must have 1 to {max_chars}")
+            if name == "bad_words" and not s.strip():
+                raise ValueError(f"{name}[{i}]={show(s)} has only spaces; a bad word needs a character besides them")
+        return value
+
+    def _checked_logit_bias(self) -> _FrozenBias | None:
+        bias = self.logit_bias
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}")
+        out, lim = {}, MAX_LOGIT_BIAS_VALUE
+        for token, value in bias.items():
+            if not isinstance(token, (int, np.integer)) or isinstance(token, (bool, np.bool_)) or token < 0:
+                raise ValueError(f"logit_bias key {show(token)} must be a token id, an integer >= 0")
+            if isinstance(value, (np.integer, np.floating)) and not isinstance(value, np.bool_):
+                value = value.item()
+            if not _is_finite(value) or not -lim <= value <= lim:
+                raise ValueError(f"logit_bias[{show(token)}]={show(value)} must be a finite number in [{-lim:g}, "
+                                 f"{lim:g}]")
+            out[int(token)] = float(value)
+        return _FrozenBias(out) if out else None
 
     @property
     def greedy(self) -> bool:

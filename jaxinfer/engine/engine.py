@@ -43,6 +43,7 @@ from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
 from jaxinfer.engine.spec_decode.proposer import StepProposer
 from jaxinfer.engine.step_results import StepResult, VerifyResult
+from jaxinfer.engine.token_rules import TokenRules
 from jaxinfer.engine.warmup import warmup
 from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.prompt import Prompt, make_prompt
@@ -102,6 +103,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._logprobs = OutputLogprobs(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.token_rules = TokenRules(self.tokenizer, self.model_config.vocab_size, self.runner.vocab_limit)
         self._auto_request_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         if config.warmup:
@@ -133,12 +135,14 @@ class Engine:
     # --- requests -----------------------------------------------------------------------------------------------
 
     def make_prompt(self, prompt: Prompt | str | dict | Sequence[int], cache_salt: str | None = None) -> Prompt:
-        """`jaxinfer.prompt.make_prompt` with this engine's tokenizer and vocabulary: text is tokenized here, once.
+        """`jaxinfer.prompt.make_prompt` with this engine's tokenizer and vocabulary (`runner.vocab_limit`: ids both
+        the tokenizer and the embedding have; past the tokenizer's an id cannot be detokenized): text is tokenized
+        here, once.
 
         Raises:
           ValueError: as `jaxinfer.prompt.make_prompt`.
         """
-        return make_prompt(prompt, self.tokenizer.encode, self.model_config.vocab_size, cache_salt)
+        return make_prompt(prompt, self.tokenizer.encode, self.runner.vocab_limit, cache_salt)
 
     def add_request(
         self,
@@ -163,10 +167,10 @@ class Engine:
 
         Raises:
           ValueError: naming the field: duplicate request id, empty prompt, a prompt that leaves no room in the
-            context, prompt + max_tokens (or min_tokens) beyond the context, a stop token id outside the vocabulary,
-            min_tokens with every token banned, a request that could never fit the KV cache, or bad params
-            (`jaxinfer.request_limits.check_against_model`). Nothing is queued then, nor when anything else
-            raises (a tokenizer's own exception, say: it propagates as it is).
+            context, prompt + max_tokens (or min_tokens) beyond the context, a stop, logit_bias or allowed token id
+            outside the vocabulary, min_tokens or bad_words banning every token, a request that never fits the KV
+            cache, or bad params (`jaxinfer.request_limits.check_against_model`). Nothing is queued then, nor when
+            anything else raises (a tokenizer's own exception, say: it propagates as it is).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -185,6 +189,7 @@ class Engine:
         text, ids, cache_salt = prompt.text, list(prompt.token_ids), prompt.cache_salt
         check_against_model(params, len(ids), self.model_config.vocab_size, self.tokenizer.eos_ids,
                             self.max_model_len, sampled_vocab_size=self.runner.vocab_limit)
+        rules = self.token_rules.compile(params)  # bad words that ban everything: ValueError, nothing queued
         now = time.perf_counter()
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
         seqs = []
@@ -204,6 +209,7 @@ class Engine:
             if added:
                 self.scheduler.abort(request_id)
             raise
+        self.token_rules.add([s.seq_id for s in seqs], rules)
         self._requests[request_id] = _Request(request_id, text, ids, params, seqs, now)
         return request_id
 
@@ -242,7 +248,8 @@ class Engine:
         spec_slots = None
         if self.spec_policy is not None:
             spec_slots = self.spec_policy.plan(s.seq_id for s in self.scheduler.running  # not constrained ones
-                                               if s.is_decoding and s.seq_id not in self.grammars)
+                                               if s.is_decoding and s.seq_id not in self.grammars
+                                               and self.token_rules.speculates(s.seq_id))
         plan = self.scheduler.schedule(spec_slots)
         self._apply_kv_ops(plan.kv_ops)
         sampled: dict[int, int | list[int]] = {}
@@ -350,7 +357,9 @@ class Engine:
                             step=len(c.seq.output_token_ids), prompt_token_ids=c.seq.prompt_token_ids,
                             output_token_ids=c.seq.output_token_ids,
                             suppress=self.scheduler.suppressed_token_ids(c.seq),
-                            allowed=self.grammars.allowed(c.seq.seq_id) if c.samples else None) for c in chunks]
+                            allowed=self.token_rules.allowed(c.seq.seq_id, c.seq.output_token_ids,
+                                                             self.grammars.allowed(c.seq.seq_id))
+                            if c.samples else None) for c in chunks]
 
     def _execute(self, chunks: list[ScheduledChunk], draft_probs_row: int | None = None) -> StepResult | VerifyResult:
         rows = self._sampling_rows(chunks)
@@ -376,6 +385,7 @@ class Engine:
                 self.metrics.num_finished += 1
                 for seq in req.seqs:
                     self.grammars.forget(seq.seq_id)
+                    self.token_rules.forget(seq.seq_id)
                     if self.spec_policy is not None:
                         self.spec_policy.forget(seq.seq_id)
                         self._proposer.forget(seq.seq_id)

@@ -3,17 +3,20 @@
 1. On the host, `SamplingArrays.build` turns one `SamplingRow` per sequence into fixed-width arrays: per-row
    parameters, banned ids (always `SUPPRESS_WIDTH` wide: no request's stop ids pick a compiled shape), and the
    ids the penalties need: one array of each penalised row's prompt ids then output ids, -1 padded, and a count
-   of its prompt ids. That array has one of two widths: 1 when no row uses penalties, else the caller's
-   `penalty_width` (the runner's longest context), so no request's lengths pick a compiled shape. Each row's
-   allowed tokens travel as a packed bitmask i32[B, ceil(V / 32)], all ones where a row is unconstrained, so
-   constrained (structured output) and unconstrained rows share one batch and one compiled step. Padding rows
-   are greedy and inert.
+   of its prompt ids; and each row's logit bias as ids (-1 padded) and values. These take one of two variants of
+   widths: (1, 1) when no row uses penalties or a logit bias, else (the caller's `penalty_width`, the runner's
+   longest context; MAX_LOGIT_BIAS), so no request's lengths pick a compiled shape. Each row's allowed tokens
+   travel as a packed bitmask i32[B, ceil(V / 32)], all ones where a row is unconstrained, so constrained
+   (structured output, allowed_token_ids, bad words: the caller ANDs them into `SamplingRow.allowed`) and
+   unconstrained rows share one batch and one compiled step. Padding rows are greedy and inert.
 2. On device, `sample` processes each row of logits f32[B, V] in vLLM's order:
      a. ids >= vocab_limit (padding of the embedding table) are masked;
      b. raw log-probabilities: log_softmax of these logits, in f32 (returned, never used for sampling);
      c. bans: the row's suppressed ids (EOS / stop ids before min_tokens) and every token whose bit in the row's
         bitmask is 0 get -inf (the bits are unpacked on device, fused with the other bans; the raw logprobs of b
         stay those of the unmasked distribution, as for every ban);
+     c'. logit bias: each row's bias added to the logits of its ids (in the branch of d-e, run when some row has
+        penalties or a bias);
      d. repetition penalty (Keskar et al. 2019, CTRL) over tokens seen in the prompt or the output;
      e. presence and frequency penalties (OpenAI) over the output tokens' counts;
      -> greedy rows (temperature 0) take the argmax here;
@@ -28,8 +31,8 @@
    The key depends only on the request (seed), which of its n samples the row is, and the index of the output
    token, and every step above acts on the row alone, so a request draws the same tokens alone or in any batch.
    A batch of greedy rows only (decided on device, so one compiled step serves all batches) stops at the argmax
-   after e; b is then one log-sum-exp per row, and the [B, V] log_softmax (top logprobs, the sampled token's
-   rank) is computed only when some row wants logprobs (`logprobs=0` included).
+   after e (c' included); b is then one log-sum-exp per row, and the [B, V] log_softmax (top logprobs, the
+   sampled token's rank) is computed only when some row wants logprobs (`logprobs=0` included).
 3. The host slices `top_logprobs` / `top_token_ids` to each request's `logprobs`.
 """
 
@@ -44,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import sampling_host
-from jaxinfer.engine.sampling_math import (apply_penalties, limit_vocab, scatter_ids, sort_descending, token_logprobs,
-                                           unpack_bitmask)
-from jaxinfer.request_limits import SUPPRESS_WIDTH
+from jaxinfer.engine.sampling_math import (apply_logit_bias, apply_penalties, limit_vocab, scatter_ids, sort_descending,
+                                           token_logprobs, unpack_bitmask)
+from jaxinfer.request_limits import MAX_LOGIT_BIAS, SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
@@ -87,17 +90,9 @@ class SamplingRow:
     allowed: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        seed, sample_index = self.seed, self.sample_index
         if self.step is None:
             object.__setattr__(self, "step", len(self.output_token_ids))
-        step = self.step
-        if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-            raise ValueError(f"{seed=} must be an integer in [0, 2**32)")
-        if not isinstance(sample_index, (int, np.integer)) or not 0 <= sample_index < self.params.n:
-            raise ValueError(f"{sample_index=} must be an integer in [0, n={self.params.n})")
-        if not isinstance(step, (int, np.integer)) or not 0 <= step < 2**31:
-            raise ValueError(f"{step=} must be an integer in [0, 2**31)")
-        sampling_host.check_allowed(self.allowed)
+        sampling_host.check_row(self)
 
 
 @flax.struct.dataclass
@@ -122,9 +117,12 @@ class SamplingArrays:
         bit is 0 are set to -inf with the bans. -1 (all allowed) for unconstrained and padding rows: always
         present, so constrained and unconstrained batches share one compiled step.
       penalty_ids: i32[B, W], ids in [0, V) or -1 (padding): a penalised row's prompt ids, then its output ids;
-        other rows hold only -1. W is 1 when no row uses penalties, else `build`'s penalty_width.
+        other rows hold only -1. W is 1 when no row uses penalties or a bias, else `build`'s penalty_width.
       num_prompt_ids: i32[B], in [0, W]: how many of the row's leading penalty_ids are its prompt (0 for rows
         without penalties). The repetition penalty reads all of a row's ids, presence and frequency the rest.
+      bias_ids: i32[B, L], the row's logit_bias ids in [0, V), distinct, then -1. L is 1 when no row uses
+        penalties or a bias, else MAX_LOGIT_BIAS (the wide variant together with penalty_ids).
+      bias_values: f32[B, L], the bias of each of bias_ids (0 where -1).
       vocab_limit: i32[], ids >= it are never sampled and get no probability.
     """
 
@@ -143,6 +141,8 @@ class SamplingArrays:
     token_bitmask: jax.Array
     penalty_ids: jax.Array
     num_prompt_ids: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
     vocab_limit: jax.Array
 
     @staticmethod
@@ -155,35 +155,30 @@ class SamplingArrays:
           batch: B, the padded batch size, >= len(rows).
           vocab: V, the logits' last dimension.
           vocab_limit: ids in [vocab_limit, V) are never sampled; None means V.
-          penalty_width: W of `penalty_ids` when some row uses penalties, >= 1 and >= any such row's prompt plus
-            output length: a constant of the caller (the runner's longest context, in tokens), so that penalty
-            inputs take only two shapes per batch size.
+          penalty_width: W of `penalty_ids` when some row uses penalties or a logit bias, >= 1 and >= any
+            penalised row's prompt plus output length: a constant of the caller (the runner's longest context, in
+            tokens), so that penalty and bias inputs take only two shapes per batch size.
 
         Returns:
           numpy arrays, ready to pass to a jitted function calling `sample`.
 
         Raises:
           ValueError: if batch < len(rows), vocab_limit is not in [1, V], penalty_width < 1, a token id is outside
-            [0, V), a row bans more than SUPPRESS_WIDTH ids, a penalised row has more than penalty_width ids, or a
-            row's `allowed` is not ceil(V / 32) words or allows no token below vocab_limit.
+            [0, V), a row bans more than SUPPRESS_WIDTH ids, a penalised row has more than penalty_width ids, a row
+            has more than MAX_LOGIT_BIAS biases, or a row's `allowed` is not ceil(V / 32) words or allows no token
+            below vocab_limit.
         """
-        if batch < len(rows):
-            raise ValueError(f"{batch=} must be >= the number of rows ({len(rows)})")
         limit = vocab if vocab_limit is None else vocab_limit
-        if not 1 <= limit <= vocab:
-            raise ValueError(f"{vocab_limit=} must be in [1, {vocab=}]")
-        if penalty_width < 1:
-            raise ValueError(f"{penalty_width=} must be >= 1")
+        sampling_host.check_batch(rows, batch, vocab, limit, penalty_width)
         pad = batch - len(rows)
         ps = [r.params for r in rows]
 
         def per_row(values: list, fill: float | int, dtype: type) -> np.ndarray:
             return np.array(values + [fill] * pad, dtype)
 
-        if (widest := max((len(r.suppress) for r in rows), default=0)) > SUPPRESS_WIDTH:  # refused at admission
-            raise ValueError(f"a row bans {widest} ids; at most {SUPPRESS_WIDTH=} can be banned")
-        width = penalty_width if any(p.uses_penalties for p in ps) else 1
-        penalty_ids, num_prompt_ids = sampling_host.penalty_ids(rows, batch, width, vocab)
+        wide = any(p.uses_penalties or p.logit_bias for p in ps)
+        penalty_ids, num_prompt_ids = sampling_host.penalty_ids(rows, batch, penalty_width if wide else 1, vocab)
+        bias_ids, bias_values = sampling_host.logit_bias(rows, batch, MAX_LOGIT_BIAS if wide else 1, vocab)
         return SamplingArrays(
             # Temperatures below GREEDY_TEMPERATURE would overflow logits / T in f32: they are greedy.
             temperature=per_row([p.temperature if p.temperature >= GREEDY_TEMPERATURE else 0.0 for p in ps],
@@ -202,6 +197,8 @@ class SamplingArrays:
             token_bitmask=sampling_host.token_bitmask(rows, batch, vocab, limit),
             penalty_ids=penalty_ids,
             num_prompt_ids=num_prompt_ids,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
             vocab_limit=np.int32(limit),
         )
 
@@ -229,8 +226,14 @@ class SampleOutput:
     ranks: jax.Array
 
 
-def _uses_penalties(s: SamplingArrays) -> jax.Array:
-    return jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
+def _uses_bias_or_penalties(s: SamplingArrays) -> jax.Array:
+    penalties = (s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0)
+    return jnp.any(penalties) | jnp.any(s.bias_ids >= 0)
+
+
+def _bias_and_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Steps c'-e of f32[B, V] banned logits."""
+    return apply_penalties(apply_logit_bias(logits, s), s)
 
 
 def _truncate(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -258,7 +261,7 @@ def _ban(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 def _penalised(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """Steps a, c-e of f32[B, V] raw logits: what greedy rows take the argmax of."""
-    return jax.lax.cond(_uses_penalties(s), apply_penalties, lambda x, _: x, _ban(logits, s), s)
+    return jax.lax.cond(_uses_bias_or_penalties(s), _bias_and_penalties, lambda x, _: x, _ban(logits, s), s)
 
 
 def _truncated(penalised: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -346,9 +349,10 @@ def sample_keys(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> ja
 def _greedy_token_ids(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """i32[B] argmax of every row after steps a, c-e: the path of a batch whose rows are all greedy.
 
-    The argmax sits inside each branch so that, without penalties, the bans fuse into it (no [B, V] written).
+    The argmax sits inside each branch so that, without penalties or bias, the bans fuse into it (no [B, V] written).
     """
-    return jax.lax.cond(_uses_penalties(s), lambda x, s: jnp.argmax(apply_penalties(_ban(x, s), s), axis=-1),
+    return jax.lax.cond(_uses_bias_or_penalties(s),
+                        lambda x, s: jnp.argmax(_bias_and_penalties(_ban(x, s), s), axis=-1),
                         lambda x, s: jnp.argmax(_ban(x, s), axis=-1), logits, s)
 
 

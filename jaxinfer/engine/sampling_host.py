@@ -8,11 +8,38 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxinfer.engine.sampling_math import BITMASK_BITS, bitmask_words
+from jaxinfer.request_limits import SUPPRESS_WIDTH
 
 if TYPE_CHECKING:
     from jaxinfer.engine.sampling import SamplingRow
 
-__all__ = ["check_allowed", "pad_ids", "penalty_ids", "token_bitmask"]
+__all__ = ["check_allowed", "check_batch", "check_row", "logit_bias", "pad_ids", "penalty_ids", "token_bitmask"]
+
+
+def check_row(row: SamplingRow) -> None:
+    """ValueError naming the field unless the row's seed is in [0, 2**32), its sample_index in [0, n), its step in
+    [0, 2**31) and its `allowed` None or a 1-D int32 numpy array."""
+    seed, sample_index, step = row.seed, row.sample_index, row.step
+    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"{seed=} must be an integer in [0, 2**32)")
+    if not isinstance(sample_index, (int, np.integer)) or not 0 <= sample_index < row.params.n:
+        raise ValueError(f"{sample_index=} must be an integer in [0, n={row.params.n})")
+    if not isinstance(step, (int, np.integer)) or not 0 <= step < 2**31:
+        raise ValueError(f"{step=} must be an integer in [0, 2**31)")
+    check_allowed(row.allowed)
+
+
+def check_batch(rows: Sequence[SamplingRow], batch: int, vocab: int, vocab_limit: int, penalty_width: int) -> None:
+    """The checks of `SamplingArrays.build` on its arguments: ValueError naming the argument unless batch >=
+    len(rows), vocab_limit in [1, vocab], penalty_width >= 1 and no row bans more than SUPPRESS_WIDTH ids."""
+    if batch < len(rows):
+        raise ValueError(f"{batch=} must be >= the number of rows ({len(rows)})")
+    if not 1 <= vocab_limit <= vocab:
+        raise ValueError(f"{vocab_limit=} must be in [1, {vocab=}]")
+    if penalty_width < 1:
+        raise ValueError(f"{penalty_width=} must be >= 1")
+    if (widest := max((len(r.suppress) for r in rows), default=0)) > SUPPRESS_WIDTH:  # refused at admission
+        raise ValueError(f"a row bans {widest} ids; at most {SUPPRESS_WIDTH=} can be banned")
 
 
 def _checked_ids(ids: Sequence[int], vocab: int, row: int, name: str) -> np.ndarray:
@@ -53,6 +80,24 @@ def penalty_ids(rows: Sequence[SamplingRow], batch: int, width: int, vocab: int)
                                  "longest context)")
             ids[i, :n], num_prompt[i] = np.concatenate([prompt, output]), len(prompt)
     return ids, num_prompt
+
+
+def logit_bias(rows: Sequence[SamplingRow], batch: int, width: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i32[batch, width]: each row's `params.logit_bias` ids, -1 padded; f32[batch, width]: their biases, 0 padded).
+
+    Raises:
+      ValueError: naming the row, if a bias id lies outside [0, vocab) or a row has more than `width` biases.
+    """
+    ids, values = np.full((batch, width), -1, np.int32), np.zeros((batch, width), np.float32)
+    for i, r in enumerate(rows):
+        bias = r.params.logit_bias
+        if not bias:
+            continue
+        if len(bias) > width:
+            raise ValueError(f"logit_bias of row {i} has {len(bias)} entries, more than the width {width}")
+        ids[i, :len(bias)] = _checked_ids(list(bias), vocab, i, "logit_bias")
+        values[i, :len(bias)] = list(bias.values())
+    return ids, values
 
 
 def check_allowed(allowed: object) -> None:

@@ -1,7 +1,7 @@
 """Row-wise math of `jaxinfer.engine.sampling` on [B, V] logits.
 
-- `scatter_ids` and `apply_penalties`: each row's ids (-1 padded) as a [B, V] mask or count, and the repetition,
-  presence and frequency penalties over them.
+- `scatter_ids`, `apply_logit_bias` and `apply_penalties`: each row's ids (-1 padded) as a [B, V] mask, count or
+  value; the logit bias added at its ids; the repetition, presence and frequency penalties over them.
 - `unpack_bitmask`: each row's packed token bitmask (llguidance's layout) as a [B, V] mask.
 - Cheaper on XLA's CPU backend while returning what the plain jnp expression returns (the tests check each
   against it): `sort_descending`, the values of `-jnp.sort(-x, axis=-1)` sorted as int32 keys, and
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 if TYPE_CHECKING:
     from jaxinfer.engine.sampling import SamplingArrays
 
-__all__ = ["BITMASK_BITS", "apply_penalties", "bitmask_words", "limit_vocab", "scatter_ids", "sort_descending",
-           "token_logprobs", "unpack_bitmask"]
+__all__ = ["BITMASK_BITS", "apply_logit_bias", "apply_penalties", "bitmask_words", "limit_vocab", "scatter_ids",
+           "sort_descending", "token_logprobs", "unpack_bitmask"]
 
 BITMASK_BITS = 32  # tokens per word of a packed token bitmask
 
@@ -96,6 +96,13 @@ def scatter_ids(ids: jax.Array, vocab: int, value: jax.Array | int, shape_dtype:
     safe = jnp.where(ids >= 0, ids, vocab)  # out of range: dropped by the scatter (-1 would wrap to V - 1)
     at = jnp.zeros((ids.shape[0], vocab), shape_dtype).at[rows, safe]
     return at.add(value, mode="drop") if add else at.set(value, mode="drop")
+
+
+def apply_logit_bias(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """f32[B, V] logits plus each row's bias at its ids (`s.bias_ids` i32[B, W], -1 padded, distinct within a row;
+    `s.bias_values` f32[B, W]); -inf (banned) stays -inf, rows without a bias keep their values."""
+    bias = scatter_ids(s.bias_ids, logits.shape[-1], s.bias_values, jnp.float32, add=True)  # [B, V]
+    return logits + bias
 
 
 def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:

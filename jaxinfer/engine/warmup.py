@@ -5,9 +5,10 @@ with 16, 32, ... up to max_num_batched_tokens new tokens, times every page-table
 backend has a flash kernel, the same token counts as a fresh prompt's first chunk. With speculative decoding also
 the verify step of every decode batch bucket that gets drafts, padded to that many drafts per sequence, times every
 page-table width, and, with a draft model, its drafting call for the same buckets (greedy rows; sampling rows
-compile on first use). Each of these twice: without penalty inputs (width 1) and with them (as wide as the
-longest context, `SamplingArrays.build`), the only two shapes they take, so a request with penalties compiles
-nothing either. Other shapes (several prefill chunks at once) compile on first use. With the persistent
+compile on first use). Each of these twice: without penalty inputs (width 1) and with them (penalty ids as wide
+as the longest context, logit bias MAX_LOGIT_BIAS wide, `SamplingArrays.build`), the only two shapes they take,
+so a request with penalties or a logit bias compiles nothing either (allowed_token_ids and bad_words ride in the
+always-present token bitmask). Other shapes (several prefill chunks at once) compile on first use. With the persistent
 compilation cache a restart loads them all from disk.
 """
 

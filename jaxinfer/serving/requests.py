@@ -31,6 +31,12 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kw["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kw["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        kw["logit_bias"] = dict(msg.logit_bias)
+    if msg.allowed_token_ids:  # empty (proto's unset) allows every token
+        kw["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.bad_words:
+        kw["bad_words"] = list(msg.bad_words)
     if msg.HasField("structured_outputs"):
         kind = msg.structured_outputs.WhichOneof("constraint")
         if kind is None:

@@ -4,7 +4,8 @@ server does not know are refused, not dropped.
 1. `add_servicer` registers the `jaxinfer.v1.JaxInfer` methods with `tolerant_parser`s: a request that does not
    parse (a string field holding invalid UTF-8, such as an encoded lone surrogate; truncated bytes) or that holds
    a field this server's messages lack (a misspelt or newer client's) reaches the handler as a `MalformedRequest`
-   instead of failing inside grpc or losing the field.
+   instead of failing inside grpc or losing the field (a map of scalars, such as `sampling.logit_bias`, holds no
+   message to look into).
 2. `malformed_field` walks the raw bytes against the message's descriptor to name the string field that is not
    UTF-8 (`chat.messages[1].content`, `sampling.stop[0]`), so the handler's error names it; `unknown_field`
    names the message that holds a field it does not have.
@@ -93,8 +94,15 @@ def unknown_field(msg: message.Message, path: str = "") -> str | None:
         if field.type != field.TYPE_MESSAGE:
             continue
         name = path + ("." if path else "") + field.name
-        for i, inner in enumerate(value) if field.is_repeated else ((None, value),):
-            error = unknown_field(inner, name if i is None else f"{name}[{i}]")
+        if field.message_type.GetOptions().map_entry:  # a map: its values, when they are messages
+            if field.message_type.fields_by_name["value"].type != field.TYPE_MESSAGE:
+                continue
+            inners = ((f"{name}[{key!r}]", inner) for key, inner in value.items())
+        else:
+            inners = ((f"{name}[{i}]", inner) for i, inner in enumerate(value)) if field.is_repeated else \
+                ((name, value),)
+        for where, inner in inners:
+            error = unknown_field(inner, where)
             if error is not None:
                 return error
     return None

@@ -22,8 +22,10 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.prompt import PROMPT_DICT_KEYS, Prompt
-from jaxinfer.request_limits import (MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS,
-                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_REPETITION_PENALTY)
+from jaxinfer.request_limits import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                                     MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS, MAX_N, MAX_REPETITION_PENALTY,
+                                     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                                     MIN_REPETITION_PENALTY)
 from jaxinfer.structured_outputs import KINDS as STRUCTURED_KINDS
 from jaxinfer.structured_outputs import StructuredOutputsParams
 from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
@@ -83,6 +85,20 @@ PLAUSIBLE = {
         st.sampled_from(['{"type": "object"}', '{"type": "integer"}', "{", "[a-z]+", "(", "yes|no", "",
                          'start: "a"']) | st.lists(ODD_TEXT, max_size=3) | st.booleans() | ODD_TEXT,
         max_size=2),
+    "logit_bias": st.none() | st.dictionaries(
+        st.integers(-2, VOCAB_SIZE + 2) | HUGE_INTS | st.sampled_from([np.int64(5), True, "7", 1.0]),
+        st.floats(-MAX_LOGIT_BIAS_VALUE * 1.5, MAX_LOGIT_BIAS_VALUE * 1.5) | st.integers(-150, 150)
+        | st.sampled_from([math.nan, math.inf, np.float32(2.5), "1"]), max_size=6)
+    | st.integers(MAX_LOGIT_BIAS - 1, MAX_LOGIT_BIAS + 1).map(lambda n: {i: 1.0 for i in range(n)}),
+    "allowed_token_ids": st.none() | st.lists(st.integers(-2, VOCAB_SIZE + 2) | HUGE_INTS, max_size=8)
+    | st.lists(st.integers(0, 50), max_size=4).map(np.array)
+    | st.sampled_from([MAX_ALLOWED_TOKEN_IDS, MAX_ALLOWED_TOKEN_IDS + 1]).map(lambda n: list(range(n))),
+    "bad_words": st.none() | ODD_TEXT | st.lists(
+        ODD_TEXT | st.integers(3, VOCAB_SIZE + 1).map(lambda i: f"w{i}")
+        | st.lists(st.integers(3, VOCAB_SIZE - 1), min_size=2, max_size=3).map(lambda ids: " ".join(map("w{}".format,
+                                                                                                        ids)))
+        | st.just("b" * (MAX_BAD_WORD_CHARS + 1)), max_size=4)
+    | st.just(["w5"] * (MAX_BAD_WORDS + 1)),
 }
 assert set(PLAUSIBLE) == set(FIELDS)
 SAMPLING_KWARGS = st.fixed_dictionaries({}, optional={f: PLAUSIBLE[f] | ANYTHING for f in FIELDS})
@@ -122,6 +138,16 @@ def assert_within_limits(sp: SamplingParams) -> None:
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         assert type(getattr(sp, name)) is bool
     assert sp.structured_outputs is None or isinstance(sp.structured_outputs, StructuredOutputsParams)
+    assert sp.logit_bias is None or (isinstance(sp.logit_bias, dict) and 1 <= len(sp.logit_bias) <= MAX_LOGIT_BIAS)
+    for t, b in (sp.logit_bias or {}).items():
+        assert type(t) is int and t >= 0 and type(b) is float and -MAX_LOGIT_BIAS_VALUE <= b <= MAX_LOGIT_BIAS_VALUE
+    assert sp.allowed_token_ids is None or (isinstance(sp.allowed_token_ids, tuple)
+                                            and 1 <= len(sp.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+                                            and all(type(t) is int and t >= 0 for t in sp.allowed_token_ids))
+    assert isinstance(sp.bad_words, tuple) and len(sp.bad_words) <= MAX_BAD_WORDS
+    for w in sp.bad_words:
+        assert isinstance(w, str) and 1 <= len(w) <= MAX_BAD_WORD_CHARS and w.strip()
+        w.encode("utf-8")
 
 
 def build_params(kw: dict) -> SamplingParams | ValueError:
@@ -146,6 +172,9 @@ def build_params(kw: dict) -> SamplingParams | ValueError:
 @example(kw={"top_p": -(10**400)})
 @example(kw={"n": 10**5000})  # repr() of a >4300-digit int raises its own ValueError, naming no field
 @example(kw={"stop_token_ids": [10**5000] * 40})
+@example(kw={"logit_bias": {10**5000: 1.0, 3: 10**400}})
+@example(kw={"logit_bias": {3: 10**400}})
+@example(kw={"allowed_token_ids": [10**5000], "bad_words": ["w5 w6", "\ud800"]})
 def test_sampling_params_fuzz(kw: dict) -> None:
     build_params(kw)
 
@@ -180,7 +209,11 @@ def prompt_objects(draw) -> Prompt | ValueError:
 
 PROMPTS = st.one_of(PROMPT_VALUES, PROMPT_DICTS, prompt_objects())
 GOOD_PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0, 0.7]), max_tokens=st.integers(1, 6),
-                        n=st.integers(1, 3), seed=st.none() | st.integers(0, 9), logprobs=st.none() | st.integers(0, 3))
+                        n=st.integers(1, 3), seed=st.none() | st.integers(0, 9), logprobs=st.none() | st.integers(0, 3),
+                        logit_bias=st.none() | st.dictionaries(st.integers(0, VOCAB_SIZE - 1), st.floats(-100, 100),
+                                                               max_size=3),
+                        allowed_token_ids=st.none() | st.lists(st.integers(3, VOCAB_SIZE - 1), min_size=1, max_size=6),
+                        bad_words=st.none() | st.lists(st.integers(3, VOCAB_SIZE - 1).map("w{}".format), max_size=3))
 # Words the engine's messages start with, by the argument they blame.
 PROMPT_FIELDS = ("prompt", "Prompt", "a dict prompt", "cache_salt")
 
@@ -231,6 +264,10 @@ def add_request_args(draw) -> dict:
 @given(args=add_request_args(), steps=st.integers(0, 2), abort=st.booleans())
 @example(args={"prompt": {"prompt_token_ids": [5], "prompt": "w5"}, "params": SamplingParams(stop_token_ids=[10**5000]),
                "request_id": None, "cache_salt": None}, steps=0, abort=False)  # the message repr()'d the huge id
+@example(args={"prompt": [5, 6], "params": SamplingParams(logit_bias={10**5000: 1.0}), "request_id": None,
+               "cache_salt": None}, steps=0, abort=False)
+@example(args={"prompt": [5, 6], "params": SamplingParams(allowed_token_ids=[5], bad_words=["w5 w5"], max_tokens=4),
+               "request_id": None, "cache_salt": None}, steps=2, abort=False)  # the second token has none left
 def test_add_request_fuzz(tiny: Engine, canary_before, args: dict, steps: int, abort: bool) -> None:
     """Accepted requests run a step or two (some are aborted) so the engine's state moves between examples."""
     prompt, params, request_id, cache_salt = args["prompt"], args["params"], args["request_id"], args["cache_salt"]

@@ -40,6 +40,12 @@ def test_more_banned_ids_than_the_sampler_holds_are_refused() -> None:
     (SamplingParams(max_tokens=None, min_tokens=15), 2, r"min_tokens=15: the prompt \(2 tokens\) leaves room"),
     (SamplingParams(), 16, "does not fit the context of 16 tokens"),
     (SamplingParams(), 0, "prompt must not be empty"),
+    (SamplingParams(logit_bias={1: 2.0, VOCAB: 1.0}, max_tokens=4), 2,
+     r"^logit_bias contains ids outside \[0, 4\): \[4\]"),
+    (SamplingParams(allowed_token_ids=[1, 9], max_tokens=4), 2,
+     r"^allowed_token_ids contains ids outside \[0, 4\): \[9\]"),
+    (SamplingParams(min_tokens=2, max_tokens=4, allowed_token_ids=[0, 0]), 2,
+     r"^min_tokens=2 bans every one of allowed_token_ids \(they are stop or EOS ids\)"),
 ])
 def test_requests_that_cannot_run_on_the_model_are_refused(params, prompt_len, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -97,3 +103,10 @@ def test_check_text() -> None:
         check_text("f", "ab\udfff")
     with pytest.raises(ValueError, match="f must be a string, got bytes"):
         check_text("f", b"ab")
+
+
+def test_allowed_ids_past_what_the_sampler_picks_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"^allowed_token_ids allows no id the model can sample \(ids below 3\)"):
+        check_against_model(SamplingParams(allowed_token_ids=[3]), 2, VOCAB, EOS, 64, sampled_vocab_size=3)
+    check_against_model(SamplingParams(allowed_token_ids=[3, 2]), 2, VOCAB, EOS, 64, sampled_vocab_size=3)
+    check_against_model(SamplingParams(min_tokens=2, allowed_token_ids=[0, 1]), 2, VOCAB, EOS, 64)

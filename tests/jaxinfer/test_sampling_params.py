@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxinfer.request_limits import (MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+from jaxinfer.request_limits import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                                     MAX_N, MAX_REPETITION_PENALTY, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                      MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY)
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -156,3 +157,61 @@ def test_repetition_penalty_bounds_keep_the_penalised_logits_finite() -> None:
         assert np.isfinite(np.where(logits > 0, logits / p, logits * p)).all()
     with np.errstate(over="ignore", divide="ignore"):
         assert not np.isfinite(logits / np.float32(1e-40)).all()  # what the old check let through
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
+     rf"^logit_bias has {MAX_LOGIT_BIAS + 1} entries; the limit is {MAX_LOGIT_BIAS}$"),
+    (dict(logit_bias={5: 100.5}), r"^logit_bias\[5\]=100\.5 must be a finite number in \[-100, 100\]$"),
+    (dict(logit_bias={5: -101}), r"^logit_bias\[5\]=-101 must be"),
+    (dict(logit_bias={5: math.nan}), r"^logit_bias\[5\]=nan must be"),
+    (dict(logit_bias={5: "1"}), r"^logit_bias\[5\]='1' must be"),
+    (dict(logit_bias={"5": 1.0}), r"^logit_bias key '5' must be a token id, an integer >= 0$"),
+    (dict(logit_bias={-1: 1.0}), r"^logit_bias key -1 must be a token id"),
+    (dict(logit_bias={True: 1.0}), r"^logit_bias key True must be a token id"),
+    (dict(logit_bias=[(5, 1.0)]), r"^logit_bias must be a dict of token id -> bias, got list$"),
+    (dict(allowed_token_ids=list(range(MAX_ALLOWED_TOKEN_IDS + 1))),
+     rf"^allowed_token_ids has {MAX_ALLOWED_TOKEN_IDS + 1} ids; it must have 1 to {MAX_ALLOWED_TOKEN_IDS}"),
+    (dict(allowed_token_ids=[]), r"^allowed_token_ids has 0 ids; it must have 1 to .* \(None allows every token\)"),
+    (dict(allowed_token_ids=[3, -2]), r"^allowed_token_ids contains ids outside"),
+    (dict(allowed_token_ids=[3, 1.5]), r"^allowed_token_ids must hold integer token ids"),
+    (dict(bad_words=["w"] * (MAX_BAD_WORDS + 1)), rf"^bad_words has {MAX_BAD_WORDS + 1} strings; the limit is "
+                                                  rf"{MAX_BAD_WORDS}$"),
+    (dict(bad_words=["ok", "a" * (MAX_BAD_WORD_CHARS + 1)]),
+     rf"^bad_words\[1\] has {MAX_BAD_WORD_CHARS + 1} characters; bad words must have 1 to {MAX_BAD_WORD_CHARS}$"),
+    (dict(bad_words=[""]), r"^bad_words\[0\] has 0 characters"),
+    (dict(bad_words=["  "]), r"^bad_words\[0\]='  ' has only spaces"),
+    (dict(bad_words=["\ud800"]), r"^bad_words\[0\] is not valid Unicode text"),
+    (dict(bad_words=[3]), r"^bad_words\[0\] must be a string, got int$"),
+    (dict(bad_words={"a"}), r"^bad_words=\{'a'\} must be a string or a list of strings$"),
+])
+def test_logit_bias_allowed_ids_and_bad_words_limits(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_allowed_ids_and_bad_words_at_their_limits_are_kept() -> None:
+    bias = {i: (-100.0 if i % 2 else 100) for i in range(MAX_LOGIT_BIAS)}
+    p = SamplingParams(logit_bias=bias, allowed_token_ids=np.arange(MAX_ALLOWED_TOKEN_IDS),
+                       bad_words=["a" * MAX_BAD_WORD_CHARS] * MAX_BAD_WORDS)
+    assert p.logit_bias == bias and all(type(v) is float for v in p.logit_bias.values())
+    assert p.allowed_token_ids == tuple(range(MAX_ALLOWED_TOKEN_IDS)) and len(p.bad_words) == MAX_BAD_WORDS
+    q = SamplingParams(logit_bias={np.int64(3): np.float32(0.5)}, bad_words="hello")
+    assert q.logit_bias == {3: 0.5} and type(next(iter(q.logit_bias))) is int and q.bad_words == ("hello",)
+    assert SamplingParams(logit_bias={}).logit_bias is None and SamplingParams().bad_words == ()
+    assert SamplingParams().allowed_token_ids is None
+
+
+def test_logit_bias_is_read_only_and_params_stay_hashable_and_picklable() -> None:
+    import copy
+    import pickle
+
+    p = SamplingParams(logit_bias={5: 1.0, 2: -3.0}, allowed_token_ids=[4, 5], bad_words=["x y"])
+    same = SamplingParams(logit_bias={2: -3, 5: 1}, allowed_token_ids=(4, 5), bad_words=("x y",))
+    assert p == same and hash(p) == hash(same) and p != SamplingParams(logit_bias={5: 1.0})
+    assert pickle.loads(pickle.dumps(p)) == p == copy.deepcopy(p) and isinstance(p.logit_bias, dict)
+    with pytest.raises(TypeError, match="cannot be changed"):
+        p.logit_bias[7] = 1.0
+    with pytest.raises(TypeError, match="cannot be changed"):
+        p.logit_bias.update({7: 1.0})
+    assert dataclasses.replace(p, logit_bias={9: 2.0}).logit_bias == {9: 2.0}

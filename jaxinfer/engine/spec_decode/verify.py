@@ -9,7 +9,8 @@ one at a time with `sample` (lossless), and greedy rows emit exactly the tokens 
    row j holds the target's logits for output step `step + j`, given the drafts before j.
 2. Each of the B*(k+1) positions gets its row's sampling arrays at output step `step + j`, with the drafts before j
    appended to the output ids the penalties count, and goes through `process_logits` of `jaxinfer.engine.sampling`
-   (vocab limit, bans, penalties, temperature, min_p, top_k, top_p), exactly as `sample` processes one step.
+   (vocab limit, bans, logit bias, penalties, temperature, min_p, top_k, top_p), exactly as `sample` processes
+   one step.
    Greedy rows then have the target's argmax g_j; sampling rows have the target distribution p_j.
 3. Draft j of row b (j < num_drafts[b]) passes its test if
      greedy rows:   x_j == g_j;

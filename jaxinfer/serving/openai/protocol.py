@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible HTTP API, as pydantic models (OpenAI's field names, vLLM's extras).
 
 Unknown fields are refused (HTTP 400 naming the field), except `IGNORED_FIELDS`: fields the OpenAI SDKs and
-clients send that change nothing here, accepted and dropped. Fields of later features (tool calls, logit bias,
-prompt logprobs) are declared so that a request that sets them gets a 400 naming the field
+clients send that change nothing here, accepted and dropped. Fields of later features (tool calls, prompt
+logprobs, suffix) are declared so that a request that sets them gets a 400 naming the field
 (`UNSUPPORTED_FIELDS`) rather than a silent difference. Value ranges are checked by `SamplingParams` and the
 engine, the same as for the Python API and gRPC (`jaxinfer.request_limits`).
 
@@ -22,10 +22,8 @@ IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_ca
                   "web_search_options", "function_call", "functions")
 # Declared, but a request that sets them (to anything but their "off" value) gets a 400 naming the field: the
 # feature is not implemented yet.
-UNSUPPORTED_FIELDS = {
-    "logit_bias": "logit bias", "prompt_logprobs": "prompt logprobs", "tools": "tool calls",
-    "suffix": "suffix (fill-in-the-middle)", "allowed_token_ids": "allowed token ids", "bad_words": "bad words",
-}
+UNSUPPORTED_FIELDS = {"prompt_logprobs": "prompt logprobs", "tools": "tool calls",
+                      "suffix": "suffix (fill-in-the-middle)"}
 
 
 class _Body(BaseModel):
@@ -70,6 +68,10 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # OpenAI's: token ids as strings -> bias in [-100, 100] (`translate.logit_bias`)
+    logit_bias: dict[str, float] | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
@@ -78,10 +80,7 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     # declared so that setting one is named: not implemented yet (UNSUPPORTED_FIELDS)
-    logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     # accepted and ignored (IGNORED_FIELDS)
     user: str | None = None
     store: bool | None = None

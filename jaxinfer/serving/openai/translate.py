@@ -10,6 +10,7 @@ Source: the OpenAI API reference (Completions, Chat Completions); vLLM's OpenAI-
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from jaxinfer.prompt import Prompt
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")  # a logit_bias key: a token id written as a JSON string
 
 
 def _check(condition: bool, message: str) -> None:
@@ -59,6 +61,23 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> dict 
     return given[0] if given else None
 
 
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as strings, e.g. {"50256": -100}) as `SamplingParams.logit_bias` takes it;
+    the ids and values are checked there and at admission.
+
+    Raises:
+      ValueError: naming `logit_bias`: a key that is not a token id written in decimal digits, or one id twice.
+    """
+    if bias is None:
+        return None
+    for key in bias:
+        _check(_TOKEN_ID_KEY.fullmatch(key) is not None,
+               f"logit_bias key {show(key)} is not a token id: OpenAI's keys are token ids as strings, e.g. \"50256\"")
+    out = {int(key): value for key, value in bias.items()}
+    _check(len(out) == len(bias), "logit_bias names a token id twice (e.g. \"7\" and \"07\")")
+    return out
+
+
 def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
               logprobs: int | None) -> SamplingParams:
     constraint = structured_outputs(body)
@@ -75,7 +94,8 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids,
         skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
-        structured_outputs=so)
+        structured_outputs=so, logit_bias=logit_bias(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words)
 
 
 def completion_params(body: CompletionRequest) -> SamplingParams:

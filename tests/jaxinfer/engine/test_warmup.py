@@ -56,3 +56,25 @@ def test_penalised_requests_after_warmup_compile_nothing(warm: Engine) -> None:
     assert together["joining"] == penalised != alone[1]  # the penalties act, in either batch
     assert len(sampled[0]) == 10
     assert_idle(warm)
+
+
+def test_logit_bias_allowed_ids_and_bad_words_compile_nothing_after_warmup(warm: Engine) -> None:
+    """logit_bias rides in the penalty inputs' wide variant, allowed_token_ids and bad_words in the token bitmask:
+    requests with them, alone, beside a neutral request and beside a penalised one, run warm-up executables only
+    (the shape list is the same as before they existed: each base shape with and without penalty inputs), and
+    they act."""
+    shapes = warmup_shapes(warm.runner, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
+    assert len(shapes) == 2 * len({s[:3] for s in shapes})
+    before = _executables(warm)
+    biased = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={50: 100.0})
+    ruled = SamplingParams(temperature=0.9, seed=2, max_tokens=10, ignore_eos=True, allowed_token_ids=[7, 8, 9, 50],
+                           bad_words=["w8", "w7 w9"])
+    alone = run(warm, [Req("biased", PROMPTS[0], biased)]).tokens()["biased"]
+    together = run(warm, [Req("neutral", PROMPTS[1], GREEDY)],
+                   arrivals={1: [Req("ruled", PROMPTS[2], ruled)], 2: [Req("joining", PROMPTS[0], biased)]}).tokens()
+    mixed = run(warm, [Req("penalised", PROMPTS[1], PENALISED[0]), Req("biased2", PROMPTS[0], biased)]).tokens()
+    assert _executables(warm) == before
+    assert alone == together["joining"] == mixed["biased2"] == [[50] * 10]
+    ruled_ids = together["ruled"][0]
+    assert set(ruled_ids) <= {7, 9, 50} and (7, 9) not in set(zip(ruled_ids, ruled_ids[1:]))
+    assert_idle(warm)

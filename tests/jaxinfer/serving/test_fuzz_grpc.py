@@ -3,8 +3,8 @@
 Requests carry random values within the proto types (huge, negative, NaN / infinite floats, long and odd strings,
 random chats), sometimes a string field whose bytes are not UTF-8 on the wire, sometimes random bytes as the whole
 request. Property: `INVALID_ARGUMENT` whose message starts with the field it blames, or a well-formed stream (every
-completion ends once with "stop" or "length", ids in the vocabulary, no more than max_tokens, usage on the last
-response). Afterwards the server reports SERVING, nothing is running or waiting, every page is free, and a greedy
+completion ends once with "stop" or "length", or "error" where allowed ids and bad words leave it no token, ids in
+the vocabulary, no more than max_tokens, usage on the last response). Afterwards the server reports SERVING, nothing is running or waiting, every page is free, and a greedy
 canary gives the tokens it gave before the fuzz.
 
 Examples are bounded and derandomized, so the run is the same in CI every time.
@@ -17,7 +17,7 @@ import re
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.request_limits import CHAT_ROLES
@@ -59,7 +59,11 @@ VALID_SAMPLING = st.fixed_dictionaries({}, optional={  # within the limits, so t
                                                         max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 127), max_size=5), "ignore_eos": st.booleans(),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(), "logprobs": st.integers(0, 5),
-}).map(lambda kw: pb.SamplingParams(**kw))
+    "logit_bias": st.dictionaries(st.integers(0, 127), st.floats(-100, 100, width=32), max_size=4),
+    "allowed_token_ids": st.lists(st.integers(0, 127), max_size=6),
+    "bad_words": st.lists(st.text(st.characters(codec="utf-8"), min_size=1, max_size=4).filter(str.strip), max_size=3),
+}).map(lambda kw: pb.SamplingParams(**{k: v for k, v in kw.items()  # allowed ids and bad words could leave no token
+                                       if not (k == "bad_words" and kw.get("allowed_token_ids"))}))
 WILD_SAMPLING = st.fixed_dictionaries({}, optional={
     "n": plausible_or_any(st.integers(0, 4), INT32),
     "temperature": plausible_or_any(st.sampled_from([0.0, 0.7, 1.0]), FLOAT32),
@@ -78,6 +82,12 @@ WILD_SAMPLING = st.fixed_dictionaries({}, optional={
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "logprobs": plausible_or_any(st.integers(-1, 22), INT32),
+    "logit_bias": st.dictionaries(plausible_or_any(st.integers(-2, 140), INT32),
+                                  plausible_or_any(st.floats(-150, 150, width=32), FLOAT32), max_size=5)
+    | st.just({i: 1.0 for i in range(301)}),
+    "allowed_token_ids": st.lists(st.integers(-2, 140) | INT32, max_size=8),
+    "bad_words": st.lists(texts(), max_size=4) | st.lists(st.just("b" * 300), min_size=1, max_size=2)
+    | st.just(["x"] * 65),
 }).map(lambda kw: pb.SamplingParams(**kw))
 SAMPLING = VALID_SAMPLING | WILD_SAMPLING
 CHAT = st.builds(
@@ -104,11 +114,12 @@ def request_bytes(draw) -> bytes:
     kw["request_id"] = draw(st.just("") | texts(12))
     kw["cache_salt"] = draw(st.just("") | texts(12))
     request = pb.GenerateRequest(**kw)
-    corrupt = draw(st.sampled_from([None] * 10 + ["text", "request_id", "cache_salt", "stop", "content"]))
+    corrupt = draw(st.sampled_from([None] * 10 + ["text", "request_id", "cache_salt", "stop", "content",
+                                                  "bad_words"]))
     if corrupt in ("text", "request_id", "cache_salt"):
         setattr(request, corrupt, PLACEHOLDER)
-    elif corrupt == "stop":
-        request.sampling.stop.append(PLACEHOLDER)
+    elif corrupt in ("stop", "bad_words"):
+        getattr(request.sampling, corrupt).append(PLACEHOLDER)
     elif corrupt == "content":
         request.chat.messages.add(role="user", content=PLACEHOLDER)
     data = request.SerializeToString()
@@ -152,15 +163,26 @@ def assert_well_formed(responses: list[pb.GenerateResponse], data: bytes, vocab_
         tokens[r.index] += r.token_ids
         if r.finish_reason:
             finishes[r.index].append(r.finish_reason)
-    assert all(f in (["stop"], ["length"]) for f in finishes.values()), finishes
+    # A request with both allowed ids and bad words may leave itself no token at some step: it fails ("error").
+    ends = (["stop"], ["length"]) + ((["error"],) if sampling.allowed_token_ids and sampling.bad_words else ())
+    assert all(f in ends for f in finishes.values()), finishes
     assert all(len(t) <= max_tokens for t in tokens.values())
     assert [r.HasField("usage") for r in responses].count(True) == 1 and responses[-1].HasField("usage")
     usage = responses[-1].usage
     assert usage.prompt_tokens >= 1 and usage.completion_tokens == sum(map(len, tokens.values()))
 
 
+def _request(**sampling) -> bytes:
+    return pb.GenerateRequest(text="Hi there", sampling=pb.SamplingParams(max_tokens=6, **sampling)).SerializeToString()
+
+
 @FUZZ
 @given(data=request_bytes())
+@example(data=_request(temperature=0.7, seed=3, logit_bias={40: 5.0, 41: -100.0, 99: 100.0}))
+@example(data=_request(allowed_token_ids=[40, 41, 42, 2], n=2, seed=1))
+@example(data=_request(bad_words=["ab", "c", "\U0001f600"], temperature=0))
+@example(data=_request(allowed_token_ids=[40, 41, 42], bad_words=["BC", "D"], temperature=1.0, seed=5))  # 40 is B
+@example(data=_request(allowed_token_ids=[40], bad_words=["BB"]))  # no token left after "B": "error"
 def test_generate_fuzz(served_tiny, canary_before, data: bytes) -> None:
     try:
         responses = _generate(served_tiny, data)
@@ -173,6 +195,12 @@ def test_generate_fuzz(served_tiny, canary_before, data: bytes) -> None:
         return
     assert_well_formed(responses, data, served_tiny.engine.model_config.vocab_size)
     event("OK")
+    sampling = pb.GenerateRequest.FromString(data).sampling
+    for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+        if getattr(sampling, name):
+            event(f"OK with {name}")
+    if any(r.finish_reason == "error" for r in responses):
+        event("OK: no token left")
 
 
 def test_server_is_idle_and_correct_after_the_fuzz(served_tiny, canary_before) -> None:

@@ -411,3 +411,68 @@ def test_structured_output_over_grpc(both_servers):
     with pytest.raises(grpc.RpcError) as info:
         list(both_servers.stub.Generate(bad))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in info.value.details()
+
+
+def _grpc_ids(stub, sampling: pb.SamplingParams, text: str) -> list[int]:
+    return [t for r in stub.Generate(pb.GenerateRequest(text=text, sampling=sampling)) for t in r.token_ids]
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words_round_trip(client, both_servers, smollm2_llm):
+    """Each field through /v1/completions, /v1/chat/completions and gRPC gives what `LLM` gives with the same
+    `SamplingParams`, and acts: the unrestricted output breaks each rule."""
+    name, stub, tok = both_servers.model_name, both_servers.stub, smollm2_llm.engine.tokenizer
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def offline(prompt: str, chat: bool = False, **kw) -> tuple[str, list[int]]:
+        params = SamplingParams(**{"temperature": 0, "max_tokens": 12, **kw})
+        out = (smollm2_llm.chat(ask, params) if chat else smollm2_llm.generate([prompt], params))[0].outputs[0]
+        return out.text, out.token_ids
+
+    # bad_words (vLLM's extra field): "Paris" and " Paris" are two tokens, both banned.
+    assert "Paris" in offline(PROMPTS[0])[0] and "Paris" in offline("", chat=True)[0]
+    text, ids = offline(PROMPTS[0], bad_words=["Paris"])
+    assert "Paris" not in text
+    http = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                     extra_body={"bad_words": ["Paris"]})
+    assert http.choices[0].text == text
+    assert _grpc_ids(stub, pb.SamplingParams(max_tokens=12, temperature=0, bad_words=["Paris"]), PROMPTS[0]) == ids
+    chat_text = offline("", chat=True, bad_words=["Paris"])[0]
+    chat = client.chat.completions.create(model=name, messages=ask, max_tokens=12, temperature=0,
+                                          extra_body={"bad_words": ["Paris"]})
+    assert chat.choices[0].message.content == chat_text and "Paris" not in chat_text
+
+    # logit_bias (OpenAI's field, token ids as strings): +100 forces a token, -100 bans one.
+    blue = tok.encode(" blue", add_bos=False)[0]
+    paris = tok.encode(" Paris", add_bos=False)[0]
+    forced = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={str(blue): 100})
+    assert forced.choices[0].text == tok.decode([blue] * 4)
+    chat = client.chat.completions.create(model=name, messages=ask, max_tokens=4, temperature=0,
+                                          logit_bias={str(blue): 100})
+    text, ids = offline("", chat=True, max_tokens=4, logit_bias={blue: 100})
+    assert chat.choices[0].message.content == text and ids == [blue] * 4
+    text, ids = offline(PROMPTS[0], logit_bias={paris: -100})
+    assert paris not in ids and paris in offline(PROMPTS[0])[1]
+    http = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                     logit_bias={str(paris): -100})
+    assert http.choices[0].text == text
+    assert _grpc_ids(stub, pb.SamplingParams(max_tokens=12, temperature=0, logit_bias={paris: -100}),
+                     PROMPTS[0]) == ids
+    assert _grpc_ids(stub, pb.SamplingParams(max_tokens=3, temperature=0, logit_bias={blue: 100}),
+                     PROMPTS[0]) == [blue] * 3
+
+    # allowed_token_ids (vLLM's extra field), sampled with a seed.
+    words = (" red", " green", " blue", " yellow", ",", " and")
+    allowed = sorted({t for w in words for t in tok.encode(w, add_bos=False)})
+    kw = dict(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    text, ids = offline(PROMPTS[2], allowed_token_ids=allowed, **kw)
+    assert set(ids) <= set(allowed) and not set(offline(PROMPTS[2], **kw)[1]) <= set(allowed)
+    http = client.completions.create(model=name, prompt=PROMPTS[2], extra_body={"allowed_token_ids": allowed,
+                                                                                "ignore_eos": True},
+                                     temperature=1.0, seed=7, max_tokens=10)
+    assert http.choices[0].text == text
+    assert _grpc_ids(stub, pb.SamplingParams(allowed_token_ids=allowed, **kw), PROMPTS[2]) == ids
+    chat_text, chat_ids = offline("", chat=True, allowed_token_ids=allowed, **kw)
+    chat = client.chat.completions.create(model=name, messages=ask, temperature=1.0, seed=7, max_tokens=10,
+                                          extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert chat.choices[0].message.content == chat_text and set(chat_ids) <= set(allowed)

@@ -131,6 +131,19 @@ def test_detokenize_names_an_id_outside_the_vocabulary(served_tiny):
     assert info.value.details().startswith(f"token_ids contains ids outside [0, {vocab})"), info.value.details()
 
 
+def test_a_prompt_id_past_the_tokenizer_but_inside_the_embedding_names_the_field(served_tiny):
+    """Found by the gRPC fuzz: the tiny model's embedding has 128 rows, its tokenizer 101 ids; a prompt id in
+    between passed the check against the model's vocabulary and failed in the detokenizer, naming no field."""
+    vocab, rows = served_tiny.engine.tokenizer.vocab_size, served_tiny.engine.model_config.vocab_size
+    assert vocab < rows
+    with pytest.raises(grpc.RpcError) as info:
+        list(served_tiny.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7, rows - 3])), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"prompt_token_ids contains ids outside [0, {vocab})"), \
+        info.value.details()
+    _still_serving(served_tiny)
+
+
 def test_generate_outcomes_are_counted_once_by_status(served_tiny, monkeypatch):
     count = lambda status: served_tiny.server.metrics.sample(  # noqa: E731
         "jaxinfer:grpc_requests_total", {"status": status}) or 0

@@ -25,6 +25,8 @@ CASES = {
     "chat.messages[0].role": pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="QQQ")])),
     "request_id": pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), request_id="QQQ"),
     "cache_salt": pb.GenerateRequest(text="x", cache_salt="QQQ"),
+    "sampling.bad_words[1]": pb.GenerateRequest(text="x", sampling=pb.SamplingParams(
+        bad_words=["a", "QQQ"], logit_bias={3: 1.0}, allowed_token_ids=[3, 4])),
 }
 
 
@@ -80,3 +82,16 @@ def test_a_field_the_server_does_not_know_is_refused_naming_where(data, path, me
 def test_a_chat_message_may_carry_a_name() -> None:
     good = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="hi", name="ada")]))
     assert tolerant_parser(pb.GenerateRequest)(good.SerializeToString()) == good
+
+
+def test_a_logit_bias_map_parses_and_unknown_fields_beside_it_are_still_found() -> None:
+    """Found by this change: `unknown_field` walked a map of scalars as if its keys were messages (TypeError)."""
+    good = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(logit_bias={5: 1.5, 7: -100.0}, bad_words=["x"],
+                                                                    allowed_token_ids=[5, 7]))
+    assert tolerant_parser(pb.GenerateRequest)(good.SerializeToString()) == good
+    # sampling (field 4): the good sampling's bytes plus varint field 30 = 1 (F0 01 01)
+    sampling = good.sampling.SerializeToString() + bytes([0xF0, 0x01, 1])
+    data = pb.GenerateRequest(text="hi").SerializeToString() + bytes([4 << 3 | 2, len(sampling)]) + sampling
+    parsed = tolerant_parser(pb.GenerateRequest)(data)
+    assert isinstance(parsed, MalformedRequest) and parsed.error.startswith(
+        "sampling has a field jaxinfer.v1.SamplingParams does not have (field number 30")
