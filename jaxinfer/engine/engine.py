@@ -78,8 +78,7 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
-        # dtype="auto" is resolved once, here: the config the engine keeps (and reports) names the dtype it runs.
-        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.model))
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.model))  # "auto": the one run
         self.config = config
         self.dtype = DTYPES[config.dtype]
         started = startup.start(config)
@@ -384,6 +383,7 @@ class Engine:
                 req.reported_finished = True
                 self.metrics.num_finished += 1
                 for seq in req.seqs:
+                    self._logprobs.forget(seq.seq_id)
                     self.grammars.forget(seq.seq_id)
                     self.token_rules.forget(seq.seq_id)
                     if self.spec_policy is not None:
@@ -396,8 +396,5 @@ class Engine:
     def _request_output(self, req: _Request, deltas: list[tuple[list[int], str]], finished: bool) -> RequestOutput:
         logprobs = [self._logprobs.of(s.seq_id, len(s.output_token_ids)) if s.params.logprobs is not None else None
                     for s in req.seqs]
-        if finished:
-            for seq in req.seqs:
-                self._logprobs.forget(seq.seq_id)
         return request_output(req.request_id, req.prompt, req.prompt_token_ids, req.seqs, req.arrival_time, deltas,
                               logprobs, finished)

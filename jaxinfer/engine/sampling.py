@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxinfer.engine import sampling_host
 from jaxinfer.engine.sampling_math import (apply_logit_bias, apply_penalties, limit_vocab, scatter_ids, sort_descending,
-                                           token_logprobs, unpack_bitmask)
+                                           token_logprobs, token_ranks, unpack_bitmask)
 from jaxinfer.request_limits import MAX_LOGIT_BIAS, SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -302,14 +302,8 @@ def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1)
 
 
-def _ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """i32[B]: 1 + how many entries of row b of f32[B, V] are strictly larger than its entry at token_ids[b]."""
-    own = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)  # [B, 1]
-    return (jnp.sum(raw_logprobs > own, axis=-1) + 1).astype(jnp.int32)
-
-
 def _top_logprobs_and_ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return *_top_logprobs(raw_logprobs), _ranks(raw_logprobs, token_ids)
+    return *_top_logprobs(raw_logprobs), token_ranks(raw_logprobs, token_ids)
 
 
 def _no_top_logprobs(x: jax.Array, *_) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from jaxinfer.engine.sampling import SamplingArrays
 
 __all__ = ["BITMASK_BITS", "apply_logit_bias", "apply_penalties", "bitmask_words", "limit_vocab", "scatter_ids",
-           "sort_descending", "token_logprobs", "unpack_bitmask"]
+           "sort_descending", "token_logprobs", "token_ranks", "unpack_bitmask"]
 
 BITMASK_BITS = 32  # tokens per word of a packed token bitmask
 
@@ -52,6 +52,13 @@ def sort_descending(x: jax.Array) -> jax.Array:
 def limit_vocab(logits: jax.Array, vocab_limit: jax.Array) -> jax.Array:
     """f32[B, V] logits with -inf at ids >= vocab_limit (i32[])."""
     return jnp.where(jnp.arange(logits.shape[-1])[None, :] < vocab_limit, logits, -jnp.inf)
+
+
+def token_ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """i32[B]: 1 + how many entries of row b of f32[B, V] are strictly larger than its entry at token_ids[b]
+    (i32[B]): vLLM's `Logprob.rank` of the sampled token (1 = the most likely)."""
+    own = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)  # [B, 1]
+    return (jnp.sum(raw_logprobs > own, axis=-1) + 1).astype(jnp.int32)
 
 
 def token_logprobs(logits: jax.Array, token_ids: jax.Array, vocab_limit: jax.Array) -> jax.Array:
