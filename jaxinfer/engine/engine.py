@@ -355,9 +355,9 @@ class Engine:
         return [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,
                             step=len(c.seq.output_token_ids), prompt_token_ids=c.seq.prompt_token_ids,
                             output_token_ids=c.seq.output_token_ids,
-                            suppress=self.scheduler.suppressed_token_ids(c.seq),
+                            suppress=(banned := self.scheduler.suppressed_token_ids(c.seq)),
                             allowed=self.token_rules.allowed(c.seq.seq_id, c.seq.output_token_ids,
-                                                             self.grammars.allowed(c.seq.seq_id))
+                                                             self.grammars.allowed(c.seq.seq_id), banned)
                             if c.samples else None) for c in chunks]
 
     def _execute(self, chunks: list[ScheduledChunk], draft_probs_row: int | None = None) -> StepResult | VerifyResult:

@@ -119,17 +119,21 @@ class TokenRules:
         if rules is not None:
             self._rules.update(dict.fromkeys(seq_ids, rules))
 
-    def allowed(self, seq_id: int, output_token_ids: Sequence[int], grammar_mask: np.ndarray | None
-                ) -> np.ndarray | None:
+    def allowed(self, seq_id: int, output_token_ids: Sequence[int], grammar_mask: np.ndarray | None,
+                suppress: Sequence[int] = ()) -> np.ndarray | None:
         """i32[ceil(V / 32)]: the sequence's allowed tokens this step (module docstring, 2) ANDed with
-        `grammar_mask` (same layout, or None); None when neither restricts anything.
+        `grammar_mask` (same layout, or None); None when neither restricts anything. `suppress`: the ids the
+        sampler bans this step besides (EOS and stop ids before `min_tokens`).
 
         Raises:
           ValueError: naming the fields, when they leave no token to sample at this step (a bad word's last
-            token the only one allowed_token_ids or the output constraint leaves): the engine fails that request.
+            token the only one allowed_token_ids or the output constraint leaves; a completed constraint that
+            allows only EOS while min_tokens bans it): the engine fails that request.
         """
         rules = self._rules.get(seq_id)
         if rules is None:
+            if grammar_mask is not None and suppress:
+                self._check_suppressed(grammar_mask, suppress)
             return grammar_mask
         mask = rules.base.copy() if grammar_mask is None else rules.base & grammar_mask
         banned = [word[-1] for word in rules.multi
@@ -141,7 +145,18 @@ class TokenRules:
             raise ValueError("bad_words leave no token that allowed_token_ids or structured_outputs allow at this step "
                              "(the output ends with a bad word's other tokens)" if banned else
                              "allowed_token_ids and structured_outputs allow no common token at this step")
+        if suppress:
+            self._check_suppressed(mask, suppress)
         return mask
+
+    def _check_suppressed(self, mask: np.ndarray, suppress: Sequence[int]) -> None:
+        """ValueError naming min_tokens when `mask` allows only ids in `suppress` (an all-banned row would sample
+        id 0: SmolLM2's <|endoftext|> after a completed constraint, found by a user trial)."""
+        left = mask.view(np.uint32).copy()
+        _set_bits(left, np.asarray(suppress, np.int64), on=False)
+        if not _allows_some(left, self.sampled_vocab_size):
+            raise ValueError("min_tokens: the output constraint (structured_outputs / allowed_token_ids) allows only "
+                             "EOS or stop token ids here, which min_tokens bans until that many tokens were generated")
 
     def speculates(self, seq_id: int) -> bool:
         """False for a sequence with a bad word of several tokens (module docstring, 3)."""

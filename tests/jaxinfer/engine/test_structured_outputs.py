@@ -5,6 +5,7 @@ field, and unconstrained rows of the same batch unchanged."""
 from __future__ import annotations
 
 import json
+import dataclasses
 import re
 
 import jsonschema
@@ -93,6 +94,21 @@ def test_a_grammar_that_fails_on_its_first_token_is_refused_at_admission(smollm2
     assert not smollm2_llm.engine.has_unfinished_requests()
     ok = smollm2_llm.generate("hi", SamplingParams(max_tokens=4, structured_outputs={"regex": "[0-9]{1,3}"}))
     assert re.fullmatch("[0-9]{1,3}", ok[0].outputs[0].text)
+
+
+def test_min_tokens_past_a_completed_constraint_fails_that_request_naming_min_tokens(smollm2_llm):
+    """The choice completes after one token and then allows only EOS, which min_tokens bans: the request fails
+    naming min_tokens (it emitted hidden <|endoftext|> tokens before: an all-banned row sampled id 0, user trial);
+    another request of the same batch is untouched."""
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = smollm2_llm.generate("The sky is", plain)[0].outputs[0].token_ids
+    forced = SamplingParams(temperature=0, max_tokens=8, min_tokens=5, structured_outputs={"choice": ["no", "yes"]})
+    bad, good = smollm2_llm.generate(["Is the sky green?", "The sky is"], [forced, plain])
+    (c,) = bad.outputs
+    assert c.finish_reason == "error" and "ValueError: min_tokens:" in c.error, (c.finish_reason, c.error, c.token_ids)
+    assert good.outputs[0].token_ids == alone
+    ok = smollm2_llm.generate("Is the sky green?", dataclasses.replace(forced, min_tokens=0))[0].outputs[0]
+    assert ok.text in ("no", "yes") and ok.finish_reason == "stop"
 
 
 def test_params_are_hashable_and_equal_by_value():
