@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI), a front end of a `ServedEngine` beside the gRPC server.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (200 while serving,
-else 503), `GET /metrics` (the server's Prometheus registry), `POST /tokenize`, `POST /detokenize` (vLLM's).
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (and `/v1/models/{id}`),
+`GET /health` (200 while serving, else 503), `GET /metrics` (the server's Prometheus registry), `POST /tokenize`,
+`POST /detokenize` (vLLM's).
 
 1. Every `/v1` route checks the bearer token first when the server has an API key (401). A generation request
    is read by `_read_body` (size limit: 413; bytes that are not UTF-8 JSON, numbers of over 4,300 digits and
@@ -147,7 +148,8 @@ class OpenAIApp:
         app.add_exception_handler(StarletteHTTPException, _route_error)  # unknown route (404), wrong method (405)
         for path, handler, method in (("/v1/completions", self.completions, "POST"),
                                       ("/v1/chat/completions", self.chat_completions, "POST"),
-                                      ("/v1/models", self.models, "GET"), ("/health", self.health, "GET"),
+                                      ("/v1/models", self.models, "GET"),
+                                      ("/v1/models/{model:path}", self.model, "GET"), ("/health", self.health, "GET"),
                                       ("/metrics", self.metrics, "GET"), ("/tokenize", self.tokenize, "POST"),
                                       ("/detokenize", self.detokenize, "POST")):
             app.add_api_route(path, _answers_errors(handler), methods=[method])
@@ -318,14 +320,23 @@ class OpenAIApp:
 
     # --- other routes ---
 
-    async def models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
+    def _card(self) -> dict:
         engine = self.served.async_engine
         card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer",
                 "root": self.served.config.model or self.model_name, "parent": None}
         if engine is not None:
             card["max_model_len"] = engine.engine.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request, model: str) -> JSONResponse:
+        """`GET /v1/models/{model}` (the SDK's `models.retrieve`): the served model's card, else 404."""
+        self._authorize(request)
+        self._check_model(model)
+        return JSONResponse(self._card())
 
     async def health(self) -> Response:
         if self.served.serving:

@@ -44,6 +44,13 @@ def test_models_health_and_metrics(both_servers):
     models = httpx.get(both_servers.base_url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
     assert models["data"][0]["max_model_len"] == both_servers.engine.max_model_len
+    # the SDK's models.retrieve (a 404 before: user trial); another name is a 404 naming the served one
+    from openai import NotFoundError, OpenAI  # noqa: PLC0415
+
+    sdk = OpenAI(base_url=both_servers.base_url + "/v1", api_key="unused")
+    assert sdk.models.retrieve("SmolLM2-135M-Instruct").id == "SmolLM2-135M-Instruct"
+    with pytest.raises(NotFoundError, match="SmolLM2-135M-Instruct"):
+        sdk.models.retrieve("gpt-4")
     assert httpx.get(both_servers.base_url + "/health").status_code == 200
     metrics = httpx.get(both_servers.base_url + "/metrics")
     assert metrics.status_code == 200
