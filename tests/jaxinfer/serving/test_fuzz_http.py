@@ -381,7 +381,7 @@ def test_a_sample_that_finishes_before_the_others_gets_one_finish_chunk() -> Non
     async def events(chat: bool) -> list[str]:
         api = OpenAIApp(ServedEngine(EngineConfig(warmup=False)), MODEL)
         shaper = Shaper(chat, MODEL, 2, None)
-        recorders = [types.SimpleNamespace(record=lambda out: None)]  # the metrics are not under test here
+        recorders = [types.SimpleNamespace(record=lambda out: None, abandoned=lambda: None)]  # metrics not under test
         return [e async for e in api._events(shaper, [stream()], outputs[:1], recorders, None, (True, False),
                                              contextlib.ExitStack())]
 
