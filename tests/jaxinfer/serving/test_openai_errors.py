@@ -269,10 +269,10 @@ def test_the_in_flight_limit_is_a_429(both_servers, canary):
             "stream": True}
     with httpx.Client(timeout=120) as http, http.stream("POST", both_servers.base_url + COMPLETIONS, json=hold) as r:
         assert r.status_code == 200
-        next(r.iter_lines())  # admitted and streaming: it holds its slot
+        first = next(r.iter_lines())  # admitted and streaming: it holds its slot
         served.limits = dataclasses.replace(saved, max_queued_requests=1)
         try:
-            assert served.in_flight >= 1
+            assert served.in_flight >= 1, first
             for path, body in ((COMPLETIONS, {"prompt": "hi", "max_tokens": 1}), (CHAT, {"messages": HI})):
                 assert_error(_post(both_servers, path, body), 429, "rate_limit_error", "limit", param=None)
         finally:
