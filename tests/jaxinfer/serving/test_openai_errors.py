@@ -269,12 +269,16 @@ def test_the_in_flight_limit_is_a_429(both_servers, canary):
             "stream": True}
     with httpx.Client(timeout=120) as http, http.stream("POST", both_servers.base_url + COMPLETIONS, json=hold) as r:
         assert r.status_code == 200
-        first = next(r.iter_lines())  # admitted and streaming: it holds its slot
+        # Keep the line iterator: dropping it closes the response, and the server aborts the held stream on the
+        # disconnect (within ~0.1 s: the assertion below then raced it, the CI failure of 2026-12-03).
+        lines = r.iter_lines()
+        first = next(lines)  # admitted and streaming: it holds its slot
         served.limits = dataclasses.replace(saved, max_queued_requests=1)
         try:
             assert served.in_flight >= 1, first
             for path, body in ((COMPLETIONS, {"prompt": "hi", "max_tokens": 1}), (CHAT, {"messages": HI})):
                 assert_error(_post(both_servers, path, body), 429, "rate_limit_error", "limit", param=None)
+            assert served.in_flight >= 1, "the held stream ended before the 429s"
         finally:
             served.limits = saved
     # leaving the block disconnected the held stream: its request is aborted
