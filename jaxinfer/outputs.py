@@ -90,3 +90,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed (vLLM's name)
+    # With SamplingParams.prompt_logprobs: per prompt position, {token id: Logprob} of the prompt token there
+    # (first), then the top ones; None at position 0, which has no context (vLLM's shape). None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -43,7 +43,8 @@ class _FrozenBias(dict):
 
 
 _NUMERIC_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "max_tokens", "min_tokens", "seed", "logprobs")
+                   "frequency_penalty", "max_tokens", "min_tokens", "seed", "logprobs",
+                   "prompt_logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,10 @@ class SamplingParams:
       logprobs: number of top log-probabilities to return per output token, in [0, MAX_LOGPROBS], besides the
         sampled token's own; they come from the model's raw distribution (log_softmax of the logits before
         penalties, temperature and truncation). None returns none.
+      prompt_logprobs: for every prompt token after the first, its log-probability given the tokens before it,
+        its rank, and this many top log-probabilities (raw, as `logprobs`), in [0, MAX_LOGPROBS]
+        (`RequestOutput.prompt_logprobs`, vLLM's). Such a request computes its whole prompt (it takes nothing
+        from the prefix cache) and its prefill returns every row's logits. None returns none.
       stop: strings that end generation when they appear in the output text (not returned unless
         `include_stop_str_in_output`); at most MAX_STOP_STRINGS, each of 1 to MAX_STOP_STRING_CHARS characters.
       stop_token_ids: extra token ids that end generation (returned in `token_ids`); at most MAX_STOP_TOKEN_IDS
@@ -119,6 +124,7 @@ class SamplingParams:
     min_tokens: int = 0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
@@ -147,7 +153,7 @@ class SamplingParams:
         n, temperature, top_k, top_p, min_p = self.n, self.temperature, self.top_k, self.top_p, self.min_p
         repetition_penalty = self.repetition_penalty
         presence_penalty, frequency_penalty = self.presence_penalty, self.frequency_penalty
-        max_tokens, min_tokens, seed, logprobs = self.max_tokens, self.min_tokens, self.seed, self.logprobs
+        max_tokens, min_tokens, seed = self.max_tokens, self.min_tokens, self.seed
         if not _is_int(n) or not 1 <= n <= MAX_N:
             raise ValueError(f"n={show(n)} must be an integer in [1, {MAX_N}]")
         if not _is_finite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
@@ -176,8 +182,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens={show(min_tokens)} must be an integer in [0, max_tokens={show(max_tokens)}]")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
             raise ValueError(f"seed={show(seed)} must be an integer in [0, 2**32)")
-        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs={show(logprobs)} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={show(value)} must be None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):

@@ -174,13 +174,13 @@ def bench_chat(on: LLM, off: LLM, text_ids: list[int], convs: int, turns: int, p
 def _evict_all_to_host(llm: LLM) -> None:
     """Evicts every cached device page (they go to the host tier) and settles the copies into host numpy arrays.
 
-    The one place this module reaches into engine internals (`Engine._apply_kv_ops`, `PrefixCache.take_ops`): the
+    The one place this module reaches into engine internals (`PagedKVCache.apply_ops`, `PrefixCache.take_ops`): the
     offloads must run now, outside the timing.
     """
     alloc, engine = llm.page_allocator, llm.engine
     held = alloc.allocate(alloc.num_free_pages)
     alloc.free(held)
-    engine._apply_kv_ops(engine.prefix_cache.take_ops())  # noqa: SLF001 - the OFFLOADs, now, outside the timing
+    engine.runner.kv.apply_ops(engine.prefix_cache.take_ops())  # the OFFLOADs, now, outside the timing
     llm.runner.kv.settle_host_pages()
 
 

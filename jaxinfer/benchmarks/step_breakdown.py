@@ -50,13 +50,14 @@ def device_step(runner: ModelRunner, chunk: list[ScheduledChunk]) -> tuple[Calla
     The one reach into the runner's internals (`_step`): the jitted step on the inputs `execute` builds
     (`step_inputs`), without its host work. Re-point it here when the runner's modules move.
     """
-    tokens, metadata, sampling = runner.step_inputs(chunk, [SamplingRow(GREEDY, 0)])
+    tokens, metadata, sampling, _ = runner.step_inputs(chunk, [SamplingRow(GREEDY, 0)])
     rows = sampling.temperature.shape[0]
     inputs = jax.device_put((tokens, metadata, sampling))
 
     def step() -> None:
-        # The step returns (sampled tokens, finite flags, KV cache, draft cache); the cache is donated.
-        out, _, runner.kv_cache, _ = runner._step(runner.weights, *inputs[:2], runner.kv_cache, inputs[2])
+        # The step returns (sampled tokens, finite flags, prompt logprob rows, KV cache, draft cache); the cache
+        # is donated.
+        out, _, _, runner.kv_cache, _ = runner._step(runner.weights, *inputs[:2], runner.kv_cache, inputs[2])
         jax.block_until_ready(out)
 
     return step, inputs, rows

@@ -38,6 +38,7 @@ from jaxinfer.engine.config import DTYPES, EngineConfig
 from jaxinfer.engine.grammar import Grammars
 from jaxinfer.engine.metrics import EngineMetrics, engine_stats
 from jaxinfer.engine.output_logprobs import OutputLogprobs
+from jaxinfer.engine.prompt_logprobs import PromptLogprobs, wants
 from jaxinfer.engine.request_outputs import request_output
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
@@ -52,7 +53,6 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.scheduler.page_allocator import PageAllocator
-from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind
 from jaxinfer.scheduler.sequence import Sequence as Seq
 from jaxinfer.tokenizer import IncrementalDetokenizer
 
@@ -101,6 +101,7 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._logprobs = OutputLogprobs(self.tokenizer)
+        self._prompt_logprobs = PromptLogprobs(self._logprobs.decode)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.token_rules = TokenRules(self.tokenizer, self.model_config.vocab_size, self.runner.vocab_limit)
         self._auto_request_ids = itertools.count()
@@ -209,6 +210,8 @@ class Engine:
                 self.scheduler.abort(request_id)
             raise
         self.token_rules.add([s.seq_id for s in seqs], rules)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs.start(request_id, len(ids))
         self._requests[request_id] = _Request(request_id, text, ids, params, seqs, now)
         return request_id
 
@@ -233,7 +236,7 @@ class Engine:
         """Forgets every cached prefix page (device and host tier); later requests recompute their prefixes."""
         if self.prefix_cache is not None:
             self.prefix_cache.reset()
-            self._apply_kv_ops(self.prefix_cache.take_ops())
+            self.runner.kv.apply_ops(self.prefix_cache.take_ops())
 
     def has_unfinished_requests(self) -> bool:
         """True while some request has not reported its final output."""
@@ -250,11 +253,12 @@ class Engine:
                                                if s.is_decoding and s.seq_id not in self.grammars
                                                and self.token_rules.speculates(s.seq_id))
         plan = self.scheduler.schedule(spec_slots)
-        self._apply_kv_ops(plan.kv_ops)
+        self.runner.kv.apply_ops(plan.kv_ops)
         sampled: dict[int, int | list[int]] = {}
         logprobs: dict[int, list[dict[int, Logprob]]] = {}
         decodes = [c for c in plan.chunks if len(c.token_ids) == 1 and c.samples]
-        prefills = [c for c in plan.chunks if not (len(c.token_ids) == 1 and c.samples)]
+        rest = [c for c in plan.chunks if not (len(c.token_ids) == 1 and c.samples)]
+        prefills, prompt_lp = [c for c in rest if not wants(c)], [c for c in rest if wants(c)]  # all rows' logits
         device_time = 0.0
         draft_probs_row = None
         self._verify_len = 1 + max(spec_slots.values(), default=0) if spec_slots else 0
@@ -266,14 +270,14 @@ class Engine:
                 self.spec_policy.stats.num_verify_steps += 1
             replaced = {id(c.seq): c for c in decodes}
             plan.chunks = [replaced.get(id(c.seq), c) for c in plan.chunks]
-        for group, probs_row in ((decodes, draft_probs_row), (prefills, None)):
+        for group, probs_row in ((decodes, draft_probs_row), (prefills, None), (prompt_lp, None)):
             if group:
                 t0 = time.perf_counter()
                 self._run_group(group, sampled, logprobs, probs_row)
                 device_time += time.perf_counter() - t0
         self.scheduler.update(plan, sampled)  # skips sequences that failed or were aborted meanwhile
         if self.prefix_cache is not None:  # registering pages can free host-tier copies
-            self._apply_kv_ops(self.prefix_cache.take_ops())
+            self.runner.kv.apply_ops(self.prefix_cache.take_ops())
         for seq_id, entries in logprobs.items():
             self._logprobs.extend(seq_id, entries)
         # Counted by the scheduler's phase, not by shape: a one-token prompt chunk rides in the decode call but
@@ -282,18 +286,6 @@ class Engine:
         self.metrics.record_step(sum(len(c.token_ids) for c in plan.chunks) - decode_tokens, decode_tokens,
                                  time.perf_counter() - t_start, device_time)
         return self._collect_outputs()
-
-    def _apply_kv_ops(self, ops: list[KVOp]) -> None:
-        """Runs the prefix cache's page transfers in order, batching runs of the same kind into one call."""
-        kv = self.runner.kv
-        kv.settle_host_pages()  # offloads of earlier steps have reached the host by now
-        calls = {KVOpKind.OFFLOAD: kv.offload_pages, KVOpKind.LOAD: kv.load_pages, KVOpKind.COPY: kv.copy_pages}
-        for kind, group in itertools.groupby(ops, key=lambda op: op.kind):
-            run = list(group)
-            if kind is KVOpKind.DROP:
-                kv.drop_host_pages([op.src for op in run])
-            else:
-                calls[kind]([op.src for op in run], [op.dst for op in run])
 
     def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int | list[int]],
                    logprobs: dict[int, list[dict[int, Logprob]]], draft_probs_row: int | None = None) -> None:
@@ -315,6 +307,8 @@ class Engine:
                                 None if draft_probs_row is None else draft_probs_row + i)
             return
         self.metrics.num_padded_tokens += result.num_padded_tokens
+        if getattr(result, "prompt_rows", None) is not None:
+            self._prompt_logprobs.record(chunks, result.prompt_rows)
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             if not result.finite[i]:
@@ -367,7 +361,7 @@ class Engine:
             return self.runner.execute_verify(chunks, rows, [c.token_ids[1:] for c in chunks],
                                               self.spec_config.num_speculative_tokens, draft_probs_row,
                                               verify_len=self._verify_len)
-        return self.runner.execute(chunks, rows)
+        return self.runner.execute(chunks, rows, prompt_logprobs=any(wants(c) for c in chunks))
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []
@@ -382,6 +376,7 @@ class Engine:
             if finished:
                 req.reported_finished = True
                 self.metrics.num_finished += 1
+                self._prompt_logprobs.forget(request_id)
                 for seq in req.seqs:
                     self._logprobs.forget(seq.seq_id)
                     self.grammars.forget(seq.seq_id)
@@ -397,4 +392,4 @@ class Engine:
         logprobs = [self._logprobs.of(s.seq_id, len(s.output_token_ids)) if s.params.logprobs is not None else None
                     for s in req.seqs]
         return request_output(req.request_id, req.prompt, req.prompt_token_ids, req.seqs, req.arrival_time, deltas,
-                              logprobs, finished)
+                              logprobs, finished, self._prompt_logprobs.of(req.request_id))

@@ -9,6 +9,7 @@ split over KV heads. In a multi-host run each move is broadcast to the followers
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 
 from jaxinfer.engine import multihost
 from jaxinfer.engine.step_inputs import padded_page_ids
+from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind
 from models.config import ModelConfig
 from models.llama import KVCache
 
@@ -168,3 +170,15 @@ class PagedKVCache:
             multihost.send(multihost.Op.DROP_PAGES, list(host_page_ids))
         for host_page_id in host_page_ids:
             self.host_pages.pop(host_page_id, None)
+
+    def apply_ops(self, ops: Sequence[KVOp]) -> None:
+        """Runs the prefix cache's page moves in order (`jaxinfer.scheduler.prefix_cache.KVOp`), a run of one kind
+        as one call; first settles the offloads of earlier steps (they have reached the host by now)."""
+        self.settle_host_pages()
+        calls = {KVOpKind.OFFLOAD: self.offload_pages, KVOpKind.LOAD: self.load_pages, KVOpKind.COPY: self.copy_pages}
+        for kind, group in itertools.groupby(ops, key=lambda op: op.kind):
+            run = list(group)
+            if kind is KVOpKind.DROP:
+                self.drop_host_pages([op.src for op in run])
+            else:
+                calls[kind]([op.src for op in run], [op.dst for op in run])

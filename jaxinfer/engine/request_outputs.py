@@ -29,7 +29,7 @@ def request_metrics(seqs: Sequence[Seq], arrival_time: float, finished: bool) ->
 def request_output(request_id: str, prompt: str | None, prompt_token_ids: Sequence[int], seqs: Sequence[Seq],
                    arrival_time: float, deltas: Sequence[tuple[list[int], str]],
                    logprobs: Sequence[tuple[list[dict[int, Logprob]], float] | None],
-                   finished: bool) -> RequestOutput:
+                   finished: bool, prompt_logprobs: list[dict[int, Logprob] | None] | None = None) -> RequestOutput:
     """One request's output.
 
     Args:
@@ -39,6 +39,7 @@ def request_output(request_id: str, prompt: str | None, prompt_token_ids: Sequen
       logprobs: per sample, the logprobs of its output tokens so far and the sum of the sampled tokens', or None
         when not asked for.
       finished: every sample has finished.
+      prompt_logprobs: the request's (`jaxinfer.engine.prompt_logprobs`), or None when not asked for.
     """
     completions = [CompletionOutput(index=seq.sample_index, text=seq.text, token_ids=list(seq.output_token_ids),
                                     finish_reason=seq.finish_reason, delta_text=delta_text,
@@ -48,4 +49,4 @@ def request_output(request_id: str, prompt: str | None, prompt_token_ids: Sequen
                    for seq, (delta_ids, delta_text), lp in zip(seqs, deltas, logprobs)]
     return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
                          outputs=completions, finished=finished, metrics=request_metrics(seqs, arrival_time, finished),
-                         num_cached_tokens=max(s.num_cached_tokens for s in seqs))
+                         num_cached_tokens=max(s.num_cached_tokens for s in seqs), prompt_logprobs=prompt_logprobs)

@@ -5,7 +5,9 @@
 2. `jaxinfer.engine.step_inputs` pads them to shape buckets (powers of two for flat tokens, sequences, pages per
    sequence and the longest query run), so a handful of shapes are compiled and then reused.
 3. One jitted step runs the model forward and samples a token per sequence; the KV cache (`kv_cache.PagedKVCache`)
-   is donated and replaced by the step's output. Sampled tokens come back as numpy (`step_results`).
+   is donated and replaced by the step's output (the jitted functions are `jaxinfer.engine.device_steps`).
+   Sampled tokens come back as numpy (`step_results`). A step for prompt logprobs returns every row's logits
+   and their logprobs too (`jaxinfer.engine.prompt_logprobs`).
 
 Speculative decoding adds two calls: `propose` (the draft model drafts k tokens per sequence on device) and
 `execute_verify` (the target runs each sequence's last token plus its drafts, and `spec_decode.verify` picks the
@@ -27,10 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import multihost
+from jaxinfer.engine.device_steps import step as _step
+from jaxinfer.engine.device_steps import verify_step as _verify_step
 from jaxinfer.engine.kv_cache import PagedKVCache
-from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow, sample
+from jaxinfer.engine.prompt_logprobs import PromptLogprobRows, chunk_targets
+from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow
 from jaxinfer.engine.spec_decode import draft as draft_lib
-from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
+from jaxinfer.engine.spec_decode.verify import VerifyOutput
 from jaxinfer.engine.step_inputs import (draft_inputs, next_power_of_two, num_padded_tokens, prepare_step,
                                          verify_draft_ids)
 from jaxinfer.engine.step_results import StepResult, VerifyResult
@@ -48,39 +53,6 @@ def _shape_key(args: tuple) -> tuple:
     """Pytree structure plus every leaf's shape and dtype: what a compiled call is specialised to."""
     leaves, treedef = jax.tree.flatten(args)
     return treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves)
-
-
-def _mirror(draft_weights: Weights | None, tokens: jax.Array, metadata: AttentionMetadata,
-            draft_cache: KVCache | None, draft_kwargs: dict) -> KVCache | None:
-    """A draft model with a cache of its own computes the K/V of every token the target computes (draft.py)."""
-    if draft_cache is None:
-        return None
-    one_row = metadata.replace(logits_indices=metadata.logits_indices[:1])  # its logits are not needed
-    return forward(draft_weights, tokens, one_row, draft_cache, **draft_kwargs)[1]
-
-
-def _step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
-          sampling: SamplingArrays, draft_weights: Weights | None = None, draft_cache: KVCache | None = None, *,
-          draft_kwargs: dict | None = None, **model_kwargs) -> tuple[SampleOutput, jax.Array, KVCache, KVCache | None]:
-    """One step: the forward over the ragged batch, a sampled token per sequence, which rows were finite."""
-    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
-    return sample(logits, sampling), finite, kv_cache, draft_cache
-
-
-def _verify_step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
-                 sampling: SamplingArrays, draft_ids: jax.Array, draft_probs: jax.Array | None, num_drafts: jax.Array,
-                 draft_weights: Weights | None = None, draft_cache: KVCache | None = None, *,
-                 draft_kwargs: dict | None = None,
-                 **model_kwargs) -> tuple[VerifyOutput, jax.Array, KVCache, KVCache | None]:
-    """One verify step: the forward over every sequence's verify window, then `verify` on its k + 1 rows."""
-    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)  # [B * (k+1), V]
-    b, k = draft_ids.shape
-    logits = logits.reshape(b, k + 1, -1)
-    finite = jnp.all(jnp.isfinite(logits), axis=(1, 2))
-    draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
-    return verify(logits, draft_ids, draft_probs, num_drafts, sampling), finite, kv_cache, draft_cache
 
 
 class ModelRunner:
@@ -153,11 +125,12 @@ class ModelRunner:
             self._propose = jax.jit(functools.partial(draft_lib.propose, **draft_kwargs),
                                     static_argnames=("num_tokens", "with_probs"), donate_argnames=("kv_cache",),
                                     out_shardings=(replicated, replicated, propose_cache_out) if on_mesh else None)
-        step_out = (replicated, replicated, cache_out, None) if on_mesh else None
+        step_out = (replicated, replicated, replicated, cache_out, None) if on_mesh else None
         self._step = jax.jit(functools.partial(_step, draft_kwargs=draft_kwargs, **model_kwargs),
                              donate_argnames=("kv_cache", "draft_cache"), out_shardings=step_out)
         self._verify_step = jax.jit(functools.partial(_verify_step, draft_kwargs=draft_kwargs, **model_kwargs),
-                                    donate_argnames=("kv_cache", "draft_cache"), out_shardings=step_out)
+                                    donate_argnames=("kv_cache", "draft_cache"),
+                                    out_shardings=step_out and step_out[:1] + step_out[2:])
         self._forward_all = jax.jit(functools.partial(forward, **model_kwargs), donate_argnames=("kv_cache",),
                                     out_shardings=(replicated, cache_out) if on_mesh else None)
 
@@ -208,45 +181,60 @@ class ModelRunner:
         return prepare_step(chunks, self.page_size, self.max_pages_per_seq, all_rows=all_rows,
                             flash=self.attention.flash is not None, verify_width=verify_width, verify_len=verify_len)
 
-    def step_inputs(self, chunks: Sequence[ScheduledChunk],
-                    rows: Sequence[SamplingRow]) -> tuple[np.ndarray, AttentionMetadata, SamplingArrays]:
-        """The host arrays of one step (the `multihost.Op.STEP` payload): (tokens, metadata, sampling)."""
-        tokens, metadata, rows_pad = self._prepare(chunks, all_rows=False)
-        return tokens, metadata, self._sampling_arrays(rows, rows_pad)
+    def step_inputs(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
+                    prompt_logprobs: bool = False) -> tuple:
+        """The host arrays of one step (the `multihost.Op.STEP` payload): (tokens, metadata, sampling, prompt);
+        prompt is None, or with `prompt_logprobs` (every chunk has a sequence) `_step`'s (targets, sampled rows)."""
+        tokens, metadata, rows_pad = self._prepare(chunks, all_rows=prompt_logprobs)
+        prompt = None
+        if prompt_logprobs:
+            targets = np.zeros(len(tokens), np.int32)
+            targets[: sum(len(c.token_ids) for c in chunks)] = np.maximum(
+                np.concatenate([chunk_targets(c) for c in chunks]), 0)
+            sampled = np.zeros(rows_pad, np.int32)
+            sampled[: len(chunks)] = metadata.cu_q_lens[1 : len(chunks) + 1] - 1
+            prompt = targets, sampled
+        return tokens, metadata, self._sampling_arrays(rows, rows_pad), prompt
 
-    def step_args(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays) -> tuple:
+    def step_args(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays,
+                  prompt: tuple | None = None) -> tuple:
         """The jitted step's arguments for these host arrays."""
-        tokens, metadata, sampling = multihost.global_inputs((tokens, metadata, sampling), self.mesh)
-        return self.weights, tokens, metadata, self.kv_cache, sampling, *self._draft_args()
+        tokens, metadata, sampling, prompt = multihost.global_inputs((tokens, metadata, sampling, prompt), self.mesh)
+        return self.weights, tokens, metadata, self.kv_cache, sampling, prompt, *self._draft_args()
 
-    def run_step(self, tokens: np.ndarray, metadata: AttentionMetadata,
-                 sampling: SamplingArrays) -> tuple[SampleOutput, jax.Array]:
-        """Runs one step on its host arrays (leader and followers); returns (samples, finite rows) on device."""
-        out, finite, self.kv_cache, self.draft_cache = self._call("step", *self.step_args(tokens, metadata, sampling))
-        return out, finite
+    def run_step(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays,
+                 prompt: tuple | None = None) -> tuple[SampleOutput, jax.Array, PromptLogprobRows | None]:
+        """Runs one step on its host arrays (leader and followers); returns (samples, finite rows, prompt logprob
+        rows or None) on device."""
+        out, finite, prompt_rows, self.kv_cache, self.draft_cache = self._call(
+            "step", *self.step_args(tokens, metadata, sampling, prompt))
+        return out, finite, prompt_rows
 
-    def execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> StepResult:
+    def execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
+                prompt_logprobs: bool = False) -> StepResult:
         """Runs one step and samples the next token of every sequence.
 
         Args:
           chunks: the batch, one entry per sequence.
           rows: per-sequence sampling inputs, same order.
+          prompt_logprobs: the forward returns every token row's logits, and the result carries their prompt
+            logprobs (`jaxinfer.engine.prompt_logprobs`); every chunk needs its sequence then.
 
         Returns:
-          The step's sampling output on the host, one row per chunk.
+          The step's sampling output on the host, one row per chunk (and `prompt_rows`, one per token row).
 
         Raises:
           ValueError: if a sequence has no new token or too few pages, or rows and chunks differ in length.
         """
         if len(rows) != len(chunks):
             raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} sequences")
-        inputs = self.step_inputs(chunks, rows)
+        inputs = self.step_inputs(chunks, rows, prompt_logprobs)
         multihost.send(multihost.Op.STEP, inputs)
-        out, finite = jax.device_get(self.run_step(*inputs))
+        out, finite, prompt_rows = jax.device_get(self.run_step(*inputs))
         n = len(chunks)
         return StepResult(token_ids=out.token_ids[:n], logprobs=out.logprobs[:n], top_logprobs=out.top_logprobs[:n],
                           top_token_ids=out.top_token_ids[:n], ranks=out.ranks[:n], finite=finite[:n],
-                          num_padded_tokens=num_padded_tokens(inputs[0], chunks))
+                          num_padded_tokens=num_padded_tokens(inputs[0], chunks), prompt_rows=prompt_rows)
 
     def compile_step(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> jax.stages.Compiled:
         """The compiled step `execute` runs for this batch's shapes, without running it: for XLA's memory analysis

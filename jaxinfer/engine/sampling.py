@@ -302,7 +302,8 @@ def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1)
 
 
-def _top_logprobs_and_ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def top_logprobs_and_ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(top values f32[B, MAX_LOGPROBS], their ids i32[B, MAX_LOGPROBS], ranks of token_ids i32[B]) of f32[B, V]."""
     return *_top_logprobs(raw_logprobs), token_ranks(raw_logprobs, token_ids)
 
 
@@ -324,7 +325,7 @@ def top_logprobs(raw_logprobs: jax.Array, num_logprobs: jax.Array,
     Returns:
       f32[B, MAX_LOGPROBS], i32[B, MAX_LOGPROBS] and i32[B], filled only when some row has num_logprobs >= 0.
     """
-    return jax.lax.cond(jnp.any(num_logprobs >= 0), _top_logprobs_and_ranks, _no_top_logprobs, raw_logprobs,
+    return jax.lax.cond(jnp.any(num_logprobs >= 0), top_logprobs_and_ranks, _no_top_logprobs, raw_logprobs,
                         token_ids)
 
 
@@ -368,7 +369,7 @@ def _sampled_token_ids(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 def _top_logprobs_of_logits(logits: jax.Array, vocab_limit: jax.Array,
                             token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return _top_logprobs_and_ranks(jax.nn.log_softmax(limit_vocab(logits, vocab_limit), axis=-1), token_ids)
+    return top_logprobs_and_ranks(jax.nn.log_softmax(limit_vocab(logits, vocab_limit), axis=-1), token_ids)
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxinfer.outputs import Logprob
 
+if TYPE_CHECKING:
+    from jaxinfer.engine.prompt_logprobs import PromptLogprobRows
+
 TokenText = Callable[[int], str]
 
 
-def _entry(token_id: int, logprob: float, rank: int, top_ids: np.ndarray, top_values: np.ndarray,
+def entry(token_id: int, logprob: float, rank: int, top_ids: np.ndarray, top_values: np.ndarray,
            decode: TokenText) -> dict[int, Logprob]:
     """vLLM's entry: the sampled token first, then the top tokens (rank = position + 1); a top token that is the
     sampled one keeps the first place and takes the top entry's rank."""
@@ -43,11 +47,12 @@ class StepResult:
     ranks: np.ndarray
     finite: np.ndarray
     num_padded_tokens: int = 0  # token rows the step computed beyond the real tokens (bucket padding)
+    prompt_rows: PromptLogprobRows | None = None  # a prompt-logprobs step's, one per token row (padded)
 
     def row_logprobs(self, row: int, n: int, decode: TokenText) -> dict[int, Logprob]:
         """{token id: Logprob} of the row's sampled token, then its top n raw tokens (`CompletionOutput.logprobs`);
         decode(id) gives each entry's `decoded_token`."""
-        return _entry(int(self.token_ids[row]), float(self.logprobs[row]), int(self.ranks[row]),
+        return entry(int(self.token_ids[row]), float(self.logprobs[row]), int(self.ranks[row]),
                       self.top_token_ids[row, :n], self.top_logprobs[row, :n], decode)
 
 
@@ -79,7 +84,7 @@ class VerifyResult:
 
     def row_logprobs(self, row: int, n: int, decode: TokenText) -> list[dict[int, Logprob]]:
         """Per emitted token of the row, as `StepResult.row_logprobs`: the emitted token, then the top n."""
-        return [_entry(int(self.token_ids[row, j]), float(self.logprobs[row, j]), int(self.ranks[row, j]),
+        return [entry(int(self.token_ids[row, j]), float(self.logprobs[row, j]), int(self.ranks[row, j]),
                        self.top_token_ids[row, j, :n], self.top_logprobs[row, j, :n], decode)
                 for j in range(int(self.num_accepted[row]) + 1)]
 

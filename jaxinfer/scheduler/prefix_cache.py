@@ -20,7 +20,7 @@ of vLLM's automatic prefix caching and SGLang's RadixAttention, at page granular
   BENCHMARKS.md). When the pool is full its least recently offloaded page is dropped (`KVOp.DROP`).
 
 This module is host-only bookkeeping (no jax). The page transfers it decides are returned as `KVOp`s in the
-order they must run; the engine runs them before the step's model call (`Engine._apply_kv_ops`).
+order they must run; the engine runs them before the step's model call (`PagedKVCache.apply_ops`).
 """
 
 from __future__ import annotations

@@ -250,8 +250,8 @@ class Scheduler:
                 break  # sample 0 is still computing the prompt this sample will share
             if sibling is not None:
                 self.num_shared_prompt_pages += self.pages.share_prompt_pages(seq, sibling)
-            elif self.prefix_cache is not None and not seq.page_ids:
-                self.pages.take_cached_prefix(seq)
+            elif self.prefix_cache is not None and not seq.page_ids and seq.params.prompt_logprobs is None:
+                self.pages.take_cached_prefix(seq)  # prompt logprobs need every prompt row's logits: no cache
             n = self.pages.fit(seq, min(seq.num_new_tokens_to_compute, budget))
             if n == 0:
                 if sibling is None and seq.page_ids:  # give the cached pages back; the lookup reruns next time

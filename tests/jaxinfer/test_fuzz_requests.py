@@ -74,6 +74,7 @@ PLAUSIBLE = {
     "min_tokens": st.integers(-2, 70),
     "seed": st.none() | st.integers(-2, 2**32 + 2),
     "logprobs": st.none() | st.integers(-2, MAX_LOGPROBS + 2),
+    "prompt_logprobs": st.none() | st.integers(-2, MAX_LOGPROBS + 2) | st.floats(0, 3) | st.booleans(),
     "stop": st.none() | ODD_TEXT | st.lists(ODD_TEXT, max_size=MAX_STOP_STRINGS + 2),
     "stop_token_ids": st.none() | st.lists(st.integers(-2, VOCAB_SIZE + 2) | HUGE_INTS, max_size=MAX_STOP_TOKEN_IDS + 2)
     | st.lists(st.integers(0, 50), max_size=4).map(np.array),
@@ -129,6 +130,7 @@ def assert_within_limits(sp: SamplingParams) -> None:
     assert integer(sp.min_tokens) and 0 <= sp.min_tokens <= (sp.max_tokens or sp.min_tokens)
     assert sp.seed is None or (integer(sp.seed) and 0 <= sp.seed < 2**32)
     assert sp.logprobs is None or (integer(sp.logprobs) and 0 <= sp.logprobs <= MAX_LOGPROBS)
+    assert sp.prompt_logprobs is None or (integer(sp.prompt_logprobs) and 0 <= sp.prompt_logprobs <= MAX_LOGPROBS)
     assert isinstance(sp.stop, tuple) and len(sp.stop) <= MAX_STOP_STRINGS
     for s in sp.stop:
         assert isinstance(s, str) and 1 <= len(s) <= MAX_STOP_STRING_CHARS
@@ -210,6 +212,7 @@ def prompt_objects(draw) -> Prompt | ValueError:
 PROMPTS = st.one_of(PROMPT_VALUES, PROMPT_DICTS, prompt_objects())
 GOOD_PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0, 0.7]), max_tokens=st.integers(1, 6),
                         n=st.integers(1, 3), seed=st.none() | st.integers(0, 9), logprobs=st.none() | st.integers(0, 3),
+                        prompt_logprobs=st.none() | st.integers(0, 2),
                         logit_bias=st.none() | st.dictionaries(st.integers(0, VOCAB_SIZE - 1), st.floats(-100, 100),
                                                                max_size=3),
                         allowed_token_ids=st.none() | st.lists(st.integers(3, VOCAB_SIZE - 1), min_size=1, max_size=6),

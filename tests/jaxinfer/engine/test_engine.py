@@ -713,11 +713,11 @@ def test_exception_in_step_fails_only_that_request(tiny: Engine, tiny_alone, mon
     real_execute = tiny.runner.execute
     calls = []
 
-    def flaky_execute(chunks, rows):
+    def flaky_execute(chunks, rows, **kwargs):
         calls.append(len(chunks))
         if any(c.num_computed_tokens == 0 and c.token_ids[0] == marker for c in chunks):
             raise RuntimeError("injected device failure")
-        return real_execute(chunks, rows)
+        return real_execute(chunks, rows, **kwargs)
 
     monkeypatch.setattr(tiny.runner, "execute", flaky_execute)
     tiny.reset_prefix_cache()  # the good prompts ran before: the call counts below assume they are recomputed

@@ -1,0 +1,56 @@
+"""The jitted device calls of `jaxinfer.engine.runner.ModelRunner`: one step (the forward over a ragged batch,
+then `sample`) and one verify step (speculative decoding: the forward over every verify window, then
+`spec_decode.verify`). A draft model with a cache of its own runs over the same tokens in both (`_mirror`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.engine.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
+from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, sample
+from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
+from models.llama import AttentionMetadata, KVCache, Weights, forward
+
+
+def _mirror(draft_weights: Weights | None, tokens: jax.Array, metadata: AttentionMetadata,
+            draft_cache: KVCache | None, draft_kwargs: dict) -> KVCache | None:
+    """A draft model with a cache of its own computes the K/V of every token the target computes (draft.py)."""
+    if draft_cache is None:
+        return None
+    one_row = metadata.replace(logits_indices=metadata.logits_indices[:1])  # its logits are not needed
+    return forward(draft_weights, tokens, one_row, draft_cache, **draft_kwargs)[1]
+
+
+def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
+          sampling: SamplingArrays, prompt: tuple[jax.Array, jax.Array] | None = None,
+          draft_weights: Weights | None = None, draft_cache: KVCache | None = None, *, draft_kwargs: dict | None = None,
+          **model_kwargs) -> tuple[SampleOutput, jax.Array, PromptLogprobRows | None, KVCache, KVCache | None]:
+    """One step: the forward over the ragged batch, a sampled token per sequence, which rows were finite.
+
+    prompt: None, or for a step whose forward returns every token row's logits (prompt logprobs): (each row's
+    target token i32[T_pad], the rows sampled from i32[R]); the step then also returns `PromptLogprobRows`.
+    """
+    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)
+    rows = None
+    if prompt is not None:
+        rows = prompt_logprob_rows(logits, prompt[0], sampling.vocab_limit)
+        logits = jnp.take(logits, prompt[1], axis=0)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
+    return sample(logits, sampling), finite, rows, kv_cache, draft_cache
+
+
+def verify_step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
+                 sampling: SamplingArrays, draft_ids: jax.Array, draft_probs: jax.Array | None, num_drafts: jax.Array,
+                 draft_weights: Weights | None = None, draft_cache: KVCache | None = None, *,
+                 draft_kwargs: dict | None = None,
+                 **model_kwargs) -> tuple[VerifyOutput, jax.Array, KVCache, KVCache | None]:
+    """One verify step: the forward over every sequence's verify window, then `verify` on its k + 1 rows."""
+    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)  # [B * (k+1), V]
+    b, k = draft_ids.shape
+    logits = logits.reshape(b, k + 1, -1)
+    finite = jnp.all(jnp.isfinite(logits), axis=(1, 2))
+    draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
+    return verify(logits, draft_ids, draft_probs, num_drafts, sampling), finite, kv_cache, draft_cache
