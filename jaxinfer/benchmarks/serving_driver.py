@@ -104,10 +104,10 @@ class Recorder:
         execute = runner.execute
 
         @functools.wraps(execute)
-        def _execute(chunks, rows):
+        def _execute(chunks, rows, **kwargs):
             before = num_executables(runner)
             t0 = time.perf_counter()
-            out = execute(chunks, rows)
+            out = execute(chunks, rows, **kwargs)
             self.calls[-1].execute_s = time.perf_counter() - t0
             self.calls[-1].compiled = num_executables(runner) > before
             return out
