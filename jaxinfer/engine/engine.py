@@ -346,12 +346,13 @@ class Engine:
         self.runner.kv.clear_pages([p for p in own if self.page_allocator.refcount(p) == 1])
 
     def _sampling_rows(self, chunks: list[ScheduledChunk]) -> list[SamplingRow]:
+        masks = self.grammars.allowed_many([c.seq.seq_id for c in chunks if c.samples])  # in parallel
         return [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,
                             step=len(c.seq.output_token_ids), prompt_token_ids=c.seq.prompt_token_ids,
                             output_token_ids=c.seq.output_token_ids,
                             suppress=(banned := self.scheduler.suppressed_token_ids(c.seq)),
                             allowed=self.token_rules.allowed(c.seq.seq_id, c.seq.output_token_ids,
-                                                             self.grammars.allowed(c.seq.seq_id), banned)
+                                                             masks.get(c.seq.seq_id), banned)
                             if c.samples else None) for c in chunks]
 
     def _execute(self, chunks: list[ScheduledChunk], draft_probs_row: int | None = None) -> StepResult | VerifyResult:

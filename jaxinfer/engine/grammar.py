@@ -3,10 +3,10 @@ for the next step, and the tokens it consumes.
 
 1. `Grammars.add` builds a matcher per sequence of a request whose `SamplingParams.structured_outputs` is set
    (at admission: a grammar llguidance cannot build for this tokenizer is a `ValueError`, nothing queued).
-2. Before a step, `allowed(seq)` computes the sequence's next-token mask as int32[ceil(V/32)] (bit j of word i
-   allows id 32 i + j, llguidance's layout); it rides in `SamplingRow.allowed` into the jitted sampler, which
-   sets the other logits to -inf (`jaxinfer.engine.sampling`), so constrained and unconstrained rows share one
-   batch and one device call, and no logits come back to the host.
+2. Before a step, `allowed_many` computes the constrained rows' next-token masks (in parallel over the cores),
+   each int32[ceil(V/32)] (bit j of word i allows id 32 i + j, llguidance's layout); it rides in
+   `SamplingRow.allowed` into the jitted sampler, which sets the other logits to -inf (`jaxinfer.engine.sampling`),
+   so constrained and unconstrained rows share one batch and one device call, and no logits come back to the host.
 3. After the step, `consume(seq, token)` advances the matcher; a token it refuses (possible only if the mask was
    bypassed, e.g. `min_tokens` banning the EOS the grammar needs) fails that request with the matcher's error.
    The mask allows EOS only where the constraint is complete, so a constrained output ends with EOS there.
@@ -17,6 +17,7 @@ Source: llguidance (https://github.com/guidance-ai/llguidance), its `LLMatcher` 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 
@@ -72,6 +73,7 @@ class Grammars:
         self.words = (vocab_size + 31) // 32
         self._ll = None
         self._matchers: dict[int, object] = {}
+        self._executor = None  # llguidance's thread pool for `allowed_many`, made on first use
 
     def _ll_tokenizer(self):
         if self._ll is None:
@@ -132,6 +134,22 @@ class Grammars:
         mask = np.zeros(self.words, np.int32)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         return mask
+
+    def allowed_many(self, seq_ids: Sequence[int]) -> dict[int, np.ndarray]:
+        """{seq id: `allowed(seq id)`} for the constrained ones among seq_ids (the others are left out), computed
+        in one call that spreads the matchers over llguidance's threads (`LLExecutor`, one per core: the host
+        waits for these masks before the step, with the cores otherwise idle)."""
+        ids = [s for s in seq_ids if s in self._matchers]
+        if len(ids) < 2:
+            return {s: self.allowed(s) for s in ids}
+        if self._executor is None:
+            from llguidance import LLExecutor  # noqa: PLC0415
+
+            self._executor = LLExecutor(num_threads=max(1, len(os.sched_getaffinity(0))))
+        masks = np.zeros((len(ids), self.words), np.int32)
+        self._executor.unsafe_compute_mask_ptr([(self._matchers[s], i) for i, s in enumerate(ids)],
+                                               masks.ctypes.data, self.words * 4, len(ids))
+        return dict(zip(ids, masks))
 
     def consume(self, seq_id: int, token_id: int) -> str | None:
         """Advances the sequence's matcher by one sampled token; the matcher's error if it refuses it, else None."""

@@ -115,3 +115,31 @@ def test_params_are_hashable_and_equal_by_value():
     a = SamplingParams(structured_outputs={"json": {"b": 1, "type": "object"}})
     b = SamplingParams(structured_outputs=StructuredOutputsParams(json='{"type": "object", "b": 1}'))
     assert a == b and hash(a) == hash(b) and a.structured_outputs.kind == "json"
+
+
+def test_masks_computed_together_equal_those_computed_one_by_one(smollm2_llm):
+    """`Grammars.allowed_many` (one parallel llguidance call) gives each matcher the mask `allowed` gives it alone,
+    with the matchers in different states, and leaves unconstrained sequence ids out."""
+    import numpy as np
+
+    grammars = smollm2_llm.engine.grammars
+    ids = list(range(10**9, 10**9 + 6))  # ids no engine sequence has
+    regex = SamplingParams(structured_outputs={"regex": "[a-z ]{1,40}"})
+    schema = SamplingParams(structured_outputs={"json": SCHEMA})
+    rng = np.random.default_rng(0)
+    try:
+        for i, seq_id in enumerate(ids):
+            grammars.add([seq_id], regex if i % 2 else schema)
+            for _ in range(i):  # i tokens in: six different states
+                mask = grammars.allowed(seq_id)
+                allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+                assert grammars.consume(seq_id, int(rng.choice(allowed))) is None
+        together = grammars.allowed_many(ids + [-1])
+        assert set(together) == set(ids)
+        masks = [grammars.allowed(seq_id) for seq_id in ids]
+        assert len({m.tobytes() for m in masks}) > 1  # the states differ: the comparison has teeth
+        for seq_id, mask in zip(ids, masks):
+            np.testing.assert_array_equal(together[seq_id], mask)
+    finally:
+        for seq_id in ids:
+            grammars.forget(seq_id)
