@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 _SAMPLING_FIELDS = ("n", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "max_tokens", "min_tokens", "seed", "ignore_eos",
-                    "include_stop_str_in_output", "skip_special_tokens", "logprobs")
+                    "include_stop_str_in_output", "skip_special_tokens", "logprobs", "prompt_logprobs")
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:

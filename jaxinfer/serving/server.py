@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.engine.async_engine import AsyncEngine, EngineStoppedError
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.request_limits import check_token_ids
 from jaxinfer.serving.metrics_port import MetricsPort
 from jaxinfer.serving.requests import chat_ids, prompt_from_request, sampling_params_from_proto
@@ -47,6 +47,12 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxInfer"].full_name  # "jaxinfer.v1.JaxInfer"
 _DEADLINE_SLACK_S = 0.1
+
+
+def _token_logprobs(entry: dict[int, Logprob]) -> pb.TokenLogprobs:
+    """One position's {token id: Logprob} (the sampled or prompt token first) as `TokenLogprobs`."""
+    return pb.TokenLogprobs(top=[pb.TopLogprob(token_id=t, logprob=lp.logprob, rank=lp.rank)
+                                 for t, lp in entry.items()])
 
 
 def _internal_error(e: Exception) -> str:
@@ -159,10 +165,15 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             out: RequestOutput | None = await anext(stream)  # admission: a ValueError names the field
             recorder = served.record_admitted(out)
             finished: set[int] = set()
+            first = True
             try:
                 while out is not None:
                     recorder.record(out)  # before the client sees it
-                    for response in self._responses(out, finished):
+                    responses = self._responses(out, finished)
+                    if first and responses and out.prompt_logprobs is not None:
+                        responses[0].prompt_logprobs.extend(_token_logprobs(e) for e in out.prompt_logprobs[1:])
+                    first = first and not responses
+                    for response in responses:
                         yield response
                     out = None if out.finished else await anext(stream, None)
             finally:
@@ -178,9 +189,8 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             msg = pb.GenerateResponse(request_id=out.request_id, index=c.index, token_ids=c.delta_token_ids,
                                       text=c.delta_text)
             if c.logprobs is not None and c.delta_token_ids:
-                for entry in c.logprobs[len(c.logprobs) - len(c.delta_token_ids):]:
-                    msg.logprobs.add(top=[pb.TopLogprob(token_id=t, logprob=lp.logprob, rank=lp.rank)
-                                          for t, lp in entry.items()])
+                msg.logprobs.extend(_token_logprobs(entry)
+                                    for entry in c.logprobs[len(c.logprobs) - len(c.delta_token_ids):])
             if done:
                 finished.add(c.index)
                 msg.finish_reason = c.finish_reason

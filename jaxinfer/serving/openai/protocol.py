@@ -22,8 +22,7 @@ IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_ca
                   "web_search_options", "function_call", "functions")
 # Declared, but a request that sets them (to anything but their "off" value) gets a 400 naming the field: the
 # feature is not implemented yet.
-UNSUPPORTED_FIELDS = {"prompt_logprobs": "prompt logprobs", "tools": "tool calls",
-                      "suffix": "suffix (fill-in-the-middle)"}
+UNSUPPORTED_FIELDS = {"tools": "tool calls", "suffix": "suffix (fill-in-the-middle)"}
 
 
 class _Body(BaseModel):
@@ -79,7 +78,7 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    # declared so that setting one is named: not implemented yet (UNSUPPORTED_FIELDS)
+    # vLLM's: per prompt token its logprob, rank and the top-k (not with stream: vLLM refuses that too)
     prompt_logprobs: int | None = None
     # accepted and ignored (IGNORED_FIELDS)
     user: str | None = None

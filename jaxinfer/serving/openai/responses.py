@@ -70,6 +70,14 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]
                         for t, e in zip(token_ids, entries)]}
 
 
+def prompt_logprobs(entries: Sequence[dict[int, Logprob] | None]) -> list[dict | None]:
+    """vLLM's JSON `prompt_logprobs`: per prompt position null (position 0) or {"<token id>": {logprob, rank,
+    decoded_token}}, the prompt token first, then the top ones (`RequestOutput.prompt_logprobs`)."""
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
+
+
 def finish_reason(c: CompletionOutput) -> str | None:
     """OpenAI's finish reason: "stop" or "length"; an aborted or failed completion is reported as "stop" with
     the error raised separately by the caller."""
@@ -118,7 +126,15 @@ class Shaper:
                     choices.append({"index": index, "text": prefix + c.text,
                                     "logprobs": self._logprobs(c, 0, len(prefix)), "finish_reason": finish_reason(c),
                                     "stop_reason": c.stop_reason})
-        return self._head(False) | {"choices": choices, "usage": usage(outs)}
+        head = self._head(False)
+        if self.chat and any(out.prompt_logprobs is not None for out in outs):  # vLLM's place for chat
+            head["prompt_logprobs"] = prompt_logprobs(outs[0].prompt_logprobs)
+        elif not self.chat:
+            for choice in choices:
+                out = outs[choice["index"] // self.n]
+                if out.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs(out.prompt_logprobs)
+        return head | {"choices": choices, "usage": usage(outs)}
 
     def chunk(self, p: int, c: CompletionOutput, first: bool, echo: str = "") -> dict | None:
         """The chunk of one completion's new tokens (None when there is nothing new): the first chat chunk of a

@@ -86,8 +86,11 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
     except ValueError as e:
         message = str(e).replace("structured_outputs", constraint[0], 1)
         raise ValueError(message if message.startswith(constraint[0]) else f"{constraint[0]}: {message}") from None
+    _check(not (body.stream and body.prompt_logprobs is not None),
+           "prompt_logprobs is not available with stream: true (as in vLLM): send it without streaming")
     return SamplingParams(
-        n=body.n, max_tokens=max_tokens, logprobs=logprobs, seed=body.seed, stop=body.stop,
+        n=body.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, seed=body.seed,
+        stop=body.stop,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
         min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"jaxinfer/serving/v1/jaxinfer.proto\x12\x0bjaxinfer.v1\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"u\n\tChatInput\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x88\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x0e\x88\x01\x01\x12:\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputs\x12>\n\nlogit_bias\x18\x13 \x03(\x0b\x32*.jaxinfer.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\x05\x12\x11\n\tbad_words\x18\x15 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobs\"\x94\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd5\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.jaxinfer.v1.ChatInputH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"5\n\rTokenLogprobs\x12$\n\x03top\x18\x01 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xfa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.jaxinfer.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x12\n\x08stop_str\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\x05H\x00\x42\r\n\x0bstop_reason\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.jaxinfer.v1.ChatInputH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x9d\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x0c\n\x04mesh\x18\x06 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t2\xb9\x02\n\x08JaxInfer\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxinfer.v1.ModelInfoRequest\x1a\x1e.jaxinfer.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"jaxinfer/serving/v1/jaxinfer.proto\x12\x0bjaxinfer.v1\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"u\n\tChatInput\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xba\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x0e\x88\x01\x01\x12:\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1e.jaxinfer.v1.StructuredOutputs\x12>\n\nlogit_bias\x18\x13 \x03(\x0b\x32*.jaxinfer.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\x05\x12\x11\n\tbad_words\x18\x15 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x94\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.jaxinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd5\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.jaxinfer.v1.ChatInputH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"5\n\rTokenLogprobs\x12$\n\x03top\x18\x01 \x03(\x0b\x32\x17.jaxinfer.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xaf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.jaxinfer.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x12\n\x08stop_str\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\x05H\x00\x12\x33\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1a.jaxinfer.v1.TokenLogprobsB\r\n\x0bstop_reason\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.jaxinfer.v1.ChatInputH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x9d\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x0c\n\x04mesh\x18\x06 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t2\xb9\x02\n\x08JaxInfer\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12J\n\tModelInfo\x12\x1d.jaxinfer.v1.ModelInfoRequest\x1a\x1e.jaxinfer.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,35 +40,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=244
   _globals['_TOKENIDS']._serialized_end=267
   _globals['_SAMPLINGPARAMS']._serialized_start=270
-  _globals['_SAMPLINGPARAMS']._serialized_end=1174
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=886
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=934
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1177
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1325
-  _globals['_CHOICES']._serialized_start=1327
-  _globals['_CHOICES']._serialized_end=1353
-  _globals['_GENERATEREQUEST']._serialized_start=1356
-  _globals['_GENERATEREQUEST']._serialized_end=1569
-  _globals['_TOPLOGPROB']._serialized_start=1571
-  _globals['_TOPLOGPROB']._serialized_end=1632
-  _globals['_TOKENLOGPROBS']._serialized_start=1634
-  _globals['_TOKENLOGPROBS']._serialized_end=1687
-  _globals['_USAGE']._serialized_start=1689
-  _globals['_USAGE']._serialized_end=1776
-  _globals['_GENERATERESPONSE']._serialized_start=1779
-  _globals['_GENERATERESPONSE']._serialized_end=2029
-  _globals['_TOKENIZEREQUEST']._serialized_start=2031
-  _globals['_TOKENIZEREQUEST']._serialized_end=2113
-  _globals['_TOKENIZERESPONSE']._serialized_start=2115
-  _globals['_TOKENIZERESPONSE']._serialized_end=2152
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2154
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2221
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2223
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2257
-  _globals['_MODELINFOREQUEST']._serialized_start=2259
-  _globals['_MODELINFOREQUEST']._serialized_end=2277
-  _globals['_MODELINFORESPONSE']._serialized_start=2280
-  _globals['_MODELINFORESPONSE']._serialized_end=2437
-  _globals['_JAXINFER']._serialized_start=2440
-  _globals['_JAXINFER']._serialized_end=2753
+  _globals['_SAMPLINGPARAMS']._serialized_end=1224
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=916
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=964
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1227
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1375
+  _globals['_CHOICES']._serialized_start=1377
+  _globals['_CHOICES']._serialized_end=1403
+  _globals['_GENERATEREQUEST']._serialized_start=1406
+  _globals['_GENERATEREQUEST']._serialized_end=1619
+  _globals['_TOPLOGPROB']._serialized_start=1621
+  _globals['_TOPLOGPROB']._serialized_end=1682
+  _globals['_TOKENLOGPROBS']._serialized_start=1684
+  _globals['_TOKENLOGPROBS']._serialized_end=1737
+  _globals['_USAGE']._serialized_start=1739
+  _globals['_USAGE']._serialized_end=1826
+  _globals['_GENERATERESPONSE']._serialized_start=1829
+  _globals['_GENERATERESPONSE']._serialized_end=2132
+  _globals['_TOKENIZEREQUEST']._serialized_start=2134
+  _globals['_TOKENIZEREQUEST']._serialized_end=2216
+  _globals['_TOKENIZERESPONSE']._serialized_start=2218
+  _globals['_TOKENIZERESPONSE']._serialized_end=2255
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2257
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2324
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2326
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2360
+  _globals['_MODELINFOREQUEST']._serialized_start=2362
+  _globals['_MODELINFOREQUEST']._serialized_end=2380
+  _globals['_MODELINFORESPONSE']._serialized_start=2383
+  _globals['_MODELINFORESPONSE']._serialized_end=2540
+  _globals['_JAXINFER']._serialized_start=2543
+  _globals['_JAXINFER']._serialized_end=2856
 # @@protoc_insertion_point(module_scope)

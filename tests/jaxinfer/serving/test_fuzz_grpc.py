@@ -59,6 +59,7 @@ VALID_SAMPLING = st.fixed_dictionaries({}, optional={  # within the limits, so t
                                                         max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 127), max_size=5), "ignore_eos": st.booleans(),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(), "logprobs": st.integers(0, 5),
+    "prompt_logprobs": st.integers(0, 3),
     "logit_bias": st.dictionaries(st.integers(0, 127), st.floats(-100, 100, width=32), max_size=4),
     "allowed_token_ids": st.lists(st.integers(0, 127), max_size=6),
     "bad_words": st.lists(st.text(st.characters(codec="utf-8"), min_size=1, max_size=4).filter(str.strip), max_size=3),
@@ -82,6 +83,7 @@ WILD_SAMPLING = st.fixed_dictionaries({}, optional={
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "logprobs": plausible_or_any(st.integers(-1, 22), INT32),
+    "prompt_logprobs": plausible_or_any(st.integers(-1, 22), INT32),
     "logit_bias": st.dictionaries(plausible_or_any(st.integers(-2, 140), INT32),
                                   plausible_or_any(st.floats(-150, 150, width=32), FLOAT32), max_size=5)
     | st.just({i: 1.0 for i in range(301)}),
@@ -170,6 +172,14 @@ def assert_well_formed(responses: list[pb.GenerateResponse], data: bytes, vocab_
     assert [r.HasField("usage") for r in responses].count(True) == 1 and responses[-1].HasField("usage")
     usage = responses[-1].usage
     assert usage.prompt_tokens >= 1 and usage.completion_tokens == sum(map(len, tokens.values()))
+    # prompt logprobs: on the first response only, one per prompt position after the first, the prompt token first
+    assert not any(r.prompt_logprobs for r in responses[1:])
+    if sampling.HasField("prompt_logprobs"):
+        entries = responses[0].prompt_logprobs
+        assert len(entries) == usage.prompt_tokens - 1
+        assert all(1 <= len(e.top) <= sampling.prompt_logprobs + 1 and e.top[0].rank >= 1 for e in entries)
+    else:
+        assert not responses[0].prompt_logprobs
 
 
 def _request(**sampling) -> bytes:

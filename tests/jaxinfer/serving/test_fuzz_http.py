@@ -108,6 +108,7 @@ SAMPLING = {  # the fields both endpoints share
         {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "bogus"}}}])),
     "logit_bias": (st.sampled_from([None, {}]), st.just({"1": 2.0})),  # unsupported when not empty
     "guided_regex": (st.sampled_from([None, "a+", "[0-9]{1,3}"]), st.sampled_from(["", "(", "a" * 5000])),
+    "prompt_logprobs": (st.none() | st.integers(0, 3), st.integers(-1, 22) | st.floats(0, 2)),  # 400 with stream
 }
 COMPLETION_ONLY = {
     "prompt": (st.one_of(texts(40).filter(bool), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
@@ -144,7 +145,7 @@ CHAT_ONLY = {
 }
 REQUIRED = ("prompt", "messages", "max_tokens", "stream")  # always sent (max_tokens: accepted requests stay short)
 SAFE_WILD = ("max_tokens", "max_completion_tokens")  # never anything: a valid large value would run for minutes
-UNKNOWN_KEYS = st.sampled_from(["temprature", "max_token", "prompt_logprobs", "streaming", "best_of"]) | texts(8)
+UNKNOWN_KEYS = st.sampled_from(["temprature", "max_token", "prompt_logprob", "streaming", "best_of"]) | texts(8)
 BAD_BYTES = st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x80", b"\xf4\x90\x80\x80", b"\x01"])
 
 

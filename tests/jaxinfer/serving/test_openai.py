@@ -304,6 +304,43 @@ def test_stop_reason_over_http_and_grpc(client, both_servers):
     assert (length.finish_reason, length.WhichOneof("stop_reason")) == ("length", None)
 
 
+def _same_prompt_logprobs(got: list, ref: list) -> None:
+    """HTTP's JSON prompt_logprobs (or gRPC's, as dicts) carry the engine's entries, in its order."""
+    assert len(got) == len(ref) and got[0] is None and ref[0] is None
+    for g, r in zip(got[1:], ref[1:], strict=True):
+        assert list(g) == [str(t) for t in r], (g, r)
+        for t, lp in r.items():
+            assert g[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert (g[str(t)]["rank"], g[str(t)]["decoded_token"]) == (lp.rank, lp.decoded_token)
+
+
+def test_prompt_logprobs_over_http_and_grpc_are_the_engines(both_servers, smollm2_llm):
+    """vLLM's prompt_logprobs: per completion choice, at the top of a chat response, on gRPC's first response;
+    the engine's values (`LLM.generate`); refused with stream or out of range, naming the field."""
+    base, name = both_servers.base_url, both_servers.model_name
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    ref = smollm2_llm.generate(PROMPTS[0], params)[0].prompt_logprobs
+    body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+    assert r["usage"]["prompt_tokens"] == len(ref)
+    _same_prompt_logprobs(r["choices"][0]["prompt_logprobs"], ref)
+    chat_ref = smollm2_llm.chat(CHAT, params)[0].prompt_logprobs
+    chat = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        "model": name, "messages": CHAT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
+    assert "prompt_logprobs" not in chat["choices"][0]
+    _same_prompt_logprobs(chat["prompt_logprobs"], chat_ref)
+    for bad in ({"stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        e = httpx.post(base + "/v1/completions", json=body | bad, timeout=60)
+        assert e.status_code == 400 and e.json()["error"]["param"] == "prompt_logprobs", e.text
+    sampling = pb.SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    responses = list(both_servers.stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=sampling)))
+    assert not any(x.prompt_logprobs for x in responses[1:])
+    grpc = [None] + [{str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": ref_e.decoded_token}
+                      for e, ref_e in zip(entry.top, r_entry.values(), strict=True)}
+                     for entry, r_entry in zip(responses[0].prompt_logprobs, ref[1:], strict=True)]
+    _same_prompt_logprobs(grpc, ref)
+
+
 def test_chat_logprobs_shape(client, both_servers):
     r = client.chat.completions.create(model=both_servers.model_name, messages=CHAT, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=2)
