@@ -44,7 +44,8 @@ What it records (all under ``--out``, default ``tests/data``):
     Tiny dense checkpoints of the families that differ from Llama beyond its config keys, with head_dim 32
     (not hidden / heads), 2 layers: Qwen3 (per-head RMSNorm on q and k, GQA 4/2, tied head) and Gemma (GeGLU,
     RMSNorm gains 1 + w, embeddings times sqrt(80), tied head, MQA 4/1). Each golden also records how far the
-    logits move when the family's feature is switched off (no q/k norms, resp. no embedding scale), and the script refuses a feature without a visible effect.
+    logits move when the family's feature is switched off (no q/k norms, resp. no embedding scale), and the
+    script refuses a feature without a visible effect.
 
 ``--only NAME`` writes just one tiny checkpoint (and skips SmolLM2); it may be repeated.
 

@@ -11,7 +11,6 @@ Oracles:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -60,7 +59,7 @@ def _prefill_logits(runner: ModelRunner, ids: list[int]) -> np.ndarray:
     return runner.compute_logits([ScheduledChunk(ids, 0, [3, 1, 2])])
 
 
-# --- config ----------------------------------------------------------------------------------------------------------
+# --- config --------------------------------------------------------------------------------------------------
 
 
 def test_family_config_fields(family):
@@ -129,7 +128,7 @@ def test_unknown_model_type_is_named():
         ModelConfig.from_hf_config({**_hf(GEMMA), "model_type": "gemma2"})
 
 
-# --- the layer math against NumPy --------------------------------------------------------------------------------------
+# --- the layer math against NumPy ------------------------------------------------------------------------------
 
 
 def test_gate_activations_match_their_formulas():
@@ -151,7 +150,7 @@ def test_rms_norm_offset_scales_by_one_plus_w():
                                rtol=1e-5, atol=1e-6)
 
 
-# --- the HF goldens through chunked prefill, the engine, and norm folding ---------------------------------------------
+# --- the HF goldens through chunked prefill, the engine, and norm folding -------------------------------------
 
 
 def test_chunked_prefill_over_cached_pages_matches_transformers(family):
@@ -208,5 +207,5 @@ def test_engine_greedy_with_chunked_prefill_matches_transformers(family, tokeniz
               kv_cache_memory_bytes=8 << 20)
     params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_token_ids"]), ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": golden["token_ids"]}, {"prompt_token_ids": golden["token_ids"][:5]}],
-                        [params, dataclasses.replace(params, max_tokens=12)], use_tqdm=False)
+                        [params, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == golden["greedy_token_ids"]
