@@ -11,6 +11,7 @@ Oracles:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -193,19 +194,37 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return folder
 
 
+def _with_tokenizer(folder: Path, tokenizer_dir: Path, dst: Path) -> Path:
+    shutil.copytree(folder, dst / folder.name)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, dst / folder.name / f.name)
+    return dst / folder.name
+
+
 def test_engine_greedy_with_chunked_prefill_matches_transformers(family, tokenizer_dir, tmp_path):
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
     folder, _, _ = family
-    shutil.copytree(folder, tmp_path / folder.name)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, tmp_path / folder.name / f.name)
     golden = _golden(folder)
     # 16-token steps: the 40-token prompt is prefilled in 3 chunks over paged KV, beside a second request's decode
-    llm = LLM(tmp_path / folder.name, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
-              kv_cache_memory_bytes=8 << 20)
+    llm = LLM(_with_tokenizer(folder, tokenizer_dir, tmp_path), dtype="float32", warmup=False, max_num_seqs=4,
+              max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20)
     params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_token_ids"]), ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": golden["token_ids"]}, {"prompt_token_ids": golden["token_ids"][:5]}],
                         [params, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == golden["greedy_token_ids"]
+
+
+def test_orbax_checkpoint_keeps_the_family(family, tokenizer_dir, tmp_path):
+    from jaxinfer.loading import convert, load_model
+
+    folder, cfg, weights = family
+    ckpt = convert(_with_tokenizer(folder, tokenizer_dir, tmp_path), tmp_path / "ckpt")
+    got_cfg, got_weights, _ = load_model(ckpt, np.float32)
+    assert dataclasses.replace(got_cfg, name="") == dataclasses.replace(cfg, name="")
+    if cfg.qk_norm:
+        np.testing.assert_array_equal(got_weights.layers.q_norm, weights.layers.q_norm)
+    golden = _golden(folder)
+    np.testing.assert_allclose(_prefill_logits(_runner(got_cfg, got_weights), golden["token_ids"]),
+                               np.array(golden["logits"], np.float32), **TOL)
