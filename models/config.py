@@ -14,6 +14,7 @@ from models.families import (GGUF_ARCHITECTURES, MOE_ARCHITECTURES, SUPPORTED_AR
 __all__ = ["Activation", "GGUF_ARCHITECTURES", "MOE_ARCHITECTURES", "ModelConfig", "RopeScaling", "RopeType",
            "SUPPORTED_ARCHITECTURES", "options_from_value"]
 
+
 class RopeType(enum.Enum):
     """Rotary-embedding frequency schedules we implement."""
 
