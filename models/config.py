@@ -1,4 +1,5 @@
-"""`ModelConfig`: the static description of a Llama-family decoder, read from GGUF metadata or HF `config.json`."""
+"""`ModelConfig`: the static description of a Llama-family decoder, read from GGUF metadata or HF `config.json`
+(per-family fields and defaults: `models.families`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,12 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from typing import Any
+
+from models.families import (GGUF_ARCHITECTURES, MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Activation,
+                             hf_attention_bias, hf_family_fields, hf_head_dim)
+
+__all__ = ["Activation", "GGUF_ARCHITECTURES", "MOE_ARCHITECTURES", "ModelConfig", "RopeScaling", "RopeType",
+           "SUPPORTED_ARCHITECTURES", "options_from_value"]
 
 
 class RopeType(enum.Enum):
@@ -27,10 +34,6 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe")  # sparse MoE MLP in every layer (`models.moe`); HF folders only
-
-
 def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> ModelConfig:
     """Runs a config parser, turning malformed-content errors into a `ValueError` that names `source`."""
     try:
@@ -43,17 +46,18 @@ def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> Model
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Mixtral, Qwen2-MoE).
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma, Mixtral,
+    Qwen2-MoE).
 
     Attributes:
       architecture: one of `SUPPORTED_ARCHITECTURES`.
       vocab_size: V, number of token ids.
       hidden_size: D, model width.
-      intermediate_size: F, SwiGLU hidden width.
+      intermediate_size: F, gated-MLP hidden width.
       num_layers: number of decoder layers.
       num_heads: N, query heads.
       num_kv_heads: K, key/value heads; N must be a multiple of K (GQA, Ainslie et al. 2023).
-      head_dim: H, per-head width.
+      head_dim: H, per-head width (independent of D / N: Qwen3, Gemma).
       rope_theta: RoPE base (Su et al. 2021, RoFormer).
       rope_scaling: optional frequency schedule (`None` is the plain schedule).
       rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
@@ -72,6 +76,12 @@ class ModelConfig:
         sigmoid(h @ shared_expert_gate); 0 means none.
       norm_topk_prob: renormalize the k selected softmax weights to sum to 1 (Mixtral: always; Qwen2-MoE: its
         `norm_topk_prob` key).
+      qk_norm: RMSNorm over each query and key head (weights `q_norm`, `k_norm` of size H) after the projections,
+        before RoPE (Qwen3).
+      mlp_activation: the gated MLP's nonlinearity, act(h @ w_gate) * (h @ w_up): SiLU (SwiGLU) or GELU with the
+        tanh approximation (GeGLU, Gemma). MoE experts are SwiGLU only.
+      norm_weight_offset: every RMSNorm scales by (offset + w): 0 for Llama, 1 for Gemma (which stores w - 1).
+      embed_scale: token embeddings are multiplied by this, cast to the activation dtype first (Gemma: sqrt(D)).
       name: human-readable model name, for logs and `ModelInfo`.
     """
 
@@ -96,6 +106,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    qk_norm: bool = False
+    mlp_activation: Activation = Activation.SILU
+    norm_weight_offset: float = 0.0
+    embed_scale: float = 1.0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -116,6 +130,11 @@ class ModelConfig:
             raise ValueError(f"model config: head_dim={self.head_dim} must be even for RoPE")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"model config: sliding_window={self.sliding_window!r} must be None or a positive integer")
+        if not isinstance(self.mlp_activation, Activation):
+            raise ValueError(f"model config: mlp_activation={self.mlp_activation!r} must be one of "
+                             f"{', '.join(str(a) for a in Activation)}")
+        if not (isinstance(self.embed_scale, (int, float)) and 0 < self.embed_scale < float("inf")):
+            raise ValueError(f"model config: embed_scale={self.embed_scale!r} must be a positive finite number")
         self._check_moe()
 
     def _check_moe(self) -> None:
@@ -143,6 +162,9 @@ class ModelConfig:
         if self.mlp_bias:
             raise ValueError(f"model config: mlp_bias=True is not supported with num_experts={E} (MoE experts "
                              "have no biases)")
+        if self.mlp_activation is not Activation.SILU:
+            raise ValueError(f"model config: mlp_activation={self.mlp_activation} is not supported with "
+                             f"num_experts={E} (MoE experts are SwiGLU)")
 
     @property
     def is_moe(self) -> bool:
@@ -175,9 +197,9 @@ class ModelConfig:
           ValueError: unknown `general.architecture` or a missing required key (named in the message).
         """
         arch = meta.get("general.architecture")
-        dense = tuple(a for a in SUPPORTED_ARCHITECTURES if a not in MOE_ARCHITECTURES)
-        if arch not in dense:
-            raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: {', '.join(dense)}")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: "
+                             f"{', '.join(GGUF_ARCHITECTURES)} (other families: load the HF safetensors folder)")
         if meta.get(f"{arch}.expert_count"):
             raise ValueError(f"GGUF {arch}.expert_count={meta[f'{arch}.expert_count']}: MoE GGUF files are not "
                              "supported yet; load the HF safetensors folder instead")
@@ -260,9 +282,6 @@ class ModelConfig:
 
         hidden = positive("hidden_size")
         heads = positive("num_attention_heads")
-        act = hf.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU needs silu)")
         max_positions = int(hf.get("max_position_embeddings", 4096))
         window = hf.get("sliding_window")
         window_on = hf.get("use_sliding_window", model_type in ("mistral", "mixtral"))  # Mixtral: like Mistral
@@ -294,53 +313,17 @@ class ModelConfig:
             num_layers=positive("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
+            head_dim=hf_head_dim(hf, model_type, hidden, heads),
             rope_theta=rope_theta,
             rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")) if model_type != "qwen2_moe"
-            else bool(hf.get("qkv_bias", True)),  # Qwen2-MoE: q/k/v biases unless v5's qkv_bias says otherwise
+            attention_bias=hf_attention_bias(hf, model_type),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=None if window is None else int(window),
             name=name,
-            **_hf_moe_fields(hf, model_type),
+            **hf_family_fields(hf, model_type, hidden),
         )
-
-
-def _hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
-    """The MoE fields of `ModelConfig` from an HF Mixtral or Qwen2-MoE `config.json`; {} for dense models.
-
-    Mixtral (`MixtralConfig`): `num_local_experts`, `num_experts_per_tok`, and `intermediate_size` is the expert
-    width; the top-k weights are always renormalized. Qwen2-MoE (`Qwen2MoeConfig`): `num_experts`,
-    `num_experts_per_tok`, `moe_intermediate_size`, `shared_expert_intermediate_size`, `norm_topk_prob` (default
-    False).
-
-    Raises:
-      ValueError: a missing key, or a Qwen2-MoE layout with dense layers in between (`mlp_only_layers` non-empty
-        or `decoder_sparse_step` != 1), which is not supported yet.
-    """
-    def need(key: str) -> Any:
-        if key not in hf:
-            raise ValueError(f"config.json ({model_type}) is missing required key {key!r}")
-        return hf[key]
-
-    if model_type == "mixtral":
-        return dict(num_experts=need("num_local_experts"), num_experts_per_tok=need("num_experts_per_tok"),
-                    moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True)
-    if model_type == "qwen2_moe":
-        if hf.get("mlp_only_layers"):
-            raise ValueError(f"config.json mlp_only_layers={hf['mlp_only_layers']!r}: Qwen2-MoE with dense MLP "
-                             "layers is not supported yet (every layer must be sparse)")
-        if hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError(f"config.json decoder_sparse_step={hf['decoder_sparse_step']!r}: only 1 (every layer "
-                             "sparse) is supported yet")
-        return dict(num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
-                    moe_intermediate_size=need("moe_intermediate_size"),
-                    shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
-    return {}
 
 
 def options_from_value(cls: type, value: Any, what: str, required: tuple[str, ...] = ()) -> Any:

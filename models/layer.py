@@ -1,6 +1,7 @@
-"""One decoder layer's math around attention: RMSNorm, the q / k / v projections with RoPE, the output projection
-and the SwiGLU (or MoE) MLP with their residuals. `models.llama.forward` runs them around the paged attention.
-Sources: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021), SwiGLU (Shazeer 2020).
+"""One decoder layer's math around attention: RMSNorm, the q / k / v projections (with Qwen3's per-head q / k
+norms) and RoPE, the output projection and the gated (SwiGLU / GeGLU) or MoE MLP with their residuals.
+`models.llama.forward` runs them around the paged attention. Sources: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et
+al. 2021), SwiGLU and GeGLU (Shazeer 2020).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import moe
-from models.config import ModelConfig
+from models.config import Activation, ModelConfig
 from models.quant_matmul import qeinsum
 from models.rope import apply_rope
 
@@ -20,11 +21,32 @@ if TYPE_CHECKING:
     from models.llama import LayerWeights
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in f32, returned in x's dtype."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis, computed in f32, returned in x's dtype.
+
+    Args:
+      x: [..., C], any float dtype.
+      scale: [C], the stored gain w; the output is normalized x times (offset + w), added in f32.
+      eps: added to the mean square.
+      offset: 0 for Llama-style norms, 1 for Gemma's (`ModelConfig.norm_weight_offset`).
+    """
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+    gain = (scale.astype(jnp.float32) + offset) if offset else scale.astype(jnp.float32)
+    return (x32 * gain).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """`rms_norm` with the model's epsilon and gain offset."""
+    return rms_norm(x, scale, cfg.rms_norm_eps, cfg.norm_weight_offset)
+
+
+def gate_activation(gate: jax.Array, kind: Activation) -> jax.Array:
+    """The gated MLP's nonlinearity: SiLU, or GELU with the tanh approximation (PyTorch's `gelu(approximate=
+    "tanh")`, transformers' `gelu_pytorch_tanh`)."""
+    if kind is Activation.GELU_TANH:
+        return jax.nn.gelu(gate, approximate=True)
+    return jax.nn.silu(gate)
 
 
 def add_bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -35,25 +57,28 @@ def add_bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
 def attention_inputs(
     x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig, inv_freq: np.ndarray
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RMSNorm, q/k/v projections and RoPE of one layer: x[T, D] -> q[T, N, H], k[T, K, H], v[T, K, H]."""
-    h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+    """RMSNorm, q/k/v projections, per-head q/k RMSNorm (`cfg.qk_norm`) and RoPE of one layer: x[T, D] ->
+    q[T, N, H], k[T, K, H], v[T, K, H]."""
+    h = layer_norm(x, w.attn_norm, cfg)
     q = add_bias(qeinsum("td,dnh->tnh", h, w.wq), w.bq)  # [T, N, H]
     k = add_bias(qeinsum("td,dkh->tkh", h, w.wk), w.bk)  # [T, K, H]
     v = add_bias(qeinsum("td,dkh->tkh", h, w.wv), w.bv)  # [T, K, H]
+    if cfg.qk_norm:  # over H, one gain per head-dim channel shared by all heads
+        q, k = layer_norm(q, w.q_norm, cfg), layer_norm(k, w.k_norm, cfg)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig,
                               mesh: jax.sharding.Mesh | None = None) -> jax.Array:
-    """Output projection with residual, then the SwiGLU (or MoE) MLP block with residual: x[T, D] -> [T, D]."""
+    """Output projection with residual, then the gated (or MoE) MLP block with residual: x[T, D] -> [T, D]."""
     x = x + qeinsum("tnh,nhd->td", attn, w.wo)
     with jax.named_scope("mlp"):
-        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        h = layer_norm(x, w.mlp_norm, cfg)
         if cfg.is_moe:
             with jax.named_scope("moe"):
                 return x + moe.moe_block(h, w, cfg, mesh)
-        # gate and up stay f32 until the product: bf16 SiLU rounded after every op (five converts per element)
+        # gate and up stay f32 until the product: a bf16 activation rounded after every op (five converts each)
         gate = add_bias(qeinsum("td,df->tf", h, w.w_gate, preferred_element_type=jnp.float32), w.b_gate)  # [T, F]
         up = add_bias(qeinsum("td,df->tf", h, w.w_up, preferred_element_type=jnp.float32), w.b_up)  # [T, F]
-        act = (jax.nn.silu(gate) * up).astype(x.dtype)
+        act = (gate_activation(gate, cfg.mlp_activation) * up).astype(x.dtype)
         return x + add_bias(qeinsum("tf,fd->td", act, w.w_down), w.b_down)

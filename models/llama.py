@@ -1,11 +1,12 @@
-"""Functional Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2) over a paged KV cache.
+"""Functional Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma) over a paged KV cache.
 
 One entry point, `forward(params, tokens, metadata, kv_cache, cfg)`, serves a ragged batch: every sequence brings
 its new tokens (one for a decode, many for a prefill chunk), flattened into `tokens`; `metadata` says where each
 sequence's tokens start (`cu_q_lens`), how long its context is after this step (`kv_lens`) and where its pages are
 (`page_table`). Architecture: Touvron et al. 2023 (Llama), with GQA (Ainslie et al. 2023), RoPE (Su et al. 2021),
 RMSNorm (Zhang & Sennrich 2019) and SwiGLU (Shazeer 2020); Mixtral / Qwen2-MoE replace the MLP by the sparse MoE
-block of `models.moe`.
+block of `models.moe`. Family differences are `ModelConfig` fields (Qwen3's q/k norms, Gemma's GeGLU, 1 + w norms
+and scaled embeddings), branches of this one forward and of `models.layer`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 
 from models import moe
 from models.config import ModelConfig
-from models.layer import attention_inputs, attention_output_and_mlp, rms_norm
+from models.layer import attention_inputs, attention_output_and_mlp, layer_norm
 from models.quant import QuantizedWeight
 from models.quant_matmul import embed_lookup, qeinsum
 from models.rope import rope_frequencies
@@ -57,6 +58,8 @@ class LayerWeights:
     bq: jax.Array | None = None  # [L, N, H] (attention_bias)
     bk: jax.Array | None = None  # [L, K, H]
     bv: jax.Array | None = None  # [L, K, H]
+    q_norm: jax.Array | None = None  # [L, H] (qk_norm)
+    k_norm: jax.Array | None = None  # [L, H]
     b_gate: jax.Array | None = None  # [L, F] (mlp_bias)
     b_up: jax.Array | None = None  # [L, F]
     b_down: jax.Array | None = None  # [L, D]
@@ -117,6 +120,8 @@ class Weights:
             bq=spec((L, N, H), (LAYERS, HEADS, HEAD_DIM), 0.02) if bias else None,
             bk=spec((L, K, H), (LAYERS, KV_HEADS, HEAD_DIM), 0.02) if bias else None,
             bv=spec((L, K, H), (LAYERS, KV_HEADS, HEAD_DIM), 0.02) if bias else None,
+            q_norm=layer_spec((H,), (HEAD_DIM,), None, cfg.qk_norm),  # replicated: no TP-split axis
+            k_norm=layer_spec((H,), (HEAD_DIM,), None, cfg.qk_norm),
             b_gate=spec((L, F), (LAYERS, MLP), 0.02) if mlp_bias else None,
             b_up=spec((L, F), (LAYERS, MLP), 0.02) if mlp_bias else None,
             b_down=spec((L, D), (LAYERS, EMBED), 0.02) if mlp_bias else None,
@@ -324,6 +329,8 @@ def forward(
     sm_scale = cfg.head_dim**-0.5
     with jax.named_scope("embed"):
         x = embed_lookup(params.embed, tokens, params.final_norm.dtype)  # [T, D]
+        if cfg.embed_scale != 1.0:  # Gemma: sqrt(D), rounded to the activation dtype first as transformers does
+            x = x * jnp.asarray(cfg.embed_scale, jnp.float32).astype(x.dtype)
 
     def layer_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array) -> tuple[jax.Array, KVCache]:
         # Layer i writes into and reads from the stacked cache in place (no per-layer slice copies).
@@ -369,7 +376,7 @@ def forward(
 
     with jax.named_scope("lm_head"):
         x = jnp.take(x, metadata.logits_indices, axis=0)  # [R, D]
-        x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+        x = layer_norm(x, params.final_norm, cfg)
         if params.lm_head is None:
             logits = qeinsum("rd,vd->rv", x, params.embed, preferred_element_type=jnp.float32)
         else:

@@ -266,24 +266,26 @@ CONTRACT_AXES = {
 }
 
 
-def fold_norm_scales(layers):
+def fold_norm_scales(layers, offset: float = 0.0):
     """Moves each RMSNorm's gain into the projections that read its output: wq/wk/wv take `attn_norm`, w_gate/w_up
-    take `mlp_norm`, and the norms become ones. Exact in real arithmetic (rms_norm(x) * g @ W =
+    take `mlp_norm`, and the norms' gains become one. Exact in real arithmetic (rms_norm(x) * g @ W =
     rms_norm(x) @ (diag(g) W)). With dynamic per-token activation quantization it matters: a gain that is large in
     a few channels makes the normalized activations large there, and one per-token scale then leaves the other
     channels few int8 steps; folded, the weights' per-output-channel scales absorb it (perplexity in BENCHMARKS.md).
 
     Args:
       layers: dense `models.llama.LayerWeights` (f32), stacked over layers.
+      offset: `ModelConfig.norm_weight_offset`: the gain is offset + w (Gemma: 1), and the folded norms hold
+        1 - offset so that their gain is one.
     """
-    attn = jnp.asarray(layers.attn_norm, jnp.float32)  # [L, D]
-    mlp = jnp.asarray(layers.mlp_norm, jnp.float32)
+    attn = jnp.asarray(layers.attn_norm, jnp.float32) + offset  # [L, D] gains
+    mlp = jnp.asarray(layers.mlp_norm, jnp.float32) + offset
     def scaled(w, g):
         w = jnp.asarray(w, jnp.float32)
         return w * g.reshape(g.shape + (1,) * (w.ndim - g.ndim))
     return layers.replace(wq=scaled(layers.wq, attn), wk=scaled(layers.wk, attn), wv=scaled(layers.wv, attn),
                           w_gate=scaled(layers.w_gate, mlp), w_up=scaled(layers.w_up, mlp),
-                          attn_norm=jnp.ones_like(attn), mlp_norm=jnp.ones_like(mlp))
+                          attn_norm=jnp.full_like(attn, 1.0 - offset), mlp_norm=jnp.full_like(mlp, 1.0 - offset))
 
 
 def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
@@ -315,7 +317,7 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
 
     layers = weights.layers
     if qcfg.activations and not cfg.is_moe:
-        layers = fold_norm_scales(layers)
+        layers = fold_norm_scales(layers, cfg.norm_weight_offset)
     new_layers = {}
     for field in dataclasses.fields(layers):
         w = getattr(layers, field.name)

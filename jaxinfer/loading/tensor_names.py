@@ -78,6 +78,8 @@ LAYER_TENSORS: dict[str, TensorName] = {
     "bk": TensorName("blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias", _bias_heads("num_kv_heads"),
                      rope_heads="num_kv_heads"),
     "bv": TensorName("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias", _bias_heads("num_kv_heads")),
+    "q_norm": TensorName("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight", _identity),  # [H]
+    "k_norm": TensorName("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", _identity),  # [H]
     "b_gate": TensorName("blk.{i}.ffn_gate.bias", "model.layers.{i}.mlp.gate_proj.bias", _identity),
     "b_up": TensorName("blk.{i}.ffn_up.bias", "model.layers.{i}.mlp.up_proj.bias", _identity),
     "b_down": TensorName("blk.{i}.ffn_down.bias", "model.layers.{i}.mlp.down_proj.bias", _identity),

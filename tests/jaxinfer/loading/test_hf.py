@@ -1,7 +1,7 @@
 """Tests for jaxinfer.loading.hf: HF folders against HF transformers goldens, errors.
 
-Oracle: tests/data/tiny_llama3 and tiny_qwen2 hold golden logits and greedy tokens computed by HF transformers
-(PyTorch, f32; see scripts/make_golden.py), independent of this code base.
+Oracle: tests/data/tiny_llama3, tiny_qwen2, tiny_mistral, tiny_qwen3 and tiny_gemma hold golden logits and greedy
+tokens computed by HF transformers (PyTorch, f32; see scripts/make_golden.py), independent of this code base.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ __all__ = ["llama_src"]  # a fixture, used by name
 # --- (a) HF folders against the transformers goldens -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["tiny_llama3", "tiny_qwen2", "tiny_mistral"])
+@pytest.fixture(scope="module", params=["tiny_llama3", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_gemma"])
 def hf_model(request):
     folder = DATA / request.param
     cfg, weights = load_hf_weights(folder)
@@ -40,6 +40,7 @@ def test_hf_config_fields(hf_model):
     assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.num_layers) == (
         hf["model_type"], hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"])
     assert (cfg.num_heads, cfg.num_kv_heads) == (hf["num_attention_heads"], hf["num_key_value_heads"])
+    assert cfg.head_dim == hf.get("head_dim", cfg.hidden_size // cfg.num_heads)  # Qwen3 / Gemma: 32, not D / N
     assert cfg.tie_word_embeddings == hf["tie_word_embeddings"]
     if folder == LLAMA3:  # v4 keys: rope_theta + rope_scaling
         assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type.value == "llama3"

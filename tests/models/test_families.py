@@ -1,0 +1,230 @@
+"""Tests for models.families and the family branches of the one forward: Qwen3 (per-head q/k RMSNorm) and Gemma
+(GeGLU, 1 + w RMSNorm, sqrt(D)-scaled embeddings, tied head).
+
+Oracles:
+  * tests/data/tiny_qwen3 and tiny_gemma: golden logits and greedy tokens from HF transformers 5.25 (PyTorch, f32;
+    scripts/make_golden.py), independent of this code base. The logits of one prefill and the greedy decode are
+    also checked in tests/jaxinfer/loading/test_hf.py (same fixtures as the other dense families); here they go
+    through chunked prefill and the engine, and tp=2 is in tests/sharding/multi_device_family_checks.py.
+  * `gate_activation` and `rms_norm`'s offset: NumPy formulas written here from their definitions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.loading.codec import config_from_dict, config_to_dict
+from jaxinfer.loading.hf import load_hf_weights
+from jaxinfer.scheduler.chunk import ScheduledChunk
+from models import quant
+from models.config import Activation, ModelConfig
+from models.layer import gate_activation, rms_norm
+from models.llama import check_weights
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+QWEN3, GEMMA = DATA / "tiny_qwen3", DATA / "tiny_gemma"
+PAGE_SIZE, NUM_PAGES = 16, 8
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _golden(folder: Path) -> dict:
+    return json.loads((folder / "golden.json").read_text())
+
+
+def _hf(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.fixture(scope="module", params=["tiny_qwen3", "tiny_gemma"])
+def family(request):
+    folder = DATA / request.param
+    cfg, weights = load_hf_weights(folder)
+    check_weights(weights, cfg)
+    return folder, cfg, weights
+
+
+def _runner(cfg: ModelConfig, weights) -> ModelRunner:
+    return ModelRunner(cfg, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32)
+
+
+def _prefill_logits(runner: ModelRunner, ids: list[int]) -> np.ndarray:
+    return runner.compute_logits([ScheduledChunk(ids, 0, [3, 1, 2])])
+
+
+# --- config --------------------------------------------------------------------------------------------------
+
+
+def test_family_config_fields(family):
+    folder, cfg, weights = family
+    hf = _hf(folder)
+    L, H = cfg.num_layers, cfg.head_dim
+    assert H == hf["head_dim"] == 32 != cfg.hidden_size // cfg.num_heads
+    assert cfg.tie_word_embeddings and weights.lm_head is None
+    assert not cfg.attention_bias and weights.layers.bq is None
+    if folder == QWEN3:
+        assert cfg.qk_norm and (cfg.mlp_activation, cfg.norm_weight_offset, cfg.embed_scale) == (
+            Activation.SILU, 0.0, 1.0)
+        assert weights.layers.q_norm.shape == weights.layers.k_norm.shape == (L, H)
+    else:
+        assert not cfg.qk_norm and weights.layers.q_norm is None
+        assert cfg.mlp_activation is Activation.GELU_TANH and cfg.norm_weight_offset == 1.0
+        assert cfg.embed_scale == math.sqrt(hf["hidden_size"])
+        assert cfg.num_kv_heads == 1  # MQA
+
+
+def test_family_config_round_trips_through_the_checkpoint_codec(family):
+    _, cfg, _ = family
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
+
+
+def test_hf_family_defaults_for_omitted_keys():
+    base = {k: v for k, v in _hf(GEMMA).items() if k not in ("head_dim", "hidden_act", "tie_word_embeddings")}
+    gemma = ModelConfig.from_hf_config(base)
+    assert (gemma.head_dim, gemma.mlp_activation, gemma.tie_word_embeddings) == (256, Activation.GELU_TANH, True)
+    # the official Gemma releases say "gelu" and mean the tanh approximation (as transformers reads them)
+    legacy = ModelConfig.from_hf_config({**base, "hidden_act": "gelu"})
+    assert legacy.mlp_activation is Activation.GELU_TANH
+    v4 = ModelConfig.from_hf_config({**base, "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"})
+    assert v4.mlp_activation is Activation.GELU_TANH
+    qwen3 = {k: v for k, v in _hf(QWEN3).items() if k not in ("head_dim", "attention_bias", "tie_word_embeddings")}
+    cfg = ModelConfig.from_hf_config(qwen3)
+    assert (cfg.head_dim, cfg.attention_bias, cfg.tie_word_embeddings, cfg.qk_norm) == (128, False, False, True)
+    assert ModelConfig.from_hf_config({**qwen3, "attention_bias": True}).attention_bias
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_act": "relu"}, "hidden_act='relu'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+])
+def test_hf_gemma_config_errors(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_config({**_hf(GEMMA), **change})
+
+
+def test_exact_gelu_is_refused_outside_gemma():
+    with pytest.raises(ValueError, match="hidden_act='gelu'.*qwen3"):
+        ModelConfig.from_hf_config({**_hf(QWEN3), "hidden_act": "gelu"})
+
+
+def test_moe_with_geglu_and_new_families_in_gguf_are_refused():
+    with pytest.raises(ValueError, match="mlp_activation=Activation.GELU_TANH is not supported with num_experts=8"):
+        ModelConfig(architecture="mixtral", vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=8, mlp_activation=Activation.GELU_TANH)
+    with pytest.raises(ValueError, match="general.architecture='gemma'"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "gemma"})
+
+
+def test_unknown_model_type_is_named():
+    with pytest.raises(ValueError, match="model_type='gemma2'"):
+        ModelConfig.from_hf_config({**_hf(GEMMA), "model_type": "gemma2"})
+
+
+# --- the layer math against NumPy ------------------------------------------------------------------------------
+
+
+def test_gate_activations_match_their_formulas():
+    x = np.linspace(-6, 6, 97, dtype=np.float32)
+    gelu_tanh = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    np.testing.assert_allclose(np.asarray(gate_activation(jnp.asarray(x), Activation.GELU_TANH)), gelu_tanh,
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gate_activation(jnp.asarray(x), Activation.SILU)), x / (1 + np.exp(-x)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_offset_scales_by_one_plus_w():
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(3, 8)).astype(np.float32), rng.normal(size=8).astype(np.float32)
+    normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6, 1.0)), normed * (1 + w),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6)), normed * w,
+                               rtol=1e-5, atol=1e-6)
+
+
+# --- the HF goldens through chunked prefill, the engine, and norm folding -------------------------------------
+
+
+def test_chunked_prefill_over_cached_pages_matches_transformers(family):
+    folder, cfg, weights = family
+    golden = _golden(folder)
+    ids, want = golden["token_ids"], np.array(golden["logits"], np.float32)
+    runner = _runner(cfg, weights)
+    got = [runner.compute_logits([ScheduledChunk(ids[a:b], a, [3, 1, 2])]) for a, b in ((0, 7), (7, 23), (23, 40))]
+    np.testing.assert_allclose(np.concatenate(got), want, **TOL)
+
+
+def test_folding_norm_gains_keeps_the_golden_logits(family):
+    # Activation quantization folds the norm gains into the projections; Gemma's gain is 1 + w, not w.
+    folder, cfg, weights = family
+    golden = _golden(folder)
+    folded = weights.replace(layers=quant.fold_norm_scales(weights.layers, cfg.norm_weight_offset))
+    assert np.all(np.asarray(folded.layers.attn_norm) + cfg.norm_weight_offset == 1)
+    np.testing.assert_allclose(_prefill_logits(_runner(cfg, folded), golden["token_ids"]),
+                               np.array(golden["logits"], np.float32), **TOL)
+
+
+def test_int8_activation_quantization_keeps_gemma_close():
+    cfg, weights = load_hf_weights(GEMMA)
+    golden = _golden(GEMMA)
+    q = quant.quantize_weights(weights, cfg, quant.QuantizationConfig("int8", quantize_activations=True),
+                               jnp.float32)
+    want = np.array(golden["logits"], np.float32)
+    got = _prefill_logits(_runner(cfg, q), golden["token_ids"])
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer files (the engine wants a tokenizer; prompts here are token ids below 128)."""
+    from jaxinfer.loading import default_model_path
+    from jaxinfer.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    Tokenizer.from_gguf(default_model_path()).save_pretrained(folder)
+    return folder
+
+
+def _with_tokenizer(folder: Path, tokenizer_dir: Path, dst: Path) -> Path:
+    shutil.copytree(folder, dst / folder.name)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, dst / folder.name / f.name)
+    return dst / folder.name
+
+
+def test_engine_greedy_with_chunked_prefill_matches_transformers(family, tokenizer_dir, tmp_path):
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling_params import SamplingParams
+
+    folder, _, _ = family
+    golden = _golden(folder)
+    # 16-token steps: the 40-token prompt is prefilled in 3 chunks over paged KV, beside a second request's decode
+    llm = LLM(_with_tokenizer(folder, tokenizer_dir, tmp_path), dtype="float32", warmup=False, max_num_seqs=4,
+              max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20)
+    params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_token_ids"]), ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": golden["token_ids"]}, {"prompt_token_ids": golden["token_ids"][:5]}],
+                        [params, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == golden["greedy_token_ids"]
+
+
+def test_orbax_checkpoint_keeps_the_family(family, tokenizer_dir, tmp_path):
+    from jaxinfer.loading import convert, load_model
+
+    folder, cfg, weights = family
+    ckpt = convert(_with_tokenizer(folder, tokenizer_dir, tmp_path), tmp_path / "ckpt")
+    got_cfg, got_weights, _ = load_model(ckpt, np.float32)
+    assert dataclasses.replace(got_cfg, name="") == dataclasses.replace(cfg, name="")
+    if cfg.qk_norm:
+        np.testing.assert_array_equal(got_weights.layers.q_norm, weights.layers.q_norm)
+    golden = _golden(folder)
+    np.testing.assert_allclose(_prefill_logits(_runner(got_cfg, got_weights), golden["token_ids"]),
+                               np.array(golden["logits"], np.float32), **TOL)
