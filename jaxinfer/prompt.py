@@ -96,7 +96,12 @@ def make_prompt(prompt: Prompt | str | dict | Sequence[int] | np.ndarray, encode
     if isinstance(prompt, str):
         if not check_text("prompt", prompt):
             raise ValueError("prompt must not be empty")
-        return Prompt(tuple(encode(prompt)), text=prompt, cache_salt=cache_salt)
+        ids = tuple(encode(prompt))
+        outside = [i for i in ids if not 0 <= i < vocab_size]
+        if outside:  # a tokenizer with more ids than the model's embedding (found by a user trial: NaN logits)
+            raise ValueError(f"prompt tokenizes to {len(outside)} id(s) outside the model's vocabulary "
+                             f"[0, {vocab_size}), e.g. {outside[0]}: the tokenizer has ids the model lacks")
+        return Prompt(ids, text=prompt, cache_salt=cache_salt)
     if isinstance(prompt, Prompt):
         return Prompt(check_token_ids("prompt_token_ids", prompt.token_ids, vocab_size), text=prompt.text,
                       cache_salt=cache_salt)

@@ -66,6 +66,9 @@ def _encode(text: str) -> list[int]:
     ("", "prompt must not be empty"),
     ({"prompt": "hi", "cache_salt": "\ud800"}, "cache_salt is not valid Unicode text"),
     ([1, 9], r"prompt_token_ids contains ids outside \[0, 8\): \[9\]"),
+    # text whose tokenizer gives ids past the model's vocabulary (a user trial: NaN logits, not an error, before)
+    ("ab abcdefghij", r"prompt tokenizes to 1 id\(s\) outside the model's vocabulary \[0, 8\), e.g. 10"),
+    ({"prompt": "abcdefghi"}, r"outside the model's vocabulary \[0, 8\), e.g. 9"),
 ])
 def test_make_prompt_refuses_naming_the_field(prompt, match):
     with pytest.raises(ValueError, match=match):
