@@ -307,7 +307,7 @@ class Engine:
                                 None if draft_probs_row is None else draft_probs_row + i)
             return
         self.metrics.num_padded_tokens += result.num_padded_tokens
-        if getattr(result, "prompt_rows", None) is not None:
+        if isinstance(result, StepResult) and result.prompt_rows is not None:
             self._prompt_logprobs.record(chunks, result.prompt_rows)
         for i, chunk in enumerate(chunks):
             seq = chunk.seq

@@ -105,9 +105,9 @@ class PromptLogprobs:
             start = end
 
     def of(self, request_id: str) -> list[dict[int, Logprob] | None] | None:
-        """The request's list: None at position 0 (and where not computed yet); None if it asked for none."""
-        entries = self._lists.get(request_id)
-        return None if entries is None else list(entries)
+        """The request's list (the one this object fills: complete once the prompt is computed, which is before the
+        request's first output; not copied per output): None at position 0; None if it asked for none."""
+        return self._lists.get(request_id)
 
     def forget(self, request_id: str) -> None:
         self._lists.pop(request_id, None)
