@@ -4,34 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping
 from typing import Any
 
-from models.families import (GGUF_ARCHITECTURES, MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Activation,
-                             hf_attention_bias, hf_family_fields, hf_head_dim)
+from models.config_readers import RopeScaling, RopeType, config_from_gguf_metadata, config_from_hf
+from models.families import GGUF_ARCHITECTURES, MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Activation
 
 __all__ = ["Activation", "GGUF_ARCHITECTURES", "MOE_ARCHITECTURES", "ModelConfig", "RopeScaling", "RopeType",
            "SUPPORTED_ARCHITECTURES", "options_from_value"]
-
-
-class RopeType(enum.Enum):
-    """Rotary-embedding frequency schedules we implement."""
-
-    DEFAULT = "default"
-    LINEAR = "linear"  # positions divided by `factor` (Chen et al. 2023, "position interpolation")
-    LLAMA3 = "llama3"  # Llama 3.1 piecewise wavelength scaling (Meta, Llama 3 paper, 2024)
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Parameters of a non-default RoPE schedule; field names follow HF `rope_scaling`."""
-
-    rope_type: RopeType
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> ModelConfig:
@@ -178,153 +158,23 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], name: str = "") -> ModelConfig:
-        """Builds a config from GGUF key/values; see `_from_gguf_metadata`.
+        """Builds a config from GGUF key/values; see `models.config_readers.config_from_gguf_metadata`.
 
         Raises:
           ValueError: for any malformed or unsupported metadata, naming the key where it can.
         """
-        return _parse("GGUF metadata", cls._from_gguf_metadata, meta, name)
-
-    @classmethod
-    def _from_gguf_metadata(cls, meta: Mapping[str, Any], name: str = "") -> ModelConfig:
-        """Builds a config from GGUF key/values (llama.cpp `gguf` spec, keys `<arch>.block_count` etc.).
-
-        Args:
-          meta: GGUF metadata key -> Python value (strings, ints, floats, lists).
-          name: fallback model name when `general.name` is absent.
-
-        Raises:
-          ValueError: unknown `general.architecture` or a missing required key (named in the message).
-        """
-        arch = meta.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: "
-                             f"{', '.join(GGUF_ARCHITECTURES)} (other families: load the HF safetensors folder)")
-        if meta.get(f"{arch}.expert_count"):
-            raise ValueError(f"GGUF {arch}.expert_count={meta[f'{arch}.expert_count']}: MoE GGUF files are not "
-                             "supported yet; load the HF safetensors folder instead")
-
-        def need(key: str) -> Any:
-            full = f"{arch}.{key}"
-            if full not in meta:
-                raise ValueError(f"GGUF metadata is missing required key {full!r}")
-            return meta[full]
-
-        hidden = int(need("embedding_length"))
-        heads = int(need("attention.head_count"))
-        head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads)))
-        vocab = meta.get(f"{arch}.vocab_size")
-        if vocab is None:
-            tokens = meta.get("tokenizer.ggml.tokens")
-            if tokens is None:
-                raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-            vocab = len(tokens)
-        scaling = None
-        scaling_type = meta.get(f"{arch}.rope.scaling.type")
-        if scaling_type == "linear":
-            scaling = RopeScaling(RopeType.LINEAR, factor=float(meta[f"{arch}.rope.scaling.factor"]))
-        elif scaling_type not in (None, "none"):
-            raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported")
-        return cls(
-            architecture=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_layers=int(need("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=head_dim,
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(need("context_length")),
-            tie_word_embeddings=False,  # decided by the loader from the presence of output.weight
-            attention_bias=arch == "qwen2",
-            sliding_window=int(meta[f"{arch}.attention.sliding_window"]) if meta.get(
-                f"{arch}.attention.sliding_window") else None,
-            name=str(meta.get("general.name", name)),
-        )
+        return _parse("GGUF metadata", lambda m, n: cls(**config_from_gguf_metadata(m, n)), meta, name)
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], name: str = "") -> ModelConfig:
-        """Builds a config from an HF `config.json` dict; see `_from_hf_config`.
+        """Builds a config from an HF `config.json` dict; see `models.config_readers.config_from_hf`.
 
         Raises:
           ValueError: for any malformed or unsupported content, naming the key where it can.
         """
         if not isinstance(hf, Mapping):
             raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
-        return _parse("config.json", cls._from_hf_config, hf, name)
-
-    @classmethod
-    def _from_hf_config(cls, hf: Mapping[str, Any], name: str = "") -> ModelConfig:
-        """Builds a config from an HF `config.json` dict (classic `rope_theta`/`rope_scaling` or v5 `rope_parameters`).
-
-        Raises:
-          ValueError: unknown `model_type`, a missing required key, or an unsupported rope type.
-        """
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"config.json model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-
-        def need(key: str) -> Any:
-            if key not in hf:
-                raise ValueError(f"config.json is missing required key {key!r}")
-            return hf[key]
-
-        def positive(key: str) -> int:
-            value = need(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"config.json {key}={value!r} must be a positive integer")
-            return value
-
-        hidden = positive("hidden_size")
-        heads = positive("num_attention_heads")
-        max_positions = int(hf.get("max_position_embeddings", 4096))
-        window = hf.get("sliding_window")
-        window_on = hf.get("use_sliding_window", model_type in ("mistral", "mixtral"))  # Mixtral: like Mistral
-        if not (window and window_on and window < max_positions):
-            window = None  # absent, switched off, or wider than the context: full attention
-        rope = dict(hf.get("rope_parameters") or {})
-        if hf.get("rope_scaling"):
-            rope.update(hf["rope_scaling"])
-        rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type == "linear":
-            scaling = RopeScaling(RopeType.LINEAR, factor=float(rope["factor"]))
-        elif rope_type == "llama3":
-            scaling = RopeScaling(
-                RopeType.LLAMA3,
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type != "default":
-            raise ValueError(f"config.json rope type {rope_type!r} is not supported (default, linear, llama3)")
-        return cls(
-            architecture=model_type,
-            vocab_size=positive("vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=positive("intermediate_size"),
-            num_layers=positive("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=hf_head_dim(hf, model_type, hidden, heads),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=max_positions,
-            attention_bias=hf_attention_bias(hf, model_type),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=None if window is None else int(window),
-            name=name,
-            **hf_family_fields(hf, model_type, hidden),
-        )
-
+        return _parse("config.json", lambda h, n: cls(**config_from_hf(h, n)), hf, name)
 
 def options_from_value(cls: type, value: Any, what: str, required: tuple[str, ...] = ()) -> Any:
     """An options dataclass `cls` from an instance, a dict of its fields or a JSON object string; None stays None.
