@@ -46,7 +46,10 @@ MAX_REPETITION_PENALTY = 10.0
 # Width of the sampler's per-row banned ids (EOS and stop ids before min_tokens): fixed, so that one compiled step
 # serves every request. MAX_STOP_TOKEN_IDS stop ids plus up to 32 EOS ids fit.
 SUPPRESS_WIDTH = 64
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's "developer" role is its newer name for "system" (OpenAI API reference, chat messages); chat templates
+# know only "system", so `check_chat` hands the template a developer message as a system message.
+_ROLE_ALIASES = {"developer": "system"}
 CHAT_MESSAGE_KEYS = ("role", "content", "name")  # name: OpenAI's optional participant name, for the template
 # Keys of OpenAI chat messages that jaxinfer does not support, by what they are for (tool calling, audio output,
 # refusals): refused, naming what they are, rather than dropped.
@@ -124,7 +127,7 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
       name: the field, for messages (`chat.messages` on gRPC).
 
     Returns:
-      The messages as a list of dicts.
+      The messages as a list of dicts; a "developer" message becomes a "system" one (`_ROLE_ALIASES`).
 
     Raises:
       ValueError: naming the field and the message index: not a list, empty, a message that is not a dict, a key
@@ -151,7 +154,7 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
         raise ValueError(f"{name}: the last message is the assistant's while add_generation_prompt is on: end "
                          "with a user message, or turn add_generation_prompt off (and continue_final_message on, "
                          "to continue that reply)")
-    return list(messages)
+    return [dict(m, role=_ROLE_ALIASES[m["role"]]) if m["role"] in _ROLE_ALIASES else m for m in messages]
 
 
 def name_hint(name: object, valid: Collection[str]) -> str:

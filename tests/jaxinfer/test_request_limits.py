@@ -57,7 +57,7 @@ def test_requests_that_cannot_run_on_the_model_are_refused(params, prompt_len, m
     ([], True, "messages must not be empty"),
     (["hi"], True, r"^messages\[0\] is a str; a message is a dict with 'role' and 'content'$"),
     ([{"role": "user", "content": "hi"}, None], True, r"^messages\[1\] is a NoneType; a message is a dict"),
-    ([{"role": "wizard", "content": "hi"}], True, r"messages\[0\].role='wizard' is not one of system, user"),
+    ([{"role": "wizard", "content": "hi"}], True, r"messages\[0\].role='wizard' is not one of system, developer, user"),
     ([{"role": "user", "content": 5}], True, r"messages\[0\].content must be a string, got int"),
     ([{"role": "user", "content": "\ud800"}], True, r"messages\[0\].content is not valid Unicode"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}], True, "the assistant's"),
@@ -95,6 +95,9 @@ def test_good_chats_pass() -> None:
         check_chat([{"role": role, "content": "x"}], add_generation_prompt=False)
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
     assert check_chat(chat, add_generation_prompt=False) == chat  # continuing without the generation prompt
+    developer = [{"role": "developer", "content": "Be brief.", "name": "ops"}, {"role": "user", "content": "hi"}]
+    assert check_chat(developer) == [{"role": "system", "content": "Be brief.", "name": "ops"}, developer[1]]
+    assert developer[0]["role"] == "developer"  # the caller's messages are not changed
 
 
 def test_check_text() -> None:

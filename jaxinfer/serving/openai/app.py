@@ -213,9 +213,13 @@ class OpenAIApp:
         engine = self._start(body)
         params = translate.completion_params(body)
         prompts = await asyncio.to_thread(translate.completion_prompts, body, engine.engine)
-        echo = ([engine.engine.tokenizer.decode(p.token_ids, skip_special_tokens=False) for p in prompts]
-                if body.echo else None)
-        return await self._generate(request, engine, body, params, prompts, chat=False, echo=echo)
+        decode = engine.engine.tokenizer.decode
+        echo = [decode(p.token_ids, skip_special_tokens=False) for p in prompts] if body.echo else None
+        shaper = Shaper(False, self.model_name, params.n, params.logprobs,
+                        echo_logprobs=body.echo and body.logprobs is not None,
+                        show_prompt_logprobs=body.prompt_logprobs is not None)
+        firsts = [decode(p.token_ids[:1], skip_special_tokens=False) for p in prompts] if echo else None
+        return await self._generate(request, engine, body, params, prompts, shaper, echo=echo, first_tokens=firsts)
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
@@ -223,7 +227,8 @@ class OpenAIApp:
         engine = self._start(body)
         params = translate.chat_params(body)
         prompt = await asyncio.to_thread(translate.chat_prompt, body, engine.engine)
-        return await self._generate(request, engine, body, params, [prompt], chat=True, echo=None)
+        shaper = Shaper(True, self.model_name, params.n, params.logprobs)
+        return await self._generate(request, engine, body, params, [prompt], shaper)
 
     def _start(self, body: CompletionRequest | ChatCompletionRequest) -> AsyncEngine:
         self._check_model(body.model)
@@ -231,8 +236,8 @@ class OpenAIApp:
         return self.served.ready()
 
     async def _generate(self, request: Request, engine: AsyncEngine, body, params: SamplingParams,
-                        prompts: Sequence[Prompt], chat: bool, echo: list[str] | None) -> Response:
-        shaper = Shaper(chat, self.model_name, params.n, params.logprobs)
+                        prompts: Sequence[Prompt], shaper: Shaper, echo: list[str] | None = None,
+                        first_tokens: list[str] | None = None) -> Response:
         limit = self.served.limits.max_queued_requests
         if len(prompts) > limit:  # a 429 would say "retry later" of a request that can never fit
             raise HTTPError(400, f"prompt has {len(prompts)} prompts; the server takes at most {limit} requests in "
@@ -257,7 +262,7 @@ class OpenAIApp:
                 for c in out.outputs:
                     if c.finish_reason == "error":
                         raise RuntimeError(f"generation failed: {c.error}")
-            return JSONResponse(shaper.whole(outs, echo))
+            return JSONResponse(shaper.whole(outs, echo, first_tokens))
         except _ClientGone:
             for recorder in recorders:
                 recorder.abandoned()

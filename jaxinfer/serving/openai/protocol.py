@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 # Accepted and ignored: bookkeeping and options of OpenAI's hosted service that have no effect on a local server.
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -26,9 +26,17 @@ UNSUPPORTED_FIELDS = {"tools": "tool calls", "suffix": "suffix (fill-in-the-midd
 
 
 class _Body(BaseModel):
-    """Unknown fields are an error; see `IGNORED_FIELDS`."""
+    """Unknown fields are an error; see `IGNORED_FIELDS`. A known field sent as null takes its default (OpenAI's
+    SDKs and clients such as LangChain send `"n": null`, `"presence_penalty": null` for "not set")."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        return data
 
     def unsupported(self) -> str | None:
         """The first field of `UNSUPPORTED_FIELDS` this request sets, or None."""

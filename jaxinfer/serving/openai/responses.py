@@ -60,6 +60,21 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Lo
             "text_offset": offsets}
 
 
+def echo_logprobs(prompt_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], first_text: str,
+                  k: int) -> dict:
+    """The prompt's part of an echoed completion's `logprobs` (OpenAI's `echo` with `logprobs`): the prompt tokens
+    with their logprobs and top k, from `RequestOutput.prompt_logprobs`; the first token has none (null), as in
+    OpenAI's legacy completions. `first_text` is that token's text. Offsets start at 0."""
+    tokens = [first_text] + [e[t].decoded_token for t, e in zip(prompt_ids[1:], entries[1:])]
+    offsets, offset = [], 0
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": [None] + [e[t].logprob for t, e in zip(prompt_ids[1:], entries[1:])],
+            "top_logprobs": [None] + [{lp.decoded_token: lp.logprob for lp in _top(e, k)} for e in entries[1:]],
+            "text_offset": offsets}
+
+
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], k: int) -> dict:
     """The `logprobs` of a chat choice: `content`, one `{token, logprob, bytes, top_logprobs}` per token."""
     def item(lp: Logprob) -> dict:
@@ -92,10 +107,16 @@ class Shaper:
       model: the served model name.
       n: completions per prompt (for choice indices).
       logprobs: top logprobs per token, or None for no logprobs.
+      echo_logprobs: completions with `echo` and `logprobs`: a choice's logprobs start with its prompt's
+        (`echo_logprobs`; the outputs carry prompt logprobs for them).
+      show_prompt_logprobs: whether outputs' prompt logprobs are also shown as vLLM's `prompt_logprobs` field (off
+        when they were asked for only by echo with logprobs).
     """
 
-    def __init__(self, chat: bool, model: str, n: int, logprobs: int | None) -> None:
+    def __init__(self, chat: bool, model: str, n: int, logprobs: int | None, echo_logprobs: bool = False,
+                 show_prompt_logprobs: bool = True) -> None:
         self.chat, self.model, self.n, self.k = chat, model, n, logprobs
+        self.echo_logprobs, self.show_prompt_logprobs = echo_logprobs, show_prompt_logprobs
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -111,8 +132,10 @@ class Shaper:
         return (chat_logprobs(ids, entries, self.k) if self.chat
                 else completion_logprobs(ids, entries, self.k, offset))
 
-    def whole(self, outs: Sequence[RequestOutput], echo: Sequence[str] | None = None) -> dict:
-        """The response to a non-streamed request: every prompt's finished output (in prompt order)."""
+    def whole(self, outs: Sequence[RequestOutput], echo: Sequence[str] | None = None,
+              first_tokens: Sequence[str] | None = None) -> dict:
+        """The response to a non-streamed request: every prompt's finished output (in prompt order); `echo` the
+        prompts' texts when echoed, `first_tokens` their first tokens' texts (with `echo_logprobs`)."""
         choices = []
         for p, out in enumerate(outs):
             for c in out.outputs:
@@ -123,11 +146,16 @@ class Shaper:
                                     "stop_reason": c.stop_reason})
                 else:
                     prefix = echo[p] if echo else ""
-                    choices.append({"index": index, "text": prefix + c.text,
-                                    "logprobs": self._logprobs(c, 0, len(prefix)), "finish_reason": finish_reason(c),
-                                    "stop_reason": c.stop_reason})
+                    logprobs = self._logprobs(c, 0, len(prefix))
+                    if self.echo_logprobs and logprobs is not None:
+                        head = echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, first_tokens[p], self.k)
+                        logprobs = {key: head[key] + logprobs[key] for key in head}
+                    choices.append({"index": index, "text": prefix + c.text, "logprobs": logprobs,
+                                    "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
         head = self._head(False)
-        if self.chat and any(out.prompt_logprobs is not None for out in outs):  # vLLM's place for chat
+        if not self.show_prompt_logprobs:
+            pass
+        elif self.chat and any(out.prompt_logprobs is not None for out in outs):  # vLLM's place for chat
             head["prompt_logprobs"] = prompt_logprobs(outs[0].prompt_logprobs)
         elif not self.chat:
             for choice in choices:

@@ -86,6 +86,8 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
     except ValueError as e:
         message = str(e).replace("structured_outputs", constraint[0], 1)
         raise ValueError(message if message.startswith(constraint[0]) else f"{constraint[0]}: {message}") from None
+    _check(body.stream or body.stream_options is None,
+           "stream_options is only allowed with stream: true (as in vLLM)")
     _check(not (body.stream and body.prompt_logprobs is not None),
            "prompt_logprobs is not available with stream: true (as in vLLM): send it without streaming")
     return SamplingParams(
@@ -106,13 +108,18 @@ def completion_params(body: CompletionRequest) -> SamplingParams:
 
     Raises:
       ValueError: naming the field: a value out of range (as `SamplingParams`), `best_of` other than `n`, `echo`
-        with `logprobs` (that needs prompt logprobs).
+        with `logprobs` and `stream` (that needs prompt logprobs, which do not stream) or with a `prompt_logprobs`
+        other than `logprobs`.
     """
     _check(body.best_of is None or body.best_of == body.n,
            f"best_of={show(body.best_of)} is not supported: only best_of equal to n ({body.n})")
-    _check(not (body.echo and body.logprobs is not None),
-           "echo with logprobs is not supported (it needs the prompt's logprobs): set one of them")
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    if body.echo and body.logprobs is not None:  # the prompt's logprobs come first: the engine's prompt logprobs
+        _check(not body.stream, "echo with logprobs is not available with stream: true (the prompt's logprobs do "
+                                "not stream): send it without streaming")
+        _check(body.prompt_logprobs in (None, body.logprobs),
+               f"echo with logprobs={show(body.logprobs)} needs prompt_logprobs unset or equal to logprobs")
+        body = body.model_copy(update={"prompt_logprobs": body.logprobs})
     return _sampling(body, max_tokens, body.logprobs)
 
 

@@ -173,8 +173,6 @@ def bodies(draw, chat: bool) -> bytes:
                                       optional={n: strategy(n) for n in spec if n not in REQUIRED}))
     if wild_one is not None and wild_one not in body:
         body[wild_one] = draw(strategy(wild_one))
-    if mode == "good" and body.get("echo") and body.get("logprobs") is not None:
-        del body["echo"]  # echo with logprobs is refused (tested in test_openai_errors.py)
     if mode != "good" and draw(st.integers(0, 5)) == 0:
         body[draw(UNKNOWN_KEYS)] = draw(ANY)
     data = to_json(body).encode()
@@ -207,10 +205,13 @@ class Expected:
     max_tokens: int | None
     logprobs: bool
     include_usage: bool
+    n: int = 1
+    echo_tokens: list[int] | None = None  # echo with logprobs: per prompt, its tokens (they lead the logprobs)
 
 
-def expected(data: bytes, chat: bool) -> Expected:
-    """From the accepted body, parsed as the server parsed it (pydantic's coercions included)."""
+def expected(data: bytes, chat: bool, http: httpx.Client) -> Expected:
+    """From the accepted body, parsed as the server parsed it (pydantic's coercions included); echoed prompts'
+    lengths from the server's /tokenize."""
     raw = json.loads(data.decode("utf-8"))
     if chat:
         body = ChatCompletionRequest.model_validate(raw)
@@ -223,8 +224,13 @@ def expected(data: bytes, chat: bool) -> Expected:
         prompts = 1 if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt) else len(prompt)
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         logprobs = body.logprobs is not None
+        if body.echo and logprobs:
+            texts = [prompt] if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt) else prompt
+            echo = [len(p) if not isinstance(p, str) else
+                    http.post("/tokenize", json={"prompt": p}).json()["count"] for p in texts]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return Expected(prompts * body.n, max_tokens, logprobs, include_usage)
+    return Expected(prompts * body.n, max_tokens, logprobs, include_usage, body.n,
+                    None if chat or not (body.echo and logprobs) else echo)
 
 
 def assert_usage(usage: dict, exp: Expected, finishes: list[str], counts: list[int] | None) -> None:
@@ -239,9 +245,11 @@ def assert_usage(usage: dict, exp: Expected, finishes: list[str], counts: list[i
         assert sum(counts) == usage["completion_tokens"], (counts, usage)
 
 
-def _choice_tokens(choice: dict, chat: bool) -> int:
+def _choice_tokens(choice: dict, chat: bool, exp: Expected | None = None) -> int:
+    """The generated tokens a choice's logprobs hold (an echoed prompt's lead them: not counted)."""
     lp = choice["logprobs"]
-    return 0 if lp is None else len(lp["content"] if chat else lp["tokens"])
+    echoed = exp.echo_tokens[choice["index"] // exp.n] if exp is not None and exp.echo_tokens else 0
+    return 0 if lp is None else len(lp["content"] if chat else lp["tokens"]) - echoed
 
 
 def assert_completion(body: dict, exp: Expected, chat: bool) -> None:
@@ -258,8 +266,9 @@ def assert_completion(body: dict, exp: Expected, chat: bool) -> None:
             assert isinstance(c["text"], str)
         assert (c["logprobs"] is not None) == exp.logprobs, c
         if exp.logprobs and c["finish_reason"] == "length":
-            assert _choice_tokens(c, chat) == exp.max_tokens
-    assert_usage(body["usage"], exp, finishes, [_choice_tokens(c, chat) for c in choices] if exp.logprobs else None)
+            assert _choice_tokens(c, chat, exp) == exp.max_tokens
+    assert_usage(body["usage"], exp, finishes,
+                 [_choice_tokens(c, chat, exp) for c in choices] if exp.logprobs else None)
 
 
 def assert_stream(lines: list[str], exp: Expected, chat: bool) -> None:
@@ -309,7 +318,7 @@ def send(http: httpx.Client, path: str, data: bytes, chat: bool) -> None:
             assert r.headers["content-type"].startswith("application/json"), r.headers
             assert_error(r.status_code, r.json())
             return
-        exp = expected(data, chat)
+        exp = expected(data, chat, http)
         if r.headers["content-type"].startswith("text/event-stream"):
             assert_stream([line for line in r.iter_lines() if line], exp, chat)
             event("200 stream")

@@ -341,6 +341,54 @@ def test_prompt_logprobs_over_http_and_grpc_are_the_engines(both_servers, smollm
     _same_prompt_logprobs(grpc, ref)
 
 
+def test_echo_with_logprobs_starts_with_the_prompts_logprobs(both_servers, smollm2_llm):
+    """OpenAI's echo + logprobs: the choice's logprobs cover the prompt (first token null, then the engine's
+    prompt logprobs) and then the completion (as without echo); offsets run over the echoed text."""
+    base, name = both_servers.base_url, both_servers.model_name
+    body = {"model": name, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    plain = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    r = httpx.post(base + "/v1/completions", json=body | {"echo": True}, timeout=60).json()
+    choice, usage = r["choices"][0], r["usage"]
+    assert "prompt_logprobs" not in choice  # asked for by echo only
+    ref = smollm2_llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2))[0]
+    n_prompt = len(ref.prompt_token_ids)
+    lp = choice["logprobs"]
+    assert usage["prompt_tokens"] == n_prompt and len(lp["tokens"]) == n_prompt + usage["completion_tokens"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for j in range(1, n_prompt):
+        entry = ref.prompt_logprobs[j][ref.prompt_token_ids[j]]
+        assert lp["tokens"][j] == entry.decoded_token
+        assert math.isclose(lp["token_logprobs"][j], entry.logprob, rel_tol=1e-5, abs_tol=1e-5)
+        assert len(lp["top_logprobs"][j]) <= 2
+    for key in ("tokens", "token_logprobs", "top_logprobs"):
+        assert lp[key][n_prompt:] == plain["logprobs"][key]
+    assert choice["text"] == PROMPTS[0] + plain["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    for bad in ({"stream": True}, {"prompt_logprobs": 1}):
+        e = httpx.post(base + "/v1/completions", json=body | {"echo": True} | bad, timeout=60)
+        assert e.status_code == 400 and "echo" in e.json()["error"]["message"], e.text
+
+
+def test_openai_client_spellings_vllm_accepts(both_servers):
+    """Fields clients send that mean "default" or "none" (`n: null`, `presence_penalty: null`, `tools: []`) are
+    accepted; a developer message is a system message; stream_options without stream is a 400 (as vLLM)."""
+    base, name = both_servers.base_url, both_servers.model_name
+    body = {"model": name, "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    ref = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()
+    nulls = httpx.post(base + "/v1/chat/completions", timeout=60, json=body | {
+        "n": None, "presence_penalty": None, "frequency_penalty": None, "logprobs": None, "stream": None,
+        "tools": [], "tool_choice": "none", "ignore_eos": None}).json()
+    assert nulls["choices"][0]["message"] == ref["choices"][0]["message"], nulls
+    assert CHAT[0]["role"] == "system"
+    developer = [dict(CHAT[0], role="developer"), *CHAT[1:]]
+    dev = httpx.post(base + "/v1/chat/completions", json=body | {"messages": developer}, timeout=60).json()
+    assert dev["choices"][0]["message"] == ref["choices"][0]["message"], dev
+    assert dev["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    e = httpx.post(base + "/v1/chat/completions", json=body | {"stream_options": {"include_usage": True}},
+                   timeout=60)
+    assert e.status_code == 400 and e.json()["error"]["param"] == "stream_options", e.text
+
+
 def test_chat_logprobs_shape(client, both_servers):
     r = client.chat.completions.create(model=both_servers.model_name, messages=CHAT, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=2)

@@ -189,8 +189,8 @@ BAD = {
                           "messages", ["messages[0].content[0].type", "image_url"]),
     "best_of != n": (COMPLETIONS, {"prompt": "hi", "best_of": 3, "n": 1}, 400, "invalid_request_error", "best_of",
                      ["best_of"]),
-    "echo with logprobs": (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, 400,
-                           "invalid_request_error", "echo", ["echo", "logprobs"]),
+    "echo with logprobs, streamed": (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True},
+                                     400, "invalid_request_error", "echo", ["echo", "logprobs", "stream"]),
     # Found by this file: nesting deeper than Python's recursion limit was a 500 (RecursionError in json.loads).
     "JSON nested too deeply": (COMPLETIONS, b'{"prompt": "hi", "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}",
                                400, "invalid_request_error", None, ["nested"]),
