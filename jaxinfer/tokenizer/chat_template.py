@@ -54,8 +54,12 @@ class _GenerationTag(jinja2.ext.Extension):
         return list(parser.parse_statements(("name:endgeneration",), drop_needle=True))
 
 
+class _TemplateRefusal(jinja2.TemplateError):
+    """A template's own `raise_exception(...)`: it refuses the conversation (e.g. Gemma's refuses a system role)."""
+
+
 def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(str(message))
+    raise _TemplateRefusal(str(message))
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
@@ -141,6 +145,8 @@ def _render(template: jinja2.Template, variables: Mapping[str, Any]) -> str:
     """`template` rendered with `variables`; any failure becomes ValueError."""
     try:
         return template.render(**variables)
+    except _TemplateRefusal as e:  # the template's own message says what it refuses: give it as it is
+        raise ValueError(f"messages: the model's chat template refuses them: {e}") from e
     except _TEMPLATE_ERRORS as e:
         raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
 

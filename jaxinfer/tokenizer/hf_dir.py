@@ -2,8 +2,9 @@
 
 `_load_hf_dir(path)` reads `tokenizer.json` (an `_HFBackend`) or, failing that, `tokenizer.model`
 (an `_SPBackend`); `tokenizer_config.json` (bos/eos tokens, `add_bos_token`, chat template);
-`chat_template.jinja` (overrides the config's template); and `generation_config.json` (extra EOS
-ids). It returns `(_Backend, _SpecialConfig)`. Missing config files count as empty.
+`chat_template.jinja` (overrides the config's template); and the `eos_token_id` (an id or a list: Gemma 3 and
+Phi-3 have several) of `generation_config.json` and of the model's `config.json` (extra EOS ids, as transformers'
+`generate` stops on them). It returns `(_Backend, _SpecialConfig)`. Missing config files count as empty.
 
 Errors: `FileNotFoundError` when the folder has neither `tokenizer.json` nor `tokenizer.model`;
 `ValueError` when `tokenizer.json` cannot be loaded, a config file is not a JSON object, or a
@@ -73,12 +74,23 @@ def _load_hf_dir(path: str | os.PathLike[str]) -> tuple[_Backend, _SpecialConfig
     if (root / "chat_template.jinja").is_file():
         template = (root / "chat_template.jinja").read_text(encoding="utf-8")
 
-    gen = _read_json(root / "generation_config.json")
-    gen_eos = gen.get("eos_token_id")
-    extra = tuple(int(i) for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) if i is not None)
+    extra = _eos_ids(root / "generation_config.json") + _eos_ids(root / "config.json")
     special = _SpecialConfig(bos_id=bos_id, eos_id=eos_id, extra_eos_ids=extra, add_bos=bool(add_bos),
                              chat_template=template)
     return backend, special
+
+
+def _eos_ids(path: Path) -> tuple[int, ...]:
+    """The `eos_token_id` of a JSON config file (an int, a list of ints, or absent / null).
+
+    Raises:
+      ValueError: naming the file, for a value that is neither.
+    """
+    value = _read_json(path).get("eos_token_id")
+    ids = value if isinstance(value, list) else [value]
+    if not all(i is None or (isinstance(i, int) and not isinstance(i, bool)) for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(i for i in ids if i is not None)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

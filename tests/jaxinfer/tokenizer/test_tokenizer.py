@@ -279,6 +279,41 @@ def test_chat_template_errors_are_value_errors(sp_model_path: Path, template: st
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def test_a_template_that_refuses_a_role_is_a_value_error_naming_messages(hf_dir, tmp_path: Path) -> None:
+    """Gemma's templates refuse a system role through `raise_exception`: the caller gets a ValueError that starts
+    with the field (`messages`, so HTTP names it as the 400's param) and carries the template's own words."""
+    import shutil
+
+    root, _ = hf_dir
+    folder = tmp_path / "refusing"
+    shutil.copytree(root, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_hf_dir(folder)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match=r"^messages: the model's chat template refuses them: System role not"):
+        tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+
+
+def test_eos_ids_of_config_json_and_generation_config_add_up(hf_dir, tmp_path: Path) -> None:
+    """Several EOS ids (Gemma 3, Phi-3): the tokenizer's eos_token, generation_config.json's and config.json's
+    `eos_token_id` (an id or a list) all end generation; a malformed one is a ValueError naming the file."""
+    import shutil
+
+    root, tk = hf_dir
+    folder = tmp_path / "eos"
+    shutil.copytree(root, folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": [3, 2]}))
+    tok = Tokenizer.from_hf_dir(folder)
+    assert tok.eos_ids == {tk.token_to_id("</s>"), tk.token_to_id("<|user|>"), tk.token_to_id("<|assistant|>")}
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ValueError, match="config.json: eos_token_id must be a token id"):
+        Tokenizer.from_hf_dir(folder)
+
+
 def test_chat_template_message_validation(smol: Tokenizer, sp_model_path: Path) -> None:
     with pytest.raises(ValueError, match="role"):
         smol.apply_chat_template([{"content": "hi"}])
