@@ -10,7 +10,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from models.families import GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, hf_attention_bias, hf_family_fields, hf_head_dim
+from models.families import (GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, gguf_family, hf_attention_bias,
+                             hf_family_fields, hf_head_dim)
 
 
 class RopeType(enum.Enum):
@@ -40,15 +41,13 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], name: str = "") -> dict[s
       name: fallback model name when `general.name` is absent.
 
     Raises:
-      ValueError: unknown `general.architecture` or a missing required key (named in the message).
+      ValueError: unknown `general.architecture`, a missing required key, or unsupported MoE keys (named in the
+        message; see `models.families.gguf_family`).
     """
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF general.architecture={arch!r} is not supported; supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)} (other families: load the HF safetensors folder)")
-    if meta.get(f"{arch}.expert_count"):
-        raise ValueError(f"GGUF {arch}.expert_count={meta[f'{arch}.expert_count']}: MoE GGUF files are not "
-                         "supported yet; load the HF safetensors folder instead")
 
     def need(key: str) -> Any:
         full = f"{arch}.{key}"
@@ -72,7 +71,6 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], name: str = "") -> dict[s
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported")
     return dict(
-        architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -89,6 +87,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], name: str = "") -> dict[s
         sliding_window=int(meta[f"{arch}.attention.sliding_window"]) if meta.get(
             f"{arch}.attention.sliding_window") else None,
         name=str(meta.get("general.name", name)),
+        **gguf_family(meta, arch, hidden),  # architecture, MoE and per-family fields
     )
 
 

@@ -3,8 +3,11 @@ a family's `config.json` decides beyond the shared Llama ones (MoE layout, q/k n
 norm and embedding scaling), and each family's defaults for keys its `config.json` may omit.
 
 Families: Llama (Touvron et al. 2023), Mistral (Jiang et al. 2023), Qwen2 and Qwen2-MoE (Qwen team 2024), Qwen3
-(Qwen team 2025: RMSNorm over each q / k head), Mixtral (Jiang et al. 2024), Gemma (Gemma team 2024: GeGLU MLP,
-RMSNorm scaled by 1 + w, embeddings times sqrt(D), tied head).
+and Qwen3-MoE (Qwen team 2025: RMSNorm over each q / k head; Qwen3-MoE without a shared expert), Mixtral (Jiang et
+al. 2024), Gemma (Gemma team 2024: GeGLU MLP, RMSNorm scaled by 1 + w, embeddings times sqrt(D), tied head).
+
+GGUF files (llama.cpp's `convert_hf_to_gguf.py` layout) name a family by `general.architecture`; `gguf_family`
+maps it, and the MoE keys, to ours.
 """
 
 from __future__ import annotations
@@ -21,9 +24,14 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_tanh"  # GeGLU with the tanh approximation of GELU (Hendrycks & Gimpel 2016)
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe")  # sparse MoE MLP in every layer (`models.moe`); HF folders only
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # `general.architecture` values `jaxinfer.loading.gguf` reads
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")  # sparse MoE MLP in every layer (`models.moe`)
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")  # RMSNorm over each q / k head before RoPE
+# `general.architecture` values `jaxinfer.loading.gguf` reads -> our architecture (a `llama` file with experts is
+# Mixtral, see `gguf_family`).
+_GGUF_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+                  "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = tuple(_GGUF_FAMILIES)
 
 # HF activation names -> ours. transformers' GemmaConfig reads the legacy "gelu" of the official Gemma releases as
 # the tanh approximation (its `__post_init__`), so only Gemma maps it; elsewhere "gelu" is the exact erf GELU.
@@ -77,7 +85,7 @@ def hf_family_fields(hf: Mapping[str, Any], model_type: str, hidden: int) -> dic
     fields: dict[str, Any] = dict(mlp_activation=hf_activation(hf, model_type),
                                   tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma")),
                                   **hf_moe_fields(hf, model_type))
-    if model_type == "qwen3":
+    if model_type in QK_NORM_ARCHITECTURES:
         fields["qk_norm"] = True
     if model_type == "gemma":
         if hf.get("use_bidirectional_attention"):
@@ -88,18 +96,21 @@ def hf_family_fields(hf: Mapping[str, Any], model_type: str, hidden: int) -> dic
 
 
 def hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
-    """The MoE fields of `ModelConfig` from an HF Mixtral or Qwen2-MoE `config.json`; {} for dense models.
+    """The MoE fields of `ModelConfig` from an HF Mixtral, Qwen2-MoE or Qwen3-MoE `config.json`; {} for dense models.
 
     Mixtral (`MixtralConfig`): `num_local_experts`, `num_experts_per_tok`, and `intermediate_size` is the expert
-    width; the top-k weights are always renormalized. Qwen2-MoE (`Qwen2MoeConfig`): `num_experts`,
-    `num_experts_per_tok`, `moe_intermediate_size`, `shared_expert_intermediate_size`, `norm_topk_prob` (default
-    False).
+    width; the top-k weights are always renormalized. Qwen2-MoE (`Qwen2MoeConfig`) and Qwen3-MoE
+    (`Qwen3MoeConfig`): `num_experts` (transformers 5.25 saves Qwen3-MoE's as `num_local_experts`; either is read),
+    `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob` (default False, as both config classes);
+    Qwen2-MoE also `shared_expert_intermediate_size` (Qwen3-MoE has no shared expert).
 
     Raises:
-      ValueError: a missing key, or a Qwen2-MoE layout with dense layers in between (`mlp_only_layers` non-empty
-        or `decoder_sparse_step` != 1), which is not supported yet.
+      ValueError: a missing key, or a Qwen2-MoE / Qwen3-MoE layout with dense layers in between (`mlp_only_layers`
+        non-empty or `decoder_sparse_step` != 1; the message names the key), which is not supported yet.
     """
-    def need(key: str) -> Any:
+    def need(key: str, alias: str | None = None) -> Any:
+        if key not in hf and alias in hf:
+            return hf[alias]
         if key not in hf:
             raise ValueError(f"config.json ({model_type}) is missing required key {key!r}")
         return hf[key]
@@ -107,15 +118,60 @@ def hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     if model_type == "mixtral":
         return dict(num_experts=need("num_local_experts"), num_experts_per_tok=need("num_experts_per_tok"),
                     moe_intermediate_size=need("intermediate_size"), norm_topk_prob=True)
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        family = {"qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}[model_type]
         if hf.get("mlp_only_layers"):
-            raise ValueError(f"config.json mlp_only_layers={hf['mlp_only_layers']!r}: Qwen2-MoE with dense MLP "
+            raise ValueError(f"config.json mlp_only_layers={hf['mlp_only_layers']!r}: {family} with dense MLP "
                              "layers is not supported yet (every layer must be sparse)")
         if hf.get("decoder_sparse_step", 1) != 1:
             raise ValueError(f"config.json decoder_sparse_step={hf['decoder_sparse_step']!r}: only 1 (every layer "
-                             "sparse) is supported yet")
-        return dict(num_experts=need("num_experts"), num_experts_per_tok=need("num_experts_per_tok"),
-                    moe_intermediate_size=need("moe_intermediate_size"),
-                    shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+                             f"sparse) is supported yet for {family}")
+        shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+        return dict(num_experts=need("num_experts", "num_local_experts"),
+                    num_experts_per_tok=need("num_experts_per_tok"),
+                    moe_intermediate_size=need("moe_intermediate_size"), shared_expert_intermediate_size=shared,
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
     return {}
+
+
+def gguf_family(meta: Mapping[str, Any], arch: str, hidden: int) -> dict[str, Any]:
+    """Our `architecture` and the family's `ModelConfig` fields from GGUF metadata of `general.architecture` arch
+    (llama.cpp's keys and its `convert_hf_to_gguf.py` conventions).
+
+    - `llama` with `llama.expert_count` > 0 is Mixtral: `expert_used_count` experts per token, renormalized (as
+      llama.cpp's llama graph does), of width `expert_feed_forward_length` (else `feed_forward_length`).
+    - `qwen3moe` is Qwen3-MoE: the same keys. llama.cpp's graph renormalizes its top-k weights too, whatever the
+      HF checkpoint's `norm_topk_prob` was (the converter drops it), so we do as llama.cpp does.
+    - `qwen3`, `qwen3moe`: q/k norms. `gemma`: GeGLU, norm gains 1 + w (the file stores the sum, which the loader
+      turns back into w), embeddings times sqrt(hidden); its head is tied (no `output.weight`).
+
+    Raises:
+      ValueError: experts on an architecture we read as dense, a missing expert key, or shared experts, a gating
+        function other than softmax or a weight scale other than 1, each naming the key.
+    """
+    family = "mixtral" if arch == "llama" and meta.get("llama.expert_count") else _GGUF_FAMILIES[arch]
+    fields: dict[str, Any] = dict(architecture=family)
+    if family in QK_NORM_ARCHITECTURES:
+        fields["qk_norm"] = True
+    if family == "gemma":
+        fields.update(mlp_activation=Activation.GELU_TANH, norm_weight_offset=1.0, embed_scale=float(hidden) ** 0.5)
+    experts = meta.get(f"{arch}.expert_count")
+    if family not in MOE_ARCHITECTURES:
+        if experts:
+            raise ValueError(f"GGUF {arch}.expert_count={experts}: experts are read only for llama (Mixtral) and "
+                             "qwen3moe files")
+        return fields
+    for key in ("expert_count", "expert_used_count"):
+        if not meta.get(f"{arch}.{key}"):
+            raise ValueError(f"GGUF metadata of a {family} file needs {arch}.{key} >= 1")
+    unsupported = {f"{arch}.expert_shared_count": lambda v: not v,  # shared experts (Qwen2-MoE's) are not read
+                   f"{arch}.expert_gating_func": lambda v: v == 1,  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_SOFTMAX
+                   f"{arch}.expert_weights_scale": lambda v: v == 1}
+    for key, fine in unsupported.items():
+        if key in meta and not fine(meta[key]):
+            raise ValueError(f"GGUF {key}={meta[key]!r} is not supported (softmax top-k routing without shared "
+                             "experts or a weight scale only)")
+    width = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
+    fields.update(num_experts=int(experts), num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
+                  moe_intermediate_size=int(width), norm_topk_prob=True)
+    return fields

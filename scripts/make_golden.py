@@ -352,11 +352,11 @@ def randomize(model, seed: int, std: float = 0.15, embed_std: float = 0.3, norm_
             p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-def tiny_golden(model, seed: int) -> dict:
+def tiny_golden(model, seed: int, n_greedy: int = N_TINY_GREEDY) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (N_TINY_TOKENS,), generator=g).tolist()
     logits = forward_logits(model, ids)
-    gen, margins = greedy(model, ids, N_TINY_GREEDY)
+    gen, margins = greedy(model, ids, n_greedy)
     log.info("  logits std %.3f, min greedy margin %.4f", float(logits.std()), min(margins))
     return {
         "reference": reference_string(),
@@ -502,14 +502,14 @@ class RouterProbe:
             h.remove()
 
 
-def moe_golden(model, seed: int, top_k: int) -> dict:
+def moe_golden(model, seed: int, top_k: int, n_greedy: int = N_TINY_GREEDY) -> dict:
     """`tiny_golden` plus routing facts: per-layer expert counts of the logits forward and the smallest gap."""
     probe = RouterProbe(model, top_k)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (N_TINY_TOKENS,), generator=g).tolist()
     forward_logits(model, ids)
     counts = list(probe.layer_counts)
-    golden = tiny_golden(model, seed)  # same ids (same seed); the greedy loop also passes through the probe
+    golden = tiny_golden(model, seed, n_greedy)  # same ids (same seed); the greedy loop also passes the probe
     probe.remove()
     assert golden["token_ids"] == ids
     golden["expert_counts_per_layer"] = counts
@@ -539,9 +539,11 @@ TINY_MOE = dict(TINY_COMMON, intermediate_size=32)  # Mixtral's expert width is 
 
 
 def _write_tiny_moe(out: Path, name: str, model_class, cfg, seed: int, block: str, projections: tuple[str, ...],
-                    num_experts: int) -> None:
+                    num_experts: int, features: dict | None = None, n_greedy: int = N_TINY_GREEDY) -> None:
     """Randomizes, saves, checks and records one tiny MoE checkpoint `out/name` (weights from `seed`, golden
-    logits and routing from `seed + 1`); `block` / `projections`: where its per-expert tensors are named."""
+    logits and routing from `seed + 1`, `n_greedy` greedy tokens); `block` / `projections`: where its per-expert
+    tensors are named; `features`: {feature: change}, each `change` switches a family feature off on a copy,
+    which must move the logits (recorded as `max_abs_logit_change_without_<feature>`)."""
     folder = out / name
     shutil.rmtree(folder, ignore_errors=True)
     set_seeds()
@@ -549,7 +551,12 @@ def _write_tiny_moe(out: Path, name: str, model_class, cfg, seed: int, block: st
     randomize(model, seed)
     model.save_pretrained(folder, safe_serialization=True)
     check_per_expert_names(folder, block, projections, num_experts)
-    golden = moe_golden(model, seed + 1, top_k=cfg.num_experts_per_tok)
+    golden = moe_golden(model, seed + 1, top_k=cfg.num_experts_per_tok, n_greedy=n_greedy)
+    for feature, change in (features or {}).items():
+        golden[f"max_abs_logit_change_without_{feature}"] = diff = _feature_effect(model, golden, change)
+        log.info("  %s without %s: max |dlogit| = %.3f", name, feature, diff)
+        if diff < 1e-2:
+            raise RuntimeError(f"{feature} has no visible effect on {name}")
     check_reload(model_class, folder, golden)
     write_json(folder / "golden.json", golden)
 
@@ -572,6 +579,27 @@ def make_tiny_qwen2_moe(out: Path) -> None:
                          use_sliding_window=False, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     _write_tiny_moe(out, "tiny_qwen2_moe", Qwen2MoeForCausalLM, cfg, SEED + 9, "mlp",
                     ("gate_proj", "up_proj", "down_proj"), 8)
+
+
+def _without_topk_renormalization(model) -> None:
+    for layer in model.model.layers:
+        layer.mlp.gate.norm_topk_prob = False
+
+
+def make_tiny_qwen3_moe(out: Path) -> None:
+    """Qwen3-MoE: Qwen3's per-head q/k RMSNorm (head_dim 32 over hidden 64, GQA 4/2) with a sparse MoE MLP in
+    both layers: 8 experts of width 32, top-2 renormalized (`norm_topk_prob` true, as the released checkpoints
+    say; the config class defaults to false), no shared expert; 32 greedy tokens."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**TINY_COMMON, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
+                         attention_bias=False, use_sliding_window=False, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
+    _write_tiny_moe(out, "tiny_qwen3_moe", Qwen3MoeForCausalLM, cfg, SEED + 17, "mlp",
+                    ("gate_proj", "up_proj", "down_proj"), 8,
+                    features={"qk_norm": _without_qk_norms, "norm_topk_prob": _without_topk_renormalization},
+                    n_greedy=32)
 
 
 def make_tiny_mistral(out: Path) -> None:
@@ -664,7 +692,7 @@ def make_tiny_gemma(out: Path) -> None:
 
 MAKERS = {"tiny_llama3": make_tiny_llama3, "tiny_qwen2": make_tiny_qwen2, "tiny_mistral": make_tiny_mistral,
           "tiny_mixtral": make_tiny_mixtral, "tiny_qwen2_moe": make_tiny_qwen2_moe, "tiny_qwen3": make_tiny_qwen3,
-          "tiny_gemma": make_tiny_gemma}
+          "tiny_gemma": make_tiny_gemma, "tiny_qwen3_moe": make_tiny_qwen3_moe}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -199,8 +199,12 @@ def gguf_metadata(reader: "gguf.GGUFReader") -> dict:  # noqa: F821
 def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -> tuple[ModelConfig, Weights]:  # noqa: F821
     """Reads config and weights from a GGUF file, dequantizing every type the `gguf` package supports.
 
-    Q/K rows of llama/mistral files are un-permuted back to the half-split rotary layout that `models.llama`
-    uses (GGUF converters interleave them for llama.cpp).
+    Q/K rows of llama/mistral files (Mixtral's too: a `llama` file with experts) are un-permuted back to the
+    half-split rotary layout that `models.llama` uses (GGUF converters interleave them for llama.cpp; qwen2, qwen3,
+    qwen3moe and gemma files keep HF's order). Norm gains of a family whose norms scale by offset + w (Gemma) are
+    stored as the sum by llama.cpp's converter, which its plain RMSNorm multiplies by; the offset is subtracted
+    back, so the config and weights equal the HF folder's. A per-expert field is one [E, out, in] tensor per layer
+    (`ffn_gate_exps` etc., `jaxinfer.loading.tensor_names`).
 
     Raises:
       ValueError: unsupported architecture or quantization type, a missing tensor, or a shape mismatch; the
@@ -218,7 +222,7 @@ def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -
     cfg = dataclasses.replace(cfg, tie_word_embeddings="output.weight" not in tensors,
                               attention_bias="blk.0.attn_q.bias" in tensors,
                               mlp_bias="blk.0.ffn_gate.bias" in tensors)
-    permute = cfg.architecture in _PERMUTED_GGUF_ARCHITECTURES
+    permute = meta["general.architecture"] in _PERMUTED_GGUF_ARCHITECTURES
 
     def fetch(name: TensorName, layer: int | None, expert: int | None) -> np.ndarray | None:
         key = name.gguf.format(i=layer)
@@ -237,6 +241,8 @@ def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -
                 raise ValueError(f"GGUF tensor {key!r} has shape {arr.shape}; the config needs "
                                  f"{heads * cfg.head_dim} rows ({heads} heads x {cfg.head_dim})")
             arr = _unpermute_rope_rows(arr, heads)
+        if cfg.norm_weight_offset and key.endswith("norm.weight"):
+            arr = arr - np.float32(cfg.norm_weight_offset)
         return arr
 
     return cfg, assemble(cfg, fetch, "gguf", dtype)

@@ -57,7 +57,9 @@ class TensorName:
     hf: str
     convert: Callable[[np.ndarray, ModelConfig], np.ndarray]
     rope_heads: str | None = None  # GGUF converters permute these rows for llama.cpp's rotary layout
-    per_expert: bool = False  # one tensor per expert `{j}`, stacked on axis 0 of the field (after L)
+    # One HF tensor per expert `{j}`, stacked on axis 0 of the field (after L); GGUF files hold them stacked already,
+    # as one [E, out, in] tensor (see `assemble`).
+    per_expert: bool = False
 
 
 LAYER_TENSORS: dict[str, TensorName] = {
@@ -87,13 +89,17 @@ LAYER_TENSORS: dict[str, TensorName] = {
 
 
 def _moe_names(router: str, expert: str, gate: str, up: str, down: str, shared: str | None) -> dict[str, TensorName]:
-    """HF per-expert names of one MoE architecture (no GGUF names: MoE GGUF files are refused by the config)."""
+    """HF per-expert names of one MoE architecture, and llama.cpp's names of the same tensors (every expert of a
+    layer in one [E, out, in] tensor; no GGUF names for the shared expert, which GGUF files are not read with)."""
     prefix = "model.layers.{i}."
     names = {
-        "router": TensorName("", prefix + router, _transpose),  # [E, D] -> [D, E]
-        "e_gate": TensorName("", prefix + f"{expert}.{gate}.weight", _transpose, per_expert=True),  # [Fe, D]
-        "e_up": TensorName("", prefix + f"{expert}.{up}.weight", _transpose, per_expert=True),  # [Fe, D]
-        "e_down": TensorName("", prefix + f"{expert}.{down}.weight", _transpose, per_expert=True),  # [D, Fe]
+        "router": TensorName("blk.{i}.ffn_gate_inp.weight", prefix + router, _transpose),  # [E, D] -> [D, E]
+        "e_gate": TensorName("blk.{i}.ffn_gate_exps.weight", prefix + f"{expert}.{gate}.weight", _transpose,
+                             per_expert=True),  # [Fe, D]
+        "e_up": TensorName("blk.{i}.ffn_up_exps.weight", prefix + f"{expert}.{up}.weight", _transpose,
+                           per_expert=True),  # [Fe, D]
+        "e_down": TensorName("blk.{i}.ffn_down_exps.weight", prefix + f"{expert}.{down}.weight", _transpose,
+                             per_expert=True),  # [D, Fe]
     }
     if shared is not None:
         names.update({
@@ -111,6 +117,7 @@ MOE_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {
     "mixtral": _moe_names("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}", "w1", "w3", "w2", None),
     "qwen2_moe": _moe_names("mlp.gate.weight", "mlp.experts.{j}", "gate_proj", "up_proj", "down_proj",
                             "mlp.shared_expert"),
+    "qwen3_moe": _moe_names("mlp.gate.weight", "mlp.experts.{j}", "gate_proj", "up_proj", "down_proj", None),
 }
 TOP_TENSORS: dict[str, TensorName] = {
     "embed": TensorName("token_embd.weight", "model.embed_tokens.weight", _identity),
@@ -125,11 +132,21 @@ def assemble(
     source: str,
     dtype: np.dtype,
 ) -> Weights:
-    """Builds `Weights` from a per-tensor fetch function (name, layer, expert); checks presence and shapes."""
+    """Builds `Weights` from a per-tensor fetch function (name, layer, expert); checks presence and shapes.
+
+    `source` "gguf" fetches a per-expert field once per layer (expert None), as one [E, out, in] tensor whose
+    slices each convert like an HF expert's [out, in] matrix; other sources fetch it expert by expert.
+    """
     specs = Weights.abstract(cfg)
+    stacked_experts = source == "gguf"
+
+    def convert_stacked(raw: np.ndarray, cfg: ModelConfig, convert: Callable) -> np.ndarray:
+        if raw.ndim != 3 or raw.shape[0] != cfg.num_experts:
+            raise ValueError(f"expected {cfg.num_experts} experts on axis 0")
+        return np.stack([convert(w, cfg) for w in raw])
 
     def get(field: str, name: TensorName, spec, layer: int | None, expert: int | None = None) -> np.ndarray:
-        if name.per_expert and expert is None:
+        if name.per_expert and expert is None and not stacked_experts:
             return np.stack([get(field, name, spec, layer, j) for j in range(cfg.num_experts)])
         raw = fetch(name, layer, expert)
         label = (name.gguf if source == "gguf" else name.hf).format(i=layer, j=expert)
@@ -138,7 +155,8 @@ def assemble(
         if raw is None:
             raise ValueError(f"{source} checkpoint is missing tensor {label!r}")
         try:
-            arr = name.convert(raw, cfg)
+            arr = convert_stacked(raw, cfg, name.convert) if name.per_expert and expert is None else name.convert(
+                raw, cfg)
         except ValueError:
             raise ValueError(f"{source} tensor {label!r} has shape {raw.shape}, which does not fit the config "
                              f"(expected {expected})") from None
