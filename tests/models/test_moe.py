@@ -1,8 +1,9 @@
-"""Tests for models.moe and the MoE model family (Mixtral, Qwen2-MoE).
+"""Tests for models.moe and the MoE model families (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 Oracles:
-  * tests/data/tiny_mixtral and tiny_qwen2_moe: golden logits and greedy tokens from HF transformers 5.24
-    (PyTorch, f32; scripts/make_golden.py), loaded through the same HF loader path as the dense goldens.
+  * tests/data/tiny_mixtral and tiny_qwen2_moe: golden logits and greedy tokens from HF transformers 5.24, and
+    tiny_qwen3_moe (q/k norms, renormalized top-2, no shared expert, 32 greedy tokens) from 5.25 (PyTorch, f32;
+    scripts/make_golden.py), loaded through the same HF loader path as the dense goldens.
   * `_moe_reference`: a dense NumPy (float64) loop written here from the published definition: per token, softmax
     over the router logits, its k largest, optional renormalization, sum of the chosen experts' SwiGLU outputs;
     plus sigmoid(h @ g) times the shared expert's SwiGLU.
@@ -31,9 +32,12 @@ from models import moe
 from models.config import ModelConfig
 from models.llama import LayerWeights, Weights, check_weights
 from sharding.mesh import make_mesh
+from tests.models.test_families import _with_tokenizer, tokenizer_dir
+
+__all__ = ["tokenizer_dir"]  # a fixture, used by name
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-MIXTRAL, QWEN2_MOE = DATA / "tiny_mixtral", DATA / "tiny_qwen2_moe"
+MIXTRAL, QWEN2_MOE, QWEN3_MOE = DATA / "tiny_mixtral", DATA / "tiny_qwen2_moe", DATA / "tiny_qwen3_moe"
 PAGE_SIZE, NUM_PAGES = 16, 8
 
 
@@ -44,7 +48,7 @@ def _golden(folder: Path) -> dict:
 # --- HF goldens -----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["tiny_mixtral", "tiny_qwen2_moe"])
+@pytest.fixture(scope="module", params=["tiny_mixtral", "tiny_qwen2_moe", "tiny_qwen3_moe"])
 def hf_moe(request):
     folder = DATA / request.param
     cfg, weights = load_hf_weights(folder)
@@ -58,10 +62,15 @@ def test_hf_moe_config_fields(hf_moe):
     hf = json.loads((folder / "config.json").read_text())
     assert cfg.num_experts == hf.get("num_local_experts", hf.get("num_experts")) == 8
     assert cfg.num_experts_per_tok == hf["num_experts_per_tok"] == 2
+    assert cfg.qk_norm == (folder == QWEN3_MOE)
     if folder == MIXTRAL:
         assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (hf["intermediate_size"], 0)
         assert cfg.norm_topk_prob and not cfg.attention_bias
         assert weights.layers.s_gate is None
+    elif folder == QWEN3_MOE:  # no shared expert; renormalized top-k as its config says; head_dim 32 != 64 / 4
+        assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (hf["moe_intermediate_size"], 0)
+        assert cfg.norm_topk_prob is hf["norm_topk_prob"] is True and not cfg.attention_bias
+        assert weights.layers.s_gate is None and weights.layers.q_norm.shape == (2, cfg.head_dim) == (2, 32)
     else:
         assert cfg.moe_intermediate_size == hf["moe_intermediate_size"]
         assert cfg.shared_expert_intermediate_size == hf["shared_expert_intermediate_size"] == 48
@@ -93,7 +102,7 @@ def test_hf_moe_greedy_continuation_matches_transformers(hf_moe):
     folder, _, _, runner = hf_moe
     golden = _golden(folder)
     prompt, want = golden["token_ids"], golden["greedy_token_ids"]
-    greedy, pages, got = SamplingParams(temperature=0.0), [4, 6, 5], []
+    greedy, pages, got = SamplingParams(temperature=0.0), [4, 6, 5, 7, 2], []  # 5 pages: 40 + 32 tokens
     chunk = ScheduledChunk(prompt, 0, pages)
     for step in range(len(want)):  # decode steps: one token per step through the MoE block
         got.append(int(runner.execute([chunk], [SamplingRow(greedy, 0, step=step)]).token_ids[0]))
@@ -269,14 +278,30 @@ def _hf_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
+@pytest.mark.parametrize("folder, family", [(QWEN2_MOE, "Qwen2-MoE"), (QWEN3_MOE, "Qwen3-MoE")])
 @pytest.mark.parametrize("changes, message", [
-    (dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]: Qwen2-MoE with dense MLP layers is not supported"),
-    (dict(decoder_sparse_step=2), r"decoder_sparse_step=2: only 1"),
+    (dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]: {} with dense MLP layers is not supported"),
+    (dict(decoder_sparse_step=2), r"decoder_sparse_step=2: only 1 .* for {}"),
     (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"),
 ])
-def test_bad_qwen2_moe_hf_configs_are_refused(changes, message):
-    with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_config({**_hf_config(QWEN2_MOE), **changes})
+def test_bad_qwen_moe_hf_configs_are_refused(folder, family, changes, message):
+    with pytest.raises(ValueError, match=message.format(family)):
+        ModelConfig.from_hf_config({**_hf_config(folder), **changes})
+
+
+def test_qwen3_moe_hf_config_keys():
+    hf = _hf_config(QWEN3_MOE)  # transformers 5.25 saves num_experts as num_local_experts; the hub says num_experts
+    cfg = ModelConfig.from_hf_config(hf)
+    hub = {k: v for k, v in hf.items() if k != "num_local_experts"} | {"num_experts": 8}
+    assert ModelConfig.from_hf_config(hub) == cfg
+    bare = {k: v for k, v in hub.items() if k not in ("norm_topk_prob", "head_dim", "decoder_sparse_step",
+                                                      "mlp_only_layers")}
+    cfg = ModelConfig.from_hf_config(bare)  # Qwen3MoeConfig's defaults: no renormalization, head_dim D / N, sparse
+    assert (cfg.norm_topk_prob, cfg.head_dim, cfg.num_experts, cfg.qk_norm) == (False, 16, 8, True)
+    with pytest.raises(ValueError, match="missing required key 'num_experts'"):
+        ModelConfig.from_hf_config({k: v for k, v in hf.items() if k != "num_local_experts"})
+    with pytest.raises(ValueError, match="missing required key 'moe_intermediate_size'"):
+        ModelConfig.from_hf_config({k: v for k, v in hf.items() if k != "moe_intermediate_size"})
 
 
 def test_mixtral_hf_config_without_expert_count_is_refused():
@@ -286,12 +311,6 @@ def test_mixtral_hf_config_without_expert_count_is_refused():
         ModelConfig.from_hf_config(hf)
 
 
-def test_moe_gguf_metadata_is_refused():
-    meta = {"general.architecture": "llama", "llama.expert_count": 8, "llama.embedding_length": 64}
-    with pytest.raises(ValueError, match="llama.expert_count=8: MoE GGUF files are not supported"):
-        ModelConfig.from_gguf_metadata(meta)
-    with pytest.raises(ValueError, match="'mixtral' is not supported"):
-        ModelConfig.from_gguf_metadata({"general.architecture": "mixtral"})
 
 
 @pytest.mark.parametrize("folder, name", [
@@ -299,6 +318,8 @@ def test_moe_gguf_metadata_is_refused():
     (MIXTRAL, "model.layers.0.block_sparse_moe.gate.weight"),
     (QWEN2_MOE, "model.layers.1.mlp.shared_expert_gate.weight"),
     (QWEN2_MOE, "model.layers.0.mlp.experts.7.down_proj.weight"),
+    (QWEN3_MOE, "model.layers.1.mlp.experts.2.up_proj.weight"),
+    (QWEN3_MOE, "model.layers.0.mlp.gate.weight"),
 ])
 @pytest.mark.parametrize("fault", ["missing", "transposed"])
 def test_moe_checkpoint_faults_name_the_tensor(tmp_path, folder, name, fault):
@@ -320,3 +341,21 @@ def test_hf_moe_config_attention_keys():
     old_qwen = {k: v for k, v in qwen.items() if k != "qkv_bias"}  # pre-v5 configs: q/k/v biases always
     assert ModelConfig.from_hf_config(old_qwen).attention_bias
     assert not ModelConfig.from_hf_config({**qwen, "qkv_bias": False}).attention_bias
+
+
+# --- Qwen3-MoE through the engine -------------------------------------------------------------------------------
+
+
+def test_qwen3_moe_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformers(tokenizer_dir, tmp_path):
+    from jaxinfer.llm import LLM
+
+    golden = _golden(QWEN3_MOE)
+    prompt, want = golden["token_ids"], golden["greedy_token_ids"]
+    # 16-token steps over 16-token pages: the 40-token prompt is prefilled in 3 chunks, then 32 decode steps
+    llm = LLM(_with_tokenizer(QWEN3_MOE, tokenizer_dir, tmp_path), dtype="float32",
+              warmup=False, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20)
+    greedy = SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompt}], [greedy], use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == want
+    again = llm.generate([{"prompt_token_ids": prompt}], [greedy], use_tqdm=False)[0]  # 2 full pages cached
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == want

@@ -96,7 +96,7 @@ def test_mixtral_logits_equal_single_device_and_expert_shards_are_real(ep, tp):
 
 
 @pytest.mark.parametrize("name, ep, tp", [("tiny_mixtral", 4, 2), ("tiny_qwen2_moe", 4, 2), ("tiny_qwen2_moe", 8, 1),
-                                          ("qwen2_moe_fs36", 4, 2)])
+                                          ("qwen2_moe_fs36", 4, 2), ("tiny_qwen3_moe", 4, 2)])
 def test_scanned_layers_and_shared_expert_equal_single_device(name, ep, tp):
     cfg, weights = _model(name)
     mesh = make_mesh(tp=tp, ep=ep)
