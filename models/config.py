@@ -27,7 +27,7 @@ def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> Model
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma, Mixtral,
-    Qwen2-MoE).
+    Qwen2-MoE, Qwen3-MoE).
 
     Attributes:
       architecture: one of `SUPPORTED_ARCHITECTURES`.
@@ -54,10 +54,10 @@ class ModelConfig:
         `intermediate_size`).
       shared_expert_intermediate_size: Fs, hidden width of the always-on shared expert (Qwen2-MoE), gated by
         sigmoid(h @ shared_expert_gate); 0 means none.
-      norm_topk_prob: renormalize the k selected softmax weights to sum to 1 (Mixtral: always; Qwen2-MoE: its
-        `norm_topk_prob` key).
+      norm_topk_prob: renormalize the k selected softmax weights to sum to 1 (Mixtral and GGUF files: always;
+        Qwen2-MoE, Qwen3-MoE: their `norm_topk_prob` key).
       qk_norm: RMSNorm over each query and key head (weights `q_norm`, `k_norm` of size H) after the projections,
-        before RoPE (Qwen3).
+        before RoPE (Qwen3, Qwen3-MoE).
       mlp_activation: the gated MLP's nonlinearity, act(h @ w_gate) * (h @ w_up): SiLU (SwiGLU) or GELU with the
         tanh approximation (GeGLU, Gemma). MoE experts are SwiGLU only.
       norm_weight_offset: every RMSNorm scales by (offset + w): 0 for Llama, 1 for Gemma (which stores w - 1).

@@ -1,5 +1,5 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE): top-k routing, dropless grouped expert matmuls, and expert
-plus tensor parallelism inside one `jax.shard_map` that ends in a single `psum`.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): top-k routing, dropless grouped expert matmuls,
+and expert plus tensor parallelism inside one `jax.shard_map` that ends in a single `psum`.
 
 Math, per token h[D] (Shazeer et al. 2017, "Outrageously large neural networks"; Jiang et al. 2024, "Mixtral of
 Experts"): p = softmax(h @ router) over E experts (f32), keep the k largest (`lax.top_k`), optionally renormalize

@@ -47,6 +47,11 @@ What it records (all under ``--out``, default ``tests/data``):
     logits move when the family's feature is switched off (no q/k norms, resp. no embedding scale), and the
     script refuses a feature without a visible effect.
 
+``tiny_qwen3_moe/``
+    Qwen3-MoE: Qwen3's q/k norms (head_dim 32 over hidden 64) with 8 experts of width 32 in both layers, top-2
+    renormalized (``norm_topk_prob`` true), no shared expert, 32 greedy tokens; routing facts as for the MoE
+    checkpoints above, and the logit change without the q/k norms and without the renormalization.
+
 ``--only NAME`` writes just one tiny checkpoint (and skips SmolLM2); it may be repeated.
 
 How to run it by hand (from the repository root)::

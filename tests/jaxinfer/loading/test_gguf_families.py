@@ -72,8 +72,9 @@ def _gguf_tensors(name: str, *, permute: bool | None = None, norm_plus_one: bool
     return out
 
 
-def _write(path: Path, name: str, tensors: dict[str, np.ndarray], drop: tuple[str, ...] = ()) -> Path:
-    """A GGUF file of `tensors` (f32) with the metadata llama.cpp's converter writes for `name`'s config."""
+def _write(path: Path, name: str, tensors: dict[str, np.ndarray], f16: bool = False) -> Path:
+    """A GGUF file of `tensors` with the metadata llama.cpp's converter writes for `name`'s config: f32, or with
+    `f16` its matrices in F16 but for the router (`ffn_gate_inp`), which llama.cpp's converter keeps F32."""
     _, hf = _hf(name)
     arch = FAMILIES[name]
     writer = gguf.GGUFWriter(path, arch)
@@ -93,12 +94,12 @@ def _write(path: Path, name: str, tensors: dict[str, np.ndarray], drop: tuple[st
     if "moe_intermediate_size" in hf:
         meta["expert_feed_forward_length"] = hf["moe_intermediate_size"]
     for key, value in meta.items():
-        if key not in drop:
-            writer.add_key_value(f"{arch}.{key}", value,
-                                 gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32)
+        writer.add_key_value(f"{arch}.{key}", value,
+                             gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32)
     writer.add_name(name)
     for key, w in tensors.items():
-        writer.add_tensor(key, np.ascontiguousarray(w, np.float32))
+        half = f16 and w.ndim >= 2 and "ffn_gate_inp" not in key
+        writer.add_tensor(key, np.ascontiguousarray(w, np.float16 if half else np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -157,6 +158,24 @@ def test_gguf_conventions_matter(name, control, tmp_path):
     golden = _golden(DATA / name)
     err = np.abs(_logits(_runner(cfg, weights), golden["token_ids"]) - np.array(golden["logits"])).max()
     assert err > 1e-2
+
+
+def test_f16_gguf_moe_equals_the_hf_weights_rounded_to_f16(tmp_path):
+    """F16 experts (3-D tensors), attention and embeddings dequantize to exactly the f16 roundings of the HF
+    weights: the logits equal the HF path's over those rounded weights (the router and norms stay f32)."""
+    cfg, weights = load_gguf_weights(read_gguf(_write(tmp_path / "f16.gguf", "tiny_mixtral",
+                                                      _gguf_tensors("tiny_mixtral"), f16=True)))
+    hf_cfg, hf_weights = load_hf_weights(DATA / "tiny_mixtral")
+    f16 = lambda a: np.asarray(a).astype(np.float16).astype(np.float32)  # noqa: E731
+    layers = dataclasses.replace(hf_weights.layers, **{f: f16(getattr(hf_weights.layers, f)) for f in (
+        "wq", "wk", "wv", "wo", "e_gate", "e_up", "e_down")})
+    rounded = hf_weights.replace(layers=layers, embed=f16(hf_weights.embed), lm_head=f16(hf_weights.lm_head))
+    np.testing.assert_array_equal(weights.layers.e_down, rounded.layers.e_down)
+    ids = _golden(DATA / "tiny_mixtral")["token_ids"]
+    runner = _runner(cfg, weights)
+    got = _logits(runner, ids)
+    np.testing.assert_allclose(got, _logits(runner, ids, weights=rounded), **TOL)
+    assert np.abs(got - np.array(_golden(DATA / "tiny_mixtral")["logits"])).max() > 1e-5  # f16 did round
 
 
 # --- MoE files that are refused ---------------------------------------------------------------------------------
