@@ -140,10 +140,12 @@ def assemble(
     specs = Weights.abstract(cfg)
     stacked_experts = source == "gguf"
 
-    def convert_stacked(raw: np.ndarray, cfg: ModelConfig, convert: Callable) -> np.ndarray:
-        if raw.ndim != 3 or raw.shape[0] != cfg.num_experts:
+    def convert(name: TensorName, raw: np.ndarray, stacked: bool) -> np.ndarray:
+        if not stacked:
+            return name.convert(raw, cfg)
+        if raw.ndim != 3 or raw.shape[0] != cfg.num_experts:  # [E, out, in]
             raise ValueError(f"expected {cfg.num_experts} experts on axis 0")
-        return np.stack([convert(w, cfg) for w in raw])
+        return np.stack([name.convert(w, cfg) for w in raw])
 
     def get(field: str, name: TensorName, spec, layer: int | None, expert: int | None = None) -> np.ndarray:
         if name.per_expert and expert is None and not stacked_experts:
@@ -155,8 +157,7 @@ def assemble(
         if raw is None:
             raise ValueError(f"{source} checkpoint is missing tensor {label!r}")
         try:
-            arr = convert_stacked(raw, cfg, name.convert) if name.per_expert and expert is None else name.convert(
-                raw, cfg)
+            arr = convert(name, raw, stacked=name.per_expert and expert is None)
         except ValueError:
             raise ValueError(f"{source} tensor {label!r} has shape {raw.shape}, which does not fit the config "
                              f"(expected {expected})") from None
