@@ -26,7 +26,7 @@ def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> Model
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma, Gemma 2,
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 1 / 2 / 3,
     Mixtral, Qwen2-MoE, Qwen3-MoE).
 
     Attributes:
@@ -54,6 +54,9 @@ class ModelConfig:
       query_pre_attn_scalar: attention scores are scaled by this ** -0.5 instead of H ** -0.5 (Gemma 2); None: H.
       post_norms: RMSNorms on the attention output and on the MLP output before each residual add (weights
         `post_attn_norm`, `post_mlp_norm`; Gemma 2's "sandwich" norms).
+      rope_local_theta: RoPE base of the layers with a sliding window, which rotate by the plain schedule, while
+        the others keep `rope_theta` and `rope_scaling` (Gemma 3's local layers: `rope_local_base_freq`, 1e4);
+        None: every layer uses `rope_theta` and `rope_scaling` (`layer_rope`).
       num_experts: E, routed experts of the sparse MoE MLP in every layer; 0 is a dense SwiGLU MLP (then the
         other MoE fields must be 0). Mixtral: Jiang et al. 2024; Qwen2-MoE: Qwen team 2024.
       num_experts_per_tok: k, experts each token is routed to (top-k of the router softmax), 1 <= k <= E.
@@ -102,6 +105,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     post_norms: bool = False
+    rope_local_theta: float | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -140,7 +144,8 @@ class ModelConfig:
             if any(w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1) for w in windows):
                 raise ValueError(f"model config: layer_sliding_windows={windows!r} entries must be None or "
                                  "positive integers")
-        for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                      "rope_local_theta"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
                 raise ValueError(f"model config: {field}={value!r} must be None or a positive finite number")
@@ -151,6 +156,14 @@ class ModelConfig:
         if self.uniform_windows:
             return self.sliding_window if self.layer_sliding_windows is None else self.layer_sliding_windows[0]
         return self.layer_sliding_windows[int(layer)]
+
+    def layer_rope(self, window: int | None) -> ModelConfig:
+        """The config whose RoPE fields (`rope_theta`, `rope_scaling`) a layer attending with `window` rotates by:
+        with `rope_local_theta` set, a windowed (local) layer's are that base and the plain schedule (Gemma 3);
+        otherwise this config's own."""
+        if window is None or self.rope_local_theta is None:
+            return self
+        return dataclasses.replace(self, rope_theta=self.rope_local_theta, rope_scaling=None)
 
     @property
     def uniform_windows(self) -> bool:

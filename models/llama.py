@@ -1,4 +1,4 @@
-"""Functional Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 1/2) over a paged KV cache.
+"""Functional Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 1/2/3) over a paged KV cache.
 
 One entry point, `forward(params, tokens, metadata, kv_cache, cfg)`, serves a ragged batch: every sequence brings
 its new tokens (one for a decode, many for a prefill chunk), flattened into `tokens`; `metadata` says where each
@@ -6,8 +6,8 @@ sequence's tokens start (`cu_q_lens`), how long its context is after this step (
 (`page_table`). Architecture: Touvron et al. 2023 (Llama), with GQA (Ainslie et al. 2023), RoPE (Su et al. 2021),
 RMSNorm (Zhang & Sennrich 2019) and SwiGLU (Shazeer 2020); Mixtral / Qwen2-MoE replace the MLP by the sparse MoE
 block of `models.moe`. Family differences are `ModelConfig` fields (Qwen3's q/k norms, Gemma's GeGLU, 1 + w norms
-and scaled embeddings, Gemma 2's soft caps, per-layer windows and post-norms), branches of this one forward and of
-`models.layer`.
+and scaled embeddings, Gemma 2's soft caps, per-layer windows and post-norms, Gemma 3's local RoPE base), branches
+of this one forward and of `models.layer`.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def forward(
         (self-drafting runs the target's first layers this way, see `jaxinfer.engine.spec_decode.draft`).
       scan_layers: `lax.scan` over layers (compile time flat in depth) instead of an unrolled Python loop; both
         update the stacked cache in place (timings in BENCHMARKS.md). Weights whose `layers` is a tuple of
-        per-layer `LayerWeights` (`unstack_layers`), and models whose layers differ in window (Gemma 2), always
+        per-layer `LayerWeights` (`unstack_layers`), and models whose layers differ in window (Gemma 2 / 3), always
         run unrolled.
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); steps marked
         `metadata.fresh_prefill` use `attention.flash` when there is one.
@@ -331,7 +331,6 @@ def forward(
     Returns:
       (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).
     """
-    inv_freq = rope_frequencies(cfg)
     with jax.named_scope("embed"):
         x = embed_lookup(params.embed, tokens, params.final_norm.dtype)  # [T, D]
         if cfg.embed_scale != 1.0:  # Gemma: sqrt(D), rounded to the activation dtype first as transformers does
@@ -340,9 +339,10 @@ def forward(
     def layer_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array) -> tuple[jax.Array, KVCache]:
         # Layer i writes into and reads from the stacked cache in place (no per-layer slice copies).
         with jax.named_scope("attention"):
-            kw = dict(sm_scale=cfg.attention_scale, sliding_window=cfg.layer_window(i),
-                      soft_cap=cfg.attn_logit_softcapping)  # per layer: Gemma 2 alternates windows
-            q, k, v = attention_inputs(x, w, metadata.positions, cfg, inv_freq)
+            window = cfg.layer_window(i)  # per layer: Gemma 2 / 3 mix local and global layers
+            kw = dict(sm_scale=cfg.attention_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcapping)
+            rope_cfg = cfg.layer_rope(window)  # Gemma 3's local layers rotate by a base of their own
+            q, k, v = attention_inputs(x, w, metadata.positions, rope_cfg, rope_frequencies(rope_cfg))
             kv = KVCache(*write_kv(kv.k, kv.v, k, v, metadata.kv_loc, layer=i, **kv.scale_args()))
             if metadata.fresh_prefill and attention.flash is not None:
                 if kv.quantized:  # attend over the numbers the cache holds, as a later prefix-cache hit will

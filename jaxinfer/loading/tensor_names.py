@@ -119,19 +119,18 @@ MOE_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {
                             "mlp.shared_expert"),
     "qwen3_moe": _moe_names("mlp.gate.weight", "mlp.experts.{j}", "gate_proj", "up_proj", "down_proj", None),
 }
-# Per-family renames over `LAYER_TENSORS`. Gemma 2's HF `post_attention_layernorm` normalizes the attention output
-# (our `post_attn_norm`), not the MLP input, which is `pre_feedforward_layernorm`; llama.cpp's names as its
-# converter writes them (GGUF Gemma 2 files are not read yet).
-FAMILY_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {
-    "gemma2": {
-        "post_attn_norm": TensorName("blk.{i}.post_attention_norm.weight",
-                                     "model.layers.{i}.post_attention_layernorm.weight", _identity),
-        "mlp_norm": TensorName("blk.{i}.ffn_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight",
-                               _identity),
-        "post_mlp_norm": TensorName("blk.{i}.post_ffw_norm.weight",
-                                    "model.layers.{i}.post_feedforward_layernorm.weight", _identity),
-    },
+# Per-family renames over `LAYER_TENSORS`. Gemma 2's (and Gemma 3's) HF `post_attention_layernorm` normalizes the
+# attention output (our `post_attn_norm`), not the MLP input, which is `pre_feedforward_layernorm`; llama.cpp's names
+# as its converter writes them (GGUF Gemma 2 / 3 files are not read yet).
+_SANDWICH_NORMS = {
+    "post_attn_norm": TensorName("blk.{i}.post_attention_norm.weight",
+                                 "model.layers.{i}.post_attention_layernorm.weight", _identity),
+    "mlp_norm": TensorName("blk.{i}.ffn_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight",
+                           _identity),
+    "post_mlp_norm": TensorName("blk.{i}.post_ffw_norm.weight",
+                                "model.layers.{i}.post_feedforward_layernorm.weight", _identity),
 }
+FAMILY_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {"gemma2": _SANDWICH_NORMS, "gemma3_text": _SANDWICH_NORMS}
 TOP_TENSORS: dict[str, TensorName] = {
     "embed": TensorName("token_embd.weight", "model.embed_tokens.weight", _identity),
     "final_norm": TensorName("output_norm.weight", "model.norm.weight", _identity),
