@@ -182,6 +182,14 @@ def test_layer_sliding_windows_must_fit_the_layers():
     assert [cfg.layer_window(i) for i in range(4)] == [8, None, 8, None] and not cfg.uniform_windows
 
 
+def test_self_draft_of_gemma2_keeps_its_first_layers_windows():
+    from jaxinfer.engine.spec_decode.draft import self_draft
+
+    cfg, weights = load_hf_weights(GEMMA2)
+    draft = self_draft(cfg, weights, 3).cfg
+    assert (draft.num_layers, draft.layer_sliding_windows) == (3, (8, None, 8))
+
+
 # --- the layer math against NumPy ------------------------------------------------------------------------------
 
 
