@@ -170,6 +170,11 @@ class ModelConfig:
         """True when every layer attends with the same window (so a `lax.scan` over layers can run them)."""
         return self.layer_sliding_windows is None or len(set(self.layer_sliding_windows)) == 1
 
+    def first_layers(self, n: int) -> ModelConfig:
+        """This config cut to its first `n` layers (self-drafting), their per-layer windows included."""
+        windows = None if self.layer_sliding_windows is None else self.layer_sliding_windows[:n]
+        return dataclasses.replace(self, num_layers=n, layer_sliding_windows=windows)
+
     @property
     def attention_scale(self) -> float:
         """The attention score scale: `query_pre_attn_scalar` ** -0.5 (Gemma 2), else H ** -0.5."""
