@@ -72,7 +72,7 @@ class LayerWeights:
     s_up: jax.Array | None = None  # [L, D, Fs]
     s_down: jax.Array | None = None  # [L, Fs, D]
     s_router: jax.Array | None = None  # [L, D, 1]
-    post_attn_norm: jax.Array | None = None  # [L, D] (post_norms: Gemma 2)
+    post_attn_norm: jax.Array | None = None  # [L, D] (post_norms: Gemma 2 / 3)
     post_mlp_norm: jax.Array | None = None  # [L, D]
 
 
