@@ -26,8 +26,8 @@ def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> Model
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma, Mixtral,
-    Qwen2-MoE, Qwen3-MoE).
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 1 / 2 / 3,
+    Mixtral, Qwen2-MoE, Qwen3-MoE).
 
     Attributes:
       architecture: one of `SUPPORTED_ARCHITECTURES`.
@@ -46,7 +46,17 @@ class ModelConfig:
       attention_bias: q/k/v projections carry a bias (Qwen2).
       mlp_bias: gate/up/down projections carry a bias.
       sliding_window: W, or None for full attention: a query at position p sees keys at positions > p - W
-        (Mistral, Jiang et al. 2023; every layer).
+        (Mistral, Jiang et al. 2023; every layer unless `layer_sliding_windows` is set).
+      layer_sliding_windows: one W (or None: full attention) per layer, overriding `sliding_window` (Gemma 2's
+        alternating local / global layers, Gemma team 2024b); None: every layer uses `sliding_window`.
+      attn_logit_softcapping: c, or None: attention scores become c * tanh(s / c) after scaling (Gemma 2).
+      final_logit_softcapping: c, or None: the LM head's logits become c * tanh(logits / c) (Gemma 2).
+      query_pre_attn_scalar: attention scores are scaled by this ** -0.5 instead of H ** -0.5 (Gemma 2); None: H.
+      post_norms: RMSNorms on the attention output and on the MLP output before each residual add (weights
+        `post_attn_norm`, `post_mlp_norm`; Gemma 2's "sandwich" norms).
+      rope_local_theta: RoPE base of the layers with a sliding window, which rotate by the plain schedule, while
+        the others keep `rope_theta` and `rope_scaling` (Gemma 3's local layers: `rope_local_base_freq`, 1e4);
+        None: every layer uses `rope_theta` and `rope_scaling` (`layer_rope`).
       num_experts: E, routed experts of the sparse MoE MLP in every layer; 0 is a dense SwiGLU MLP (then the
         other MoE fields must be 0). Mixtral: Jiang et al. 2024; Qwen2-MoE: Qwen team 2024.
       num_experts_per_tok: k, experts each token is routed to (top-k of the router softmax), 1 <= k <= E.
@@ -90,6 +100,12 @@ class ModelConfig:
     mlp_activation: Activation = Activation.SILU
     norm_weight_offset: float = 0.0
     embed_scale: float = 1.0
+    layer_sliding_windows: tuple[int | None, ...] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    post_norms: bool = False
+    rope_local_theta: float | None = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -116,6 +132,53 @@ class ModelConfig:
         if not (isinstance(self.embed_scale, (int, float)) and 0 < self.embed_scale < float("inf")):
             raise ValueError(f"model config: embed_scale={self.embed_scale!r} must be a positive finite number")
         self._check_moe()
+        self._check_gemma2()
+
+    def _check_gemma2(self) -> None:
+        """Raises ValueError, naming the field, for bad per-layer windows, soft caps or attention scalar."""
+        windows = self.layer_sliding_windows
+        if windows is not None:
+            if not isinstance(windows, tuple) or len(windows) != self.num_layers:
+                raise ValueError(f"model config: layer_sliding_windows={windows!r} must be a tuple of "
+                                 f"num_layers={self.num_layers} entries")
+            if any(w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1) for w in windows):
+                raise ValueError(f"model config: layer_sliding_windows={windows!r} entries must be None or "
+                                 "positive integers")
+        for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                      "rope_local_theta"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"model config: {field}={value!r} must be None or a positive finite number")
+
+    def layer_window(self, layer: int | Any) -> int | None:
+        """W of decoder layer `layer` (None: full attention). A traced index is fine only while every layer has
+        the same window (`uniform_windows`); callers run differing windows unrolled."""
+        if self.uniform_windows:
+            return self.sliding_window if self.layer_sliding_windows is None else self.layer_sliding_windows[0]
+        return self.layer_sliding_windows[int(layer)]
+
+    def layer_rope(self, window: int | None) -> ModelConfig:
+        """The config whose RoPE fields (`rope_theta`, `rope_scaling`) a layer attending with `window` rotates by:
+        with `rope_local_theta` set, a windowed (local) layer's are that base and the plain schedule (Gemma 3);
+        otherwise this config's own."""
+        if window is None or self.rope_local_theta is None:
+            return self
+        return dataclasses.replace(self, rope_theta=self.rope_local_theta, rope_scaling=None)
+
+    @property
+    def uniform_windows(self) -> bool:
+        """True when every layer attends with the same window (so a `lax.scan` over layers can run them)."""
+        return self.layer_sliding_windows is None or len(set(self.layer_sliding_windows)) == 1
+
+    def first_layers(self, n: int) -> ModelConfig:
+        """This config cut to its first `n` layers (self-drafting), their per-layer windows included."""
+        windows = None if self.layer_sliding_windows is None else self.layer_sliding_windows[:n]
+        return dataclasses.replace(self, num_layers=n, layer_sliding_windows=windows)
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention score scale: `query_pre_attn_scalar` ** -0.5 (Gemma 2), else H ** -0.5."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def _check_moe(self) -> None:
         """Raises ValueError, naming the numbers, for inconsistent MoE fields."""

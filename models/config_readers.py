@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.families import (GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, gguf_family, hf_attention_bias,
-                             hf_family_fields, hf_head_dim)
+                             hf_family_fields, hf_head_dim, hf_rope_parameters)
 
 
 class RopeType(enum.Enum):
@@ -121,7 +121,7 @@ def config_from_hf(hf: Mapping[str, Any], name: str = "") -> dict[str, Any]:
     window_on = hf.get("use_sliding_window", model_type in ("mistral", "mixtral"))  # Mixtral: like Mistral
     if not (window and window_on and window < max_positions):
         window = None  # absent, switched off, or wider than the context: full attention
-    rope = dict(hf.get("rope_parameters") or {})
+    rope = hf_rope_parameters(hf, model_type)  # v5's `rope_parameters` (Gemma 3: its global layers' entry)
     if hf.get("rope_scaling"):
         rope.update(hf["rope_scaling"])
     rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))

@@ -1,7 +1,8 @@
 """One decoder layer's math around attention: RMSNorm, the q / k / v projections (with Qwen3's per-head q / k
-norms) and RoPE, the output projection and the gated (SwiGLU / GeGLU) or MoE MLP with their residuals.
-`models.llama.forward` runs them around the paged attention. Sources: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et
-al. 2021), SwiGLU and GeGLU (Shazeer 2020).
+norms) and RoPE, the output projection and the gated (SwiGLU / GeGLU) or MoE MLP with their residuals (with
+Gemma 2's post-attention / post-MLP norms), and the final-logit soft cap. `models.llama.forward` runs them around
+the paged attention. Sources: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021), SwiGLU and GeGLU (Shazeer
+2020), soft-capping (Gemma team 2024b, Gemma 2).
 """
 
 from __future__ import annotations
@@ -70,15 +71,26 @@ def attention_inputs(
 
 def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig,
                               mesh: jax.sharding.Mesh | None = None) -> jax.Array:
-    """Output projection with residual, then the gated (or MoE) MLP block with residual: x[T, D] -> [T, D]."""
-    x = x + qeinsum("tnh,nhd->td", attn, w.wo)
+    """Output projection with residual, then the gated (or MoE) MLP block with residual: x[T, D] -> [T, D].
+    With `cfg.post_norms` (Gemma 2) each block's output is RMSNormed (`post_attn_norm`, `post_mlp_norm`) before
+    its residual add."""
+    out = qeinsum("tnh,nhd->td", attn, w.wo)
+    x = x + (layer_norm(out, w.post_attn_norm, cfg) if cfg.post_norms else out)
     with jax.named_scope("mlp"):
         h = layer_norm(x, w.mlp_norm, cfg)
         if cfg.is_moe:
             with jax.named_scope("moe"):
-                return x + moe.moe_block(h, w, cfg, mesh)
-        # gate and up stay f32 until the product: a bf16 activation rounded after every op (five converts each)
-        gate = add_bias(qeinsum("td,df->tf", h, w.w_gate, preferred_element_type=jnp.float32), w.b_gate)  # [T, F]
-        up = add_bias(qeinsum("td,df->tf", h, w.w_up, preferred_element_type=jnp.float32), w.b_up)  # [T, F]
-        act = (gate_activation(gate, cfg.mlp_activation) * up).astype(x.dtype)
-        return x + add_bias(qeinsum("tf,fd->td", act, w.w_down), w.b_down)
+                out = moe.moe_block(h, w, cfg, mesh)
+        else:  # gate and up stay f32 until the product: a bf16 activation rounded after every op (five converts)
+            gate = add_bias(qeinsum("td,df->tf", h, w.w_gate, preferred_element_type=jnp.float32), w.b_gate)  # [T, F]
+            up = add_bias(qeinsum("td,df->tf", h, w.w_up, preferred_element_type=jnp.float32), w.b_up)  # [T, F]
+            act = (gate_activation(gate, cfg.mlp_activation) * up).astype(x.dtype)
+            out = add_bias(qeinsum("tf,fd->td", act, w.w_down), w.b_down)
+        return x + (layer_norm(out, w.post_mlp_norm, cfg) if cfg.post_norms else out)
+
+
+def soft_cap_logits(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gemma 2's final-logit soft cap c * tanh(logits / c) with c = `cfg.final_logit_softcapping` (in the logits'
+    dtype, f32 from the LM head); the logits themselves when it is None. logits: [R, V]."""
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

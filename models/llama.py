@@ -1,4 +1,4 @@
-"""Functional Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma) over a paged KV cache.
+"""Functional Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 1/2/3) over a paged KV cache.
 
 One entry point, `forward(params, tokens, metadata, kv_cache, cfg)`, serves a ragged batch: every sequence brings
 its new tokens (one for a decode, many for a prefill chunk), flattened into `tokens`; `metadata` says where each
@@ -6,7 +6,8 @@ sequence's tokens start (`cu_q_lens`), how long its context is after this step (
 (`page_table`). Architecture: Touvron et al. 2023 (Llama), with GQA (Ainslie et al. 2023), RoPE (Su et al. 2021),
 RMSNorm (Zhang & Sennrich 2019) and SwiGLU (Shazeer 2020); Mixtral / Qwen2-MoE replace the MLP by the sparse MoE
 block of `models.moe`. Family differences are `ModelConfig` fields (Qwen3's q/k norms, Gemma's GeGLU, 1 + w norms
-and scaled embeddings), branches of this one forward and of `models.layer`.
+and scaled embeddings, Gemma 2's soft caps, per-layer windows and post-norms, Gemma 3's local RoPE base), branches
+of this one forward and of `models.layer`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from models import moe
 from models.config import ModelConfig
-from models.layer import attention_inputs, attention_output_and_mlp, layer_norm
+from models.layer import attention_inputs, attention_output_and_mlp, layer_norm, soft_cap_logits
 from models.quant import QuantizedWeight
 from models.quant_matmul import embed_lookup, qeinsum
 from models.rope import rope_frequencies
@@ -71,6 +72,8 @@ class LayerWeights:
     s_up: jax.Array | None = None  # [L, D, Fs]
     s_down: jax.Array | None = None  # [L, Fs, D]
     s_router: jax.Array | None = None  # [L, D, 1]
+    post_attn_norm: jax.Array | None = None  # [L, D] (post_norms: Gemma 2 / 3)
+    post_mlp_norm: jax.Array | None = None  # [L, D]
 
 
 @flax.struct.dataclass
@@ -133,6 +136,8 @@ class Weights:
             s_up=layer_spec((D, Fs), moe.SHARED_IN_AXES, std_in, shared),
             s_down=layer_spec((Fs, D), moe.SHARED_OUT_AXES, max(Fs, 1) ** -0.5, shared),
             s_router=layer_spec((D, 1), moe.SHARED_GATE_AXES, std_in, shared),
+            post_attn_norm=layer_spec((D,), (EMBED,), None, cfg.post_norms),
+            post_mlp_norm=layer_spec((D,), (EMBED,), None, cfg.post_norms),
         )
         return Weights(
             embed=spec((V, D), (VOCAB, EMBED), 1.0),
@@ -315,7 +320,8 @@ def forward(
         (self-drafting runs the target's first layers this way, see `jaxinfer.engine.spec_decode.draft`).
       scan_layers: `lax.scan` over layers (compile time flat in depth) instead of an unrolled Python loop; both
         update the stacked cache in place (timings in BENCHMARKS.md). Weights whose `layers` is a tuple of
-        per-layer `LayerWeights` (`unstack_layers`) always run unrolled, reading each layer's arrays directly.
+        per-layer `LayerWeights` (`unstack_layers`), and models whose layers differ in window (Gemma 2 / 3), always
+        run unrolled.
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); steps marked
         `metadata.fresh_prefill` use `attention.flash` when there is one.
       mesh: static; the device mesh the weights are placed on, or None. Only MoE layers use it: they run their
@@ -325,8 +331,6 @@ def forward(
     Returns:
       (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).
     """
-    inv_freq = rope_frequencies(cfg)
-    sm_scale = cfg.head_dim**-0.5
     with jax.named_scope("embed"):
         x = embed_lookup(params.embed, tokens, params.final_norm.dtype)  # [T, D]
         if cfg.embed_scale != 1.0:  # Gemma: sqrt(D), rounded to the activation dtype first as transformers does
@@ -335,22 +339,23 @@ def forward(
     def layer_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array) -> tuple[jax.Array, KVCache]:
         # Layer i writes into and reads from the stacked cache in place (no per-layer slice copies).
         with jax.named_scope("attention"):
-            q, k, v = attention_inputs(x, w, metadata.positions, cfg, inv_freq)
+            window = cfg.layer_window(i)  # per layer: Gemma 2 / 3 mix local and global layers
+            kw = dict(sm_scale=cfg.attention_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcapping)
+            rope_cfg = cfg.layer_rope(window)  # Gemma 3's local layers rotate by a base of their own
+            q, k, v = attention_inputs(x, w, metadata.positions, rope_cfg, rope_frequencies(rope_cfg))
             kv = KVCache(*write_kv(kv.k, kv.v, k, v, metadata.kv_loc, layer=i, **kv.scale_args()))
             if metadata.fresh_prefill and attention.flash is not None:
                 if kv.quantized:  # attend over the numbers the cache holds, as a later prefix-cache hit will
                     k, v = fake_quantize(k, kv.k.dtype), fake_quantize(v, kv.v.dtype)
-                attn = attention.flash(q, k, v, metadata.cu_q_lens, sm_scale=sm_scale,
-                                       sliding_window=cfg.sliding_window)  # [T, N, H]
+                attn = attention.flash(q, k, v, metadata.cu_q_lens, **kw)  # [T, N, H]
             else:
                 attn = attention.paged(q, kv.k, kv.v, metadata.kv_lens, metadata.page_table, metadata.cu_q_lens,
-                                       i, max_q_len=metadata.max_q_len, sm_scale=sm_scale,
-                                       sliding_window=cfg.sliding_window, **kv.scale_args())  # [T, N, H]
+                                       i, max_q_len=metadata.max_q_len, **kw, **kv.scale_args())  # [T, N, H]
         return attention_output_and_mlp(x, attn, w, cfg, mesh), kv
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    if isinstance(params.layers, tuple):
-        scan_layers = False  # per-layer arrays run unrolled
+    if isinstance(params.layers, tuple) or not cfg.uniform_windows:
+        scan_layers = False  # per-layer arrays, or layers with differing windows (static args), run unrolled
     if scan_layers and params.layers.attn_norm.shape[0] == cfg.num_layers:
         def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
             x, kv = carry
@@ -381,4 +386,4 @@ def forward(
             logits = qeinsum("rd,vd->rv", x, params.embed, preferred_element_type=jnp.float32)
         else:
             logits = qeinsum("rd,dv->rv", x, params.lm_head, preferred_element_type=jnp.float32)
-    return logits, kv_cache
+    return soft_cap_logits(logits, cfg), kv_cache

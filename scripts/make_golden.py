@@ -47,6 +47,18 @@ What it records (all under ``--out``, default ``tests/data``):
     logits move when the family's feature is switched off (no q/k norms, resp. no embedding scale), and the
     script refuses a feature without a visible effect.
 
+``tiny_gemma2/``
+    Gemma 2: Gemma's features plus attention / final-logit soft caps of 5 / 3, 4 layers alternating a sliding
+    window of 8 (shorter than the 40 tokens) with global attention, post-attention / post-MLP norms and
+    ``query_pre_attn_scalar`` 24 over head_dim 32; the golden records the logit change without each of them.
+
+``tiny_gemma3/``
+    Gemma 3's text model: 7 layers in the default 5 local : 1 global pattern with a window of 20 (over a page of
+    16, under the 40 tokens), Gemma-style q/k norms, post-norms, ``query_pre_attn_scalar`` 24 over head_dim 16,
+    RoPE base 1e4 on the local layers and 1e6 with linear scaling 8 on the global one, 32 greedy tokens; the
+    golden records the logit change without each feature (the local base set to the global one, the global
+    scaling undone, the window widened past the sequence).
+
 ``tiny_qwen3_moe/``
     Qwen3-MoE: Qwen3's q/k norms (head_dim 32 over hidden 64) with 8 experts of width 32 in both layers, top-2
     renormalized (``norm_topk_prob`` true), no shared expert, 32 greedy tokens; routing facts as for the MoE
@@ -640,21 +652,23 @@ def _feature_effect(model, golden: dict, change) -> float:
     return float((forward_logits(other, golden["token_ids"]) - torch.tensor(golden["logits"])).abs().max())
 
 
-def _write_tiny_dense(out: Path, name: str, model_class, cfg, seed: int, feature: str, change,
-                      norm_center: float = 1.0) -> None:
+def _write_tiny_dense(out: Path, name: str, model_class, cfg, seed: int, features: dict,
+                      norm_center: float = 1.0, n_greedy: int = N_TINY_GREEDY) -> None:
     """Randomizes (weights from `seed`), saves, checks and records one tiny dense checkpoint `out/name` (golden
-    from `seed + 1`); `change` switches the family's `feature` off on a copy, which must move the logits."""
+    from `seed + 1`, `n_greedy` greedy tokens); each `features[feature](model)` switches a family feature off on
+    a copy, which must move the logits."""
     folder = out / name
     shutil.rmtree(folder, ignore_errors=True)
     set_seeds()
     model = model_class(cfg).eval()
     randomize(model, seed, norm_center=norm_center)
     model.save_pretrained(folder, safe_serialization=True)
-    golden = tiny_golden(model, seed + 1)
-    golden[f"max_abs_logit_change_without_{feature}"] = diff = _feature_effect(model, golden, change)
-    log.info("  %s without %s: max |dlogit| = %.3f", name, feature, diff)
-    if diff < 1e-2:
-        raise RuntimeError(f"{feature} has no visible effect on {name}")
+    golden = tiny_golden(model, seed + 1, n_greedy)
+    for feature, change in features.items():
+        golden[f"max_abs_logit_change_without_{feature}"] = diff = _feature_effect(model, golden, change)
+        log.info("  %s without %s: max |dlogit| = %.3f", name, feature, diff)
+        if diff < 1e-2:
+            raise RuntimeError(f"{feature} has no visible effect on {name}")
     check_reload(model_class, folder, golden)
     write_json(folder / "golden.json", golden)
 
@@ -671,7 +685,7 @@ def make_tiny_qwen3(out: Path) -> None:
     cfg = Qwen3Config(**TINY_COMMON, head_dim=32, rope_theta=1e6,
                       attention_bias=False, use_sliding_window=False, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2)
-    _write_tiny_dense(out, "tiny_qwen3", Qwen3ForCausalLM, cfg, SEED + 11, "qk_norm", _without_qk_norms)
+    _write_tiny_dense(out, "tiny_qwen3", Qwen3ForCausalLM, cfg, SEED + 11, {"qk_norm": _without_qk_norms})
 
 
 @torch.no_grad()
@@ -688,8 +702,95 @@ def make_tiny_gemma(out: Path) -> None:
     cfg = GemmaConfig(**{**TINY_COMMON, "hidden_size": 80, "intermediate_size": 96, "num_key_value_heads": 1},
                       head_dim=32, hidden_act="gelu_pytorch_tanh", rope_theta=10000.0,
                       tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    _write_tiny_dense(out, "tiny_gemma", GemmaForCausalLM, cfg, SEED + 13, "embed_scale", _unit_embed_scale,
+    _write_tiny_dense(out, "tiny_gemma", GemmaForCausalLM, cfg, SEED + 13, {"embed_scale": _unit_embed_scale},
                       norm_center=0.0)
+
+
+def _without_attn_softcap(model) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+
+
+def _without_final_softcap(model) -> None:
+    model.config.final_logit_softcapping = None
+
+
+def _without_sliding_window(model) -> None:
+    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+
+
+def _without_post_norms(model) -> None:
+    for layer in model.model.layers:
+        layer.post_attention_layernorm = layer.post_feedforward_layernorm = torch.nn.Identity()
+
+
+def _with_head_dim_scale(model) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.scaling = layer.self_attn.head_dim ** -0.5
+
+
+def make_tiny_gemma2(out: Path) -> None:
+    """Gemma 2: Gemma plus attention soft cap 5 and final-logit soft cap 3 (small enough to bend the scores and
+    logits of this tiny model), 4 layers alternating sliding window 8 (layers 0, 2: the config's default
+    `layer_types`) and global attention, post-attention / post-MLP norms, `query_pre_attn_scalar` 24 (not
+    head_dim 32), hidden 64 over 4 heads, 2 KV heads, MLP width 64, tied."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(**{**TINY_COMMON, "intermediate_size": 64, "num_hidden_layers": 4}, head_dim=32,
+                       hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0, query_pre_attn_scalar=24,
+                       sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                       tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    _write_tiny_dense(out, "tiny_gemma2", Gemma2ForCausalLM, cfg, SEED + 19,
+                      {"attn_logit_softcapping": _without_attn_softcap,
+                       "final_logit_softcapping": _without_final_softcap, "sliding_window": _without_sliding_window,
+                       "post_norms": _without_post_norms, "query_pre_attn_scalar": _with_head_dim_scale},
+                      norm_center=0.0)
+
+
+def _gemma3_without_window(model) -> None:
+    # the window alone (layer_types also pick each layer's RoPE): wider than any sequence
+    model.config.sliding_window = 1 << 20
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None if layer.self_attn.sliding_window is None else 1 << 20
+
+
+@torch.no_grad()
+def _gemma3_local_rope_as_global_base(model) -> None:
+    rotary = model.model.rotary_emb
+    dim = model.config.head_dim
+    base = model.config.rope_parameters["full_attention"]["rope_theta"]
+    rotary.sliding_attention_inv_freq.copy_(1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+@torch.no_grad()
+def _gemma3_global_rope_unscaled(model) -> None:
+    model.model.rotary_emb.full_attention_inv_freq.mul_(model.config.rope_parameters["full_attention"]["factor"])
+
+
+def make_tiny_gemma3(out: Path) -> None:
+    """Gemma 3 (text, `Gemma3ForCausalLM`): 7 layers in the config's default 5 local : 1 global pattern (layer 5
+    global), sliding window 20 (wider than a 16-token page, narrower than the 40 tokens), Gemma-style q/k norms,
+    post-norms, `query_pre_attn_scalar` 24 over head_dim 16, RoPE base 1e4 on local layers and 1e6 with linear
+    scaling 8 on the global one (v5 `rope_parameters` per layer type), no soft caps, hidden 32 over 4 heads,
+    2 KV heads, MLP width 32, tied; 32 greedy tokens (past the window: decode reads a window of cached pages)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    cfg = Gemma3TextConfig(**{**TINY_COMMON, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 7},
+                           head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                           sliding_window=20, rope_parameters=rope, tie_word_embeddings=True, bos_token_id=2,
+                           eos_token_id=1, pad_token_id=0)
+    if cfg.layer_types != ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]:
+        raise RuntimeError(f"unexpected Gemma 3 layer types {cfg.layer_types}")
+    _write_tiny_dense(out, "tiny_gemma3", Gemma3ForCausalLM, cfg, SEED + 23,
+                      {"qk_norm": _without_qk_norms, "sliding_window": _gemma3_without_window,
+                       "local_rope_base": _gemma3_local_rope_as_global_base,
+                       "global_rope_scaling": _gemma3_global_rope_unscaled, "post_norms": _without_post_norms,
+                       "query_pre_attn_scalar": _with_head_dim_scale},
+                      norm_center=0.0, n_greedy=N_GREEDY)
 
 
 # --------------------------------------------------------------------------
@@ -697,7 +798,8 @@ def make_tiny_gemma(out: Path) -> None:
 
 MAKERS = {"tiny_llama3": make_tiny_llama3, "tiny_qwen2": make_tiny_qwen2, "tiny_mistral": make_tiny_mistral,
           "tiny_mixtral": make_tiny_mixtral, "tiny_qwen2_moe": make_tiny_qwen2_moe, "tiny_qwen3": make_tiny_qwen3,
-          "tiny_gemma": make_tiny_gemma, "tiny_qwen3_moe": make_tiny_qwen3_moe}
+          "tiny_gemma": make_tiny_gemma, "tiny_qwen3_moe": make_tiny_qwen3_moe, "tiny_gemma2": make_tiny_gemma2,
+          "tiny_gemma3": make_tiny_gemma3}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,7 @@
 conversion of each [out, in] checkpoint matrix into our layout, and `assemble`, which builds `Weights` from any
 per-tensor fetch function (used by `jaxinfer.loading.gguf` and `jaxinfer.loading.hf`).
 
-The tables `LAYER_TENSORS`, `MOE_LAYER_TENSORS` and `TOP_TENSORS` are the one place that maps checkpoint
+The tables `LAYER_TENSORS`, `MOE_LAYER_TENSORS`, `FAMILY_LAYER_TENSORS` and `TOP_TENSORS` are the one place that maps checkpoint
 tensor names to our pytree fields. Shapes in the comments: D hidden size, N query heads, H head dim, E experts,
 Fe / Fs expert / shared-expert MLP width. A converter that gets a matrix of the wrong shape raises `ValueError`,
 which `assemble` turns into one naming the tensor, its shape and the shape the config needs.
@@ -119,6 +119,18 @@ MOE_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {
                             "mlp.shared_expert"),
     "qwen3_moe": _moe_names("mlp.gate.weight", "mlp.experts.{j}", "gate_proj", "up_proj", "down_proj", None),
 }
+# Per-family renames over `LAYER_TENSORS`. Gemma 2's (and Gemma 3's) HF `post_attention_layernorm` normalizes the
+# attention output (our `post_attn_norm`), not the MLP input, which is `pre_feedforward_layernorm`; llama.cpp's names
+# as its converter writes them (GGUF Gemma 2 / 3 files are not read yet).
+_SANDWICH_NORMS = {
+    "post_attn_norm": TensorName("blk.{i}.post_attention_norm.weight",
+                                 "model.layers.{i}.post_attention_layernorm.weight", _identity),
+    "mlp_norm": TensorName("blk.{i}.ffn_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight",
+                           _identity),
+    "post_mlp_norm": TensorName("blk.{i}.post_ffw_norm.weight",
+                                "model.layers.{i}.post_feedforward_layernorm.weight", _identity),
+}
+FAMILY_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {"gemma2": _SANDWICH_NORMS, "gemma3_text": _SANDWICH_NORMS}
 TOP_TENSORS: dict[str, TensorName] = {
     "embed": TensorName("token_embd.weight", "model.embed_tokens.weight", _identity),
     "final_norm": TensorName("output_norm.weight", "model.norm.weight", _identity),
@@ -166,7 +178,8 @@ def assemble(
         return arr.astype(dtype)
 
     layer_fields = {}
-    for field, name in {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(cfg.architecture, {})}.items():
+    for field, name in {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(cfg.architecture, {}),
+                        **FAMILY_LAYER_TENSORS.get(cfg.architecture, {})}.items():
         spec = getattr(specs.layers, field)
         if spec is None:
             continue

@@ -1,12 +1,16 @@
-"""Tests for models.families and the family branches of the one forward: Qwen3 (per-head q/k RMSNorm) and Gemma
-(GeGLU, 1 + w RMSNorm, sqrt(D)-scaled embeddings, tied head).
+"""Tests for models.families and the family branches of the one forward: Qwen3 (per-head q/k RMSNorm), Gemma
+(GeGLU, 1 + w RMSNorm, sqrt(D)-scaled embeddings, tied head) and Gemma 2 (Gemma plus attention / final-logit soft
+caps, alternating sliding-window / global layers, post-norms, `query_pre_attn_scalar`).
 
 Oracles:
-  * tests/data/tiny_qwen3 and tiny_gemma: golden logits and greedy tokens from HF transformers 5.25 (PyTorch, f32;
-    scripts/make_golden.py), independent of this code base. The logits of one prefill and the greedy decode are
-    also checked in tests/jaxinfer/loading/test_hf.py (same fixtures as the other dense families); here they go
-    through chunked prefill and the engine, and tp=2 is in tests/sharding/multi_device_family_checks.py.
-  * `gate_activation` and `rms_norm`'s offset: NumPy formulas written here from their definitions.
+  * tests/data/tiny_qwen3, tiny_gemma and tiny_gemma2: golden logits and greedy tokens from HF transformers 5.25
+    (PyTorch, f32; scripts/make_golden.py), independent of this code base. The logits of one prefill and the
+    greedy decode of the first two are also checked in tests/jaxinfer/loading/test_hf.py (same fixtures as the
+    other dense families); here they go through chunked prefill and the engine, and tp=2 is in
+    tests/sharding/multi_device_family_checks.py. tiny_gemma2's golden also records that each Gemma 2 feature
+    moves the logits (by 0.46 to 14), so a path that dropped one would fail the 1e-4 comparisons.
+  * `gate_activation`, `rms_norm`'s offset and the final-logit soft cap: NumPy formulas written here from their
+    definitions; Gemma 2's default layer types: `Gemma2Config`'s rule (layers 0, 2, ... sliding).
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ from jaxinfer.loading.hf import load_hf_weights
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models import quant
 from models.config import Activation, ModelConfig
-from models.layer import gate_activation, rms_norm
+from models.layer import gate_activation, rms_norm, soft_cap_logits
 from models.llama import check_weights
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-QWEN3, GEMMA = DATA / "tiny_qwen3", DATA / "tiny_gemma"
+QWEN3, GEMMA, GEMMA2 = DATA / "tiny_qwen3", DATA / "tiny_gemma", DATA / "tiny_gemma2"
 PAGE_SIZE, NUM_PAGES = 16, 8
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -44,7 +48,7 @@ def _hf(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
-@pytest.fixture(scope="module", params=["tiny_qwen3", "tiny_gemma"])
+@pytest.fixture(scope="module", params=["tiny_qwen3", "tiny_gemma", "tiny_gemma2"])
 def family(request):
     folder = DATA / request.param
     cfg, weights = load_hf_weights(folder)
@@ -78,7 +82,18 @@ def test_family_config_fields(family):
         assert not cfg.qk_norm and weights.layers.q_norm is None
         assert cfg.mlp_activation is Activation.GELU_TANH and cfg.norm_weight_offset == 1.0
         assert cfg.embed_scale == math.sqrt(hf["hidden_size"])
+    if folder == GEMMA:
         assert cfg.num_kv_heads == 1  # MQA
+    gemma2 = folder == GEMMA2
+    assert cfg.post_norms == gemma2 and (weights.layers.post_attn_norm is not None) == gemma2
+    if gemma2:
+        assert weights.layers.post_attn_norm.shape == weights.layers.post_mlp_norm.shape == (L, cfg.hidden_size)
+        assert cfg.sliding_window is None and cfg.layer_sliding_windows == (8, None, 8, None)
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (5.0, 3.0)
+        assert cfg.attention_scale == 24**-0.5 != H**-0.5
+    else:
+        assert cfg.layer_sliding_windows is cfg.attn_logit_softcapping is cfg.final_logit_softcapping is None
+        assert cfg.attention_scale == H**-0.5
 
 
 def test_family_config_round_trips_through_the_checkpoint_codec(family):
@@ -125,8 +140,54 @@ def test_moe_with_geglu_and_new_families_in_gguf_are_refused():
 
 
 def test_unknown_model_type_is_named():
-    with pytest.raises(ValueError, match="model_type='gemma2'"):
-        ModelConfig.from_hf_config({**_hf(GEMMA), "model_type": "gemma2"})
+    with pytest.raises(ValueError, match="model_type='gemma3'"):
+        ModelConfig.from_hf_config({**_hf(GEMMA), "model_type": "gemma3"})
+
+
+def test_gemma2_defaults_for_omitted_keys():
+    omitted = ("layer_types", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+               "query_pre_attn_scalar", "hidden_activation", "tie_word_embeddings", "head_dim")
+    base = {k: v for k, v in _hf(GEMMA2).items() if k not in omitted}
+    cfg = ModelConfig.from_hf_config({**base, "num_hidden_layers": 5, "hidden_act": "relu"})  # Gemma2MLP ignores
+    assert cfg.layer_sliding_windows == (4096, None, 4096, None, 4096)  # Gemma2Config: even layers slide
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.query_pre_attn_scalar) == (50.0, 30.0, 256)
+    assert (cfg.mlp_activation, cfg.tie_word_embeddings, cfg.head_dim) == (Activation.GELU_TANH, True, 256)
+    off = ModelConfig.from_hf_config({**_hf(GEMMA2), "attn_logit_softcapping": None, "sliding_window": None,
+                                      "final_logit_softcapping": None})
+    assert off.layer_sliding_windows == (None,) * 4 and off.uniform_windows
+    assert off.attn_logit_softcapping is off.final_logit_softcapping is None
+    # config.json's layer_types win over the default alternation
+    flipped = ModelConfig.from_hf_config({**_hf(GEMMA2), "layer_types": ["full_attention"] * 3 + ["sliding_attention"]})
+    assert flipped.layer_sliding_windows == (None, None, None, 8)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types=.*num_hidden_layers=4"),
+    ({"layer_types": ["local"] * 4}, "layer_types=.*'sliding_attention' or 'full_attention'"),
+    ({"hidden_activation": "relu"}, "hidden_activation='relu'"),
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping=-1.0"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar=0"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+])
+def test_hf_gemma2_config_errors(change, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_config({**_hf(GEMMA2), **change})
+
+
+def test_layer_sliding_windows_must_fit_the_layers():
+    cfg = ModelConfig.from_hf_config(_hf(GEMMA2))
+    for windows in ((8, None), (8, 0, 8, None), [8, None, 8, None]):
+        with pytest.raises(ValueError, match="layer_sliding_windows"):
+            dataclasses.replace(cfg, layer_sliding_windows=windows)
+    assert [cfg.layer_window(i) for i in range(4)] == [8, None, 8, None] and not cfg.uniform_windows
+
+
+def test_self_draft_of_gemma2_keeps_its_first_layers_windows():
+    from jaxinfer.engine.spec_decode.draft import self_draft
+
+    cfg, weights = load_hf_weights(GEMMA2)
+    draft = self_draft(cfg, weights, 3).cfg
+    assert (draft.num_layers, draft.layer_sliding_windows) == (3, (8, None, 8))
 
 
 # --- the layer math against NumPy ------------------------------------------------------------------------------
@@ -139,6 +200,15 @@ def test_gate_activations_match_their_formulas():
                                rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(gate_activation(jnp.asarray(x), Activation.SILU)), x / (1 + np.exp(-x)),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_final_logit_soft_cap_matches_its_formula():
+    logits = np.linspace(-40, 40, 81, dtype=np.float32)[None]
+    cfg = ModelConfig.from_hf_config(_hf(GEMMA2))
+    np.testing.assert_allclose(np.asarray(soft_cap_logits(jnp.asarray(logits), cfg)), 3.0 * np.tanh(logits / 3.0),
+                               rtol=1e-6, atol=1e-6)
+    no_cap = dataclasses.replace(cfg, final_logit_softcapping=None)
+    np.testing.assert_array_equal(np.asarray(soft_cap_logits(jnp.asarray(logits), no_cap)), logits)
 
 
 def test_rms_norm_offset_scales_by_one_plus_w():
@@ -161,6 +231,24 @@ def test_chunked_prefill_over_cached_pages_matches_transformers(family):
     runner = _runner(cfg, weights)
     got = [runner.compute_logits([ScheduledChunk(ids[a:b], a, [3, 1, 2])]) for a, b in ((0, 7), (7, 23), (23, 40))]
     np.testing.assert_allclose(np.concatenate(got), want, **TOL)
+
+
+def test_gemma2_scanned_layers_and_the_kernels_match_transformers():
+    # Layers with differing windows cannot share one scanned body: scan_layers falls back to the unrolled loop.
+    # The Pallas kernels (TPU kernels in interpret mode on CPU) apply the soft cap and per-layer windows too: a
+    # fresh prompt through flash attention, a continuation with cached context through the paged kernel.
+    from pallas_kernels.dispatch import select_attention
+
+    cfg, weights = load_hf_weights(GEMMA2)
+    golden = _golden(GEMMA2)
+    ids, want = golden["token_ids"], np.array(golden["logits"], np.float32)
+    scanned = ModelRunner(cfg, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32,
+                          scan_layers=True)
+    np.testing.assert_allclose(_prefill_logits(scanned, ids), want, **TOL)
+    kernels = ModelRunner(cfg, weights, num_pages=NUM_PAGES, page_size=PAGE_SIZE, kv_dtype=jnp.float32,
+                          attention=select_attention("pallas", "cpu"))
+    np.testing.assert_allclose(kernels.compute_logits([ScheduledChunk(ids[:17], 0, [3, 1, 2])]), want[:17], **TOL)
+    np.testing.assert_allclose(kernels.compute_logits([ScheduledChunk(ids[17:], 17, [3, 1, 2])]), want[17:], **TOL)
 
 
 def test_folding_norm_gains_keeps_the_golden_logits(family):

@@ -77,7 +77,7 @@ def self_draft(target_cfg: ModelConfig, target_weights: Weights, num_layers: int
       ValueError: if num_layers is not in [1, target layers).
     """
     n = self_draft_layers(target_cfg.num_layers, num_layers)
-    return DraftModel(cfg=dataclasses.replace(target_cfg, num_layers=n), weights=target_weights,
+    return DraftModel(cfg=target_cfg.first_layers(n), weights=target_weights,
                       shares_target_cache=True)
 
 
