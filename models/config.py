@@ -62,6 +62,8 @@ class ModelConfig:
         tanh approximation (GeGLU, Gemma). MoE experts are SwiGLU only.
       norm_weight_offset: every RMSNorm scales by (offset + w): 0 for Llama, 1 for Gemma (which stores w - 1).
       embed_scale: token embeddings are multiplied by this, cast to the activation dtype first (Gemma: sqrt(D)).
+      partial_rotary_factor: RoPE rotates the first `rotary_dim` = int(H * this) channels of each head, the rest
+        pass unchanged (Phi-3 family's `partial_rotary_factor`, e.g. Phi-4-mini's 0.75); in (0, 1].
       name: human-readable model name, for logs and `ModelInfo`.
     """
 
@@ -90,6 +92,7 @@ class ModelConfig:
     mlp_activation: Activation = Activation.SILU
     norm_weight_offset: float = 0.0
     embed_scale: float = 1.0
+    partial_rotary_factor: float = 1.0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -116,6 +119,29 @@ class ModelConfig:
         if not (isinstance(self.embed_scale, (int, float)) and 0 < self.embed_scale < float("inf")):
             raise ValueError(f"model config: embed_scale={self.embed_scale!r} must be a positive finite number")
         self._check_moe()
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        """Raises ValueError for a rotary width that is not a positive even part of H, or LongRoPE factors that are
+        not one per rotated pair."""
+        if not (isinstance(self.partial_rotary_factor, (int, float)) and 0 < self.partial_rotary_factor <= 1):
+            raise ValueError(f"model config: partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1]")
+        R = self.rotary_dim
+        if R < 2 or R % 2:
+            raise ValueError(f"model config: rotary_dim={R} (head_dim={self.head_dim} x partial_rotary_factor="
+                             f"{self.partial_rotary_factor}) must be even and >= 2")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type is RopeType.LONGROPE:
+            for key in ("short_factor", "long_factor"):
+                factors = getattr(scaling, key)
+                if factors is None or len(factors) != R // 2:
+                    raise ValueError(f"model config: rope_scaling.{key} needs rotary_dim / 2 = {R // 2} entries, got "
+                                     f"{None if factors is None else len(factors)}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """R, the channels of each head RoPE rotates: int(H * partial_rotary_factor), as transformers."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def _check_moe(self) -> None:
         """Raises ValueError, naming the numbers, for inconsistent MoE fields."""

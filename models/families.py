@@ -4,7 +4,9 @@ norm and embedding scaling), and each family's defaults for keys its `config.jso
 
 Families: Llama (Touvron et al. 2023), Mistral (Jiang et al. 2023), Qwen2 and Qwen2-MoE (Qwen team 2024), Qwen3
 and Qwen3-MoE (Qwen team 2025: RMSNorm over each q / k head; Qwen3-MoE without a shared expert), Mixtral (Jiang et
-al. 2024), Gemma (Gemma team 2024: GeGLU MLP, RMSNorm scaled by 1 + w, embeddings times sqrt(D), tied head).
+al. 2024), Gemma (Gemma team 2024: GeGLU MLP, RMSNorm scaled by 1 + w, embeddings times sqrt(D), tied head), Phi-3
+(Abdin et al. 2024: fused qkv / gate_up projections split at load, LongRoPE, optionally partial rotary, a
+sliding window whenever `sliding_window` is set).
 
 GGUF files (llama.cpp's `convert_hf_to_gguf.py` layout) name a family by `general.architecture`; `gguf_family`
 maps it, and the MoE keys, to ours.
@@ -24,7 +26,8 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_tanh"  # GeGLU with the tanh approximation of GELU (Hendrycks & Gimpel 2016)
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe",
+                           "phi3")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")  # sparse MoE MLP in every layer (`models.moe`)
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")  # RMSNorm over each q / k head before RoPE
 # `general.architecture` values `jaxinfer.loading.gguf` reads -> our architecture (a `llama` file with experts is
@@ -87,6 +90,8 @@ def hf_family_fields(hf: Mapping[str, Any], model_type: str, hidden: int) -> dic
                                   **hf_moe_fields(hf, model_type))
     if model_type in QK_NORM_ARCHITECTURES:
         fields["qk_norm"] = True
+    if model_type == "phi3":
+        fields["partial_rotary_factor"] = hf_partial_rotary_factor(hf)
     if model_type == "gemma":
         if hf.get("use_bidirectional_attention"):
             raise ValueError("config.json use_bidirectional_attention=true: bidirectional (encoder) Gemma is not "
@@ -175,3 +180,11 @@ def gguf_family(meta: Mapping[str, Any], arch: str, hidden: int) -> dict[str, An
     fields.update(num_experts=int(experts), num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
                   moe_intermediate_size=int(width), norm_topk_prob=True)
     return fields
+
+
+def hf_partial_rotary_factor(hf: Mapping[str, Any]) -> float:
+    """Phi-3's share of each head that RoPE rotates: `partial_rotary_factor` of the rope dict, else of the config,
+    else 1 (as `Phi3Config`, which moves the top-level key into `rope_parameters`)."""
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    return float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+
