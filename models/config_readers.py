@@ -172,7 +172,7 @@ def config_from_hf(hf: Mapping[str, Any], name: str = "") -> dict[str, Any]:
     rope = dict(hf.get("rope_parameters") or {})
     if hf.get("rope_scaling"):
         rope.update(hf["rope_scaling"])
-    rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))  # the rope dict first, as transformers v5
     scaling = rope_scaling_from_hf(rope, hf)
     return dict(
         architecture=model_type,
@@ -223,7 +223,8 @@ def rope_scaling_from_hf(rope: Mapping[str, Any], hf: Mapping[str, Any] | None =
     if rope_type in ("linear", "dynamic"):
         return RopeScaling(RopeType(rope_type), factor=float(rope["factor"]))
     if rope_type == "llama3":
-        return RopeScaling(RopeType.LLAMA3, factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+        return RopeScaling(RopeType.LLAMA3, factor=float(rope["factor"]),
+                           low_freq_factor=float(rope["low_freq_factor"]),
                            high_freq_factor=float(rope["high_freq_factor"]), original_max_position_embeddings=original)
     if rope_type == "yarn":
         return _yarn_scaling(rope, max_positions, original)

@@ -3,9 +3,10 @@ conversion of each [out, in] checkpoint matrix into our layout, and `assemble`, 
 per-tensor fetch function (used by `jaxinfer.loading.gguf` and `jaxinfer.loading.hf`).
 
 The tables `LAYER_TENSORS`, `MOE_LAYER_TENSORS`, `FUSED_LAYER_TENSORS` (Phi-3's fused q/k/v and gate/up, split
-at load) and `TOP_TENSORS` are the one place that maps checkpoint tensor names to our pytree fields. Shapes in the comments: D hidden size, N query heads, H head dim, E experts,
-Fe / Fs expert / shared-expert MLP width. A converter that gets a matrix of the wrong shape raises `ValueError`,
-which `assemble` turns into one naming the tensor, its shape and the shape the config needs.
+at load) and `TOP_TENSORS` are the one place that maps checkpoint tensor names to our pytree fields. Shapes in the
+comments: D hidden size, N query heads, H head dim, E experts, Fe / Fs expert / shared-expert MLP width. A
+converter that gets a matrix of the wrong shape raises `ValueError`, which `assemble` turns into one naming the
+tensor, its shape and the shape the config needs.
 """
 
 from __future__ import annotations

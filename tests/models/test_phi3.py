@@ -157,3 +157,10 @@ def test_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformer
     assert outs[0].outputs[0].token_ids == GOLDEN["greedy_token_ids"]
     again = llm.generate([{"prompt_token_ids": ids}], [params], use_tqdm=False)[0]  # the prompt's full pages cached
     assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == GOLDEN["greedy_token_ids"]
+
+
+def test_phi3_config_round_trips_through_the_checkpoint_codec(phi3):
+    from jaxinfer.loading.codec import config_from_dict, config_to_dict
+
+    cfg, _ = phi3
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg  # factors as tuples again

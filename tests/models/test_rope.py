@@ -175,8 +175,9 @@ def _gguf_meta(config: dict, **rope_keys) -> dict:
 def test_gguf_yarn_matches_the_hf_schedule_it_was_converted_from():
     case = CASES["yarn"]
     scaling = case["config"]["rope_scaling"]
+    original = scaling["original_max_position_embeddings"]
     cfg = ModelConfig.from_gguf_metadata(_gguf_meta(case["config"], type="yarn", factor=scaling["factor"],
-                                                    original_context_length=scaling["original_max_position_embeddings"]))
+                                                    original_context_length=original))
     np.testing.assert_allclose(rope_frequencies(cfg), np.array(case["hf"][0]["inv_freq"]), rtol=2e-6)
     assert rope_attention_factor(cfg) == pytest.approx(case["hf"][0]["attention_factor"], rel=1e-12)
     betas = _gguf_meta(case["config"], type="yarn", factor=4.0, yarn_beta_fast=16.0, yarn_beta_slow=2.0)
