@@ -27,7 +27,7 @@ def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> Model
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma, Mixtral,
-    Qwen2-MoE, Qwen3-MoE).
+    Qwen2-MoE, Qwen3-MoE, Phi-3).
 
     Attributes:
       architecture: one of `SUPPORTED_ARCHITECTURES`.
@@ -39,7 +39,7 @@ class ModelConfig:
       num_kv_heads: K, key/value heads; N must be a multiple of K (GQA, Ainslie et al. 2023).
       head_dim: H, per-head width (independent of D / N: Qwen3, Gemma).
       rope_theta: RoPE base (Su et al. 2021, RoFormer).
-      rope_scaling: optional frequency schedule (`None` is the plain schedule).
+      rope_scaling: optional frequency schedule and attention factor (`None` is the plain schedule; `models.rope`).
       rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
       max_position_embeddings: context length in tokens.
       tie_word_embeddings: the LM head reuses the token embedding table.
