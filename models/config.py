@@ -27,7 +27,7 @@ def _parse(source: str, parse: Any, data: Mapping[str, Any], name: str) -> Model
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 1 / 2 / 3,
-    Mixtral, Qwen2-MoE, Qwen3-MoE).
+    Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3).
 
     Attributes:
       architecture: one of `SUPPORTED_ARCHITECTURES`.
@@ -39,7 +39,7 @@ class ModelConfig:
       num_kv_heads: K, key/value heads; N must be a multiple of K (GQA, Ainslie et al. 2023).
       head_dim: H, per-head width (independent of D / N: Qwen3, Gemma).
       rope_theta: RoPE base (Su et al. 2021, RoFormer).
-      rope_scaling: optional frequency schedule (`None` is the plain schedule).
+      rope_scaling: optional frequency schedule and attention factor (`None` is the plain schedule; `models.rope`).
       rms_norm_eps: epsilon inside RMSNorm (Zhang & Sennrich 2019).
       max_position_embeddings: context length in tokens.
       tie_word_embeddings: the LM head reuses the token embedding table.
@@ -72,6 +72,8 @@ class ModelConfig:
         tanh approximation (GeGLU, Gemma). MoE experts are SwiGLU only.
       norm_weight_offset: every RMSNorm scales by (offset + w): 0 for Llama, 1 for Gemma (which stores w - 1).
       embed_scale: token embeddings are multiplied by this, cast to the activation dtype first (Gemma: sqrt(D)).
+      partial_rotary_factor: RoPE rotates the first `rotary_dim` = int(H * this) channels of each head, the rest
+        pass unchanged (Phi-3 family's `partial_rotary_factor`, e.g. Phi-4-mini's 0.75); in (0, 1].
       name: human-readable model name, for logs and `ModelInfo`.
     """
 
@@ -106,6 +108,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     post_norms: bool = False
     rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -133,6 +136,7 @@ class ModelConfig:
             raise ValueError(f"model config: embed_scale={self.embed_scale!r} must be a positive finite number")
         self._check_moe()
         self._check_gemma2()
+        self._check_rope()
 
     def _check_gemma2(self) -> None:
         """Raises ValueError, naming the field, for bad per-layer windows, soft caps or attention scalar."""
@@ -179,6 +183,28 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The attention score scale: `query_pre_attn_scalar` ** -0.5 (Gemma 2), else H ** -0.5."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def _check_rope(self) -> None:
+        """Raises ValueError for a rotary width that is not a positive even part of H, or LongRoPE factors that are
+        not one per rotated pair."""
+        if not (isinstance(self.partial_rotary_factor, (int, float)) and 0 < self.partial_rotary_factor <= 1):
+            raise ValueError(f"model config: partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1]")
+        R = self.rotary_dim
+        if R < 2 or R % 2:
+            raise ValueError(f"model config: rotary_dim={R} (head_dim={self.head_dim} x partial_rotary_factor="
+                             f"{self.partial_rotary_factor}) must be even and >= 2")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type is RopeType.LONGROPE:
+            for key in ("short_factor", "long_factor"):
+                factors = getattr(scaling, key)
+                if factors is None or len(factors) != R // 2:
+                    raise ValueError(f"model config: rope_scaling.{key} needs rotary_dim / 2 = {R // 2} entries, got "
+                                     f"{None if factors is None else len(factors)}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """R, the channels of each head RoPE rotates: int(H * partial_rotary_factor), as transformers."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def _check_moe(self) -> None:
         """Raises ValueError, naming the numbers, for inconsistent MoE fields."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,17 +21,38 @@ class RopeType(enum.Enum):
     DEFAULT = "default"
     LINEAR = "linear"  # positions divided by `factor` (Chen et al. 2023, "position interpolation")
     LLAMA3 = "llama3"  # Llama 3.1 piecewise wavelength scaling (Meta, Llama 3 paper, 2024)
+    DYNAMIC = "dynamic"  # dynamic NTK-aware base (bloc97 / emozilla 2023), in its static form (`models.rope`)
+    YARN = "yarn"  # YaRN (Peng et al. 2023): NTK-by-parts frequencies and an attention factor
+    LONGROPE = "longrope"  # LongRoPE (Ding et al. 2024; Phi-3's "su"): per-pair short / long factors
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Parameters of a non-default RoPE schedule; field names follow HF `rope_scaling`."""
+    """Parameters of a non-default RoPE schedule; field names follow HF `rope_scaling` (how `models.rope` uses
+    them: `rope_frequencies`).
+
+    Attributes:
+      rope_type: the schedule.
+      factor: context extension factor (linear, dynamic, yarn, llama3).
+      low_freq_factor, high_freq_factor: Llama 3's wavelength band edges, as fractions of the original context.
+      original_max_position_embeddings: the pre-training context in tokens (llama3, yarn, longrope).
+      attention_factor: multiplies cos and sin (yarn, longrope), resolved from the config's defaults when read.
+      beta_fast, beta_slow: YaRN's ramp edges in rotations over the original context (32 and 1 by default).
+      truncate: YaRN rounds the ramp edges to whole pairs (HF's `truncate`, default true).
+      short_factor, long_factor: LongRoPE's per-pair frequency divisors, R / 2 each.
+    """
 
     rope_type: RopeType
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 def config_from_gguf_metadata(meta: Mapping[str, Any], name: str = "") -> dict[str, Any]:
@@ -64,12 +86,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], name: str = "") -> dict[s
         if tokens is None:
             raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         vocab = len(tokens)
-    scaling = None
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
-    if scaling_type == "linear":
-        scaling = RopeScaling(RopeType.LINEAR, factor=float(meta[f"{arch}.rope.scaling.factor"]))
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported")
+    scaling = gguf_rope_scaling(meta, arch, int(need("context_length")))
     return dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -89,6 +106,36 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], name: str = "") -> dict[s
         name=str(meta.get("general.name", name)),
         **gguf_family(meta, arch, hidden),  # architecture, MoE and per-family fields
     )
+
+
+def gguf_rope_scaling(meta: Mapping[str, Any], arch: str, context_length: int) -> RopeScaling | None:
+    """The `RopeScaling` of GGUF `<arch>.rope.scaling.*` keys (llama.cpp's): `linear`, or `yarn` with
+    `original_context_length` (default: the context) and `yarn_beta_fast` / `yarn_beta_slow`, read as the HF
+    `rope_scaling` that `convert_hf_to_gguf.py` wrote them from.
+
+    Raises:
+      ValueError: another scaling type, or a YaRN key we do not read (`attn_factor`, `yarn_log_multiplier`,
+        `yarn_ext_factor`, `yarn_attn_factor` other than their neutral values), naming it; KeyError for a missing
+        `factor`.
+    """
+    prefix = f"{arch}.rope.scaling."
+    scaling_type = meta.get(prefix + "type")
+    if scaling_type in (None, "none"):
+        return None
+    if scaling_type == "linear":
+        return RopeScaling(RopeType.LINEAR, factor=float(meta[prefix + "factor"]))
+    if scaling_type != "yarn":
+        raise ValueError(f"GGUF {prefix}type={scaling_type!r} is not supported (linear, yarn)")
+    # neutral values; an ext factor of -1 is llama.cpp's "take it from the model" (1 for YaRN)
+    neutral = {"attn_factor": (1.0,), "yarn_log_multiplier": (0.0,), "yarn_ext_factor": (-1.0, 1.0),
+               "yarn_attn_factor": (1.0,)}
+    for key, fine in neutral.items():
+        if prefix + key in meta and meta[prefix + key] not in fine:
+            raise ValueError(f"GGUF {prefix}{key}={meta[prefix + key]!r} is not supported with YaRN")
+    rope = {"rope_type": "yarn", "factor": float(meta[prefix + "factor"]),
+            "original_max_position_embeddings": int(meta.get(prefix + "original_context_length", context_length)),
+            "beta_fast": meta.get(prefix + "yarn_beta_fast"), "beta_slow": meta.get(prefix + "yarn_beta_slow")}
+    return rope_scaling_from_hf(rope, {"max_position_embeddings": context_length})
 
 
 def config_from_hf(hf: Mapping[str, Any], name: str = "") -> dict[str, Any]:
@@ -118,14 +165,15 @@ def config_from_hf(hf: Mapping[str, Any], name: str = "") -> dict[str, Any]:
     heads = positive("num_attention_heads")
     max_positions = int(hf.get("max_position_embeddings", 4096))
     window = hf.get("sliding_window")
-    window_on = hf.get("use_sliding_window", model_type in ("mistral", "mixtral"))  # Mixtral: like Mistral
+    # Mixtral and Phi-3 (whose transformers classes mask by `sliding_window` alone): like Mistral
+    window_on = hf.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3"))
     if not (window and window_on and window < max_positions):
         window = None  # absent, switched off, or wider than the context: full attention
     rope = hf_rope_parameters(hf, model_type)  # v5's `rope_parameters` (Gemma 3: its global layers' entry)
     if hf.get("rope_scaling"):
         rope.update(hf["rope_scaling"])
-    rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    scaling = rope_scaling_from_hf(rope)
+    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))  # the rope dict first, as transformers v5
+    scaling = rope_scaling_from_hf(rope, hf)
     return dict(
         architecture=model_type,
         vocab_size=positive("vocab_size"),
@@ -147,24 +195,73 @@ def config_from_hf(hf: Mapping[str, Any], name: str = "") -> dict[str, Any]:
     )
 
 
-def rope_scaling_from_hf(rope: Mapping[str, Any]) -> RopeScaling | None:
+def rope_scaling_from_hf(rope: Mapping[str, Any], hf: Mapping[str, Any] | None = None) -> RopeScaling | None:
     """The `RopeScaling` of an HF `rope_scaling` / `rope_parameters` dict (`rope_type`, or the legacy `type`);
-    None for the default schedule.
+    None for the default schedule. Defaults are transformers' (`modeling_rope_utils`).
+
+    Args:
+      rope: the rope dict.
+      hf: the whole `config.json` (for `max_position_embeddings`, `model_type` and a top-level
+        `original_max_position_embeddings`, which transformers prefers over the rope dict's: Phi-3 writes it there;
+        absent both, the original context is `max_position_embeddings`).
 
     Raises:
-      ValueError: a rope type we do not implement, naming it; KeyError for a missing parameter (named by the caller).
+      ValueError: a rope type we do not implement, naming it, or LongRoPE factors of the wrong length; KeyError for
+        a missing parameter (named by the caller).
     """
+    hf = hf or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi3Config reads its legacy "su" and "yarn" as LongRoPE
     if rope_type == "default":
         return None
-    if rope_type == "linear":
-        return RopeScaling(RopeType.LINEAR, factor=float(rope["factor"]))
+    max_positions = int(hf.get("max_position_embeddings", 4096))
+    original = rope.get("original_max_position_embeddings", max_positions)
+    if hf.get("model_type") == "phi3":  # Phi3Config always has one (default 4096), which transformers prefers
+        original = 4096
+    original = int(hf.get("original_max_position_embeddings", original))
+    if rope_type in ("linear", "dynamic"):
+        return RopeScaling(RopeType(rope_type), factor=float(rope["factor"]))
     if rope_type == "llama3":
-        return RopeScaling(
-            RopeType.LLAMA3,
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    raise ValueError(f"config.json rope type {rope_type!r} is not supported (default, linear, llama3)")
+        return RopeScaling(RopeType.LLAMA3, factor=float(rope["factor"]),
+                           low_freq_factor=float(rope["low_freq_factor"]),
+                           high_freq_factor=float(rope["high_freq_factor"]), original_max_position_embeddings=original)
+    if rope_type == "yarn":
+        return _yarn_scaling(rope, max_positions, original)
+    if rope_type == "longrope":
+        return _longrope_scaling(rope, max_positions, original)
+    raise ValueError(f"config.json rope type {rope_type!r} is not supported "
+                     f"({', '.join(t.value for t in RopeType)})")
+
+
+def _yarn_scaling(rope: Mapping[str, Any], max_positions: int, original: int) -> RopeScaling:
+    """YaRN's parameters; the attention factor defaults to 0.1 ln(factor) + 1, or with `mscale` and
+    `mscale_all_dim` to the ratio of those two mscales (Peng et al. 2023, eq. 21; DeepSeek's variant)."""
+    factor = rope["factor"]  # required, as transformers has it; an explicit null: the context ratio
+    factor = max_positions / original if factor is None else float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(RopeType.YARN, factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)))
+
+
+def _longrope_scaling(rope: Mapping[str, Any], max_positions: int, original: int) -> RopeScaling:
+    """LongRoPE's factors; the attention factor defaults to sqrt(1 + ln(f) / ln(original)), f the `factor` or else
+    max_position_embeddings / original (1 when f <= 1)."""
+    short, long = (tuple(float(v) for v in rope[key]) for key in ("short_factor", "long_factor"))
+    if len(short) != len(long):
+        raise ValueError(f"config.json rope short_factor has {len(short)} entries but long_factor {len(long)}")
+    factor = rope.get("factor")
+    factor = max_positions / original if factor is None else float(factor)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(RopeType.LONGROPE, factor=factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), short_factor=short, long_factor=long)

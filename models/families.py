@@ -9,7 +9,9 @@ Gemma 2 (Gemma team 2024b, "Gemma 2: Improving Open Language Models at a Practic
 final-logit soft-capping, alternating sliding-window / global layers, post-attention and post-MLP norms and a
 `query_pre_attn_scalar` attention scale), Gemma 3's text model (Gemma team 2025, "Gemma 3 Technical Report":
 Gemma 2's layer without soft caps, with Gemma-style q / k norms, five local layers to one global, and RoPE of base
-1e4 on the local layers, 1e6 with scaling on the global ones).
+1e4 on the local layers, 1e6 with scaling on the global ones), Phi-3
+(Abdin et al. 2024: fused qkv / gate_up projections split at load, LongRoPE, optionally partial rotary, a
+sliding window whenever `sliding_window` is set).
 
 GGUF files (llama.cpp's `convert_hf_to_gguf.py` layout) name a family by `general.architecture`; `gguf_family`
 maps it, and the MoE keys, to ours.
@@ -30,7 +32,7 @@ class Activation(enum.Enum):
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe",
-                           "qwen3_moe", "gemma3_text")
+                           "qwen3_moe", "gemma3_text", "phi3")
 # GeGLU, 1 + w norms, sqrt(D)-scaled embeddings, tied head by default
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3_text")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")  # sparse MoE MLP in every layer (`models.moe`)
@@ -105,6 +107,8 @@ def hf_family_fields(hf: Mapping[str, Any], model_type: str, hidden: int) -> dic
                                   **hf_moe_fields(hf, model_type))
     if model_type in QK_NORM_ARCHITECTURES:
         fields["qk_norm"] = True
+    if model_type == "phi3":
+        fields["partial_rotary_factor"] = hf_partial_rotary_factor(hf)
     if gemma:
         if hf.get("use_bidirectional_attention"):
             raise ValueError("config.json use_bidirectional_attention=true: bidirectional (encoder) Gemma is not "
@@ -287,3 +291,11 @@ def gguf_family(meta: Mapping[str, Any], arch: str, hidden: int) -> dict[str, An
     fields.update(num_experts=int(experts), num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
                   moe_intermediate_size=int(width), norm_topk_prob=True)
     return fields
+
+
+def hf_partial_rotary_factor(hf: Mapping[str, Any]) -> float:
+    """Phi-3's share of each head that RoPE rotates: `partial_rotary_factor` of the rope dict, else of the config,
+    else 1 (as `Phi3Config`, which moves the top-level key into `rope_parameters`)."""
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    return float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+

@@ -16,7 +16,7 @@ import numpy as np
 from models import moe
 from models.config import Activation, ModelConfig
 from models.quant_matmul import qeinsum
-from models.rope import apply_rope
+from models.rope import apply_rope, rope_attention_factor
 
 if TYPE_CHECKING:
     from models.llama import LayerWeights
@@ -66,7 +66,8 @@ def attention_inputs(
     v = add_bias(qeinsum("td,dkh->tkh", h, w.wv), w.bv)  # [T, K, H]
     if cfg.qk_norm:  # over H, one gain per head-dim channel shared by all heads
         q, k = layer_norm(q, w.q_norm, cfg), layer_norm(k, w.k_norm, cfg)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    factor = rope_attention_factor(cfg)  # YaRN / LongRoPE scale cos and sin
+    return apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor), v
 
 
 def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg: ModelConfig,

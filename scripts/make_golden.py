@@ -63,6 +63,16 @@ What it records (all under ``--out``, default ``tests/data``):
     Qwen3-MoE: Qwen3's q/k norms (head_dim 32 over hidden 64) with 8 experts of width 32 in both layers, top-2
     renormalized (``norm_topk_prob`` true), no shared expert, 32 greedy tokens; routing facts as for the MoE
     checkpoints above, and the logit change without the q/k norms and without the renormalization.
+``rope_golden.json``
+    transformers' own RoPE initializers (``ROPE_INIT_FUNCTIONS``: linear, dynamic, yarn, llama3, longrope) on
+    tiny configs, each stored as the ``config.json`` dict it was built from, with the inverse frequencies and the
+    attention factor HF returns (at init, and at the sequence lengths named in each record).
+``tiny_phi3/``
+    Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``), 2 layers, LongRoPE (short / long factors, attention factor
+    from max_position_embeddings 256 over original_max_position_embeddings 32), partial_rotary_factor 0.75 and a
+    sliding window of 24. ``golden.json`` holds the logits of one 40-token forward (long factors: longer than 32),
+    32 greedy tokens, and the logits of a 24-token forward (``short_token_ids`` / ``short_logits``: within 32,
+    so HF runs the short factors there).
 
 ``--only NAME`` writes just one tiny checkpoint (and skips SmolLM2); it may be repeated.
 
@@ -794,12 +804,127 @@ def make_tiny_gemma3(out: Path) -> None:
 
 
 # --------------------------------------------------------------------------
+# RoPE schedules and Phi-3
+# --------------------------------------------------------------------------
+
+def _rope_config(model_type: str, head_dim: int, **keys) -> dict:
+    """A tiny `config.json` dict of `model_type` whose heads are `head_dim` wide, plus `keys`."""
+    heads = 4
+    base = dict(model_type=model_type, vocab_size=128, hidden_size=heads * head_dim, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=heads,
+                max_position_embeddings=256, rope_theta=10000.0)
+    return {**base, **keys}
+
+
+LONG_FACTORS = [1.0, 1.5, 2.25, 4.0, 7.5, 12.0]  # 6 pairs: head_dim 16 at partial_rotary_factor 0.75
+SHORT_FACTORS = [1.0, 1.0, 1.05, 1.1, 1.3, 1.6]
+ROPE_CASES = [
+    # (name, config.json dict, sequence lengths to ask HF about besides the init default)
+    ("linear", _rope_config("llama", 16, rope_scaling={"rope_type": "linear", "factor": 4.0}), []),
+    ("dynamic", _rope_config("llama", 16, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), [100, 256, 512]),
+    ("yarn", _rope_config("qwen2", 32, rope_theta=1e6, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}), []),
+    ("yarn_mscale_betas", _rope_config("llama", 32, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+        "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2}), []),
+    ("yarn_untruncated_attention_factor", _rope_config("llama", 32, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "truncate": False, "attention_factor": 1.25}), []),
+    ("yarn_default_original_max", _rope_config("llama", 16, rope_scaling={"type": "yarn", "factor": 2.0}), []),
+    ("llama3", _rope_config("llama", 64, rope_theta=500000.0, max_position_embeddings=65536, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}), []),
+    # Phi-3 128k style: original_max_position_embeddings at the top level (transformers gives it priority)
+    ("longrope_phi3", _rope_config("phi3", 16, original_max_position_embeddings=32, partial_rotary_factor=0.75,
+                                   rope_scaling={"type": "longrope", "short_factor": SHORT_FACTORS,
+                                                 "long_factor": LONG_FACTORS}), [32, 33]),
+    ("longrope_phi3_su_legacy", _rope_config("phi3", 16, original_max_position_embeddings=64,
+                                             max_position_embeddings=64, partial_rotary_factor=0.75,
+                                             rope_scaling={"type": "su", "short_factor": SHORT_FACTORS,
+                                                           "long_factor": LONG_FACTORS}), [65]),
+    ("longrope_llama_explicit", _rope_config("llama", 8, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.4, 2.0], "long_factor": [1.0, 2.0, 4.0, 8.0],
+        "factor": 16.0, "attention_factor": 1.1, "original_max_position_embeddings": 128}), [129]),
+]
+
+
+def make_rope_golden(out: Path) -> None:
+    """tests/data/rope_golden.json: HF's inverse frequencies and attention factor per rope type."""
+    from transformers import CONFIG_MAPPING
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cases = []
+    for name, config, seq_lens in ROPE_CASES:
+        records = []
+        for seq_len in [None, *seq_lens]:
+            import copy
+
+            hf = CONFIG_MAPPING[config["model_type"]](**copy.deepcopy(config))
+            rope_type = hf.rope_parameters["rope_type"]
+            inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf, None, seq_len=seq_len)
+            records.append({"seq_len": seq_len, "rope_type": rope_type,
+                            "inv_freq": [float(v) for v in inv_freq.tolist()],
+                            "attention_factor": float(attention_factor)})
+        log.info("  rope %s: %s, attention factor %.6f", name, records[0]["rope_type"], records[0]["attention_factor"])
+        cases.append({"name": name, "config": config, "hf": records})
+    write_json(out / "rope_golden.json", {"reference": reference_string(), "cases": cases})
+
+
+@torch.no_grad()
+def _plain_rope(model) -> None:
+    """The model's rotary embedding without scaling: plain frequencies, attention factor 1."""
+    rotary = model.model.rotary_emb
+    inv_freq, _ = rotary.compute_default_rope_parameters(model.config)
+    rotary.rope_type = "default"
+    rotary.inv_freq.copy_(inv_freq)
+    rotary.original_inv_freq.copy_(inv_freq)
+    rotary.attention_scaling = 1.0
+
+
+def make_tiny_phi3(out: Path) -> None:
+    """Phi-3: fused qkv / gate_up projections, LongRoPE, partial rotary 0.75, sliding window 24, 2 layers."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    folder = out / "tiny_phi3"
+    shutil.rmtree(folder, ignore_errors=True)
+    cfg = Phi3Config(**TINY_COMMON, original_max_position_embeddings=32, partial_rotary_factor=0.75,
+                     rope_scaling={"type": "longrope", "short_factor": list(SHORT_FACTORS),
+                                   "long_factor": list(LONG_FACTORS)},
+                     sliding_window=24, tie_word_embeddings=False, bos_token_id=1, eos_token_id=[2, 3],
+                     pad_token_id=0)
+    set_seeds()
+    model = Phi3ForCausalLM(cfg).eval()
+    randomize(model, SEED + 15)
+    model.save_pretrained(folder, safe_serialization=True)
+    golden = tiny_golden(model, SEED + 16)
+    gen, margins = greedy(model, golden["token_ids"], N_GREEDY)
+    golden.update(greedy_token_ids=gen, greedy_margins=margins)
+    log.info("  32 greedy tokens, min margin %.4f", min(margins))
+    short_ids = golden["token_ids"][:24]
+    golden["short_token_ids"] = short_ids
+    golden["short_logits"] = [[float(v) for v in row] for row in forward_logits(model, short_ids).tolist()]
+    golden["config_rope_keys_as_written"] = rope_keys(folder / "config.json")
+    for feature, change in (("longrope", _plain_rope), ("sliding_window", _no_window)):
+        golden[f"max_abs_logit_change_without_{feature}"] = diff = _feature_effect(model, golden, change)
+        log.info("  tiny_phi3 without %s: max |dlogit| = %.3f", feature, diff)
+        if diff < 1e-2:
+            raise RuntimeError(f"{feature} has no visible effect on tiny_phi3")
+    check_reload(Phi3ForCausalLM, folder, golden)
+    write_json(folder / "golden.json", golden)
+
+
+def _no_window(model) -> None:
+    model.config.sliding_window = None
+    model.model.config.sliding_window = None
+
+
+# --------------------------------------------------------------------------
 
 
 MAKERS = {"tiny_llama3": make_tiny_llama3, "tiny_qwen2": make_tiny_qwen2, "tiny_mistral": make_tiny_mistral,
           "tiny_mixtral": make_tiny_mixtral, "tiny_qwen2_moe": make_tiny_qwen2_moe, "tiny_qwen3": make_tiny_qwen3,
           "tiny_gemma": make_tiny_gemma, "tiny_qwen3_moe": make_tiny_qwen3_moe, "tiny_gemma2": make_tiny_gemma2,
-          "tiny_gemma3": make_tiny_gemma3}
+          "tiny_gemma3": make_tiny_gemma3, "tiny_phi3": make_tiny_phi3, "rope_golden": make_rope_golden}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,10 +2,11 @@
 conversion of each [out, in] checkpoint matrix into our layout, and `assemble`, which builds `Weights` from any
 per-tensor fetch function (used by `jaxinfer.loading.gguf` and `jaxinfer.loading.hf`).
 
-The tables `LAYER_TENSORS`, `MOE_LAYER_TENSORS`, `FAMILY_LAYER_TENSORS` and `TOP_TENSORS` are the one place that maps checkpoint
-tensor names to our pytree fields. Shapes in the comments: D hidden size, N query heads, H head dim, E experts,
-Fe / Fs expert / shared-expert MLP width. A converter that gets a matrix of the wrong shape raises `ValueError`,
-which `assemble` turns into one naming the tensor, its shape and the shape the config needs.
+The tables `LAYER_TENSORS`, `MOE_LAYER_TENSORS`, `FAMILY_LAYER_TENSORS` (per-family renames),
+`FUSED_LAYER_TENSORS` (Phi-3's fused q/k/v and gate/up, split at load) and `TOP_TENSORS` are the one place that
+maps checkpoint tensor names to our pytree fields. Shapes in the comments: D hidden size, N query heads, H head
+dim, E experts, Fe / Fs expert / shared-expert MLP width. A converter that gets a matrix of the wrong shape raises
+`ValueError`, which `assemble` turns into one naming the tensor, its shape and the shape the config needs.
 """
 
 from __future__ import annotations
@@ -131,6 +132,50 @@ _SANDWICH_NORMS = {
                                 "model.layers.{i}.post_feedforward_layernorm.weight", _identity),
 }
 FAMILY_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {"gemma2": _SANDWICH_NORMS, "gemma3_text": _SANDWICH_NORMS}
+
+
+def _qkv_part(part: int) -> Callable[[np.ndarray, ModelConfig], np.ndarray]:
+    """Rows of a fused [(N + 2K) H, D] q/k/v matrix (q rows, then k, then v), as `_linear_heads` of part 0 (q),
+    1 (k) or 2 (v)."""
+    to_heads = _linear_heads(("num_heads", "num_kv_heads", "num_kv_heads")[part])
+
+    def convert(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        if w.shape != (sum(sizes), cfg.hidden_size):
+            raise ValueError(f"expected shape {(sum(sizes), cfg.hidden_size)}")
+        start = sum(sizes[:part])
+        return to_heads(w[start:start + sizes[part]], cfg)
+    return convert
+
+
+def _gate_up_part(part: int) -> Callable[[np.ndarray, ModelConfig], np.ndarray]:
+    """Rows of a fused [2F, D] gate/up matrix (gate rows first: transformers' Phi3MLP chunks its output in two),
+    transposed: part 0 is w_gate [D, F], part 1 w_up."""
+    def convert(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+        F = cfg.intermediate_size
+        if w.shape != (2 * F, cfg.hidden_size):
+            raise ValueError(f"expected shape {(2 * F, cfg.hidden_size)}")
+        return w[part * F:(part + 1) * F].T
+    return convert
+
+
+def _fused_names(qkv: str, gate_up: str) -> dict[str, TensorName]:
+    """HF names of an architecture whose q/k/v and gate/up projections are each one fused tensor, split at load
+    (no GGUF names: those files are not read for it)."""
+    prefix = "model.layers.{i}."
+    return {
+        "wq": TensorName("", prefix + qkv, _qkv_part(0)),
+        "wk": TensorName("", prefix + qkv, _qkv_part(1)),
+        "wv": TensorName("", prefix + qkv, _qkv_part(2)),
+        "w_gate": TensorName("", prefix + gate_up, _gate_up_part(0)),
+        "w_up": TensorName("", prefix + gate_up, _gate_up_part(1)),
+    }
+
+
+# Per architecture, the fields that replace `LAYER_TENSORS` entries with slices of a fused tensor.
+FUSED_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {
+    "phi3": _fused_names("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"),
+}
 TOP_TENSORS: dict[str, TensorName] = {
     "embed": TensorName("token_embd.weight", "model.embed_tokens.weight", _identity),
     "final_norm": TensorName("output_norm.weight", "model.norm.weight", _identity),
@@ -178,8 +223,10 @@ def assemble(
         return arr.astype(dtype)
 
     layer_fields = {}
-    for field, name in {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(cfg.architecture, {}),
-                        **FAMILY_LAYER_TENSORS.get(cfg.architecture, {})}.items():
+    arch = cfg.architecture
+    names = {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(arch, {}), **FAMILY_LAYER_TENSORS.get(arch, {}),
+             **FUSED_LAYER_TENSORS.get(arch, {})}
+    for field, name in names.items():
         spec = getattr(specs.layers, field)
         if spec is None:
             continue

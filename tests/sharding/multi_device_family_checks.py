@@ -1,6 +1,6 @@
-"""Qwen3, Gemma, Gemma 2 and Gemma 3 at tp=2 on fake CPU devices against the HF transformers goldens
-(tests/data/tiny_qwen3, tiny_gemma, tiny_gemma2, tiny_gemma3; scripts/make_golden.py): run by `test_sharding.py` in
-a child process with 8 fake CPU devices.
+"""Qwen3, Gemma, Gemma 2, Gemma 3 and Phi-3 at tp=2 on fake CPU devices against the HF transformers goldens
+(tests/data/tiny_qwen3, tiny_gemma, tiny_gemma2, tiny_gemma3, tiny_phi3; scripts/make_golden.py): run by
+`test_sharding.py` in a child process with 8 fake CPU devices.
 
 Gemma's single KV head is replicated into two slots (`models.partition.tp_layout`); Qwen3's and Gemma 3's q/k norm
 gains have no TP-split axis and stay whole on every rank.
@@ -32,7 +32,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_gemma", "tiny_gemma2", "tiny_gemma3"])
+@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_gemma", "tiny_gemma2", "tiny_gemma3", "tiny_phi3"])
 def test_tp2_logits_and_greedy_tokens_match_transformers(name, tokenizer_dir, tmp_path):
     folder = tmp_path / name
     shutil.copytree(DATA / name, folder)
