@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 model (loaded once per session) and the golden fixtures' folder."""
+"""Shared fixtures: the real SmolLM2 model (loaded once per session) and the golden fixtures' folder; and the
+persistent XLA compilation cache for every test process (`pytest_configure`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,29 @@ import pytest
 
 DATA = Path(__file__).parent / "data"
 
-os.environ.setdefault("JAXINFER_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxinfer" / "xla-tests"))
+# The tests' own persistent compilation cache: it outlives clones on a machine (a clean CI machine starts cold and
+# fills it). `$JAXINFER_COMPILATION_CACHE` set beforehand wins; an empty value turns the cache off.
+TEST_COMPILATION_CACHE = Path.home() / ".cache" / "jaxinfer" / "xla-tests"
+TEST_COMPILATION_CACHE_MAX_BYTES = 4 << 30  # jax evicts least recently used entries past this
+
+
+def pytest_configure(config):
+    """Turns on JAX's persistent compilation cache in this process, before any test compiles: every jitted
+    function of every test (not only engines, which `jaxinfer.engine.startup.enable_compilation_cache` covers) is
+    looked up there, so a rerun on the same machine compiles only what changed. The path goes into the
+    environment too (`JAXINFER_COMPILATION_CACHE`, which `enable_compilation_cache` reads), so the child processes
+    that tests start (CLI runs, servers, the 8-device and multi-host checks, which run this conftest again when
+    they are pytest) share it."""
+    path = os.environ.setdefault("JAXINFER_COMPILATION_CACHE", str(TEST_COMPILATION_CACHE))
+    if not path:
+        return
+    import jax
+
+    from jaxinfer.engine.startup import enable_compilation_cache
+
+    enable_compilation_cache()
+    if jax.config.jax_compilation_cache_max_size < 0:
+        jax.config.update("jax_compilation_cache_max_size", TEST_COMPILATION_CACHE_MAX_BYTES)
 
 
 @pytest.fixture(scope="session")

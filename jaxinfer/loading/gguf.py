@@ -7,9 +7,11 @@ Errors are `ValueError`s naming the file or the tensor.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,9 @@ _GGUF_DEFAULT_ALIGNMENT = 32  # of the tensor data, unless general.alignment say
 _GGUF_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                           "tokenizer.ggml.token_type")
 _GGUF_LONG_ARRAY = 1024  # entries past which the header reader skips an array (tokens, merges, scores)
+_READER_CACHE_SIZE = 2  # parsed readers kept (least recently used dropped): each holds a file map and its fields
+_READER_CACHE: collections.OrderedDict = collections.OrderedDict()
+_READER_CACHE_LOCK = threading.Lock()
 
 
 class _EndOfFile(Exception):
@@ -170,7 +175,13 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def read_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":  # noqa: F821
-    """Opens a GGUF file (memory-mapped).
+    """Opens a GGUF file (memory-mapped, read-only).
+
+    The `gguf` package parses every metadata field when it opens a file (seconds for a 49k-token vocabulary, most
+    of a small model's load), so the parsed readers of the last `_READER_CACHE_SIZE` (2) files are kept and
+    shared: a file opened again with the same resolved path, device, inode, size and modification time (ns) gets
+    the same reader; a rewritten or replaced file is parsed afresh. Callers only read a reader (its fields and
+    tensor maps); it must not be changed.
 
     Raises:
       ValueError: naming the file: as `read_gguf_header`, or a file the gguf package cannot read.
@@ -178,10 +189,22 @@ def read_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":  # noqa: F821
     import gguf
 
     read_gguf_header(path)  # names an empty, foreign or truncated file, which the gguf package fails on obscurely
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _READER_CACHE_LOCK:
+        reader = _READER_CACHE.get(key)
+        if reader is not None:
+            _READER_CACHE.move_to_end(key)
+            return reader
     try:
-        return gguf.GGUFReader(os.fspath(path))
+        reader = gguf.GGUFReader(os.fspath(path))
     except (ValueError, OSError, KeyError, IndexError, TypeError) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+    with _READER_CACHE_LOCK:
+        _READER_CACHE[key] = reader
+        while len(_READER_CACHE) > _READER_CACHE_SIZE:
+            _READER_CACHE.popitem(last=False)
+    return reader
 
 
 def gguf_metadata(reader: "gguf.GGUFReader") -> dict:  # noqa: F821

@@ -11,6 +11,7 @@ Oracles:
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import gguf
@@ -270,6 +271,26 @@ def test_header_reader_gives_the_metadata_and_config_without_the_tensors(gguf_pa
     (tmp_path / "cut.gguf").write_bytes(whole[:40])
     with pytest.raises(ValueError, match="cut.gguf' is truncated: it ends inside its GGUF header, at 40 bytes"):
         read_gguf_header(tmp_path / "cut.gguf")
+
+
+def test_read_gguf_parses_a_file_once_until_it_changes(gguf_parts, tmp_path):
+    """A file's parsed reader is shared (the gguf package parses every field on open: seconds for a real
+    vocabulary), never past a change to the file, and only the last two files' readers are kept."""
+    tensors, hf_cfg = gguf_parts
+    path = _write_gguf(tmp_path / "a.gguf", tensors, hf_cfg)
+    first = read_gguf(path)
+    assert read_gguf(path) is first and read_gguf(tmp_path / "." / "a.gguf") is first  # one file, two spellings
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # touched: parsed afresh
+    touched = read_gguf(path)
+    assert touched is not first
+    _write_gguf(path, tensors, {**hf_cfg, "rope_theta": 1234.0})  # rewritten in place: the new metadata
+    assert read_gguf(path) is not touched
+    assert read_gguf(path).fields["llama.rope.freq_base"].contents() == 1234.0
+    rewritten = read_gguf(path)
+    for other in ("b.gguf", "c.gguf"):  # two more files push the first out
+        assert read_gguf(_write_gguf(tmp_path / other, tensors, hf_cfg)) is not rewritten
+    assert read_gguf(path) is not rewritten
 
 
 # --- (c) files that are cut short or are not GGUF: a ValueError naming the file and what is wrong ----------------
