@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -271,32 +270,14 @@ def test_int8_activation_quantization_keeps_gemma_close():
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """SmolLM2's tokenizer files (the engine wants a tokenizer; prompts here are token ids below 128)."""
-    from jaxinfer.loading import default_model_path
-    from jaxinfer.tokenizer import Tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    Tokenizer.from_gguf(default_model_path()).save_pretrained(folder)
-    return folder
-
-
-def _with_tokenizer(folder: Path, tokenizer_dir: Path, dst: Path) -> Path:
-    shutil.copytree(folder, dst / folder.name)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, dst / folder.name / f.name)
-    return dst / folder.name
-
-
-def test_engine_greedy_with_chunked_prefill_matches_transformers(family, tokenizer_dir, tmp_path):
+def test_engine_greedy_with_chunked_prefill_matches_transformers(family, with_tokenizer, tmp_path):
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
     folder, _, _ = family
     golden = _golden(folder)
     # 16-token steps: the 40-token prompt is prefilled in 3 chunks over paged KV, beside a second request's decode
-    llm = LLM(_with_tokenizer(folder, tokenizer_dir, tmp_path), dtype="float32", warmup=False, max_num_seqs=4,
+    llm = LLM(with_tokenizer(folder), dtype="float32", warmup=False, max_num_seqs=4,
               max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20)
     params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_token_ids"]), ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": golden["token_ids"]}, {"prompt_token_ids": golden["token_ids"][:5]}],
@@ -304,11 +285,11 @@ def test_engine_greedy_with_chunked_prefill_matches_transformers(family, tokeniz
     assert outs[0].outputs[0].token_ids == golden["greedy_token_ids"]
 
 
-def test_orbax_checkpoint_keeps_the_family(family, tokenizer_dir, tmp_path):
+def test_orbax_checkpoint_keeps_the_family(family, with_tokenizer, tmp_path):
     from jaxinfer.loading import convert, load_model
 
     folder, cfg, weights = family
-    ckpt = convert(_with_tokenizer(folder, tokenizer_dir, tmp_path), tmp_path / "ckpt")
+    ckpt = convert(with_tokenizer(folder), tmp_path / "ckpt")
     got_cfg, got_weights, _ = load_model(ckpt, np.float32)
     assert dataclasses.replace(got_cfg, name="") == dataclasses.replace(cfg, name="")
     if cfg.qk_norm:

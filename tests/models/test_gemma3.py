@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -189,27 +188,13 @@ def test_pallas_kernels_match_transformers(model):
     np.testing.assert_allclose(kernels.compute_logits([ScheduledChunk(ids[25:], 25, [3, 1, 2])]), want[25:], **TOL)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """SmolLM2's tokenizer files (the engine wants a tokenizer; prompts here are token ids below 128)."""
-    from jaxinfer.loading import default_model_path
-    from jaxinfer.tokenizer import Tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    Tokenizer.from_gguf(default_model_path()).save_pretrained(folder)
-    return folder
-
-
-def test_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformers(tokenizer_dir, tmp_path):
+def test_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformers(with_tokenizer, tmp_path):
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
     golden = json.loads((GEMMA3 / "golden.json").read_text())
     prompt, want = golden["token_ids"], golden["greedy_token_ids"]
-    folder = tmp_path / GEMMA3.name
-    shutil.copytree(GEMMA3, folder)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
+    folder = with_tokenizer(GEMMA3)
     # 16-token steps over 16-token pages: the 40-token prompt in 3 chunks beside a second request's decode, then
     # 32 decode steps to position 71, where a local layer's 20-key window covers parts of two pages of five
     llm = LLM(folder, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=16,

@@ -32,9 +32,7 @@ from models import moe
 from models.config import ModelConfig
 from models.llama import LayerWeights, Weights, check_weights
 from sharding.mesh import make_mesh
-from tests.models.test_families import _with_tokenizer, tokenizer_dir
 
-__all__ = ["tokenizer_dir"]  # a fixture, used by name
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MIXTRAL, QWEN2_MOE, QWEN3_MOE = DATA / "tiny_mixtral", DATA / "tiny_qwen2_moe", DATA / "tiny_qwen3_moe"
@@ -346,13 +344,13 @@ def test_hf_moe_config_attention_keys():
 # --- Qwen3-MoE through the engine -------------------------------------------------------------------------------
 
 
-def test_qwen3_moe_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformers(tokenizer_dir, tmp_path):
+def test_qwen3_moe_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformers(with_tokenizer, tmp_path):
     from jaxinfer.llm import LLM
 
     golden = _golden(QWEN3_MOE)
     prompt, want = golden["token_ids"], golden["greedy_token_ids"]
     # 16-token steps over 16-token pages: the 40-token prompt is prefilled in 3 chunks, then 32 decode steps
-    llm = LLM(_with_tokenizer(QWEN3_MOE, tokenizer_dir, tmp_path), dtype="float32",
+    llm = LLM(with_tokenizer(QWEN3_MOE), dtype="float32",
               warmup=False, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20)
     greedy = SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": prompt}], [greedy], use_tqdm=False)[0]

@@ -127,25 +127,11 @@ def test_the_attention_factor_and_the_long_factors_each_matter(phi3):
         assert np.abs(_prefill(other, weights, GOLDEN["token_ids"]) - want).max() > 1e-2, change
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """SmolLM2's tokenizer files (the engine wants a tokenizer; prompts here are token ids below 128)."""
-    from jaxinfer.loading import default_model_path
-    from jaxinfer.tokenizer import Tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    Tokenizer.from_gguf(default_model_path()).save_pretrained(folder)
-    return folder
-
-
-def test_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformers(tokenizer_dir, tmp_path):
+def test_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformers(with_tokenizer, tmp_path):
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
-    folder = tmp_path / "tiny_phi3"
-    shutil.copytree(PHI3, folder)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
+    folder = with_tokenizer(PHI3)
     # 16-token steps: the 40-token prompt is prefilled in 3 chunks over paged KV, beside a second request's decode
     llm = LLM(folder, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
               kv_cache_memory_bytes=8 << 20)
