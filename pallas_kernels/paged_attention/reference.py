@@ -262,15 +262,19 @@ def paged_attention_reference(
         b, tq_all = q_sub.shape[0], q_sub.shape[2]
 
         def gather(pages: jax.Array, block: jax.Array) -> jax.Array:
-            """KV block `block` of every sequence: [b, K, block_kv, H] (or scales [b, K, block_kv])."""
-            ids = jax.lax.dynamic_slice_in_dim(table, block * pages_per_block, pages_per_block, axis=1)
+            """KV block `block[i]` of each sequence i: [b, K, block_kv, H] (or scales [b, K, block_kv])."""
+            cols = block[:, None] * pages_per_block + jnp.arange(pages_per_block)[None, :]  # [b, pages_per_block]
+            cols = jnp.minimum(cols, width - 1)  # an inactive sequence's block may sit at the table's end
+            ids = jnp.take_along_axis(table, cols, axis=1)
             ctx = pages[ids] if layer is None else pages[layer, ids]  # [b, pages_per_block, K, page_size, ...]
             ctx = jnp.moveaxis(ctx, 2, 1)  # [b, K, pages_per_block, page_size, ...]
             return ctx.reshape(b, num_kv_heads, block_kv, *ctx.shape[4:])
 
-        def attend_block(q_blk: jax.Array, q_pos: jax.Array, block: jax.Array, carry: tuple) -> tuple:
+        def attend_block(q_blk: jax.Array, q_pos: jax.Array, block: jax.Array, active: jax.Array,
+                         carry: tuple) -> tuple:
             """Online-softmax update (`pallas_kernels.online_softmax`) of one query tile [b, K, tq, G, H] with
-            KV block `block`; carry (m, l, acc) is f32 [b, K, tq, G, 1], [..., 1], [..., H]."""
+            each sequence's KV block `block` (i32[b]; sequences where `active` is false take no part);
+            carry (m, l, acc) is f32 [b, K, tq, G, 1], [..., 1], [..., H]."""
             m_prev, l_prev, acc_prev = carry
             k_ctx, v_ctx = gather(k_pages, block), gather(v_pages, block)
             if k_scale is not None:  # int8 / fp8 values take part in the dots in q's dtype (exactly: <= 8 bits)
@@ -279,8 +283,9 @@ def paged_attention_reference(
             if k_scale is not None:
                 s = s * gather(k_scale, block)[:, :, None, None, :]  # q . (k_int * k_scale)
             s = soft_cap_scores(s * sm_scale, soft_cap)
-            kv_pos = block * block_kv + jnp.arange(block_kv)
-            mask = visible(q_pos[:, :, None], kv_pos[None, None, :], lens[:, None, None], sliding_window)
+            kv_pos = block[:, None] * block_kv + jnp.arange(block_kv)[None, :]  # [b, S]
+            mask = visible(q_pos[:, :, None], kv_pos[:, None, :], lens[:, None, None], sliding_window)
+            mask &= active[:, None, None]
             s = jnp.where(mask[:, None, :, None, :], s, DEFAULT_MASK_VALUE)  # [b, K, tq, G, S]
             m = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
             p = jnp.exp(s - m)
@@ -292,7 +297,10 @@ def paged_attention_reference(
             return m, l, alpha * acc_prev + pv
 
         outs = []
-        for first_t in range(0, tq_all, tile_rows):  # query tiles; each visits only the KV blocks it can see
+        # Query tiles; in each, sequence i visits only its own KV blocks [lo_i, hi_i) (its causal end, the start of
+        # its window): step j reads block lo_i + j of every sequence, so a sequence whose window starts late never
+        # reads the pages before it, whatever the other sequences' contexts (a local layer reads only its window).
+        for first_t in range(0, tq_all, tile_rows):
             tq = min(tile_rows, tq_all - first_t)
             q_pos = start[:, None] + first_t + jnp.arange(tq)[None, :]  # [b, tq]
             lo, hi, _ = jax.vmap(functools.partial(kv_block_range, first_t=first_t, block_q=tq, block_kv=block_kv,
@@ -301,13 +309,14 @@ def paged_attention_reference(
             rows = (b, num_kv_heads, tq, group)
             carry = (jnp.full((*rows, 1), DEFAULT_MASK_VALUE, jnp.float32), jnp.zeros((*rows, 1), jnp.float32),
                      jnp.zeros((*rows, head_dim), jnp.float32))
-            has_rows = hi > lo  # sequences with a real query in this tile
-            first_block = jnp.min(jnp.where(has_rows, lo, width // pages_per_block))
-            last_block = jnp.max(jnp.where(has_rows, hi, 0))
-            q_blk = q_sub[:, :, first_t : first_t + tq]
-            m, l, acc = jax.lax.fori_loop(first_block, last_block,
-                                          lambda j, c, q_blk=q_blk, q_pos=q_pos: attend_block(q_blk, q_pos, j, c),
-                                          carry)
+            steps = hi - lo  # 0 for sequences without a real query in this tile
+
+            def step(j: jax.Array, c: tuple, q_blk=q_sub[:, :, first_t : first_t + tq], q_pos=q_pos, lo=lo,
+                     steps=steps) -> tuple:
+                active = j < steps
+                return attend_block(q_blk, q_pos, jnp.where(active, lo + j, lo), active, c)
+
+            m, l, acc = jax.lax.fori_loop(0, jnp.max(steps), step, carry)
             outs.append(acc / jnp.where(l > 0, l, 1.0))
         return jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
 

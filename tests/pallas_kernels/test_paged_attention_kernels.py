@@ -275,3 +275,30 @@ def test_validate_inputs_catches_what_the_device_cannot():
         validate_inputs([1, 5], [0, 5], table, max_q_len=8, **ok)
     with pytest.raises(ValueError, match="page ids"):
         validate_inputs([1, 5], [20, 5], np.array([[3, 7], [2, 0]]), max_q_len=8, **ok)
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS) + ["reference"])
+def test_a_local_layers_decode_reads_only_the_windows_pages(backend):
+    """A sliding-window decode at a context far longer than the window reads only the pages the window touches
+    (issue 21): every page wholly before the window is overwritten with NaN, which any read would carry into the
+    output (masked scores give probability 0, and 0 * NaN is NaN), yet the output equals the clean run. Context 400
+    over 16-token pages (25 pages), window 20: 23 of the decode sequence's 25 pages hold NaN (and 2 of a 4-token chunk's); blocks are one page."""
+    case = Case(seqs=((1, 399), (4, 60)), group=2, sliding_window=20)
+    args, kw, num_tokens = build(case, seed=7)
+    q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer = args
+    fn = (functools.partial(paged_attention_reference, block_kv_tokens=16) if backend == "reference" else
+          functools.partial(KERNELS[backend], block_sizes=BlockSizes(1 if backend == "tpu" else 8, 16),
+                            interpret=True))
+    expected = np.asarray(fn(*args, **kw))
+    poisoned = []
+    for b, (q_len, cached) in enumerate(case.seqs):
+        first_visible = cached - case.sliding_window + 1  # the window of the sequence's first query (at cached)
+        poisoned += [int(page_table[b, p]) for p in range(max(first_visible, 0) // case.page_size)]
+    assert len(poisoned) == 23 + 2  # sequence 0: pages 0-22 (keys 0-367 < 380); sequence 1 (first query 60): 0-1
+    k_nan = np.asarray(k_pages).copy()
+    v_nan = np.asarray(v_pages).copy()
+    k_nan[poisoned] = np.nan
+    v_nan[poisoned] = np.nan
+    out = np.asarray(fn(q, jnp.asarray(k_nan), jnp.asarray(v_nan), kv_lens, page_table, cu_q_lens, layer, **kw))
+    assert np.isfinite(out[:num_tokens]).all()
+    np.testing.assert_allclose(out, expected, **TOLERANCE["float32"])
