@@ -19,7 +19,7 @@ TEST_COMPILATION_CACHE_MAX_BYTES = 4 << 30  # jax evicts least recently used ent
 
 def pytest_configure(config):
     """Turns on JAX's persistent compilation cache in this process, before any test compiles: every jitted
-    function of every test (not only engines, which `jaxinfer.engine.startup.enable_compilation_cache` covers) is
+    function of every test (not only engines, which `jaxinfer.engine.compilation_cache.enable_compilation_cache` covers) is
     looked up there, so a rerun on the same machine compiles only what changed. The path goes into the
     environment too (`JAXINFER_COMPILATION_CACHE`, which `enable_compilation_cache` reads), so the child processes
     that tests start (CLI runs, servers, the 8-device and multi-host checks, which run this conftest again when
@@ -29,7 +29,7 @@ def pytest_configure(config):
         return
     import jax
 
-    from jaxinfer.engine.startup import enable_compilation_cache
+    from jaxinfer.engine.compilation_cache import enable_compilation_cache
 
     enable_compilation_cache()
     if jax.config.jax_compilation_cache_max_size < 0:

@@ -26,7 +26,7 @@ from jaxinfer.cli_parser import Parser
 
 logger = logging.getLogger(__name__)
 
-CACHE_VARIABLE = "JAXINFER_COMPILATION_CACHE"  # read by jaxinfer.engine.startup.enable_compilation_cache
+CACHE_VARIABLE = "JAXINFER_COMPILATION_CACHE"  # read by jaxinfer.engine.compilation_cache (not imported here: it imports jax)
 
 
 def add_parser(subparsers) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import psutil
 
 from jaxinfer.engine import multihost
 from jaxinfer.engine.auto_dtype import resolve_dtype
+from jaxinfer.engine.compilation_cache import enable_compilation_cache
 from jaxinfer.engine.config import (DEFAULT_KV_CACHE_DEVICE_FRACTION, DEFAULT_KV_CACHE_HOST_FRACTION,
                                     DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig)
 from jaxinfer.engine.runner import ModelRunner
@@ -42,16 +42,6 @@ from pallas_kernels.dispatch import select_attention
 from sharding.mesh import make_mesh
 
 logger = logging.getLogger(__name__)
-
-
-def enable_compilation_cache() -> None:
-    """Turns on JAX's persistent compilation cache (unless the user set one): restarts skip XLA compiles."""
-    if jax.config.jax_compilation_cache_dir:
-        return
-    path = os.environ.get("JAXINFER_COMPILATION_CACHE", str(Path.home() / ".cache" / "jaxinfer" / "xla"))
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 @dataclasses.dataclass(frozen=True)
