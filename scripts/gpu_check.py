@@ -25,6 +25,7 @@ outer timeout still leaves everything measured so far.
    fuse the converts into the dots: none), and its prefill logits' largest difference from bf16's.
 
     python scripts/gpu_check.py [--quick] [--out FILE] [--budget-s 235] [--sections tests,kernels,timing,engine,quant]
+                                [--section-budget tests=120 ...]
     python scripts/gpu_check.py --dry-run    # everything on CPU at tiny sizes, the GPU kernels in interpret mode
 """
 
@@ -880,12 +881,21 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="= --platform cpu --tiny --interpret")
     ap.add_argument("--sections", default="tests,kernels,timing,engine,quant")
     ap.add_argument("--budget-s", type=float, default=235.0, help="whole run; sections also have their own")
+    ap.add_argument("--section-budget", action="append", default=[], metavar="NAME=S",
+                    help="override one section's budget in seconds (repeatable), e.g. tests=120")
     ap.add_argument("--peak-hbm-gbs", type=float, default=None, help="HBM peak GB/s (default: by device kind)")
     args = ap.parse_args()
     if args.dry_run:
         args.platform, args.tiny, args.interpret = args.platform or "cpu", True, True
     sizes = TINY if args.tiny else QUICK if args.quick else GPU
     sections = [s for s in args.sections.split(",") if s]
+    overrides = {}
+    for item in args.section_budget:
+        name, _, seconds = item.partition("=")
+        if name not in sizes.budgets_s or not seconds.replace(".", "", 1).isdigit():
+            ap.error(f"--section-budget {item!r}: want NAME=SECONDS with NAME one of {', '.join(sizes.budgets_s)}")
+        overrides[name] = float(seconds)
+    sizes = dataclasses.replace(sizes, budgets_s={**sizes.budgets_s, **overrides})
     if args.platform:
         os.environ["JAX_PLATFORMS"] = args.platform
     if args.out is not None:
