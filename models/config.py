@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.config_readers import RopeScaling, RopeType, config_from_gguf_metadata, config_from_hf
-from models.families import GGUF_ARCHITECTURES, MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Activation
+from models.families import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Activation
+from models.gguf_families import GGUF_ARCHITECTURES
 
 __all__ = ["Activation", "GGUF_ARCHITECTURES", "MOE_ARCHITECTURES", "ModelConfig", "RopeScaling", "RopeType",
            "SUPPORTED_ARCHITECTURES", "options_from_value"]

@@ -11,8 +11,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from models.families import (GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, gguf_family, hf_attention_bias,
-                             hf_family_fields, hf_head_dim, hf_rope_parameters)
+from models.families import (SUPPORTED_ARCHITECTURES, hf_attention_bias, hf_family_fields, hf_head_dim,
+                             hf_rope_parameters)
+from models.gguf_families import GGUF_ARCHITECTURES, GGUF_METADATA_TENSORS, gguf_family, gguf_head_dim
 
 
 class RopeType(enum.Enum):
@@ -59,12 +60,13 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], name: str = "") -> dict[s
     """The `ModelConfig` fields of GGUF key/values (llama.cpp `gguf` spec, keys `<arch>.block_count` etc.).
 
     Args:
-      meta: GGUF metadata key -> Python value (strings, ints, floats, lists).
+      meta: GGUF metadata key -> Python value (strings, ints, floats, lists), with the values of the
+        `models.gguf_families.GGUF_METADATA_TENSORS` the file holds (as the GGUF readers add them).
       name: fallback model name when `general.name` is absent.
 
     Raises:
-      ValueError: unknown `general.architecture`, a missing required key, or unsupported MoE keys (named in the
-        message; see `models.families.gguf_family`).
+      ValueError: unknown `general.architecture`, a missing required key, bad rope keys (`gguf_rope_scaling`) or
+        family keys (named in the message; see `models.gguf_families.gguf_family`).
     """
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -79,47 +81,54 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], name: str = "") -> dict[s
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads)))
+    context = int(need("context_length"))
     vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         vocab = len(tokens)
-    scaling = gguf_rope_scaling(meta, arch, int(need("context_length")))
-    return dict(
+    window = meta.get(f"{arch}.attention.sliding_window")
+    fields = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
         num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
+        head_dim=gguf_head_dim(meta, arch, hidden, heads),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
+        rope_scaling=gguf_rope_scaling(meta, arch, context),
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(need("context_length")),
+        max_position_embeddings=context,
         tie_word_embeddings=False,  # decided by the loader from the presence of output.weight
         attention_bias=arch == "qwen2",
-        sliding_window=int(meta[f"{arch}.attention.sliding_window"]) if meta.get(
-            f"{arch}.attention.sliding_window") else None,
+        # absent, 0 (Phi-3's converter: none) or as wide as the context: full attention, as `config_from_hf`
+        sliding_window=int(window) if window and int(window) < context else None,
         name=str(meta.get("general.name", name)),
-        **gguf_family(meta, arch, hidden),  # architecture, MoE and per-family fields
     )
+    fields.update(gguf_family(meta, arch, fields))  # architecture, MoE and per-family fields
+    return fields
 
 
 def gguf_rope_scaling(meta: Mapping[str, Any], arch: str, context_length: int) -> RopeScaling | None:
     """The `RopeScaling` of GGUF `<arch>.rope.scaling.*` keys (llama.cpp's): `linear`, or `yarn` with
     `original_context_length` (default: the context) and `yarn_beta_fast` / `yarn_beta_slow`, read as the HF
-    `rope_scaling` that `convert_hf_to_gguf.py` wrote them from.
+    `rope_scaling` that `convert_hf_to_gguf.py` wrote them from; or LongRoPE (`gguf_longrope`) when the file holds
+    `rope_factors_long` / `rope_factors_short`.
 
     Raises:
       ValueError: another scaling type, or a YaRN key we do not read (`attn_factor`, `yarn_log_multiplier`,
-        `yarn_ext_factor`, `yarn_attn_factor` other than their neutral values), naming it; KeyError for a missing
-        `factor`.
+        `yarn_ext_factor`, `yarn_attn_factor` other than their neutral values), naming it, or bad LongRoPE
+        factors (`gguf_longrope`); KeyError for a missing `factor`.
     """
     prefix = f"{arch}.rope.scaling."
     scaling_type = meta.get(prefix + "type")
+    if any(name in meta for name in GGUF_METADATA_TENSORS):
+        if scaling_type not in (None, "none"):
+            raise ValueError(f"GGUF {prefix}type={scaling_type!r} with rope_factors tensors: only LongRoPE "
+                             "(no scaling type) reads them")
+        return gguf_longrope(meta, arch, context_length)
     if scaling_type in (None, "none"):
         return None
     if scaling_type == "linear":
@@ -135,6 +144,35 @@ def gguf_rope_scaling(meta: Mapping[str, Any], arch: str, context_length: int) -
     rope = {"rope_type": "yarn", "factor": float(meta[prefix + "factor"]),
             "original_max_position_embeddings": int(meta.get(prefix + "original_context_length", context_length)),
             "beta_fast": meta.get(prefix + "yarn_beta_fast"), "beta_slow": meta.get(prefix + "yarn_beta_slow")}
+    return rope_scaling_from_hf(rope, {"max_position_embeddings": context_length})
+
+
+def gguf_longrope(meta: Mapping[str, Any], arch: str, context_length: int) -> RopeScaling:
+    """Phi-3's LongRoPE in a GGUF file, as llama.cpp's converter writes it: the per-pair factors as the tensors
+    `rope_factors_long.weight` / `rope_factors_short.weight` (their values in `meta`, see
+    `models.gguf_families.GGUF_METADATA_TENSORS`), `<arch>.rope.scaling.original_context_length` (default: the
+    context), and the attention factor `<arch>.rope.scaling.attn_factor` (absent: HF's default from the factor
+    context / original). Read as the HF `rope_scaling` it came from (`rope_scaling_from_hf`).
+
+    Raises:
+      ValueError: one of the two tensors missing, or factors not one per rotated pair
+        (`<arch>.rope.dimension_count` / 2), naming them.
+    """
+    long, short = (meta.get(name) for name in GGUF_METADATA_TENSORS)
+    for name, values in zip(GGUF_METADATA_TENSORS, (long, short)):
+        if values is None:
+            raise ValueError(f"GGUF tensor {name!r} is missing: LongRoPE needs both "
+                             f"{' and '.join(GGUF_METADATA_TENSORS)}")
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    want = len(long) if rotary is None else int(rotary) // 2
+    if not len(long) == len(short) == want:
+        raise ValueError(f"GGUF tensors {GGUF_METADATA_TENSORS[0]!r} ({len(long)} values) and "
+                         f"{GGUF_METADATA_TENSORS[1]!r} ({len(short)}) need one value per rotated pair, "
+                         f"{arch}.rope.dimension_count / 2 = {want} each")
+    prefix = f"{arch}.rope.scaling."
+    rope = {"rope_type": "longrope", "long_factor": list(long), "short_factor": list(short),
+            "original_max_position_embeddings": int(meta.get(prefix + "original_context_length", context_length)),
+            "attention_factor": meta.get(prefix + "attn_factor")}
     return rope_scaling_from_hf(rope, {"max_position_embeddings": context_length})
 
 

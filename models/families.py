@@ -13,8 +13,7 @@ Gemma 2's layer without soft caps, with Gemma-style q / k norms, five local laye
 (Abdin et al. 2024: fused qkv / gate_up projections split at load, LongRoPE, optionally partial rotary, a
 sliding window whenever `sliding_window` is set).
 
-GGUF files (llama.cpp's `convert_hf_to_gguf.py` layout) name a family by `general.architecture`; `gguf_family`
-maps it, and the MoE keys, to ours.
+GGUF files name a family by `general.architecture`; `models.gguf_families` maps it and its metadata to ours.
 """
 
 from __future__ import annotations
@@ -37,11 +36,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3_text")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")  # sparse MoE MLP in every layer (`models.moe`)
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")  # RMSNorm over each q / k head before RoPE
-# `general.architecture` values `jaxinfer.loading.gguf` reads -> our architecture (a `llama` file with experts is
-# Mixtral, see `gguf_family`).
-_GGUF_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-                  "qwen3moe": "qwen3_moe"}
-GGUF_ARCHITECTURES = tuple(_GGUF_FAMILIES)
 
 # HF activation names -> ours. transformers' GemmaConfig reads the legacy "gelu" of the official Gemma releases as
 # the tanh approximation (its `__post_init__`), so only Gemma maps it; elsewhere "gelu" is the exact erf GELU.
@@ -248,49 +242,6 @@ def hf_moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
                     moe_intermediate_size=need("moe_intermediate_size"), shared_expert_intermediate_size=shared,
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
     return {}
-
-
-def gguf_family(meta: Mapping[str, Any], arch: str, hidden: int) -> dict[str, Any]:
-    """Our `architecture` and the family's `ModelConfig` fields from GGUF metadata of `general.architecture` arch
-    (llama.cpp's keys and its `convert_hf_to_gguf.py` conventions).
-
-    - `llama` with `llama.expert_count` > 0 is Mixtral: `expert_used_count` experts per token, renormalized (as
-      llama.cpp's llama graph does), of width `expert_feed_forward_length` (else `feed_forward_length`).
-    - `qwen3moe` is Qwen3-MoE: the same keys. llama.cpp's graph renormalizes its top-k weights too, whatever the
-      HF checkpoint's `norm_topk_prob` was (the converter drops it), so we do as llama.cpp does.
-    - `qwen3`, `qwen3moe`: q/k norms. `gemma`: GeGLU, norm gains 1 + w (the file stores the sum, which the loader
-      turns back into w), embeddings times sqrt(hidden); its head is tied (no `output.weight`).
-
-    Raises:
-      ValueError: experts on an architecture we read as dense, a missing expert key, or shared experts, a gating
-        function other than softmax or a weight scale other than 1, each naming the key.
-    """
-    family = "mixtral" if arch == "llama" and meta.get("llama.expert_count") else _GGUF_FAMILIES[arch]
-    fields: dict[str, Any] = dict(architecture=family)
-    if family in QK_NORM_ARCHITECTURES:
-        fields["qk_norm"] = True
-    if family == "gemma":
-        fields.update(mlp_activation=Activation.GELU_TANH, norm_weight_offset=1.0, embed_scale=float(hidden) ** 0.5)
-    experts = meta.get(f"{arch}.expert_count")
-    if family not in MOE_ARCHITECTURES:
-        if experts:
-            raise ValueError(f"GGUF {arch}.expert_count={experts}: experts are read only for llama (Mixtral) and "
-                             "qwen3moe files")
-        return fields
-    for key in ("expert_count", "expert_used_count"):
-        if not meta.get(f"{arch}.{key}"):
-            raise ValueError(f"GGUF metadata of a {family} file needs {arch}.{key} >= 1")
-    unsupported = {f"{arch}.expert_shared_count": lambda v: not v,  # shared experts (Qwen2-MoE's) are not read
-                   f"{arch}.expert_gating_func": lambda v: v == 1,  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_SOFTMAX
-                   f"{arch}.expert_weights_scale": lambda v: v == 1}
-    for key, fine in unsupported.items():
-        if key in meta and not fine(meta[key]):
-            raise ValueError(f"GGUF {key}={meta[key]!r} is not supported (softmax top-k routing without shared "
-                             "experts or a weight scale only)")
-    width = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
-    fields.update(num_experts=int(experts), num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
-                  moe_intermediate_size=int(width), norm_topk_prob=True)
-    return fields
 
 
 def hf_partial_rotary_factor(hf: Mapping[str, Any]) -> float:

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxinfer.loading.tensor_names import TensorName, assemble
 from models.config import ModelConfig
+from models.gguf_families import GGUF_METADATA_TENSORS
 from models.llama import Weights
 
 _PERMUTED_GGUF_ARCHITECTURES = ("llama", "mistral")
@@ -95,12 +96,14 @@ def read_gguf_header(path: str | os.PathLike) -> dict:
     """The metadata key/values of a GGUF file read from its header alone (milliseconds; the `gguf` package's
     reader parses every tokenizer array first), after checking that the file holds all the tensor data its
     header lists. Arrays of more than _GGUF_LONG_ARRAY entries are left out, and `tokenizer.ggml.tokens.count`
-    is set, as in `gguf_metadata`.
+    is set, as in `gguf_metadata`; the values of the tensors named in `GGUF_METADATA_TENSORS` (Phi-3's LongRoPE
+    factors, a few floats) are read from the data section and added under their names, as in `gguf_metadata`.
 
     Raises:
       ValueError: naming the file: empty, not a GGUF file (no magic bytes), a GGUF version other than 2 or 3,
         truncated (it ends inside its header or before the end of its last tensor's data: an interrupted download
-        or copy), a header that does not parse, or one that lists no tensors (a vocabulary-only file).
+        or copy), a header that does not parse, one that lists no tensors (a vocabulary-only file), or a
+        `GGUF_METADATA_TENSORS` tensor that is neither F32 nor F16.
     """
     name = repr(os.fspath(path))
     truncated = f"{name} is truncated: it ends inside its GGUF header, at {{}} bytes (an interrupted download or copy?)"
@@ -118,7 +121,7 @@ def read_gguf_header(path: str | os.PathLike) -> dict:
             if version not in _GGUF_VERSIONS:
                 raise ValueError(f"{name} is GGUF version {version}; versions {' and '.join(map(str, _GGUF_VERSIONS))} "
                                  "are supported")
-            meta, header_end, data_end, last = _scan_header(r)
+            meta, header_end, data_end, last, config_tensors = _scan_header(r)
         except _EndOfFile:
             raise ValueError(truncated.format(size)) from None
         except _BadHeader as e:
@@ -132,12 +135,35 @@ def read_gguf_header(path: str | os.PathLike) -> dict:
     if need > size:
         raise ValueError(f"{name} is truncated: {size} bytes, but its last tensor ({last!r}) ends at byte {need} "
                          "(an interrupted download or copy?)")
+    meta.update(_read_config_tensors(path, r.order, need - data_end, config_tensors))
     return meta
 
 
-def _scan_header(r: _HeaderReader) -> tuple[dict, int, int, str | None]:
+def _read_config_tensors(path: str | os.PathLike, order: str, start: int,
+                         found: dict[str, tuple[list[int], int, int]]) -> dict[str, list[float]]:
+    """The values (flattened, as floats) of the tensors `found` lists (name -> dims, GGML type, offset past the
+    data section's start at byte `start`), in byte order `order`.
+
+    Raises:
+      ValueError: a tensor neither F32 nor F16 (how llama.cpp's converters write these), naming it.
+    """
+    values = {}
+    with open(path, "rb") as f:
+        for tensor, (dims, ggml_type, offset) in found.items():
+            if ggml_type not in (0, 1):  # GGML_TYPE_F32, GGML_TYPE_F16
+                raise ValueError(f"{os.fspath(path)!r}: GGUF tensor {tensor!r} has GGML type {ggml_type}; it is read "
+                                 "as config only in F32 or F16")
+            dtype = np.dtype(order + ("f4" if ggml_type == 0 else "f2"))
+            count = int(np.prod(dims, dtype=np.int64))
+            f.seek(start + offset)
+            values[tensor] = np.frombuffer(f.read(count * dtype.itemsize), dtype).astype(np.float32).tolist()
+    return values
+
+
+def _scan_header(r: _HeaderReader) -> tuple[dict, int, int, str | None, dict]:
     """(metadata, where the header ends, where the last tensor's data ends past the data section's start, that
-    tensor's name, None when the header lists no tensors) of the header after the version.
+    tensor's name, None when the header lists no tensors, and name -> (dims, GGML type, offset) of the tensors
+    named in `GGUF_METADATA_TENSORS`) of the header after the version.
 
     Raises:
       _EndOfFile: the file ends inside the header.
@@ -156,14 +182,17 @@ def _scan_header(r: _HeaderReader) -> tuple[dict, int, int, str | None]:
             if got is None or key in _GGUF_TOKENIZER_ARRAYS:
                 continue
         meta[key] = got
-    data_end, last = 0, None
+    data_end, last, config_tensors = 0, None, {}
     for _ in range(num_tensors):
         tensor = r.string().decode("utf-8", "replace")
         dims = [r.unpack("Q") for _ in range(r.unpack("I"))]
-        end = _tensor_end(tensor, dims, r.unpack("I"), r.unpack("Q"))
+        ggml_type, offset = r.unpack("I"), r.unpack("Q")
+        end = _tensor_end(tensor, dims, ggml_type, offset)
+        if tensor in GGUF_METADATA_TENSORS:
+            config_tensors[tensor] = (dims, ggml_type, offset)
         if last is None or end > data_end:
             data_end, last = end, tensor
-    return meta, r.f.tell(), data_end, last
+    return meta, r.f.tell(), data_end, last, config_tensors
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -208,7 +237,11 @@ def read_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":  # noqa: F821
 
 
 def gguf_metadata(reader: "gguf.GGUFReader") -> dict:  # noqa: F821
-    """GGUF key/values as Python values, skipping the large tokenizer arrays."""
+    """GGUF key/values as Python values, skipping the large tokenizer arrays, plus the values (flattened floats)
+    of the tensors named in `GGUF_METADATA_TENSORS` (Phi-3's LongRoPE factors: config kept as tensors) under
+    their names."""
+    from gguf.quants import dequantize
+
     meta = {}
     for key, field in reader.fields.items():
         if key in _GGUF_TOKENIZER_ARRAYS:
@@ -216,6 +249,9 @@ def gguf_metadata(reader: "gguf.GGUFReader") -> dict:  # noqa: F821
         meta[key] = field.contents()
     if "tokenizer.ggml.tokens" in reader.fields:
         meta["tokenizer.ggml.tokens.count"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    for t in reader.tensors:
+        if t.name in GGUF_METADATA_TENSORS:
+            meta[t.name] = np.asarray(dequantize(t.data, t.tensor_type), np.float32).ravel().tolist()
     return meta
 
 
@@ -224,10 +260,11 @@ def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -
 
     Q/K rows of llama/mistral files (Mixtral's too: a `llama` file with experts) are un-permuted back to the
     half-split rotary layout that `models.llama` uses (GGUF converters interleave them for llama.cpp; qwen2, qwen3,
-    qwen3moe and gemma files keep HF's order). Norm gains of a family whose norms scale by offset + w (Gemma) are
-    stored as the sum by llama.cpp's converter, which its plain RMSNorm multiplies by; the offset is subtracted
-    back, so the config and weights equal the HF folder's. A per-expert field is one [E, out, in] tensor per layer
-    (`ffn_gate_exps` etc., `jaxinfer.loading.tensor_names`).
+    qwen3moe, gemma, gemma2, gemma3 and phi3 files keep HF's order). Norm gains of a family whose norms scale by
+    offset + w (Gemma 1 / 2 / 3, q/k norms included) are stored as the sum by llama.cpp's converter, which its
+    plain RMSNorm multiplies by; the offset is subtracted back, so the config and weights equal the HF folder's. A
+    per-expert field is one [E, out, in] tensor per layer (`ffn_gate_exps` etc.); Phi-3's fused `attn_qkv` and
+    `ffn_up` (gate rows, then up) are split as the HF loader splits them (`jaxinfer.loading.tensor_names`).
 
     Raises:
       ValueError: unsupported architecture or quantization type, a missing tensor, or a shape mismatch; the

@@ -122,7 +122,7 @@ MOE_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {
 }
 # Per-family renames over `LAYER_TENSORS`. Gemma 2's (and Gemma 3's) HF `post_attention_layernorm` normalizes the
 # attention output (our `post_attn_norm`), not the MLP input, which is `pre_feedforward_layernorm`; llama.cpp's names
-# as its converter writes them (GGUF Gemma 2 / 3 files are not read yet).
+# as its converter writes them for `gemma2` / `gemma3` files.
 _SANDWICH_NORMS = {
     "post_attn_norm": TensorName("blk.{i}.post_attention_norm.weight",
                                  "model.layers.{i}.post_attention_layernorm.weight", _identity),
@@ -159,22 +159,23 @@ def _gate_up_part(part: int) -> Callable[[np.ndarray, ModelConfig], np.ndarray]:
     return convert
 
 
-def _fused_names(qkv: str, gate_up: str) -> dict[str, TensorName]:
-    """HF names of an architecture whose q/k/v and gate/up projections are each one fused tensor, split at load
-    (no GGUF names: those files are not read for it)."""
+def _fused_names(qkv: str, gate_up: str, gguf_qkv: str, gguf_gate_up: str) -> dict[str, TensorName]:
+    """HF and GGUF names of an architecture whose q/k/v and gate/up projections are each one fused tensor, split
+    at load (llama.cpp's converter keeps them fused, in HF's row order, under the GGUF names)."""
     prefix = "model.layers.{i}."
     return {
-        "wq": TensorName("", prefix + qkv, _qkv_part(0)),
-        "wk": TensorName("", prefix + qkv, _qkv_part(1)),
-        "wv": TensorName("", prefix + qkv, _qkv_part(2)),
-        "w_gate": TensorName("", prefix + gate_up, _gate_up_part(0)),
-        "w_up": TensorName("", prefix + gate_up, _gate_up_part(1)),
+        "wq": TensorName(gguf_qkv, prefix + qkv, _qkv_part(0)),
+        "wk": TensorName(gguf_qkv, prefix + qkv, _qkv_part(1)),
+        "wv": TensorName(gguf_qkv, prefix + qkv, _qkv_part(2)),
+        "w_gate": TensorName(gguf_gate_up, prefix + gate_up, _gate_up_part(0)),
+        "w_up": TensorName(gguf_gate_up, prefix + gate_up, _gate_up_part(1)),
     }
 
 
 # Per architecture, the fields that replace `LAYER_TENSORS` entries with slices of a fused tensor.
 FUSED_LAYER_TENSORS: dict[str, dict[str, TensorName]] = {
-    "phi3": _fused_names("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"),
+    "phi3": _fused_names("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight", "blk.{i}.attn_qkv.weight",
+                         "blk.{i}.ffn_up.weight"),
 }
 TOP_TENSORS: dict[str, TensorName] = {
     "embed": TensorName("token_embd.weight", "model.embed_tokens.weight", _identity),
