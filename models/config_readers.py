@@ -13,7 +13,8 @@ from typing import Any
 
 from models.families import (SUPPORTED_ARCHITECTURES, hf_attention_bias, hf_family_fields, hf_head_dim,
                              hf_rope_parameters)
-from models.gguf_families import GGUF_ARCHITECTURES, GGUF_METADATA_TENSORS, gguf_family, gguf_head_dim
+from models.gguf_families import (GGUF_ARCHITECTURES, GGUF_LONGROPE_TENSORS, GGUF_ROPE_FREQS_TENSOR, gguf_family,
+                                  gguf_head_dim)
 
 
 class RopeType(enum.Enum):
@@ -115,7 +116,7 @@ def gguf_rope_scaling(meta: Mapping[str, Any], arch: str, context_length: int) -
     """The `RopeScaling` of GGUF `<arch>.rope.scaling.*` keys (llama.cpp's): `linear`, or `yarn` with
     `original_context_length` (default: the context) and `yarn_beta_fast` / `yarn_beta_slow`, read as the HF
     `rope_scaling` that `convert_hf_to_gguf.py` wrote them from; or LongRoPE (`gguf_longrope`) when the file holds
-    `rope_factors_long` / `rope_factors_short`.
+    `rope_factors_long` / `rope_factors_short`; or per-pair divisors (`gguf_rope_freqs`) when it holds `rope_freqs`.
 
     Raises:
       ValueError: another scaling type, or a YaRN key we do not read (`attn_factor`, `yarn_log_multiplier`,
@@ -124,7 +125,12 @@ def gguf_rope_scaling(meta: Mapping[str, Any], arch: str, context_length: int) -
     """
     prefix = f"{arch}.rope.scaling."
     scaling_type = meta.get(prefix + "type")
-    if any(name in meta for name in GGUF_METADATA_TENSORS):
+    if GGUF_ROPE_FREQS_TENSOR in meta:
+        if scaling_type not in (None, "none") or any(name in meta for name in GGUF_LONGROPE_TENSORS):
+            raise ValueError(f"GGUF tensor {GGUF_ROPE_FREQS_TENSOR!r} with {prefix}type={scaling_type!r} or "
+                             "rope_factors tensors: a file takes one RoPE schedule")
+        return gguf_rope_freqs(meta, arch, context_length)
+    if any(name in meta for name in GGUF_LONGROPE_TENSORS):
         if scaling_type not in (None, "none"):
             raise ValueError(f"GGUF {prefix}type={scaling_type!r} with rope_factors tensors: only LongRoPE "
                              "(no scaling type) reads them")
@@ -147,10 +153,53 @@ def gguf_rope_scaling(meta: Mapping[str, Any], arch: str, context_length: int) -
     return rope_scaling_from_hf(rope, {"max_position_embeddings": context_length})
 
 
+def _per_pair_factors(meta: Mapping[str, Any], arch: str, names: tuple[str, ...]) -> list[list[float]]:
+    """The values of the factor tensors `names` in `meta`, checked to hold one value per rotated pair: half of
+    `<arch>.rope.dimension_count`, else of the head (`attention.key_length`, else embedding_length / head_count).
+
+    Raises:
+      ValueError: a tensor missing, or lengths other than one per rotated pair, naming them.
+    """
+    values = [meta.get(name) for name in names]
+    for name, got in zip(names, values):
+        if got is None:
+            raise ValueError(f"GGUF tensor {name!r} is missing: this RoPE schedule needs {' and '.join(names)}")
+    rotary, source = meta.get(f"{arch}.rope.dimension_count"), f"{arch}.rope.dimension_count"
+    if rotary is None:
+        rotary, source = meta.get(f"{arch}.attention.key_length"), f"{arch}.attention.key_length"
+    if rotary is None and meta.get(f"{arch}.attention.head_count"):
+        rotary = int(meta.get(f"{arch}.embedding_length", 0)) // int(meta[f"{arch}.attention.head_count"])
+        source = f"{arch}.embedding_length / head_count"
+    want = len(values[0]) if not rotary else int(rotary) // 2
+    if any(len(v) != want for v in values):
+        raise ValueError(f"GGUF tensors {' and '.join(f'{n!r} ({len(v)} values)' for n, v in zip(names, values))} "
+                         f"need one value per rotated pair, {source} / 2 = {want} each")
+    return [list(v) for v in values]
+
+
+def gguf_rope_freqs(meta: Mapping[str, Any], arch: str, context_length: int) -> RopeScaling:
+    """Per-pair frequency divisors from the GGUF tensor `rope_freqs.weight`: pair i turns at
+    theta ** (-2i / R) / rope_freqs[i]. llama.cpp's converter writes Llama 3.x's `llama3` RoPE schedule (Meta's
+    `apply_scaling`: wavelengths past original / low_freq_factor divided by `factor`, a smooth ramp down to
+    original / high_freq_factor) in this form and no `rope.scaling.*` keys, so the divisors are all a file says.
+    They are read as the LongRoPE form with one set of factors for every context and attention factor 1, which
+    gives exactly those frequencies (`models.rope.rope_frequencies`).
+
+    Raises:
+      ValueError: a length other than one value per rotated pair, or a divisor that is not finite and positive.
+    """
+    (freqs,) = _per_pair_factors(meta, arch, (GGUF_ROPE_FREQS_TENSOR,))
+    if not all(math.isfinite(f) and f > 0 for f in freqs):
+        raise ValueError(f"GGUF tensor {GGUF_ROPE_FREQS_TENSOR!r} holds a divisor that is not finite and positive")
+    rope = {"rope_type": "longrope", "long_factor": freqs, "short_factor": freqs,
+            "original_max_position_embeddings": context_length, "attention_factor": 1.0}
+    return rope_scaling_from_hf(rope, {"max_position_embeddings": context_length})
+
+
 def gguf_longrope(meta: Mapping[str, Any], arch: str, context_length: int) -> RopeScaling:
     """Phi-3's LongRoPE in a GGUF file, as llama.cpp's converter writes it: the per-pair factors as the tensors
     `rope_factors_long.weight` / `rope_factors_short.weight` (their values in `meta`, see
-    `models.gguf_families.GGUF_METADATA_TENSORS`), `<arch>.rope.scaling.original_context_length` (default: the
+    `models.gguf_families.GGUF_LONGROPE_TENSORS`), `<arch>.rope.scaling.original_context_length` (default: the
     context), and the attention factor `<arch>.rope.scaling.attn_factor` (absent: HF's default from the factor
     context / original). Read as the HF `rope_scaling` it came from (`rope_scaling_from_hf`).
 
@@ -158,17 +207,7 @@ def gguf_longrope(meta: Mapping[str, Any], arch: str, context_length: int) -> Ro
       ValueError: one of the two tensors missing, or factors not one per rotated pair
         (`<arch>.rope.dimension_count` / 2), naming them.
     """
-    long, short = (meta.get(name) for name in GGUF_METADATA_TENSORS)
-    for name, values in zip(GGUF_METADATA_TENSORS, (long, short)):
-        if values is None:
-            raise ValueError(f"GGUF tensor {name!r} is missing: LongRoPE needs both "
-                             f"{' and '.join(GGUF_METADATA_TENSORS)}")
-    rotary = meta.get(f"{arch}.rope.dimension_count")
-    want = len(long) if rotary is None else int(rotary) // 2
-    if not len(long) == len(short) == want:
-        raise ValueError(f"GGUF tensors {GGUF_METADATA_TENSORS[0]!r} ({len(long)} values) and "
-                         f"{GGUF_METADATA_TENSORS[1]!r} ({len(short)}) need one value per rotated pair, "
-                         f"{arch}.rope.dimension_count / 2 = {want} each")
+    long, short = _per_pair_factors(meta, arch, GGUF_LONGROPE_TENSORS)
     prefix = f"{arch}.rope.scaling."
     rope = {"rope_type": "longrope", "long_factor": list(long), "short_factor": list(short),
             "original_max_position_embeddings": int(meta.get(prefix + "original_context_length", context_length)),

@@ -27,8 +27,11 @@ _GGUF_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwe
                   "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "qwen3moe": "qwen3_moe"}
 GGUF_ARCHITECTURES = tuple(_GGUF_FAMILIES)
 # Tensors whose values are config, not weights: the GGUF readers (`jaxinfer.loading.gguf`) put their values
-# (lists of floats) into the metadata under these names. Phi-3's LongRoPE factors, one per rotated pair.
-GGUF_METADATA_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# (lists of floats) into the metadata under these names, one value per rotated pair: Phi-3's LongRoPE factors,
+# and `rope_freqs` (Llama 3.x: llama.cpp's converter writes the llama3 RoPE schedule as per-pair divisors).
+GGUF_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+GGUF_ROPE_FREQS_TENSOR = "rope_freqs.weight"
+GGUF_METADATA_TENSORS = GGUF_LONGROPE_TENSORS + (GGUF_ROPE_FREQS_TENSOR,)
 
 # What llama.cpp's loader assumes for Gemma 2 / 3, as no converter writes it: the local / global period (layer i
 # is local unless i % n == n - 1: llama.cpp's `set_swa_pattern(n)`), the window and soft caps of a file that names

@@ -39,14 +39,15 @@ from jaxinfer.loading.loader import read_model_config
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.config import ModelConfig, RopeType
+from models.rope import rope_attention_factor, rope_frequencies
 from tests.jaxinfer.loading.hf_goldens import DATA, _golden, _logits, _runner
 from tests.jaxinfer.loading.test_gguf import _permute_rope_rows
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 # tiny checkpoint -> the GGUF `general.architecture` llama.cpp's converter gives it
 FAMILIES = {"tiny_mixtral": "llama", "tiny_qwen3": "qwen3", "tiny_qwen3_moe": "qwen3moe", "tiny_gemma": "gemma",
-            "tiny_gemma2": "gemma2", "tiny_gemma3": "gemma3", "tiny_phi3": "phi3"}
-OURS = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}  # GGUF name -> ours, where they differ
+            "tiny_gemma2": "gemma2", "tiny_gemma3": "gemma3", "tiny_phi3": "phi3", "tiny_llama3": "llama"}
+OURS = {"tiny_mixtral": "mixtral", "tiny_qwen3_moe": "qwen3_moe", "tiny_gemma3": "gemma3_text"}  # where ours differ
 _EXPERT = {"tiny_mixtral": ("block_sparse_moe.experts", ("w1", "w2", "w3")),
            "tiny_qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj"))}
 
@@ -55,9 +56,31 @@ def _hf(name: str) -> tuple[dict[str, np.ndarray], dict]:
     return load_file(DATA / name / "model.safetensors"), json.loads((DATA / name / "config.json").read_text())
 
 
-def _gguf_tensors(name: str, *, permute: bool | None = None, norm_plus_one: bool = True) -> dict[str, np.ndarray]:
+def _llama3_rope_divisors(hf: dict) -> np.ndarray:
+    """Meta's `apply_scaling` of Llama 3.1 as per-pair divisors of the plain frequencies, the form llama.cpp's
+    converter writes to `rope_freqs.weight`: 1 for wavelengths under original / high_freq_factor, `factor` past
+    original / low_freq_factor, and a smooth ramp between."""
+    rope, head_dim = hf["rope_scaling"], hf["head_dim"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * hf["rope_theta"] ** (i / head_dim)
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, np.float32)
+
+
+def _gguf_tensors(name: str, *, permute: bool | None = None, norm_plus_one: bool = True,
+                  rope_freqs: bool = True) -> dict[str, np.ndarray]:
     """The HF checkpoint's tensors under llama.cpp's names and layouts (see the module docstring); `permute`
-    None permutes Q/K as llama.cpp does (`llama` files only), True / False for every / no file."""
+    None permutes Q/K as llama.cpp does (`llama` files only), True / False for every / no file; `rope_freqs`
+    False leaves out Llama 3's `rope_freqs` tensor."""
     tensors, hf = _hf(name)
     arch = FAMILIES[name]
     tensors = dict(tensors)
@@ -82,6 +105,8 @@ def _gguf_tensors(name: str, *, permute: bool | None = None, norm_plus_one: bool
         for which in ("long", "short"):
             out[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[f"ROPE_FACTORS_{which.upper()}"]] + ".weight"] = \
                 np.array(hf["rope_parameters"][f"{which}_factor"], np.float32)
+    if name == "tiny_llama3" and rope_freqs:  # the converter's llama3 schedule: per-pair divisors, f32
+        out["rope_freqs.weight"] = _llama3_rope_divisors(hf)
     return out
 
 
@@ -177,13 +202,17 @@ def _float32_fields(cfg: ModelConfig, hf_cfg: ModelConfig) -> dict:
             np.testing.assert_allclose(getattr(got, field), value, rtol=1e-7)
         same["rope_scaling"] = dataclasses.replace(got, **close)
         assert same["rope_scaling"] == want  # the rest exactly: type, factor, original context
+    if want is not None and want.rope_type is RopeType.LLAMA3:  # the file holds only the divisors
+        np.testing.assert_allclose(rope_frequencies(cfg), rope_frequencies(hf_cfg), rtol=1e-6)
+        assert rope_attention_factor(cfg) == rope_attention_factor(hf_cfg) == 1.0
+        same["rope_scaling"] = want
     return same
 
 
 def test_gguf_config_equals_the_hf_folders(gguf_family):
     name, path, cfg, _, _ = gguf_family
     hf_cfg, _ = load_hf_weights(DATA / name)
-    assert cfg.architecture == OURS.get(FAMILIES[name], FAMILIES[name])
+    assert cfg.architecture == OURS.get(name, FAMILIES[name])
     # the whole config: experts, top-k renormalization, q/k norms, Gemma's GeGLU / 1 + w / sqrt(D), tied head, Gemma
     # 2 / 3's layer windows, soft caps, post-norms and local RoPE base, Phi-3's LongRoPE and partial rotary
     same = _float32_fields(cfg, hf_cfg)
@@ -213,11 +242,12 @@ def test_gguf_greedy_decode_matches_transformers(gguf_family):
 
 
 @pytest.mark.parametrize("name, control", [("tiny_mixtral", dict(permute=False)), ("tiny_qwen3_moe", dict(permute=True)),
-                                           ("tiny_gemma", dict(norm_plus_one=False))])
+                                           ("tiny_gemma", dict(norm_plus_one=False)),
+                                           ("tiny_llama3", dict(rope_freqs=False))])
 def test_gguf_conventions_matter(name, control, tmp_path):
-    """A llama file left in HF's row order, a qwen3moe file permuted as if it were llama, or a Gemma file with HF's
-    w, loads to other logits: the loader's un-permutation (llama only) and its - 1 (Gemma) are what the goldens
-    check."""
+    """A llama file left in HF's row order, a qwen3moe file permuted as if it were llama, a Gemma file with HF's
+    w, or a Llama 3 file without its `rope_freqs`, loads to other logits: the loader's un-permutation (llama only),
+    its - 1 (Gemma) and the RoPE divisors are what the goldens check."""
     tensors = _gguf_tensors(name, **control)
     cfg, weights = load_gguf_weights(read_gguf(_write(tmp_path / "m.gguf", name, tensors)))
     golden = _golden(DATA / name)
@@ -330,6 +360,10 @@ def test_gguf_gemma_layer_pattern_and_attention_scale_rules(tmp_path):
      r"'rope_factors_long\.weight' \(5 values\) .* phi3\.rope\.dimension_count / 2 = 6"),
     ("tiny_phi3", {"phi3.rope.dimension_count": 13}, r"phi3\.rope\.dimension_count=13 must be an even number"),
     ("tiny_phi3", {"phi3.rope.scaling.type": "yarn"}, r"phi3\.rope\.scaling\.type='yarn' with rope_factors"),
+    ("tiny_llama3", {"rope_freqs.weight": [1.0] * 7}, r"'rope_freqs\.weight' \(7 values\) .* = 8 each"),
+    ("tiny_llama3", {"rope_freqs.weight": [1.0] * 7 + [0.0]}, r"'rope_freqs\.weight' holds a divisor that is not"),
+    ("tiny_llama3", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+     r"'rope_freqs\.weight' with llama\.rope\.scaling\.type='linear'"),
 ])
 def test_gguf_gemma_and_phi3_metadata_errors_name_the_key(tmp_path, name, change, match):
     meta = {k: v for k, v in {**_meta(tmp_path, name), **change}.items() if v is not None}
