@@ -45,12 +45,13 @@ What it records (all under ``--out``, default ``tests/data``):
     (not hidden / heads), 2 layers: Qwen3 (per-head RMSNorm on q and k, GQA 4/2, tied head) and Gemma (GeGLU,
     RMSNorm gains 1 + w, embeddings times sqrt(80), tied head, MQA 4/1). Each golden also records how far the
     logits move when the family's feature is switched off (no q/k norms, resp. no embedding scale), and the
-    script refuses a feature without a visible effect.
+    script refuses a feature without a visible effect; 32 greedy tokens.
 
 ``tiny_gemma2/``
     Gemma 2: Gemma's features plus attention / final-logit soft caps of 5 / 3, 4 layers alternating a sliding
     window of 8 (shorter than the 40 tokens) with global attention, post-attention / post-MLP norms and
-    ``query_pre_attn_scalar`` 24 over head_dim 32; the golden records the logit change without each of them.
+    ``query_pre_attn_scalar`` 24 over head_dim 32; 32 greedy tokens (to position 71, far past the window); the
+    golden records the logit change without each of them.
 
 ``tiny_gemma3/``
     Gemma 3's text model: 7 layers in the default 5 local : 1 global pattern with a window of 20 (over a page of
@@ -695,7 +696,8 @@ def make_tiny_qwen3(out: Path) -> None:
     cfg = Qwen3Config(**TINY_COMMON, head_dim=32, rope_theta=1e6,
                       attention_bias=False, use_sliding_window=False, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2)
-    _write_tiny_dense(out, "tiny_qwen3", Qwen3ForCausalLM, cfg, SEED + 11, {"qk_norm": _without_qk_norms})
+    _write_tiny_dense(out, "tiny_qwen3", Qwen3ForCausalLM, cfg, SEED + 11, {"qk_norm": _without_qk_norms},
+                      n_greedy=N_GREEDY)
 
 
 @torch.no_grad()
@@ -713,7 +715,7 @@ def make_tiny_gemma(out: Path) -> None:
                       head_dim=32, hidden_act="gelu_pytorch_tanh", rope_theta=10000.0,
                       tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
     _write_tiny_dense(out, "tiny_gemma", GemmaForCausalLM, cfg, SEED + 13, {"embed_scale": _unit_embed_scale},
-                      norm_center=0.0)
+                      norm_center=0.0, n_greedy=N_GREEDY)
 
 
 def _without_attn_softcap(model) -> None:
@@ -756,7 +758,7 @@ def make_tiny_gemma2(out: Path) -> None:
                       {"attn_logit_softcapping": _without_attn_softcap,
                        "final_logit_softcapping": _without_final_softcap, "sliding_window": _without_sliding_window,
                        "post_norms": _without_post_norms, "query_pre_attn_scalar": _with_head_dim_scale},
-                      norm_center=0.0)
+                      norm_center=0.0, n_greedy=N_GREEDY)
 
 
 def _gemma3_without_window(model) -> None:

@@ -6,7 +6,7 @@ Oracles:
   * tests/data/tiny_qwen3, tiny_gemma and tiny_gemma2: golden logits and greedy tokens from HF transformers 5.25
     (PyTorch, f32; scripts/make_golden.py), independent of this code base. The logits of one prefill and the
     greedy decode of the first two are also checked in tests/jaxinfer/loading/test_hf.py (same fixtures as the
-    other dense families); here they go through chunked prefill and the engine, and tp=2 is in
+    other dense families); here they go through chunked prefill and the engine (with a prefix-cache hit), and tp=2 is in
     tests/sharding/multi_device_family_checks.py. tiny_gemma2's golden also records that each Gemma 2 feature
     moves the logits (by 0.46 to 14), so a path that dropped one would fail the 1e-4 comparisons.
   * `gate_activation`, `rms_norm`'s offset and the final-logit soft cap: NumPy formulas written here from their
@@ -270,19 +270,31 @@ def test_int8_activation_quantization_keeps_gemma_close():
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
 
 
-def test_engine_greedy_with_chunked_prefill_matches_transformers(family, with_tokenizer, tmp_path):
+def test_engine_greedy_with_chunked_prefill_and_prefix_cache_matches_transformers(family, with_tokenizer, tmp_path):
     from jaxinfer.llm import LLM
     from jaxinfer.sampling_params import SamplingParams
 
     folder, _, _ = family
     golden = _golden(folder)
+    prompt, want = golden["token_ids"], golden["greedy_token_ids"]
     # 16-token steps: the 40-token prompt is prefilled in 3 chunks over paged KV, beside a second request's decode
     llm = LLM(with_tokenizer(folder), dtype="float32", warmup=False, max_num_seqs=4,
-              max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20)
-    params = SamplingParams(temperature=0, max_tokens=len(golden["greedy_token_ids"]), ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": golden["token_ids"]}, {"prompt_token_ids": golden["token_ids"][:5]}],
+              max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt[:5]}],
                         [params, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)], use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == golden["greedy_token_ids"]
+    first = outs[0].outputs[0]
+    assert outs[0].num_cached_tokens == 0 and first.token_ids == want
+    # the same prompt again: its 2 full 16-token pages come from the prefix cache, positions 32-39 are computed
+    # over them; each step's log-probability equals the uncached run's (the first also HF's last-position logits)
+    again = llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == want
+    logits = np.array(golden["logits"][-1], np.float64)
+    hf_first = logits[want[0]] - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    for run in (first, again.outputs[0]):
+        np.testing.assert_allclose([step[t].logprob for step, t in zip(run.logprobs, want)],
+                                   [hf_first] + [step[t].logprob for step, t in zip(first.logprobs[1:], want[1:])],
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_orbax_checkpoint_keeps_the_family(family, with_tokenizer, tmp_path):

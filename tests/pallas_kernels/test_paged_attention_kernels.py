@@ -4,7 +4,8 @@ The reference is itself checked against hand-computed cases and a numpy dense at
 `test_paged_attention.py`. Here each kernel runs in generic interpret mode (`interpret=True`) over a fixed, sparse
 sample of the shape grid (dtype x page_size x q/kv head ratio x head dim x block sizes x lengths 1,
 page_size - 1, page_size, page_size + 1 and long, with shuffled page tables and mixed decodes and prefills in one
-batch); the TPU kernel also runs once under `pltpu.InterpretParams` (TPU memory, DMA and race simulation, ~3 ms
+batch, and windows of exactly one page and of at least the context, checked against a numpy oracle as
+well); the TPU kernel also runs once under `pltpu.InterpretParams` (TPU memory, DMA and race simulation, ~3 ms
 per grid step, so tiny). Lowering for real TPU / GPU targets on CPU checks what interpret mode does not: Mosaic's
 block-shape rules and Triton's power-of-two tiles, at a 32k context.
 
@@ -110,6 +111,71 @@ def test_kernel_matches_reference(backend, seed):
     out = np.asarray(out.astype(jnp.float32))
     np.testing.assert_allclose(out, expected, **TOLERANCE[case.dtype])
     np.testing.assert_array_equal(out[num_tokens:], 0.0)  # padding rows
+
+
+def _windowed_oracle(case: Case, args) -> np.ndarray:
+    """Numpy float64 attention per sequence, query and head over the keys at positions (p - window, p], read from
+    the pages through the page table; [tokens, N, H]. The inputs are the (possibly bf16-rounded) values the kernels
+    get."""
+    q, k_pages, v_pages, _, page_table, _, _ = (None if a is None else np.asarray(a, np.float64) for a in args)
+    ps, group, out = case.page_size, case.group, []
+    window = case.sliding_window or 1 << 30
+    row = 0
+    for b, (q_len, cached) in enumerate(case.seqs):
+        pages = page_table[b].astype(int)
+        for pos in range(cached, cached + q_len):
+            keys = range(max(0, pos - window + 1), pos + 1)
+            k = np.stack([k_pages[pages[t // ps], :, t % ps] for t in keys])  # [n, K, H]
+            v = np.stack([v_pages[pages[t // ps], :, t % ps] for t in keys])
+            heads = []
+            for n in range(q.shape[1]):
+                s = k[:, n // group] @ q[row, n] * case.head_dim**-0.5
+                p = np.exp(s - s.max())
+                heads.append(p / p.sum() @ v[:, n // group])
+            out.append(heads)
+            row += 1
+    return np.asarray(out)
+
+
+# Windows at their edges (issue 21), decodes and prefill chunks in each batch, 16-token pages:
+# - a window of exactly one page: a decode at position 15 sees page 0 whole, at 16 two pages, at 47 only page 2
+#   (pages 0-1 skipped); chunks 11-15, 16-31 (page-aligned) and 40-48;
+# - a window equal to the longest context (40 = kv_len of three sequences) and one far past it (4096): nothing is
+#   masked, so the result equals the unwindowed kernel's as well.
+WINDOW_EDGE_CASES = {
+    "page-f32": Case(seqs=((1, 15), (1, 16), (1, 47), (5, 11), (16, 16), (9, 40)), group=2, sliding_window=16,
+                     block_sizes=BlockSizes(8, 16)),
+    "page-bf16": Case(seqs=((1, 47), (16, 16), (3, 29)), group=1, sliding_window=16, dtype="bfloat16",
+                      block_sizes=BlockSizes(4, 32)),
+    "context-f32": Case(seqs=((1, 0), (1, 39), (7, 33), (16, 24)), group=2, sliding_window=40,
+                        block_sizes=BlockSizes(8, 16)),
+    "past-context-bf16": Case(seqs=((1, 63), (12, 20)), group=3, num_kv_heads=1, sliding_window=4096,
+                              dtype="bfloat16"),
+}
+
+
+@functools.cache
+def _window_edge_reference(name: str):
+    """(args, kw, num_tokens, reference output) of one window edge case; the reference checked against the oracle
+    once for both backends."""
+    case = WINDOW_EDGE_CASES[name]
+    args, kw, num_tokens = build(case, seed=len(name))
+    expected = np.asarray(paged_attention_reference(*args, **kw).astype(jnp.float32))
+    np.testing.assert_allclose(expected[:num_tokens], _windowed_oracle(case, args), **TOLERANCE[case.dtype])
+    return args, kw, num_tokens, expected
+
+
+@pytest.mark.parametrize("backend", sorted(KERNELS))
+@pytest.mark.parametrize("name", sorted(WINDOW_EDGE_CASES))
+def test_window_of_one_page_or_at_least_the_context(backend, name):
+    # For a window >= every context the oracle is plain causal attention: the window masks nothing.
+    case = WINDOW_EDGE_CASES[name]
+    args, kw, num_tokens, expected = _window_edge_reference(name)
+    out = KERNELS[backend](*args, **kw, block_sizes=case.block_sizes, interpret=True)
+    assert out.dtype == args[0].dtype
+    out = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_allclose(out, expected, **TOLERANCE[case.dtype])
+    np.testing.assert_array_equal(out[num_tokens:], 0.0)
 
 
 @pytest.mark.parametrize("backend", sorted(KERNELS))
