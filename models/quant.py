@@ -1,4 +1,4 @@
-"""Quantized weights: int8 and FP8 (e4m3) values with f32 scales, the config that picks them, and a model quantized.
+"""Quantized weights: int8, FP8 (e4m3), packed int4 values with f32 scales, the config that picks them, a model.
 
 A quantized weight is its own pytree type, `QuantizedWeight`, holding the low-precision `values` and the f32
 `scale`s; the model's einsums go through `models.quant_matmul.qeinsum`, which takes either a plain array or a
@@ -12,6 +12,7 @@ for Deep Learning", for e4m3):
 |--------|-----------------|------------------------------------------------|----------------|
 | int8   | int8 in [-127, 127] | f32 per output channel                     | 127            |
 | fp8    | float8_e4m3fn   | f32 per output channel, or per group of `group_size` input channels | 448 |
+| int4   | uint8, 2 per byte (`models.quant4`) | f32 per group of 32 / 64 / 128, optional f32 min | 7    |
 
 Layout: `values` keep the weight's non-contracted ("kept") axes in their order, then its contracted (input) axes:
 a `wq` of [L, D, N, H] contracting D is stored [L, N, H, D]. Output-major is the fast layout for XLA:CPU's
@@ -32,15 +33,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import quant4
 from models.config import options_from_value
 
-FORMATS = ("int8", "fp8")
-_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+FORMATS = ("int8", "fp8", "int4")
+_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}  # int4: packed, models.quant4
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 32  # GGUF Q4_0/Q4_1 and MX blocks; the issue's quality bar is for group 32
 _QMAX = {"int8": 127.0, "fp8": 448.0}  # int8 symmetric (no -128); largest finite e4m3fn
 
 
 def format_of(dtype: jnp.dtype) -> str:
-    """"int8" or "fp8" for a values dtype.
+    """"int8", "fp8" or "int4" (uint8: packed) for a values dtype.
 
     Raises:
       ValueError: for any other dtype.
@@ -56,8 +60,10 @@ class QuantizedWeight:
     """A weight stored as low-precision values times f32 scales.
 
     Attributes:
-      values: int8 or float8_e4m3fn, shape [*kept, *contracted] (module docstring: layout).
+      values: int8 or float8_e4m3fn, shape [*kept, *contracted] (module docstring: layout); for int4, uint8
+        [*kept, *contracted[:-1], contracted[-1] / 2], two codes per byte (`models.quant4`).
       scale: f32 [*kept, G]; G = 1 (per output channel) or prod(contracted) / group_size (per group).
+      min: int4 only: f32 [*kept, G], w = scale * q + min (asymmetric); None: symmetric, w = scale * (q - 8).
       contract_axes: static; the contracted (input) axes in the weight's own layout, as negative indices, so they
         stay valid when leading layer axes are sliced off.
       group_size: static; input channels per scale, 0 for one scale per output channel.
@@ -69,6 +75,7 @@ class QuantizedWeight:
 
     values: jax.Array
     scale: jax.Array
+    min: jax.Array | None = None
     contract_axes: tuple[int, ...] = flax.struct.field(pytree_node=False, default=(-2,))
     group_size: int = flax.struct.field(pytree_node=False, default=0)
     quantize_activations: bool = flax.struct.field(pytree_node=False, default=False)
@@ -93,7 +100,8 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, ...]:
         """The weight's shape in its own (unquantized) layout."""
         out = [0] * self.ndim
-        for src, size in zip(self._order(), self.values.shape):
+        packed = self.format == "int4"
+        for src, size in zip(self._order(), quant4.unpacked_shape(self.values.shape) if packed else self.values.shape):
             out[src] = size
         return tuple(out)
 
@@ -101,13 +109,16 @@ class QuantizedWeight:
         """The weight in its own layout and `dtype`: values * scale (materializes it; for references and tests)."""
         kept = self.values.shape[: self.ndim - self._num_contracted]
         groups = self.scale.shape[-1]
-        v = self.values.reshape(*kept, groups, -1).astype(jnp.float32) * self.scale[..., None]
-        v = v.reshape(self.values.shape).astype(dtype)
+        if self.format == "int4":
+            v = quant4.dequantize(self.values, self.scale, self.min, len(kept)).astype(dtype)
+        else:
+            v = self.values.reshape(*kept, groups, -1).astype(jnp.float32) * self.scale[..., None]
+            v = v.reshape(self.values.shape).astype(dtype)
         return jnp.transpose(v, np.argsort(self._order()))
 
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + self.scale.nbytes
+        return self.values.nbytes + self.scale.nbytes + (0 if self.min is None else self.min.nbytes)
 
 
 def _order(nd: int, contract_axes: Sequence[int]) -> list[int]:
@@ -117,15 +128,17 @@ def _order(nd: int, contract_axes: Sequence[int]) -> list[int]:
 
 
 def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size: int = 0,
-             quantize_activations: bool = False, activation_group_size: int = 0) -> QuantizedWeight:
+             quantize_activations: bool = False, activation_group_size: int = 0,
+             asymmetric: bool = False) -> QuantizedWeight:
     """Quantizes one weight symmetrically (absmax) per output channel or per group of input channels.
 
     Args:
       w: float weight, any shape; `contract_axes` are the axes the model contracts against activations.
-      fmt: "int8" or "fp8" (float8_e4m3fn).
+      fmt: "int8", "fp8" (float8_e4m3fn) or "int4" (packed, `models.quant4`; its last contracted axis even).
       contract_axes: the contracted axes of `w` (any sign; stored negative).
-      group_size: 0 for one scale per output channel; else input channels per scale (fp8 only), which must divide
+      group_size: 0 for one scale per output channel; else input channels per scale (fp8, int4), which must divide
         the last contracted axis, so no group spans two axes.
+      asymmetric: int4 only: a min per group too (Q4_1-style, `models.quant4`).
       quantize_activations: recorded on the result for `qeinsum` (per-channel only).
       activation_group_size: recorded on the result for `qeinsum` (see `QuantizedWeight`).
 
@@ -134,7 +147,8 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
 
     Raises:
       ValueError: unknown format, contract axes out of range, groups with int8, a group size that does not divide
-        the last contracted axis, or activation quantization with groups.
+        the last contracted axis, activation quantization with groups or int4, an odd last contracted axis for
+        int4, or `asymmetric` for another format.
     """
     if fmt not in FORMATS:
         raise ValueError(f"quantization format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -142,9 +156,13 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
     if not contract_axes or any(not -nd <= a < nd for a in contract_axes):
         raise ValueError(f"contract_axes {tuple(contract_axes)} out of range for a weight of shape {w.shape}")
     neg = tuple(sorted({a % nd - nd for a in contract_axes}))
+    if (fmt == "int4" and (quantize_activations or w.shape[neg[-1]] % 2)) or (asymmetric and fmt != "int4"):
+        raise ValueError(f"{fmt} with asymmetric={asymmetric}, quantize_activations={quantize_activations} for "
+                         f"shape {w.shape}, contract_axes {neg}: int4 is weight-only and packs its last contracted "
+                         "axis in pairs (it must be even); only int4 is asymmetric")
     if group_size:
-        if fmt != "fp8":
-            raise ValueError(f"per-group scales are for fp8; {fmt} uses one scale per output channel")
+        if fmt == "int8":
+            raise ValueError("per-group scales are for fp8 and int4; int8 uses one scale per output channel")
         if w.shape[neg[-1]] % group_size:
             raise ValueError(f"group_size {group_size} does not divide the contracted axis of size "
                              f"{w.shape[neg[-1]]} (weight shape {w.shape})")
@@ -154,6 +172,10 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
     kept = wt.shape[: nd - len(neg)]
     contracted = math.prod(wt.shape[nd - len(neg):])
     groups = contracted // group_size if group_size else 1
+    if fmt == "int4":
+        codes, scale, mn = quant4.quantize_groups(wt.reshape(*kept, groups, -1), asymmetric)
+        return QuantizedWeight(values=quant4.pack(codes.reshape(wt.shape)), scale=scale, min=mn, contract_axes=neg,
+                               group_size=group_size)
     q, scale = quantize_rows(wt.reshape(*kept, groups, -1), (-1,), fmt)  # absmax per group, as for activations
     return QuantizedWeight(values=q.reshape(wt.shape), scale=scale[..., 0], contract_axes=neg, group_size=group_size,
                            quantize_activations=quantize_activations,
@@ -179,17 +201,18 @@ class QuantizationConfig:
     """Which weights are quantized, and how.
 
     Attributes:
-      format: "int8" (symmetric, per output channel) or "fp8" (e4m3).
-      group_size: fp8 only: input channels per scale (e.g. 128), 0 for per output channel. A weight whose last
+      format: "int8" (symmetric, per output channel), "fp8" (e4m3) or "int4" (`models.quant4`, weight-only).
+      group_size: fp8: input channels per scale (e.g. 128), 0 for per output channel. A weight whose last
         contracted axis it does not divide keeps per-channel scales (`quantize_weights` logs none; see
-        `weight_bytes`).
+        `weight_bytes`). int4: 32, 64 or 128 (0 means 32); a weight whose last contracted axis it does not divide
+        takes the largest group dividing both (a 16-wide head axis: 16).
       quantize_activations: dynamic per-token activation quantization with the native low-precision dot (w8a8);
         None or False: weight-only (the default: quality first). w8a8 is the fast int8 path on CPU (XLA:CPU's
         int8 x int8 -> int32 dot, and no full-precision weight copy), at a quality cost measured in
         BENCHMARKS.md.
-      quantize_embedding: the embedding gather reads a quantized table; None: yes for int8, no for fp8.
+      quantize_embedding: the embedding gather reads a quantized table; None: yes for int8, no for fp8 (int4: no).
       quantize_lm_head: the output projection is quantized (with tied embeddings and an unquantized gather, an
-        extra quantized copy of the table serves the head); None: yes for int8, no for fp8 (as vLLM's fp8 keeps
+        extra quantized copy of the table serves the head); None: yes for int8, no for fp8 and int4 (as vLLM's fp8 keeps
         the head in full precision). On SmolLM2, fp8's perplexity is +3.4% over bf16 with them quantized and +1.5%
         without; int8's barely moves (BENCHMARKS.md).
       activation_group_size: with activation quantization, one activation scale per token per this many input
@@ -208,8 +231,14 @@ class QuantizationConfig:
             raise ValueError(f"quantization format={self.format!r} is not one of {', '.join(FORMATS)}")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
             raise ValueError(f"quantization group_size={self.group_size!r} must be an integer >= 0")
-        if self.group_size and self.format != "fp8":
-            raise ValueError("quantization group_size is for fp8; int8 uses one scale per output channel")
+        if self.group_size and self.format == "int8":
+            raise ValueError("quantization group_size is for fp8 and int4; int8 uses one scale per output channel")
+        if self.format == "int4":
+            object.__setattr__(self, "group_size", self.group_size or DEFAULT_INT4_GROUP_SIZE)
+            if self.group_size not in INT4_GROUP_SIZES or self.quantize_activations or self.quantize_embedding:
+                raise ValueError(f"int4 quantization takes group_size {INT4_GROUP_SIZES} (got {self.group_size}), "
+                                 f"is weight-only (quantize_activations={self.quantize_activations}) and keeps "
+                                 f"the embedding unquantized (quantize_embedding={self.quantize_embedding})")
         if (not isinstance(self.activation_group_size, int) or isinstance(self.activation_group_size, bool)
                 or self.activation_group_size < 0):
             raise ValueError(f"activation_group_size={self.activation_group_size!r} must be an integer >= 0")
@@ -221,8 +250,8 @@ class QuantizationConfig:
 
     @staticmethod
     def from_value(value: QuantizationConfig | Mapping[str, Any] | str | None) -> QuantizationConfig | None:
-        """A config from a format name ("int8", "fp8"), a dict of the fields, a JSON object string, an instance,
-        or None (no quantization).
+        """A config from a format name ("int8", "fp8", "int4"), a dict of the fields, a JSON object string, an
+        instance, or None (no quantization).
 
         Raises:
           ValueError: for an unknown format, JSON that does not parse or is not an object, unknown keys (named),
@@ -305,10 +334,14 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
       `Weights` with `QuantizedWeight` leaves. For tied embeddings where the gather and the head differ in
       whether they are quantized, `lm_head` becomes the head's own [D, V] weight (quantized or not).
     """
-    def q(w, axes, per_row_only=False):
+    def group_for(w, axes, per_row_only=False):
         group = 0 if per_row_only else qcfg.group_size
-        if group and w.shape[axes[-1]] % group:
-            group = 0  # the group does not divide this weight's input axis: per-channel scales
+        if group and w.shape[axes[-1]] % group:  # the group does not divide this weight's input axis:
+            group = math.gcd(group, w.shape[axes[-1]]) if qcfg.format == "int4" else 0  # smaller / per-channel
+        return group
+
+    def q(w, axes, per_row_only=False):
+        group = group_for(w, axes, per_row_only)
         return quantize(w, qcfg.format, axes, group_size=group, quantize_activations=qcfg.activations and not group,
                         activation_group_size=qcfg.activation_group_size)
 
@@ -326,7 +359,8 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
         elif field.name in CONTRACT_AXES and not (cfg.is_moe and field.name.startswith("e_")):
             new_layers[field.name] = q(w, CONTRACT_AXES[field.name])
         elif field.name in CONTRACT_AXES:  # routed experts: dequantized for ragged_dot, so no activation quant
-            new_layers[field.name] = quantize(w, qcfg.format, CONTRACT_AXES[field.name])
+            new_layers[field.name] = quantize(w, qcfg.format, CONTRACT_AXES[field.name], group_size=group_for(
+                w, CONTRACT_AXES[field.name]) if qcfg.format == "int4" else 0)
         else:
             new_layers[field.name] = cast(w)
     embed = weights.embed
@@ -348,14 +382,14 @@ def weight_bytes(weights) -> dict[str, float]:
     Returns:
       {"bytes": total bytes held (values + scales + unquantized), "quantized_params": parameters stored
       quantized, "params": all parameters, "quantized_share": their ratio, "quantized_bytes": bytes of the
-      quantized weights (values + scales)}.
+      quantized weights (values + scales + int4 mins)}.
     """
     leaves = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     total = quantized = nbytes = qbytes = 0
     for leaf in leaves:
         if isinstance(leaf, QuantizedWeight):
-            quantized += leaf.values.size
-            total += leaf.values.size
+            quantized += math.prod(leaf.shape)  # int4: two per byte of values
+            total += math.prod(leaf.shape)
             qbytes += leaf.nbytes
             nbytes += leaf.nbytes
         else:

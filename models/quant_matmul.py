@@ -6,7 +6,8 @@ Matmul paths (`qeinsum`):
   quantized to the weight's format with its own absmax scale, the dot runs natively in low precision
   (int8 x int8 -> int32, fp8 x fp8 -> f32 via `preferred_element_type`), and the two scales multiply the
   accumulator. Per output channel only. No full-precision copy of the weight exists at any point.
-- **weight only**: the values are converted to the activation dtype inside the dot's computation. XLA:GPU and
+- **weight only**: the values (int4: unpacked codes times group scales, plus mins;
+  `models.quant4`) are converted to the activation dtype inside the dot's computation. XLA:GPU and
   XLA:TPU fuse that convert into the matmul; XLA:CPU has no fused convert-dot and materializes one weight at a time
   as a temporary (XLA's memory analysis in BENCHMARKS.md shows the size).
 """
@@ -72,7 +73,8 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
         raise ValueError(f"einsum {eq!r} must contract the quantized weight's axes {contracted!r}")
     kept = "".join(c for c in rhs if c not in contracted)
     vals = kept + contracted  # the labels of w.values
-    if w.group_size:  # grouped scales do not factor out of the sum: dequantize inside the computation
+    if w.group_size or w.format == "int4":  # grouped scales (int4: also its codes' offset or min) do not factor
+        # out of the sum: dequantize inside the computation (int4: unpack, scale, cast to x's dtype, then the dot)
         return jnp.einsum(eq, x, w.dequantize(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
     w_scale = _to_layout(w.scale[..., 0], kept, out)
     if w.quantize_activations:
@@ -120,7 +122,8 @@ def embed_lookup(table: jax.Array | QuantizedWeight, tokens: jax.Array, dtype: j
     """Rows `tokens` of an embedding table [V, D] (plain, or quantized with contract_axes (-1,)), in `dtype`."""
     if not isinstance(table, QuantizedWeight):
         return jnp.take(table, tokens, axis=0).astype(dtype)
-    if table.contract_axes != (-1,) or table.group_size:
-        raise ValueError("a quantized embedding table needs one scale per row (contract_axes (-1,), no groups)")
+    if table.contract_axes != (-1,) or table.group_size or table.format == "int4":
+        raise ValueError("a quantized embedding table needs one scale per row (contract_axes (-1,), no groups) and "
+                         f"int8 or fp8 values, got {table.format} with group_size {table.group_size}")
     rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)
     return (rows * jnp.take(table.scale, tokens, axis=0)).astype(dtype)

@@ -27,8 +27,9 @@ def _quantized_spec(spec: jax.sharding.PartitionSpec, q: QuantizedWeight,
         names = grouped if isinstance(grouped, tuple) else (grouped,)
         if q.scale.shape[-1] % math.prod(mesh.shape[n] for n in names):
             grouped = None  # fewer groups than shards, or an uneven split: every device holds all groups
-    return q.replace(values=jax.sharding.PartitionSpec(*[parts[a] for a in order]),
-                     scale=jax.sharding.PartitionSpec(*kept, grouped))
+    scale = jax.sharding.PartitionSpec(*kept, grouped)
+    return q.replace(values=jax.sharding.PartitionSpec(*[parts[a] for a in order]), scale=scale,
+                     min=None if q.min is None else scale)  # int4's packed last axis splits like the unpacked one
 
 
 def quantized_sharding(sharding: jax.sharding.NamedSharding, q: QuantizedWeight) -> QuantizedWeight:

@@ -86,7 +86,7 @@ def test_zero_channels_and_bad_arguments():
     q = quantize(w, "int8", (-2,))
     assert float(q.scale[2, 0]) == 1.0 and not np.any(np.asarray(q.dequantize())[:, 2])
     with pytest.raises(ValueError, match="format"):
-        quantize(w, "int4", (-2,))
+        quantize(w, "int3", (-2,))
     with pytest.raises(ValueError, match="out of range"):
         quantize(w, "int8", (2,))
     with pytest.raises(ValueError, match="fp8"):
@@ -210,7 +210,7 @@ def _dequantized(weights):
 
 
 @pytest.mark.parametrize("qcfg", [QuantizationConfig("int8", quantize_activations=False), QuantizationConfig("fp8"),
-                                  QuantizationConfig("fp8", group_size=32)])
+                                  QuantizationConfig("fp8", group_size=32), QuantizationConfig("int4")])
 def test_weight_only_model_equals_the_model_on_dequantized_weights(qcfg):
     weights = init_weights(TINY, jax.random.key(0))
     qw = quant.quantize_weights(weights, TINY, qcfg, jnp.float32)
@@ -261,7 +261,7 @@ def test_config_from_value_and_errors():
     assert QuantizationConfig.from_value(None) is None
     assert not QuantizationConfig("int8").activations and not QuantizationConfig("fp8").activations  # weight-only
     assert QuantizationConfig("int8", quantize_activations=True).activations
-    for bad, match in [("int4", "int4"), ({"format": "int8", "bits": 4}, "bits"), ("{", "JSON"), (3, "int"),
+    for bad, match in [("int3", "int3"), ({"format": "int8", "bits": 4}, "bits"), ("{", "JSON"), (3, "int"),
                        ("{}", "needs the key"), ({"format": None}, "format=None"),
                        ({"format": "int8", "quantize_activations": 1}, "quantize_activations"),
                        ({"format": "fp8", "quantize_embedding": 0.0}, "quantize_embedding"),
