@@ -54,8 +54,8 @@ def test_convert_quantized_then_generate_from_it(tmp_path):
 
 
 @pytest.mark.parametrize("command, value, message", [
-    ("generate", "int4", "quantization format='int4' is not one of int8, fp8"),
-    ("generate", "[1,2]", "quantization '[1,2]' is neither a format name (int8, fp8) nor a JSON object"),
+    ("generate", "int3", "quantization format='int3' is not one of int8, fp8, int4"),
+    ("generate", "[1,2]", "quantization '[1,2]' is neither a format name (int8, fp8, int4) nor a JSON object"),
     ("generate", "8", "quantization '8' is neither a format name"),
     ("generate", '{"group_size": 128}', "needs the key(s) format"),
     ("generate", '{"format": "fp8", "group_size": -1', "quantization config is not valid JSON"),
@@ -72,3 +72,22 @@ def test_bad_quantization_exits_2_with_one_line(command, value, message, tmp_pat
     assert message in errors[0], done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
     assert not (tmp_path / "out").exists()
+
+
+def test_generate_int4_at_load_and_convert_refuses_it(tmp_path):
+    src = make_tiny_hf_folder(tmp_path / "tiny", REPO / "tests" / "data" / "tiny_llama3")
+    done = _finish(_start("generate", "--model", str(src), "--quantization", "int4", "--prompt", "hello world",
+                          "--temperature", "0", "--max-tokens", "6", "--json", "--kv-cache-memory-bytes", str(1 << 20)))
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert len(got["token_ids"]) == 6
+    assert got["quantization"] == {"format": "int4", "group_size": 32, "quantize_activations": False,
+                                   "quantize_embedding": False, "quantize_lm_head": False,
+                                   "activation_group_size": 0}
+    assert got["weight_bytes"]["quantized_share"] > 0.5
+    # packed codes (half a byte each) plus an f32 scale per 32 (per 16 on wo's 16-wide head axis)
+    assert got["weight_bytes"]["quantized_bytes"] < 0.2 * 4 * got["weight_bytes"]["quantized_params"]
+    refused = _finish(_start("convert", "--model", str(src), "--output", str(tmp_path / "out"), "--quantization",
+                             "int4"))
+    assert refused.returncode != 0 and "int4 is not stored in checkpoints yet" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "out").exists()

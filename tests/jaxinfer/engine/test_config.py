@@ -63,8 +63,8 @@ def test_unknown_options_are_named_with_the_close_fields():
 def test_bad_values_still_raise_naming_the_field():
     with pytest.raises(ValueError, match="page_size=0 must be a positive integer"):
         EngineConfig.create(page_size=0)
-    with pytest.raises(ValueError, match="quantization format='int4' is not one of int8, fp8"):
-        EngineConfig.create(quantization="int4")
+    with pytest.raises(ValueError, match="quantization format='int3' is not one of int8, fp8, int4"):
+        EngineConfig.create(quantization="int3")
     with pytest.raises(ValueError, match="attention_backend='fast' is not one of auto, reference, pallas"):
         EngineConfig(attention_backend="fast")
 
