@@ -20,7 +20,7 @@ from tests.sharding.multi_device_checks import NUM_PAGES, PAGE_SIZE, TINY, _batc
 
 @pytest.mark.parametrize("qcfg", [QuantizationConfig("int8", quantize_activations=True),
                                   QuantizationConfig("fp8", group_size=16),
-                                  QuantizationConfig("int8", quantize_embedding=False)])
+                                  QuantizationConfig("int8", quantize_embedding=False), QuantizationConfig("int4")])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sharded_quantization_equals_single_device_and_scales_follow_their_weights(qcfg, tp):
     weights = init_weights(TINY, jax.random.key(0), jnp.float32)
@@ -36,14 +36,15 @@ def test_sharded_quantization_equals_single_device_and_scales_follow_their_weigh
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     wq = sharded.layers.wq  # [L, D, N, H] stored [L, N, H, D]: heads split tp ways, and so are their scales
     assert isinstance(wq, QuantizedWeight)
+    packed = 2 if wq.format == "int4" else 1  # int4 values hold two codes per byte along the contracted axis
     assert wq.values.addressable_shards[0].data.shape == (TINY.num_layers, TINY.num_heads // tp, TINY.head_dim,
-                                                          TINY.hidden_size)
+                                                          TINY.hidden_size // packed)
     groups = TINY.hidden_size // wq.group_size if wq.group_size else 1
     assert wq.scale.addressable_shards[0].data.shape == (TINY.num_layers, TINY.num_heads // tp, TINY.head_dim,
                                                          groups)
     down = sharded.layers.w_down  # [L, F, D] contracts F (split over tp): the scale is replicated over it
     assert down.values.addressable_shards[0].data.shape == (TINY.num_layers, TINY.hidden_size,
-                                                            TINY.intermediate_size // tp)
+                                                            TINY.intermediate_size // tp // packed)
     assert down.scale.sharding.spec[-1] == (None if not down.group_size else "tp")
     mesh = model.mesh
     cache_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
