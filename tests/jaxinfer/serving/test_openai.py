@@ -9,6 +9,8 @@ import functools
 import json
 import math
 import re
+import socket
+import time
 
 import httpx2 as httpx
 import openai
@@ -452,6 +454,38 @@ def test_twenty_concurrent_streams_some_disconnecting_free_every_page(both_serve
     stats = both_servers.wait_idle()
     assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
     assert aborted() - before == 7  # each disconnected stream counts once (none did before: user trial)
+
+
+
+def test_a_non_streamed_request_whose_client_disconnects_is_aborted_and_frees_its_pages(both_servers):
+    """A whole (non-streamed) completion whose client closes the connection while it runs is aborted at once:
+    its KV pages come back, it stops decoding long before max_tokens, and it counts as aborted once."""
+    engine, sample = both_servers.engine, both_servers.served.metrics.sample
+
+    def aborted() -> float:
+        return sample("jaxinfer:request_success_total", {"finished_reason": "abort"})
+
+    both_servers.wait_idle()
+    before, decoded_before = aborted(), engine.stats()["decode_tokens"]
+    prompted_before = sample("jaxinfer:prompt_tokens_total")
+    max_tokens = 1000
+    body = json.dumps({"model": both_servers.model_name, "prompt": PROMPTS[2], "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", both_servers.http.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 60
+        # running, holding pages, and its first output reached the handler (which counts the prompt's tokens then)
+        while not (engine.stats()["running"] == 1 and engine.stats()["kv_pages_used"] > 0
+                   and sample("jaxinfer:prompt_tokens_total") > prompted_before):
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.01)
+    # closed: the server sees the disconnect while it awaits the last output
+    stats = both_servers.wait_idle(timeout_s=10)
+    assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert stats["decode_tokens"] - decoded_before < max_tokens - 1  # aborted, not run to its end
+    assert aborted() - before == 1
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
