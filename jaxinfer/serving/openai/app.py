@@ -119,10 +119,11 @@ def _validation_message(e: ValidationError, model: type[BaseModel]) -> tuple[str
     return f"{path}: {err['msg']}", field
 
 
-# Fields whose name starts a `SamplingParams` / translation error ("temperature=...", "prompt[1]: ..."): the
-# error's `param`.
+# Fields whose name starts a `SamplingParams` / translation / token-id error ("temperature=...", "prompt[1]: ...",
+# "tokens contains ..."): the error's `param`.
 _PARAM = re.compile(r"^([a-z_]+)(?:\[\d+\])?[=:. ]")
-_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+_FIELDS = frozenset().union(*(m.model_fields for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                                         DetokenizeRequest)))
 
 
 def _param(message: str) -> str | None:

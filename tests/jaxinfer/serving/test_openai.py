@@ -391,6 +391,49 @@ def test_openai_client_spellings_vllm_accepts(both_servers):
     assert e.status_code == 400 and e.json()["error"]["param"] == "stream_options", e.text
 
 
+
+def test_tokenize_messages_and_detokenize_are_the_tokenizers(client, both_servers):
+    """vLLM's `/tokenize` with `messages` gives the chat template's ids (`Tokenizer.apply_chat_template`, with
+    `add_generation_prompt` / `continue_final_message` and content parts as chat completions take them: the
+    prompt a chat completion counts); `/detokenize` gives `Tokenizer.decode` (special tokens left out, as the
+    README says); bad ids are a 400 naming `tokens`."""
+    url, engine = both_servers.base_url, both_servers.engine
+    tok = engine.tokenizer
+    partial = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    variants = {}
+    for fields, messages, kw in (
+            ({}, CHAT, {"add_generation_prompt": True}),
+            ({"add_generation_prompt": False}, CHAT, {"add_generation_prompt": False}),
+            ({"add_generation_prompt": False, "continue_final_message": True}, partial,
+             {"add_generation_prompt": False, "continue_final_message": True})):
+        r = httpx.post(url + "/tokenize", json={"messages": messages, **fields}, timeout=60).json()
+        want = tok.apply_chat_template(messages, **kw)
+        assert r == {"count": len(want), "max_model_len": engine.max_model_len, "tokens": want}, (fields, r)
+        variants[json.dumps(fields)] = tuple(want)
+    assert len(set(variants.values())) == 3  # each field changes the ids: the checks above can tell them apart
+    parts = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                                   {"type": "text", "text": "colours."}]}]
+    joined = [CHAT[0], {"role": "user", "content": "Name three\ncolours."}]
+    counted = httpx.post(url + "/tokenize", json={"messages": parts}, timeout=60).json()
+    assert counted["tokens"] == tok.apply_chat_template(joined, add_generation_prompt=True)
+    usage = client.chat.completions.create(model=both_servers.model_name, messages=parts, max_tokens=1).usage
+    assert usage.prompt_tokens == counted["count"]
+
+    text = "Hello, world! Caf\u00e9 \u4f60\u597d \U0001f44b"
+    ids = tok.encode(text, add_bos=False)
+    r = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert r == {"prompt": tok.decode(ids)} and r["prompt"] == text
+    chat_ids = variants["{}"]
+    r = httpx.post(url + "/detokenize", json={"tokens": list(chat_ids)}, timeout=60).json()
+    assert r["prompt"] == tok.decode(chat_ids) != tok.decode(chat_ids, skip_special_tokens=False)
+    assert "Name three colours." in r["prompt"] and "<|im_start|>" not in r["prompt"]
+    for bad in ({"tokens": [5, tok.vocab_size]}, {"tokens": [-1]}, {"tokens": ["a"]}):
+        e = httpx.post(url + "/detokenize", json=bad, timeout=60)
+        assert e.status_code == 400 and e.json()["error"]["param"] == "tokens", e.text
+    both = httpx.post(url + "/tokenize", json={"prompt": "hi", "messages": CHAT}, timeout=60)
+    assert both.status_code == 400 and "messages" in both.json()["error"]["message"], both.text
+
+
 def test_chat_logprobs_shape(client, both_servers):
     r = client.chat.completions.create(model=both_servers.model_name, messages=CHAT, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=2)
