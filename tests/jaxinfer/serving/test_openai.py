@@ -144,16 +144,26 @@ def test_metrics_count_what_both_front_ends_served(client, both_servers):
 
 
 def test_greedy_completions_equal_grpc_and_llm_generate(client, both_servers, smollm2_llm):
-    """The same prompts, greedy, through three front ends: token for token the same."""
-    http = [client.completions.create(model=both_servers.model_name, prompt=p, max_tokens=12, temperature=0)
-            for p in PROMPTS]
+    """The same prompts, greedy, through three front ends: token for token the same. gRPC streams token ids; the
+    HTTP API shows a completion's tokens as `logprobs.tokens` (the text of each token id alone, the engine's
+    `Logprob.decoded_token`; it has no field that returns ids), which name the ids: in a byte-level BPE vocabulary
+    each id has its own bytes, so texts that are whole UTF-8 (no U+FFFD) name one id each. The prompt's ids come
+    from `/tokenize`."""
+    tok = smollm2_llm.tokenizer
+    http = [client.completions.create(model=both_servers.model_name, prompt=p, max_tokens=12, temperature=0,
+                                      logprobs=0) for p in PROMPTS]
     offline = smollm2_llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
     for p, resp, ref in zip(PROMPTS, http, offline):
+        ids = ref.outputs[0].token_ids
         grpc_ids = _grpc_greedy(both_servers.stub, p, 12)
-        assert grpc_ids == ref.outputs[0].token_ids
-        assert resp.choices[0].text == ref.outputs[0].text
-        assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
-        assert resp.usage.prompt_tokens == len(ref.prompt_token_ids) == len(_tokens(both_servers, p))
+        assert grpc_ids == ids
+        http_tokens = resp.choices[0].logprobs.tokens
+        assert http_tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+        assert "\ufffd" not in "".join(http_tokens)  # each text names one id (see the docstring)
+        assert resp.choices[0].text == ref.outputs[0].text == "".join(http_tokens)
+        assert resp.usage.completion_tokens == len(ids)
+        assert _tokens(both_servers, p) == list(ref.prompt_token_ids) and resp.usage.prompt_tokens == len(
+            ref.prompt_token_ids)
         assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
         assert resp.choices[0].finish_reason == "length" and resp.object == "text_completion"
 

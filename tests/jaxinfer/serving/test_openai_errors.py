@@ -157,6 +157,13 @@ BAD = {
                             ["prompt[1]", "-1"]),
     "a stop token id past the vocabulary": (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**6]}, 400,
                                             "invalid_request_error", "stop_token_ids", ["stop_token_ids"]),
+    "an invalid JSON schema": (CHAT, {"messages": HI, "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "objec"}}}}, 400,
+                               "invalid_request_error", "response_format", ["response_format", "not valid"]),
+    "an invalid JSON schema in structured_outputs": (COMPLETIONS, {"prompt": "hi", "structured_outputs": {
+        "json": {"type": "object", "properties": {"a": {"type": "integer", "minimum": "zero"}}}}}, 400,
+                                                     "invalid_request_error", "structured_outputs",
+                                                     ["structured_outputs.json"]),
     "an unknown response_format type": (COMPLETIONS, {"prompt": "hi", "response_format": {"type": "yaml"}}, 400,
                                         "invalid_request_error", "response_format", ["response_format.type"]),
     "tools": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
