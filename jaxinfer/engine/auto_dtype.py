@@ -6,9 +6,9 @@
    `torch_dtype`); bfloat16, float16 and quantized weights (GGUF Q4_1 and the like) run in bfloat16 (float16 is
    not an engine dtype; bfloat16 keeps its range).
 3. On CPU: float32 weights stay float32 (never silently rounded). The others run in bfloat16 where the processor
-   computes bf16 natively (the `avx512_bf16` or `amx_bf16` flag: measured faster in bf16 for prefill and decode,
-   BENCHMARKS.md) and in float32 elsewhere (AVX2-only CPUs convert bf16 dots, and prefill measured slower in
-   bf16). README ("Engine options") says the same.
+   computes bf16 natively (the `avx512_bf16` or `amx_bf16` flag: measured faster in bf16 for prefill and 32-stream
+   decode, BENCHMARKS.md; batch-1 decode measured slower on Zen 4) and in float32 elsewhere (AVX2-only CPUs
+   convert bf16 dots, and prefill measured slower in bf16). README ("Engine options") says the same.
 """
 
 from __future__ import annotations

@@ -326,10 +326,11 @@ class Engine:
                 sampled[seq.seq_id] = int(result.token_ids[i])
                 if seq.params.logprobs is not None:
                     logprobs[seq.seq_id] = [result.row_logprobs(i, seq.params.logprobs, self._logprobs.decode)]
-                if (refused := self.grammars.consume(seq.seq_id, sampled[seq.seq_id])) is not None:
-                    del sampled[seq.seq_id]
-                    self.scheduler.fail(seq, refused)
-                    continue
+            # after a verify step too: a constrained row (never drafted) rides in it when other rows speculate
+            if (refused := self.grammars.consume(seq.seq_id, sampled[seq.seq_id])) is not None:
+                del sampled[seq.seq_id]
+                self.scheduler.fail(seq, refused)
+                continue
             if self.spec_policy is not None and seq.is_decoding:
                 emitted = sampled[seq.seq_id]
                 self.spec_policy.record(seq.seq_id, chunk.num_draft_tokens,

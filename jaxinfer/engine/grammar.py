@@ -10,7 +10,9 @@ for the next step, and the tokens it consumes.
 3. After the step, `consume(seq, token)` advances the matcher; a token it refuses (possible only if the mask was
    bypassed, e.g. `min_tokens` banning the EOS the grammar needs) fails that request with the matcher's error.
    The mask allows EOS only where the constraint is complete, so a constrained output ends with EOS there.
-4. Speculative decoding is off for constrained sequences (`Engine.step` leaves them out of the plan).
+4. Speculative decoding is off for constrained sequences (`Engine.step` leaves them out of the plan). They still
+   ride, without drafts, in the verify step of a batch whose other rows speculate: their token is consumed then
+   too (it was not, before: the matcher fell behind and the output broke its constraint).
 
 Source: llguidance (https://github.com/guidance-ai/llguidance), its `LLMatcher` / `LLTokenizer` API.
 """
@@ -151,13 +153,15 @@ class Grammars:
                                                masks.ctypes.data, self.words * 4, len(ids))
         return dict(zip(ids, masks))
 
-    def consume(self, seq_id: int, token_id: int) -> str | None:
-        """Advances the sequence's matcher by one sampled token; the matcher's error if it refuses it, else None."""
+    def consume(self, seq_id: int, token_ids: int | Sequence[int]) -> str | None:
+        """Advances the sequence's matcher by the tokens a step emitted for it (one sampled token, or a verify
+        step's list); the matcher's error if it refuses one, else None."""
         matcher = self._matchers.get(seq_id)
-        if matcher is None or matcher.is_stopped():
-            return None
-        if not matcher.consume_token(token_id):
-            return f"the constrained output cannot continue with token {token_id}: {_short(matcher.get_error())}"
+        for token_id in [token_ids] if isinstance(token_ids, int) else token_ids:
+            if matcher is None or matcher.is_stopped():
+                return None
+            if not matcher.consume_token(token_id):
+                return f"the constrained output cannot continue with token {token_id}: {_short(matcher.get_error())}"
         return None
 
     def forget(self, seq_id: int) -> None:

@@ -132,9 +132,11 @@ class Scheduler:
                              "(at least one token must be generated)")
         max_tokens = cfg.max_model_len if seq.params.max_tokens is None else seq.params.max_tokens
         pages = cfg.pages_for(min(n + max_tokens, cfg.max_model_len))
-        if pages > self.allocator.num_usable_pages:
-            raise ValueError(f"request needs {pages} KV pages (prompt {n} + max_tokens {seq.params.max_tokens} "
-                             f"tokens) but the cache has {self.allocator.num_usable_pages}; it can never fit")
+        if pages > self.allocator.num_usable_pages:  # named by max_tokens, the field that can make it fit
+            asked = (f"max_tokens {seq.params.max_tokens}" if seq.params.max_tokens is not None
+                     else f"max_tokens unset: the rest of the context, {cfg.max_model_len - n}")
+            raise ValueError(f"max_tokens: the request needs {pages} KV pages (prompt {n} + {asked} tokens) but the "
+                             f"cache has {self.allocator.num_usable_pages}; it can never fit")
         self._waiting.append(seq)
         self._live[seq.seq_id] = seq
         self._by_request.setdefault(seq.request_id, []).append(seq)

@@ -14,8 +14,10 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (a
 3. A client that goes away aborts its requests at once (their KV pages are freed by the engine): a streamed
    response's generator is cancelled by Starlette when the client disconnects; a non-streamed request is raced
    against `streams.disconnected`.
-4. Errors have OpenAI's shape (`responses.error_body`): 400 bad value, 401, 404 unknown model or route, 413, 429,
-   503 not serving, 500 for anything else with the exception's type only (its traceback goes to the log).
+4. Errors (`errors.py`) have OpenAI's shape: 400 bad value, 401, 404 unknown model or route, 413, 429,
+   503 not serving, 500 for anything else with the exception's type only (its traceback goes to the log). A
+   completion the engine fails after admission because of its own values (a `ValueError`: a constraint and
+   `allowed_token_ids` that leave no token, `min_tokens` past a completed constraint) is a 400 naming the field.
    An error after a stream started is sent as a last `data: {"error": ...}` event before `data: [DONE]`.
 """
 
@@ -23,11 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import json
-import logging
-import re
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -37,97 +36,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxinfer.engine.async_engine import AsyncEngine, EngineStoppedError
+from jaxinfer.engine.async_engine import AsyncEngine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.prompt import Prompt
-from jaxinfer.request_limits import check_text, check_token_ids, name_hint
+from jaxinfer.request_limits import check_text, check_token_ids
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.serving.openai.errors import (HTTPError, answers_errors, error_response, failure, generation_failed,
+                                            route_error, validation_message)
 from jaxinfer.serving.openai.streams import close, disconnected, first_outputs, last_outputs, merged
 from jaxinfer.serving.openai import translate
 from jaxinfer.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               TokenizeRequest)
 from jaxinfer.serving.openai.responses import Shaper, error_body, sse, usage as usage_of
 from jaxinfer.serving.metrics import RequestRecorder
-from jaxinfer.serving.served import Overloaded, ServedEngine, Unavailable
-
-logger = logging.getLogger(__name__)
-
-
-class HTTPError(Exception):
-    """An error response: HTTP status, message, OpenAI error type, and the field it concerns."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
+from jaxinfer.serving.served import ServedEngine, Unavailable
 
 class _ClientGone(Exception):
     """The client disconnected before its response started."""
-
-
-def _error_response(e: Exception) -> JSONResponse:
-    """The JSON error response of an exception (see the module docstring for the statuses)."""
-    if isinstance(e, HTTPError):
-        status, message, type_, param = e.status, e.message, e.type, e.param
-    elif isinstance(e, ValueError):
-        status, message, type_, param = 400, str(e), "invalid_request_error", _param(str(e))
-    elif isinstance(e, Overloaded):
-        status, message, type_, param = 429, str(e), "rate_limit_error", None
-    elif isinstance(e, (Unavailable, EngineStoppedError)):
-        status, message, type_, param = 503, str(e), "service_unavailable_error", None
-    elif isinstance(e, StarletteHTTPException):
-        status, message, type_, param = e.status_code, str(e.detail), "invalid_request_error", None
-        type_ = "not_found_error" if status == 404 else type_
-    else:
-        logger.exception("internal error", exc_info=e)
-        status, message, type_, param = 500, f"internal error ({type(e).__name__}); see the server log", \
-            "internal_error", None
-    return JSONResponse(error_body(message, type_, param, status), status_code=status)
-
-
-def _answers_errors(handler):
-    """Wraps a route handler: any exception it raises becomes its error response (`_error_response`)."""
-    @functools.wraps(handler)
-    async def answer(*args, **kwargs) -> Response:
-        try:
-            return await handler(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - every error is answered; unexpected ones are logged
-            return _error_response(e)
-
-    return answer
-
-
-async def _route_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    return _error_response(e)
-
-
-def _validation_message(e: ValidationError, model: type[BaseModel]) -> tuple[str, str | None]:
-    """The first problem of a pydantic error as one line naming the field, and the field."""
-    err = e.errors(include_url=False)[0]
-    loc = list(err["loc"])
-    field = str(loc[0]) if loc else None
-    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    if err["type"] == "extra_forbidden":
-        return f"unknown field {name_hint(field, model.model_fields) if len(loc) == 1 else repr(path)}", field
-    if err["type"] == "missing":
-        return f"{path} is required", field
-    info = model.model_fields.get(field) if field is not None else None
-    expected = str(info.annotation).replace("typing.", "").replace(" | None", "") if info is not None else ""
-    if " | " in expected and len(loc) > 1 and isinstance(loc[1], str):
-        # a union (prompt, stop, ...): pydantic names the first alternative it tried; name them all
-        return f"{field} must be {expected}, got {type(err.get('input')).__name__}", field
-    return f"{path}: {err['msg']}", field
-
-
-# Fields whose name starts a `SamplingParams` / translation error ("temperature=...", "prompt[1]: ..."): the
-# error's `param`.
-_PARAM = re.compile(r"^([a-z_]+)(?:\[\d+\])?[=:. ]")
-_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
-
-
-def _param(message: str) -> str | None:
-    match = _PARAM.match(message)
-    return match.group(1) if match and match.group(1) in _FIELDS else None
 
 
 class OpenAIApp:
@@ -145,14 +70,14 @@ class OpenAIApp:
     def __init__(self, served: ServedEngine, model_name: str, api_key: str | None = None) -> None:
         self.served, self.model_name, self.api_key = served, model_name, api_key
         self.app = app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(StarletteHTTPException, _route_error)  # unknown route (404), wrong method (405)
+        app.add_exception_handler(StarletteHTTPException, route_error)  # unknown route (404), wrong method (405)
         for path, handler, method in (("/v1/completions", self.completions, "POST"),
                                       ("/v1/chat/completions", self.chat_completions, "POST"),
                                       ("/v1/models", self.models, "GET"),
                                       ("/v1/models/{model:path}", self.model, "GET"), ("/health", self.health, "GET"),
                                       ("/metrics", self.metrics, "GET"), ("/tokenize", self.tokenize, "POST"),
                                       ("/detokenize", self.detokenize, "POST")):
-            app.add_api_route(path, _answers_errors(handler), methods=[method])
+            app.add_api_route(path, answers_errors(handler), methods=[method])
 
     # --- request checks ---
 
@@ -192,7 +117,7 @@ class OpenAIApp:
         try:
             return model.model_validate(data)
         except ValidationError as e:
-            message, field = _validation_message(e, model)
+            message, field = validation_message(e, model)
             raise HTTPError(400, message, param=field) from None
 
     def _check_model(self, name: str | None) -> None:
@@ -251,6 +176,12 @@ class OpenAIApp:
             firsts = await self._until_disconnect(request, first_outputs(streams))
             recorders = [self.served.record_admitted(out) for out in firsts]
             if body.stream:
+                if (failed := failure(firsts)) is not None:  # at its first step: an error status, not a stream
+                    for recorder, out in zip(recorders, firsts):
+                        recorder.record(out)
+                        recorder.abandoned()
+                    await close(streams)
+                    raise failed
                 options = body.stream_options
                 usage = (options is not None and options.include_usage,
                          options is not None and options.include_usage and options.continuous_usage_stats)
@@ -258,10 +189,8 @@ class OpenAIApp:
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
             outs = await self._until_disconnect(request, last_outputs(streams, firsts, recorders))
-            for out in outs:
-                for c in out.outputs:
-                    if c.finish_reason == "error":
-                        raise RuntimeError(f"generation failed: {c.error}")
+            if (failed := failure(outs)) is not None:
+                raise failed
             return JSONResponse(shaper.whole(outs, echo, first_tokens))
         except _ClientGone:
             for recorder in recorders:
@@ -302,7 +231,7 @@ class OpenAIApp:
                         continue
                     first = (p, c.index) not in started
                     if c.finish_reason == "error":
-                        yield sse(error_body(f"generation failed: {c.error}", "internal_error", None, 500))
+                        yield sse(json.loads(error_response(generation_failed(c.error)).body))
                         yield sse("[DONE]")
                         return
                     chunk = shaper.chunk(p, c, first, echo[p] if echo else "")
@@ -314,7 +243,7 @@ class OpenAIApp:
             if usage[0]:
                 yield sse(shaper.usage_chunk(last))
         except Exception as e:  # noqa: BLE001 - the stream has started: the error is its last event
-            response = _error_response(e)
+            response = error_response(e)
             yield sse(json.loads(response.body))
         finally:
             for recorder in recorders:  # a client that left mid-stream: its requests count as aborted

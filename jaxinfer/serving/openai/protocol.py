@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI-compatible HTTP API, as pydantic models (OpenAI's field names, vLLM's extras).
 
 Unknown fields are refused (HTTP 400 naming the field), except `IGNORED_FIELDS`: fields the OpenAI SDKs and
-clients send that change nothing here, accepted and dropped. Fields of later features (tool calls, prompt
-logprobs, suffix) are declared so that a request that sets them gets a 400 naming the field
-(`UNSUPPORTED_FIELDS`) rather than a silent difference. Value ranges are checked by `SamplingParams` and the
-engine, the same as for the Python API and gRPC (`jaxinfer.request_limits`).
+clients send that change nothing here, accepted and dropped. Fields of features not implemented yet (tool calls:
+`tools`, a `tool_choice` other than "none" / "auto"; `suffix`) are declared so that a request that sets them gets
+a 400 naming the field (`UNSUPPORTED_FIELDS`) rather than a silent difference; prompt logprobs are supported
+(vLLM's `prompt_logprobs`, and `echo` with `logprobs` on completions). Value ranges are checked by
+`SamplingParams` and the engine, the same as for the Python API and gRPC (`jaxinfer.request_limits`).
 
 Sources: the OpenAI API reference (Completions, Chat Completions), vLLM's OpenAI-compatible server docs (extra
 sampling fields, `add_generation_prompt` / `continue_final_message`, `/tokenize`, `/detokenize`).

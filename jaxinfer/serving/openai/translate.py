@@ -57,7 +57,8 @@ def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> dict 
     for kind in ("json", "regex", "choice", "grammar"):
         if (value := getattr(body, f"guided_{kind}")) is not None:
             given.append((f"guided_{kind}", {kind: value}))
-    _check(len(given) <= 1, f"set one output constraint, not {' and '.join(name for name, _ in given)}")
+    if len(given) > 1:  # named by the last of them (the error's param)
+        raise ValueError(f"{given[-1][0]}: set one output constraint, not {' and '.join(n for n, _ in given)}")
     return given[0] if given else None
 
 

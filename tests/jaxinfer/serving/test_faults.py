@@ -4,20 +4,30 @@ same check run against a server whose aborts do nothing fails, so it would catch
 
 The server is a tiny random Llama (`ServerThread`, in this process); the client is a separate Python process, so
 the kernel closes its connection the way it does for any client that dies.
+
+Last in the module, the engine loop crashes (an injected failure no request can be blamed for) under the OpenAI
+HTTP front end: every stream in flight and every waiting non-streamed request gets its error within a second of
+the crash (issue 19's bound), `/health` and new requests answer 503.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
+import httpx2 as httpx
 import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.serving.serve import HTTPServer
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from tests.jaxinfer.benchmarks.tiny_chat_model import make_tiny_chat_model
 from tests.jaxinfer.serving.test_server import ServerThread
@@ -120,3 +130,73 @@ def test_the_killed_client_check_fails_when_aborts_free_nothing(served_tiny, mon
     while served_tiny.engine.stats()["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert served_tiny.engine.stats()["kv_pages_used"] == 0
+
+
+CRASH_BOUND_S = 1.0  # issue 19: every caller gets its error within a second of an engine-thread crash
+
+
+def _http_caller(base_url: str, stream: bool, started: threading.Event) -> tuple[float, int, dict]:
+    """One long greedy completion over HTTP: (when its error arrived, the HTTP status, the error object). A
+    stream sets `started` at its first chunk and reads up to its last event (the error); a whole request waits."""
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream}
+    with httpx.Client(timeout=120) as http:  # the timeout is a safety net only; the bound is checked below
+        if not stream:
+            r = http.post(base_url + "/v1/completions", json=body)
+            return time.monotonic(), r.status_code, r.json().get("error")
+        with http.stream("POST", base_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return time.monotonic(), r.status_code, chunk["error"]
+                started.set()
+    raise AssertionError("the stream ended without an error")
+
+
+def test_an_engine_loop_crash_under_http_answers_every_caller_within_a_second(served_tiny, monkeypatch):
+    """Last in the module: it kills `served_tiny`'s engine loop. An HTTP front end on the same engine has two
+    streams and one non-streamed request running; a failure inside a step that no request can be blamed for
+    (the runner's KV cache) ends the streams with an error event and the whole request with a 503, each within
+    `CRASH_BOUND_S` of the crash, all naming it; then `/health` and a new request answer 503."""
+    http_server = HTTPServer(served_tiny.server.served, port=0, grace_s=0.5)
+    asyncio.run_coroutine_threadsafe(http_server.start(), served_tiny.loop).result(30)
+    base_url = f"http://127.0.0.1:{http_server.port}"
+    engine = served_tiny.engine
+    crashed_at: list[float] = []
+
+    def failing_settle() -> None:
+        crashed_at.append(time.monotonic())
+        raise RuntimeError("injected KV cache failure")
+
+    try:
+        assert httpx.get(base_url + "/health", timeout=30).status_code == 200
+        started = [threading.Event() for _ in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            jobs = [pool.submit(_http_caller, base_url, stream, ev)
+                    for stream, ev in zip((True, True, False), started)]
+            deadline = time.monotonic() + 60
+            while not (started[0].is_set() and started[1].is_set() and engine.stats()["running"] == 3):
+                assert time.monotonic() < deadline, engine.stats()
+                assert not any(j.done() for j in jobs), [j.result() for j in jobs if j.done()]
+                time.sleep(0.01)
+            monkeypatch.setattr(engine.runner.kv, "settle_host_pages", failing_settle)
+            answers = [j.result(timeout=150) for j in jobs]
+        assert crashed_at, "the injected failure never ran"
+        for (at, status, error), stream in zip(answers, (True, True, False)):
+            assert status == (200 if stream else 503), (status, error)
+            assert error["type"] == "service_unavailable_error", error
+            assert "the engine loop stopped: RuntimeError: injected KV cache failure" in error["message"], error
+            assert at - crashed_at[0] < CRASH_BOUND_S, f"answered {at - crashed_at[0]:.2f} s after the crash"
+        health = httpx.get(base_url + "/health", timeout=30)
+        assert health.status_code == 503, health.text
+        assert "engine loop has stopped: RuntimeError: injected KV cache failure" in health.json()["error"]["message"]
+        late = httpx.post(base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable_error", late.text
+    finally:
+        async def stop() -> None:
+            http_server.close(force=True)
+            await http_server.wait()
+
+        asyncio.run_coroutine_threadsafe(stop(), served_tiny.loop).result(30)

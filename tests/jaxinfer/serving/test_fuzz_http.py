@@ -6,10 +6,16 @@ Bodies mix plausible values with anything JSON holds, field by field: wrong type
 nesting deeper than Python's recursion limit, unknown fields; sometimes the bytes are no UTF-8, cut short, or
 random. `max_tokens` is always small when it is valid, so accepted requests stay fast. Half of them stream.
 
+The fields include the token rules (`logit_bias` with real ids and biases, `allowed_token_ids`, `bad_words`) and
+every output constraint (`response_format`, `structured_outputs`, `guided_choice`, `guided_regex`), alone and
+clashing.
+
 Property: a 200 with a well-formed completion (one choice per prompt and sample, each finished once; usage that
 adds up and agrees with the choices' token counts where they are visible) or a 400 / 404 / 429 in OpenAI's error
-shape with a non-empty message; never a 5xx, never a hang (every request has a timeout). Afterwards nothing runs,
-no KV page is in use, and a greedy canary gives the text it gave before the fuzz.
+shape with a non-empty message, a 400 naming its field in `param` (issue 19; only an error about the body as a
+whole, which is not UTF-8 JSON or not an object, has no field to name); a stream may end with such a 400 error
+event when its own values fail it after its first step. Never a 5xx, never a hang (every request has a timeout).
+Afterwards nothing runs, no KV page is in use, and a greedy canary gives the text it gave before the fuzz.
 
 Examples are bounded and derandomized (`FUZZ`), so the run is the same in CI every time.
 """
@@ -27,7 +33,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.request_limits import CHAT_ROLES
+from jaxinfer.request_limits import (CHAT_ROLES, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS,
+                                     MAX_LOGIT_BIAS)
 from jaxinfer.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxinfer.serving.openai.translate import COMPLETION_MAX_TOKENS
 from tests.jaxinfer.serving.test_fuzz_grpc import FUZZ, plausible_or_any, texts
@@ -39,6 +46,7 @@ VOCAB = 49152
 TIMEOUT_S = 60
 CANARY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+BODY_ERROR = "the body "  # a 400 about the body as a whole (not UTF-8 JSON, not an object): no field to name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +110,33 @@ SAMPLING = {  # the fields both endpoints share
     "cache_salt": (st.none() | texts(8), ODD_TEXT),
     "user": (texts(8), ODD_TEXT),  # ignored
     "metadata": (st.none() | st.dictionaries(texts(5), texts(5), max_size=2), st.dictionaries(texts(5), ANY)),
-    "response_format": (st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]), st.sampled_from([
-        {}, {"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "n"}},
-        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
-        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "bogus"}}}])),
-    "logit_bias": (st.sampled_from([None, {}]), st.just({"1": 2.0})),  # unsupported when not empty
-    "guided_regex": (st.sampled_from([None, "a+", "[0-9]{1,3}"]), st.sampled_from(["", "(", "a" * 5000])),
+    # Output constraints: mostly none when plausible (two at once are a 400 naming them).
+    "response_format": (st.sampled_from([None, None, None, {"type": "text"}, {"type": "json_object"}, {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}]), st.sampled_from([
+            {}, {"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "n"}},
+            {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "bogus"}}},
+            {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "required": 3}}}])),
+    "structured_outputs": (st.sampled_from([None, None, None, {"choice": ["yes", "no"]}, {"regex": "[a-z]{1,6}"},
+                                            {"json_object": True}, {"json": {"type": "boolean"}},
+                                            {"grammar": 'start: "yes" | "no"'}]),
+                           st.sampled_from([{}, {"choice": []}, {"choice": ["a", 3]}, {"regex": "("}, {"jsn": {}},
+                                            {"regex": "a", "choice": ["a"]}, {"json": "{not json"},
+                                            {"grammar": "start: undefined_rule"}, {"regex": "a{1000000}"}])),
+    "guided_choice": (st.sampled_from([None, None, None, ["apple", "pear"], ["x"]]),
+                      st.sampled_from([[], [""], ["a", 5], "apple", ["\ud800"]])),
+    "guided_regex": (st.sampled_from([None, None, None, "a+", "[0-9]{1,3}"]),
+                     st.sampled_from(["", "(", "a" * 5000, "a{1000000}"])),
+    # OpenAI's token ids as strings -> a bias in [-100, 100] (at most MAX_LOGIT_BIAS of them)
+    "logit_bias": (st.none() | st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=4),
+                   st.dictionaries(st.integers(-2, VOCAB + 2).map(str) | texts(4) | st.sampled_from(["07", " 7"]),
+                                   st.floats(-200, 200) | st.sampled_from([Raw("NaN"), Raw("1e400")]), max_size=6)
+                   | st.just({str(i): 1.0 for i in range(MAX_LOGIT_BIAS + 1)})),
+    "allowed_token_ids": (st.none() | st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
+                          st.lists(st.integers(-2, VOCAB + 2), max_size=12)
+                          | st.just(list(range(MAX_ALLOWED_TOKEN_IDS + 1)))),
+    "bad_words": (st.none() | st.lists(WORD, max_size=3),
+                  st.lists(ODD_TEXT, max_size=4) | st.sampled_from([["   "], [""], ["w"] * (MAX_BAD_WORDS + 1),
+                                                                    ["x" * (MAX_BAD_WORD_CHARS + 1)]])),
     "prompt_logprobs": (st.none() | st.integers(0, 3), st.integers(-1, 22) | st.floats(0, 2)),  # 400 with stream
 }
 COMPLETION_ONLY = {
@@ -194,6 +223,8 @@ def assert_error(status: int, error_body: dict) -> None:
     assert error["param"] is None or isinstance(error["param"], str), error
     if status == 404:
         assert error["param"] == "model", error
+    if status == 400:  # issue 19: a 400 names the field it concerns (or the body, when there is no field to name)
+        assert error["param"] or error["message"].startswith((BODY_ERROR, "unknown field ''")), error
     event(f"{status}: {error['param'] or ' '.join(error['message'].split()[:4])}")
 
 
@@ -276,7 +307,11 @@ def assert_stream(lines: list[str], exp: Expected, chat: bool) -> None:
     assert lines and all(line.startswith("data: ") for line in lines), lines[:3]
     assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1, lines[-3:]
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
-    assert all("error" not in c for c in chunks), [c for c in chunks if "error" in c]
+    errors = [c for c in chunks if "error" in c]
+    if errors:  # a request its own values fail after its first step (e.g. min_tokens past a completed constraint)
+        assert len(errors) == 1 and errors[0] is chunks[-1], errors
+        assert_error(errors[0]["error"]["code"], errors[0])
+        return
     with_usage = [c for c in chunks if c.get("usage")]
     assert len(with_usage) == exp.include_usage and (not with_usage or with_usage[0] is chunks[-1])
     finish: dict[int, str] = {}

@@ -9,6 +9,8 @@ import functools
 import json
 import math
 import re
+import socket
+import time
 
 import httpx2 as httpx
 import openai
@@ -142,16 +144,26 @@ def test_metrics_count_what_both_front_ends_served(client, both_servers):
 
 
 def test_greedy_completions_equal_grpc_and_llm_generate(client, both_servers, smollm2_llm):
-    """The same prompts, greedy, through three front ends: token for token the same."""
-    http = [client.completions.create(model=both_servers.model_name, prompt=p, max_tokens=12, temperature=0)
-            for p in PROMPTS]
+    """The same prompts, greedy, through three front ends: token for token the same. gRPC streams token ids; the
+    HTTP API shows a completion's tokens as `logprobs.tokens` (the text of each token id alone, the engine's
+    `Logprob.decoded_token`; it has no field that returns ids), which name the ids: in a byte-level BPE vocabulary
+    each id has its own bytes, so texts that are whole UTF-8 (no U+FFFD) name one id each. The prompt's ids come
+    from `/tokenize`."""
+    tok = smollm2_llm.tokenizer
+    http = [client.completions.create(model=both_servers.model_name, prompt=p, max_tokens=12, temperature=0,
+                                      logprobs=0) for p in PROMPTS]
     offline = smollm2_llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
     for p, resp, ref in zip(PROMPTS, http, offline):
+        ids = ref.outputs[0].token_ids
         grpc_ids = _grpc_greedy(both_servers.stub, p, 12)
-        assert grpc_ids == ref.outputs[0].token_ids
-        assert resp.choices[0].text == ref.outputs[0].text
-        assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
-        assert resp.usage.prompt_tokens == len(ref.prompt_token_ids) == len(_tokens(both_servers, p))
+        assert grpc_ids == ids
+        http_tokens = resp.choices[0].logprobs.tokens
+        assert http_tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+        assert "\ufffd" not in "".join(http_tokens)  # each text names one id (see the docstring)
+        assert resp.choices[0].text == ref.outputs[0].text == "".join(http_tokens)
+        assert resp.usage.completion_tokens == len(ids)
+        assert _tokens(both_servers, p) == list(ref.prompt_token_ids) and resp.usage.prompt_tokens == len(
+            ref.prompt_token_ids)
         assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
         assert resp.choices[0].finish_reason == "length" and resp.object == "text_completion"
 
@@ -389,6 +401,49 @@ def test_openai_client_spellings_vllm_accepts(both_servers):
     assert e.status_code == 400 and e.json()["error"]["param"] == "stream_options", e.text
 
 
+
+def test_tokenize_messages_and_detokenize_are_the_tokenizers(client, both_servers):
+    """vLLM's `/tokenize` with `messages` gives the chat template's ids (`Tokenizer.apply_chat_template`, with
+    `add_generation_prompt` / `continue_final_message` and content parts as chat completions take them: the
+    prompt a chat completion counts); `/detokenize` gives `Tokenizer.decode` (special tokens left out, as the
+    README says); bad ids are a 400 naming `tokens`."""
+    url, engine = both_servers.base_url, both_servers.engine
+    tok = engine.tokenizer
+    partial = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    variants = {}
+    for fields, messages, kw in (
+            ({}, CHAT, {"add_generation_prompt": True}),
+            ({"add_generation_prompt": False}, CHAT, {"add_generation_prompt": False}),
+            ({"add_generation_prompt": False, "continue_final_message": True}, partial,
+             {"add_generation_prompt": False, "continue_final_message": True})):
+        r = httpx.post(url + "/tokenize", json={"messages": messages, **fields}, timeout=60).json()
+        want = tok.apply_chat_template(messages, **kw)
+        assert r == {"count": len(want), "max_model_len": engine.max_model_len, "tokens": want}, (fields, r)
+        variants[json.dumps(fields)] = tuple(want)
+    assert len(set(variants.values())) == 3  # each field changes the ids: the checks above can tell them apart
+    parts = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                                   {"type": "text", "text": "colours."}]}]
+    joined = [CHAT[0], {"role": "user", "content": "Name three\ncolours."}]
+    counted = httpx.post(url + "/tokenize", json={"messages": parts}, timeout=60).json()
+    assert counted["tokens"] == tok.apply_chat_template(joined, add_generation_prompt=True)
+    usage = client.chat.completions.create(model=both_servers.model_name, messages=parts, max_tokens=1).usage
+    assert usage.prompt_tokens == counted["count"]
+
+    text = "Hello, world! Caf\u00e9 \u4f60\u597d \U0001f44b"
+    ids = tok.encode(text, add_bos=False)
+    r = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert r == {"prompt": tok.decode(ids)} and r["prompt"] == text
+    chat_ids = variants["{}"]
+    r = httpx.post(url + "/detokenize", json={"tokens": list(chat_ids)}, timeout=60).json()
+    assert r["prompt"] == tok.decode(chat_ids) != tok.decode(chat_ids, skip_special_tokens=False)
+    assert "Name three colours." in r["prompt"] and "<|im_start|>" not in r["prompt"]
+    for bad in ({"tokens": [5, tok.vocab_size]}, {"tokens": [-1]}, {"tokens": ["a"]}):
+        e = httpx.post(url + "/detokenize", json=bad, timeout=60)
+        assert e.status_code == 400 and e.json()["error"]["param"] == "tokens", e.text
+    both = httpx.post(url + "/tokenize", json={"prompt": "hi", "messages": CHAT}, timeout=60)
+    assert both.status_code == 400 and "messages" in both.json()["error"]["message"], both.text
+
+
 def test_chat_logprobs_shape(client, both_servers):
     r = client.chat.completions.create(model=both_servers.model_name, messages=CHAT, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=2)
@@ -452,6 +507,38 @@ def test_twenty_concurrent_streams_some_disconnecting_free_every_page(both_serve
     stats = both_servers.wait_idle()
     assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
     assert aborted() - before == 7  # each disconnected stream counts once (none did before: user trial)
+
+
+
+def test_a_non_streamed_request_whose_client_disconnects_is_aborted_and_frees_its_pages(both_servers):
+    """A whole (non-streamed) completion whose client closes the connection while it runs is aborted at once:
+    its KV pages come back, it stops decoding long before max_tokens, and it counts as aborted once."""
+    engine, sample = both_servers.engine, both_servers.served.metrics.sample
+
+    def aborted() -> float:
+        return sample("jaxinfer:request_success_total", {"finished_reason": "abort"})
+
+    both_servers.wait_idle()
+    before, decoded_before = aborted(), engine.stats()["decode_tokens"]
+    prompted_before = sample("jaxinfer:prompt_tokens_total")
+    max_tokens = 1000
+    body = json.dumps({"model": both_servers.model_name, "prompt": PROMPTS[2], "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", both_servers.http.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 60
+        # running, holding pages, and its first output reached the handler (which counts the prompt's tokens then)
+        while not (engine.stats()["running"] == 1 and engine.stats()["kv_pages_used"] > 0
+                   and sample("jaxinfer:prompt_tokens_total") > prompted_before):
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.01)
+    # closed: the server sees the disconnect while it awaits the last output
+    stats = both_servers.wait_idle(timeout_s=10)
+    assert stats["kv_pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert stats["decode_tokens"] - decoded_before < max_tokens - 1  # aborted, not run to its end
+    assert aborted() - before == 1
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},

@@ -157,6 +157,13 @@ BAD = {
                             ["prompt[1]", "-1"]),
     "a stop token id past the vocabulary": (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**6]}, 400,
                                             "invalid_request_error", "stop_token_ids", ["stop_token_ids"]),
+    "an invalid JSON schema": (CHAT, {"messages": HI, "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "objec"}}}}, 400,
+                               "invalid_request_error", "response_format", ["response_format", "not valid"]),
+    "an invalid JSON schema in structured_outputs": (COMPLETIONS, {"prompt": "hi", "structured_outputs": {
+        "json": {"type": "object", "properties": {"a": {"type": "integer", "minimum": "zero"}}}}}, 400,
+                                                     "invalid_request_error", "structured_outputs",
+                                                     ["structured_outputs.json"]),
     "an unknown response_format type": (COMPLETIONS, {"prompt": "hi", "response_format": {"type": "yaml"}}, 400,
                                         "invalid_request_error", "response_format", ["response_format.type"]),
     "tools": (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
@@ -191,6 +198,27 @@ BAD = {
                      ["best_of"]),
     "echo with logprobs, streamed": (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True},
                                      400, "invalid_request_error", "echo", ["echo", "logprobs", "stream"]),
+    # Found by test_fuzz_http: "set one output constraint" named no param.
+    "two output constraints": (COMPLETIONS, {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}, 400,
+                               "invalid_request_error", "guided_choice", ["set one output constraint",
+                                                                          "guided_regex and guided_choice"]),
+    # Found by test_fuzz_http: a request its own values fail in the engine (no token both allowed_token_ids and the
+    # constraint allow; min_tokens past a completed constraint) was a 500, a broken stream when streamed.
+    "a constraint and allowed_token_ids with no common token": (
+        COMPLETIONS, {"prompt": "hi", "allowed_token_ids": [5], "guided_choice": ["yes", "no"]}, 400,
+        "invalid_request_error", "allowed_token_ids", ["allowed_token_ids", "no common token"]),
+    "the same, streamed": (CHAT, {"messages": HI, "allowed_token_ids": [5], "guided_choice": ["yes", "no"],
+                                  "max_tokens": 4, "stream": True}, 400, "invalid_request_error",
+                           "allowed_token_ids", ["no common token"]),
+    "min_tokens past a completed choice": (COMPLETIONS, {"prompt": "Is the sky green?", "max_tokens": 8,
+                                                         "min_tokens": 5, "temperature": 0,
+                                                         "guided_choice": ["no", "yes"]}, 400,
+                                           "invalid_request_error", "min_tokens", ["min_tokens"]),
+    # Found by this file: chat's default max_tokens (the rest of the context) can need more KV pages than this
+    # server has; the message said "max_tokens None" and named no param.
+    "a chat whose rest of the context cannot fit the KV cache": (
+        CHAT, {"messages": HI}, 400, "invalid_request_error", "max_tokens",
+        ["max_tokens unset: the rest of the context", "KV pages", "never fit"]),
     # Found by this file: nesting deeper than Python's recursion limit was a 500 (RecursionError in json.loads).
     "JSON nested too deeply": (COMPLETIONS, b'{"prompt": "hi", "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}",
                                400, "invalid_request_error", None, ["nested"]),

@@ -10,6 +10,7 @@ death; a stock client (grpcurl, via reflection) lists, health-checks and streams
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import random
 import shutil
@@ -38,6 +39,7 @@ PROMPTS = ["The three primary colors are", "Once upon a time", "def fibonacci(n)
            "The weather today", "Paris is", "Water boils at"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+CRASH_BOUND_S = 1.0  # issue 19: every caller gets an engine-thread crash's error within a second
 
 
 class ServerThread:
@@ -464,23 +466,35 @@ def test_an_unexpected_admission_error_gets_internal_and_the_server_keeps_servin
 
 def test_an_engine_loop_crash_fails_every_stream_and_health_turns_not_serving(served, monkeypatch):
     """Last in the module: it kills the engine loop with a failure no request can be blamed for (the runner's KV
-    cache, inside a step). Every stream in flight ends with UNAVAILABLE naming it, later calls get UNAVAILABLE at
-    once, and health reports NOT_SERVING."""
+    cache, inside a step). Every stream in flight ends with UNAVAILABLE naming it within a second of the crash
+    (issue 19's bound; the calls' timeout is only a safety net), later calls get UNAVAILABLE at once, and health
+    reports NOT_SERVING."""
     long = pb.SamplingParams(max_tokens=400, ignore_eos=True)
     calls = [served.stub.Generate(pb.GenerateRequest(text=p, sampling=long), timeout=120) for p in PROMPTS[:3]]
     for call in calls:
         next(call)  # all three admitted and streaming
+    crashed_at: list[float] = []
 
     def failing_settle() -> None:
+        crashed_at.append(time.monotonic())
         raise RuntimeError("injected KV cache failure")
 
-    monkeypatch.setattr(served.engine.runner.kv, "settle_host_pages", failing_settle)
-    for call in calls:
+    def drain(call) -> tuple[float, grpc.RpcError]:
+        """Reads a call to its end (it must fail): when its error arrived, and the error."""
         with pytest.raises(grpc.RpcError) as info:
             for _ in call:
                 pass
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "the engine loop stopped: RuntimeError: injected KV cache failure" in info.value.details()
+        return time.monotonic(), info.value
+
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        jobs = [pool.submit(drain, call) for call in calls]
+        monkeypatch.setattr(served.engine.runner.kv, "settle_host_pages", failing_settle)
+        answers = [job.result(timeout=150) for job in jobs]
+    assert len(crashed_at) == 1
+    for at, error in answers:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the engine loop stopped: RuntimeError: injected KV cache failure" in error.details()
+        assert at - crashed_at[0] < CRASH_BOUND_S, f"answered {at - crashed_at[0]:.2f} s after the crash"
     with pytest.raises(grpc.RpcError) as info:
         _stream(served.stub, pb.GenerateRequest(text="After the crash"), timeout=60)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
