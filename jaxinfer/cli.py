@@ -78,7 +78,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="the model name of the HTTP API (/v1/models; requests' 'model'); default: the model "
                           "file's or folder's name without its quantization suffix, e.g. SmolLM2-135M-Instruct")
     srv.add_argument("--api-key", default=None,
-                     help="bearer token every /v1 route requires (default: $JAXINFER_API_KEY; unset: none)")
+                     help="bearer token every /v1 route and every gRPC call requires (default: $JAXINFER_API_KEY; "
+                          "unset: none)")
     srv.add_argument("--metrics-port", type=int, default=None,
                      help="Prometheus metrics on a port of their own (default: off; the HTTP API serves /metrics)")
     srv.add_argument("--max-queued-requests", type=int, default=256,
@@ -225,6 +226,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--no-grpc and --no-http leave nothing to serve")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty (leave it out for no key)")
     api_key = args.api_key if args.api_key is not None else os.environ.get("JAXINFER_API_KEY") or None
     if api_key is not None and (not api_key.isprintable() or not api_key.isascii() or " " in api_key):
         raise ValueError("--api-key must be printable ASCII without spaces")

@@ -135,7 +135,7 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int | No
     for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal during the model load stops cleanly too
         loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     served = ServedEngine(config, limits, model_name)
-    grpc_server = None if port is None else Server(served, host=host, port=port)
+    grpc_server = None if port is None else Server(served, host=host, port=port, api_key=api_key)
     http = None
     exporter = None
     try:

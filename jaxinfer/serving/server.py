@@ -38,6 +38,7 @@ from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.request_limits import check_token_ids
 from jaxinfer.serving.metrics_port import MetricsPort
 from jaxinfer.serving.requests import chat_ids, prompt_from_request, sampling_params_from_proto
+from jaxinfer.serving.auth import ApiKeyInterceptor
 from jaxinfer.serving.served import Overloaded, ServedEngine, ServerLimits, Unavailable
 from jaxinfer.serving.v1 import jaxinfer_pb2 as pb
 from jaxinfer.serving.v1 import jaxinfer_pb2_grpc as pb_grpc
@@ -254,10 +255,14 @@ class Server:
       limits: the server's limits (with a `ServedEngine`, its own apply).
       metrics_port: HTTP port of the Prometheus exporter (`/metrics` only); None: no exporter (metrics are still
         kept).
+      api_key: when set, every call of the jaxinfer service needs the metadata `authorization: Bearer <api_key>`,
+        else it ends `UNAUTHENTICATED`; health and reflection stay open (`jaxinfer.serving.auth`).
     """
 
     def __init__(self, config: EngineConfig | ServedEngine, *, host: str = "127.0.0.1", port: int = 50051,
-                 limits: ServerLimits = ServerLimits(), metrics_port: int | None = None) -> None:
+                 limits: ServerLimits = ServerLimits(), metrics_port: int | None = None,
+                 api_key: str | None = None) -> None:
+        self.api_key = api_key
         self._owns_engine = not isinstance(config, ServedEngine)
         self.served = ServedEngine(config, limits) if self._owns_engine else config
         self.host, self.port, self.metrics_port = host, port, metrics_port
@@ -286,8 +291,9 @@ class Server:
 
     async def start(self) -> None:
         """Binds the port and serves health/reflection at once; the engine loads in the background."""
+        interceptors = [] if self.api_key is None else [ApiKeyInterceptor(self.api_key, SERVICE_NAME)]
         self._grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.limits.max_request_bytes),
-                                              ("grpc.so_reuseport", 0)])
+                                              ("grpc.so_reuseport", 0)], interceptors=interceptors)
         add_servicer(JaxInferService(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(

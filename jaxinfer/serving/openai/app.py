@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -49,6 +48,7 @@ from jaxinfer.serving.openai.protocol import (ChatCompletionRequest, CompletionR
                                               TokenizeRequest)
 from jaxinfer.serving.openai.responses import Shaper, error_body, sse, usage as usage_of
 from jaxinfer.serving.metrics import RequestRecorder
+from jaxinfer.serving.auth import bearer_matches
 from jaxinfer.serving.served import ServedEngine, Unavailable
 
 class _ClientGone(Exception):
@@ -84,8 +84,7 @@ class OpenAIApp:
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        if not bearer_matches(request.headers.get("authorization"), self.api_key):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             "authentication_error")
 
