@@ -235,10 +235,8 @@ class QuantizationConfig:
             raise ValueError("quantization group_size is for fp8 and int4; int8 uses one scale per output channel")
         if self.format == "int4":
             object.__setattr__(self, "group_size", self.group_size or DEFAULT_INT4_GROUP_SIZE)
-            if self.group_size not in INT4_GROUP_SIZES or self.quantize_activations or self.quantize_embedding:
-                raise ValueError(f"int4 quantization takes group_size {INT4_GROUP_SIZES} (got {self.group_size}), "
-                                 f"is weight-only (quantize_activations={self.quantize_activations}) and keeps "
-                                 f"the embedding unquantized (quantize_embedding={self.quantize_embedding})")
+            quant4.check_config(self.group_size, INT4_GROUP_SIZES, self.quantize_activations,
+                                self.quantize_embedding)
         if (not isinstance(self.activation_group_size, int) or isinstance(self.activation_group_size, bool)
                 or self.activation_group_size < 0):
             raise ValueError(f"activation_group_size={self.activation_group_size!r} must be an integer >= 0")

@@ -110,3 +110,20 @@ def dequantize(values: Any, scale: Any, min_: Any, num_kept: int) -> Any:
     codes = unpack(values)
     groups = codes.reshape(*codes.shape[:num_kept], scale.shape[-1], -1)
     return dequantize_groups(groups, scale, min_).reshape(codes.shape)
+
+
+def check_config(group_size: int, group_sizes: tuple[int, ...], quantize_activations: Any,
+                 quantize_embedding: Any) -> None:
+    """Checks an int4 `QuantizationConfig`'s fields (group size already defaulted).
+
+    Raises:
+      ValueError: naming the field: a group size not in `group_sizes`, activations quantized (int4 is
+        weight-only), or the embedding quantized (its lookup takes no packed table).
+    """
+    if group_size not in group_sizes:
+        raise ValueError(f"int4 quantization group_size={group_size} must be one of {', '.join(map(str, group_sizes))}"
+                         " (0 or unset: the default, 32)")
+    if quantize_activations:
+        raise ValueError("int4 quantization is weight-only: quantize_activations must be false or unset")
+    if quantize_embedding:
+        raise ValueError("int4 quantization keeps the embedding unquantized: quantize_embedding must be false or unset")

@@ -297,8 +297,9 @@ class Engine:
         try:
             result = self._execute(chunks, draft_probs_row)
         except Exception as e:  # noqa: BLE001 - isolate any failure of the step to the sequences that cause it
-            if len(chunks) == 1:
-                logger.exception("step failed for request %s", chunks[0].seq.request_id)
+            if len(chunks) == 1:  # a ValueError is the request's own values (no traceback for a client's error)
+                (logger.warning if isinstance(e, ValueError) else logger.exception)(
+                    "step failed for request %s: %s", chunks[0].seq.request_id, e)
                 self.scheduler.fail(chunks[0].seq, f"engine step failed: {type(e).__name__}: {e}")
                 self.metrics.num_errors += 1
                 return

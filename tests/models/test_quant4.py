@@ -118,9 +118,10 @@ def test_bad_int4_arguments_and_configs():
     assert QuantizationConfig.from_value('{"format": "int4", "group_size": 128}').group_size == 128
     cfg = QuantizationConfig("int4").resolved()
     assert not cfg.embedding and not cfg.lm_head and not cfg.activations
-    for bad in ({"format": "int4", "group_size": 48}, {"format": "int4", "quantize_activations": True},
-                {"format": "int4", "quantize_embedding": True}):
-        with pytest.raises(ValueError, match="int4 quantization takes group_size"):
+    for bad, match in (({"format": "int4", "group_size": 48}, r"group_size=48 must be one of 32, 64, 128"),
+                       ({"format": "int4", "quantize_activations": True}, "weight-only: quantize_activations"),
+                       ({"format": "int4", "quantize_embedding": True}, "unquantized: quantize_embedding")):
+        with pytest.raises(ValueError, match=match):  # each names its own field
             QuantizationConfig.from_value(bad)
     table = quantize(_weight((96, 64)), "int4", (-1,), group_size=32)
     with pytest.raises(ValueError, match="int4"):
