@@ -14,7 +14,7 @@ import re
 from typing import TYPE_CHECKING
 
 from jaxinfer.prompt import Prompt
-from jaxinfer.request_limits import check_chat, check_text, show
+from jaxinfer.request_limits import MAX_LOGPROBS, check_chat, check_text, show
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured_outputs import structured_outputs_from
 from jaxinfer.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -86,6 +86,8 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int |
         so = None if constraint is None else structured_outputs_from(constraint[1], constraint[0])
     except ValueError as e:
         message = str(e).replace("structured_outputs", constraint[0], 1)
+        if constraint[0] == "response_format":  # the user's own spelling of the schema's place
+            message = message.replace("response_format.json ", "response_format.json_schema.schema ", 1)
         raise ValueError(message if message.startswith(constraint[0]) else f"{constraint[0]}: {message}") from None
     _check(body.stream or body.stream_options is None,
            "stream_options is only allowed with stream: true (as in vLLM)")
@@ -133,6 +135,8 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
     """
     _check(body.top_logprobs is None or body.logprobs,
            "top_logprobs needs logprobs: true")
+    _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
+           f"top_logprobs={show(body.top_logprobs)} must be in [0, {MAX_LOGPROBS}]")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
 

@@ -130,7 +130,7 @@ BAD = {
     "logprobs 99": (COMPLETIONS, {"prompt": "hi", "logprobs": 99}, 400, "invalid_request_error", "logprobs",
                     ["logprobs"]),
     "top_logprobs 99": (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 99}, 400, "invalid_request_error",
-                        "logprobs", ["logprobs"]),
+                        "top_logprobs", ["top_logprobs"]),
     "repetition_penalty 0": (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, 400, "invalid_request_error",
                              "repetition_penalty", ["repetition_penalty"]),
     "temperature NaN": (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', 400, "invalid_request_error",
@@ -159,7 +159,8 @@ BAD = {
                                             "invalid_request_error", "stop_token_ids", ["stop_token_ids"]),
     "an invalid JSON schema": (CHAT, {"messages": HI, "max_tokens": 4, "response_format": {
         "type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "objec"}}}}, 400,
-                               "invalid_request_error", "response_format", ["response_format", "not valid"]),
+                               "invalid_request_error", "response_format",
+                               ["response_format.json_schema.schema", "not valid"]),
     "an invalid JSON schema in structured_outputs": (COMPLETIONS, {"prompt": "hi", "structured_outputs": {
         "json": {"type": "object", "properties": {"a": {"type": "integer", "minimum": "zero"}}}}}, 400,
                                                      "invalid_request_error", "structured_outputs",
