@@ -236,10 +236,9 @@ class JaxInferService(pb_grpc.JaxInferServicer):
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine = self._ready().engine
         self._check_request(request)
-        cfg = engine.model_config
         devices = engine.runner.kv_cache.k.devices()
         platform = next(iter(devices)).platform
-        return pb.ModelInfoResponse(model_name=cfg.name, max_model_len=engine.max_model_len,
+        return pb.ModelInfoResponse(model_name=self._server.served.model_name, max_model_len=engine.max_model_len,
                                     vocab_size=engine.tokenizer.vocab_size, dtype=engine.config.dtype,
                                     page_size=engine.page_size, mesh=f"{len(devices)} x {platform}",
                                     attention_backend=engine.runner.attention.name)

@@ -408,6 +408,7 @@ def test_tokenize_detokenize_and_model_info(served, smollm2_llm: LLM):
     info = served.stub.ModelInfo(pb.ModelInfoRequest())
     assert info.vocab_size == smollm2_llm.tokenizer.vocab_size and info.max_model_len == 8192
     assert info.dtype == "float32" and info.page_size == 16 and info.mesh and info.attention_backend == "reference"
+    assert info.model_name == "SmolLM2-135M-Instruct"  # the served name, as HTTP's /v1/models (not the GGUF's)
     with pytest.raises(grpc.RpcError) as e:
         served.stub.Detokenize(pb.DetokenizeRequest(token_ids=[-5]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in e.value.details()
