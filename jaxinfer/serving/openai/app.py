@@ -51,6 +51,7 @@ from jaxinfer.serving.metrics import RequestRecorder
 from jaxinfer.serving.auth import bearer_matches
 from jaxinfer.serving.served import ServedEngine, Unavailable
 
+
 class _ClientGone(Exception):
     """The client disconnected before its response started."""
 
