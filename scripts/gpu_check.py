@@ -21,7 +21,7 @@ outer timeout still leaves everything measured so far.
    reference, as time allows): tokens/s beside the HBM roofline, bytes one step
    must read (weights + the batch's KV) / peak bandwidth (`PEAK_HBM_BYTES_S`, or `--peak-hbm-gbs`).
 5. quant: the same model with its weights quantized on device (`models.quant`): bf16, fp8 weight-only, fp8 w8a8,
-   int8 w8a8, each decoding at batch 1 and the largest engine batch beside its own roofline (its weight bytes),
+   int8 w8a8, int4 group 32, MXFP8 (weight-only and w8a8), MXFP4, NVFP4 (those this tree has), each decoding at batch 1 and the largest engine batch beside its own roofline (its weight bytes),
    with XLA's memory analysis of the batch-1 decode step, the full-precision weight copies in it (XLA:GPU should
    fuse the converts into the dots: none), and its prefill logits' largest difference from bf16's.
 
@@ -747,7 +747,12 @@ QUANT_FORMATS = (
     ("fp8 weight-only", dict(format="fp8")),
     ("fp8 w8a8", dict(format="fp8", quantize_activations=True)),
     ("int8 w8a8", dict(format="int8")),
-)
+    ("int4 g32 weight-only", dict(format="int4")),
+    ("mxfp8 weight-only", dict(format="mxfp8")),
+    ("mxfp8 w8a8", dict(format="mxfp8", quantize_activations=True)),
+    ("mxfp4 weight-only", dict(format="mxfp4")),
+    ("nvfp4 weight-only", dict(format="nvfp4")),
+)  # a format this tree's models.quant.FORMATS lacks is skipped with a note
 QUANT_PROMPT_TOKENS = 12  # the prefill whose logits are compared with bf16's
 QUANT_MAX_LOGIT_ERR = 0.5  # max |logits - bf16| / max |bf16| above this: a broken matmul path, not rounding
 
@@ -796,6 +801,9 @@ def section_quant(report: Report, sizes: Sizes, args: argparse.Namespace, budget
     for i, (label, qkw) in enumerate(QUANT_FORMATS):
         if budget.left() <= 0:
             report.add(lines, f"| {label} | skipped: section budget spent |||||||||||||")
+            continue
+        if qkw is not None and qkw["format"] not in quant.FORMATS:
+            report.add(lines, f"| {label} | skipped: not a format of this tree |||||||||||||")
             continue
         share = Budget(budget.left() / (len(QUANT_FORMATS) - i))
 
