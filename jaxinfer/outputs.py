@@ -36,6 +36,8 @@ class CompletionOutput:
       logprobs: per generated token, {token id: `Logprob`} of the top `SamplingParams.logprobs` tokens of the
         model's raw distribution plus the sampled token (first, as vLLM orders it); None unless asked for.
       error: why the request failed, when finish_reason is "error".
+      error_kind: with `error`, "request" when the request's own values made it fail (HTTP 400, like an admission
+        `ValueError`; sending it again fails again), "engine" when the engine did (HTTP 500).
       cumulative_logprob: the sum of the generated tokens' raw logprobs, when `logprobs` was asked for, else None
         (as vLLM V1).
       stop_reason: what ended the completion with "stop", as vLLM: the matched stop string, or the id from
@@ -50,6 +52,7 @@ class CompletionOutput:
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     error: str | None = None
+    error_kind: str | None = None
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
 

@@ -300,7 +300,8 @@ class Engine:
             if len(chunks) == 1:  # a ValueError is the request's own values (no traceback for a client's error)
                 (logger.warning if isinstance(e, ValueError) else logger.exception)(
                     "step failed for request %s: %s", chunks[0].seq.request_id, e)
-                self.scheduler.fail(chunks[0].seq, f"engine step failed: {type(e).__name__}: {e}")
+                self.scheduler.fail(chunks[0].seq, *((str(e), "request") if isinstance(e, ValueError) else (
+                    f"engine step failed: {type(e).__name__}: {e}", "engine")))
                 self.metrics.num_errors += 1
                 return
             for i, chunk in enumerate(chunks):

@@ -44,7 +44,7 @@ def request_output(request_id: str, prompt: str | None, prompt_token_ids: Sequen
     completions = [CompletionOutput(index=seq.sample_index, text=seq.text, token_ids=list(seq.output_token_ids),
                                     finish_reason=seq.finish_reason, delta_text=delta_text,
                                     delta_token_ids=delta_ids, logprobs=None if lp is None else lp[0],
-                                    error=seq.error, cumulative_logprob=None if lp is None else lp[1],
+                                    error=seq.error, error_kind=seq.error_kind, cumulative_logprob=None if lp is None else lp[1],
                                     stop_reason=seq.stop_reason)
                    for seq, (delta_ids, delta_text), lp in zip(seqs, deltas, logprobs)]
     return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),

@@ -153,14 +153,15 @@ class Scheduler:
             self._finish(seq, "abort", now)
         return seqs
 
-    def fail(self, seq: Sequence, error: str) -> None:
-        """Finishes one sequence with "error" (FINISHED_ERROR, `seq.error = error`) and frees its pages now.
+    def fail(self, seq: Sequence, error: str, kind: str = "engine") -> None:
+        """Finishes one sequence with "error" (FINISHED_ERROR, `seq.error`, `seq.error_kind = kind`: "request" or
+        "engine") and frees its pages now.
 
         A sequence that already finished is left as it is.
         """
         if seq.is_finished:
             return
-        seq.error = error
+        seq.error, seq.error_kind = error, kind
         self._finish(seq, "error", self._clock())
 
     def suppressed_token_ids(self, seq: Sequence) -> list[int]:

@@ -68,6 +68,7 @@ class Sequence:
       finish_reason: "stop" | "length" | "abort" | "error", or None while live.
       stop_reason: the stop string or `stop_token_ids` id that ended it with "stop" (vLLM's); None otherwise.
       error: the message of a FINISHED_ERROR.
+      error_kind: with `error`: "request" (its own values made it fail, as a ValueError would) or "engine".
       first_scheduled_time, first_token_time, last_token_time, finish_time: seconds on the scheduler's clock, or
         None; `last_token_time` is the step that appended the newest output token.
       num_preemptions: times this sequence was preempted (its K/V dropped and recomputed).
@@ -96,6 +97,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_kind: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

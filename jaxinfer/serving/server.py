@@ -195,6 +195,8 @@ class JaxInferService(pb_grpc.JaxInferServicer):
             if done:
                 finished.add(c.index)
                 msg.finish_reason = c.finish_reason
+                if c.error is not None:
+                    msg.error, msg.error_kind = c.error, c.error_kind or "engine"
                 if isinstance(c.stop_reason, str):
                     msg.stop_str = c.stop_reason
                 elif c.stop_reason is not None:

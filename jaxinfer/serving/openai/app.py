@@ -231,7 +231,7 @@ class OpenAIApp:
                         continue
                     first = (p, c.index) not in started
                     if c.finish_reason == "error":
-                        yield sse(json.loads(error_response(generation_failed(c.error)).body))
+                        yield sse(json.loads(error_response(generation_failed(c)).body))
                         yield sse("[DONE]")
                         return
                     chunk = shaper.chunk(p, c, first, echo[p] if echo else "")

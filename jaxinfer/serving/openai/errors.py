@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.engine.async_engine import EngineStoppedError
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.request_limits import name_hint
 from jaxinfer.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               TokenizeRequest)
@@ -101,18 +101,13 @@ def param_of(message: str) -> str | None:
     return match.group(1) if match and match.group(1) in _FIELDS else None
 
 
-# A completion the engine failed because of its own request (`Engine.step` fails only the culprit): a ValueError
-# such as "allowed_token_ids and structured_outputs allow no common token", "min_tokens: ...".
-_REQUEST_FAILURE = re.compile(r"(?:^|: )ValueError: (.+)", re.S)
-
-
-def generation_failed(error: str | None) -> HTTPError:
+def generation_failed(completion: CompletionOutput) -> HTTPError:
     """The error of a completion that failed in the engine: a 400 naming the field when its own values made it
-    fail (a `ValueError`), else a 500 with the engine's message."""
-    match = _REQUEST_FAILURE.search(error or "")
-    if match is not None:
-        return HTTPError(400, match.group(1), param=param_of(match.group(1)))
-    return HTTPError(500, f"generation failed: {error}", "internal_error")
+    fail (`error_kind` "request", e.g. "allowed_token_ids and structured_outputs allow no common token"), else a
+    500 with the engine's message."""
+    if completion.error_kind == "request":
+        return HTTPError(400, completion.error or "", param=param_of(completion.error or ""))
+    return HTTPError(500, f"generation failed: {completion.error}", "internal_error")
 
 
 def failure(outs: Sequence[RequestOutput]) -> HTTPError | None:
@@ -120,5 +115,5 @@ def failure(outs: Sequence[RequestOutput]) -> HTTPError | None:
     for out in outs:
         for c in out.outputs:
             if c.finish_reason == "error":
-                return generation_failed(c.error)
+                return generation_failed(c)
     return None

@@ -728,6 +728,7 @@ def test_exception_in_step_fails_only_that_request(tiny: Engine, tiny_alone, mon
     assert r.final["bad"].outputs[0].token_ids == []
     assert "injected device failure" in r.final["bad"].outputs[0].error
     assert "RuntimeError" in r.final["bad"].outputs[0].error
+    assert r.final["bad"].outputs[0].error_kind == "engine"
     assert tiny.metrics.num_errors - errors == 1
     assert {rid: t for rid, t in r.tokens().items() if rid != "bad"} == {q.rid: tiny_alone[q.rid] for q in good}
     assert all(o.outputs[0].error is None for rid, o in r.final.items() if rid != "bad")
@@ -746,7 +747,7 @@ def test_nan_logits_fail_only_that_request(tiny: Engine, tiny_alone) -> None:
         r = run(tiny, good[:1] + [bad] + good[1:])
     out = r.final["nan"].outputs[0]
     assert out.finish_reason == "error" and out.token_ids == []
-    assert "non-finite" in out.error
+    assert "non-finite" in out.error and out.error_kind == "engine"
     assert tiny.metrics.num_errors - errors == 1
     assert {rid: t for rid, t in r.tokens().items() if rid != "nan"} == {q.rid: tiny_alone[q.rid] for q in good}
     assert all(o.outputs[0].finish_reason == "length" for rid, o in r.final.items() if rid != "nan")

@@ -105,7 +105,8 @@ def test_min_tokens_past_a_completed_constraint_fails_that_request_naming_min_to
     forced = SamplingParams(temperature=0, max_tokens=8, min_tokens=5, structured_outputs={"choice": ["no", "yes"]})
     bad, good = smollm2_llm.generate(["Is the sky green?", "The sky is"], [forced, plain])
     (c,) = bad.outputs
-    assert c.finish_reason == "error" and "ValueError: min_tokens:" in c.error, (c.finish_reason, c.error, c.token_ids)
+    assert c.finish_reason == "error" and c.error.startswith("min_tokens:"), (c.finish_reason, c.error, c.token_ids)
+    assert c.error_kind == "request"  # the request's own values: an HTTP 400, not a 500
     assert good.outputs[0].token_ids == alone
     ok = smollm2_llm.generate("Is the sky green?", dataclasses.replace(forced, min_tokens=0))[0].outputs[0]
     assert ok.text in ("no", "yes") and ok.finish_reason == "stop"

@@ -198,6 +198,7 @@ def test_a_request_left_without_a_token_fails_alone(tiny: Engine) -> None:
     r = run(tiny, [Req("stuck", PROMPTS[0], failing), Req("fine", PROMPTS[1], _greedy(max_tokens=4))])
     stuck = r.final["stuck"].outputs[0]
     assert stuck.finish_reason == "error" and stuck.token_ids == [5] and "bad_words leave no token" in stuck.error
+    assert stuck.error_kind == "request" and stuck.error.startswith("bad_words")  # no "ValueError:" prefix
     assert r.final["fine"].outputs[0].finish_reason == "length" and len(r.final["fine"].outputs[0].token_ids) == 4
     assert_idle(tiny)
 

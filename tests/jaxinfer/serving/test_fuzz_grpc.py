@@ -210,6 +210,10 @@ def test_generate_fuzz(served_tiny, canary_before, data: bytes) -> None:
         if getattr(sampling, name):
             event(f"OK with {name}")
     if any(r.finish_reason == "error" for r in responses):
+        # the client is told why, and that its own values are to blame (a field named first)
+        failed = [r for r in responses if r.finish_reason == "error"]
+        assert all(r.error_kind == "request" and re.match(r"[A-Za-z_]*", r.error).group(0) in FIELD_NAMES
+                   for r in failed), [(r.error_kind, r.error[:200]) for r in failed]
         event("OK: no token left")
 
 

@@ -155,3 +155,30 @@ def test_generate_outcomes_are_counted_once_by_status(served_tiny, monkeypatch):
     with pytest.raises(grpc.RpcError):
         list(served_tiny.stub.Generate(pb.GenerateRequest(text="hi"), timeout=60))
     assert {s: count(s) - before[s] for s in before} == {"OK": 1, "INVALID_ARGUMENT": 1, "INTERNAL": 1}
+
+
+@pytest.mark.parametrize("error, kind", [(ValueError("min_tokens: injected"), "request"),
+                                         (RuntimeError("injected device failure"), "engine")],
+                         ids=["request", "engine"])
+def test_a_request_failing_after_admission_is_told_why_and_whose_fault(served_tiny, monkeypatch, error, kind):
+    """The last response of a completion the engine failed carries finish_reason "error", its message and its kind
+    (it carried no message before); the server goes on serving."""
+    runner = served_tiny.engine.runner
+    real = runner.execute
+    marker = 11  # the first prompt id of the failing request only
+
+    def failing(chunks, *args, **kwargs):
+        if any(c.token_ids and c.token_ids[0] == marker and c.num_computed_tokens == 0 for c in chunks):
+            raise error
+        return real(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", failing)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[marker, 12, 13]),
+                                 sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+    responses = list(served_tiny.stub.Generate(request, timeout=60))
+    assert responses[-1].finish_reason == "error", responses
+    assert responses[-1].error_kind == kind
+    expected = str(error) if kind == "request" else f"engine step failed: RuntimeError: {error}"
+    assert responses[-1].error == expected
+    monkeypatch.undo()
+    _still_serving(served_tiny)
