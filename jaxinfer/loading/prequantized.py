@@ -248,21 +248,21 @@ def _rows(scheme: Scheme, module: str, read: Callable[[str], np.ndarray], keys: 
         try:
             x = read(module + suffix)
         except KeyError:
-            raise ValueError(f"{scheme.method} checkpoint is missing tensor {module + suffix!r}") from None
+            raise ValueError(f"tensor {module + suffix!r} is missing") from None
         if (shape is not None and x.shape != shape) or (dtypes and x.dtype not in dtypes):
-            raise ValueError(f"{scheme.method} tensor {module + suffix!r} is {x.dtype} {x.shape}; expected "
+            raise ValueError(f"tensor {module + suffix!r} is {x.dtype} {x.shape}; expected "
                              f"{'/'.join(map(str, dtypes)) or 'any dtype'} {shape or ''}")
         return x
 
     if scheme.fmt == "fp8":
         w = get(".weight", None, (_FP8,))
         if w.ndim != 2:
-            raise ValueError(f"{scheme.method} tensor {module + '.weight'!r} has shape {w.shape}; expected [out, in]")
+            raise ValueError(f"tensor {module + '.weight'!r} has shape {w.shape}; expected [out, in]")
         out, size_in = w.shape
         if scheme.strategy == "tensor":
             s = get(".weight_scale").astype(np.float32)
             if s.size != 1:
-                raise ValueError(f"{scheme.method} tensor {module + '.weight_scale'!r} has shape {s.shape}; a "
+                raise ValueError(f"tensor {module + '.weight_scale'!r} has shape {s.shape}; a "
                                  "per-tensor scale holds one value")
             return Rows(w, np.full((out, 1), s.reshape(()), np.float32), None, 0)
         if scheme.strategy == "channel":
@@ -294,11 +294,11 @@ def _rows(scheme: Scheme, module: str, read: Callable[[str], np.ndarray], keys: 
     if scheme.method == "gptq" and module + ".g_idx" in keys:
         g_idx = get(".g_idx", (size_in,))
         if not np.array_equal(g_idx, np.arange(size_in) // group):
-            raise ValueError(f"gptq tensor {module + '.g_idx'!r} reorders the input channels' groups (act-order / "
+            raise ValueError(f"tensor {module + '.g_idx'!r} reorders the input channels' groups (act-order / "
                              "desc_act); only g_idx = i // group_size is supported")
     if scheme.symmetric:
         if not np.all(z == quant4.SYMMETRIC_ZERO):
-            raise ValueError(f"gptq tensor {module + '.qzeros'!r} holds zero points other than "
+            raise ValueError(f"tensor {module + '.qzeros'!r} holds zero points other than "
                              f"{quant4.SYMMETRIC_ZERO} although quantization_config says sym=true")
         return dataclasses.replace(_uniform_groups(scale, None, group, size_in), values=codes)
     return dataclasses.replace(_uniform_groups(scale, -scale * z, group, size_in), values=codes)
@@ -371,6 +371,6 @@ def quantized_fetch(cfg: ModelConfig, scheme: Scheme, read: Callable[[str], np.n
         try:
             return to_layout(_rows(scheme, module, read, keys), name, cfg, _AXES[field], scheme.fmt)
         except ValueError as e:
-            raise ValueError(f"{key!r} ({scheme.method}): {e}") from None
+            raise ValueError(f"{scheme.method} checkpoint, module {module!r}: {e}") from None
 
     return fetch
