@@ -7,6 +7,7 @@ unsupported options are refused by name."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -286,3 +287,12 @@ def test_the_folders_are_what_the_script_writes(tmp_path):
     for case in CASES:
         for name in ("config.json", "model.safetensors"):
             assert (tmp_path / case / name).read_bytes() == (PREQUANTIZED / case / name).read_bytes(), (case, name)
+
+
+def test_sharded_over_fake_devices():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        str(REPO / "tests" / "jaxinfer" / "loading" / "multi_device_prequantized_checks.py")],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout and "skipped" not in r.stdout
