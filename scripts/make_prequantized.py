@@ -3,10 +3,10 @@
 
 numpy, ml_dtypes and safetensors only: no torch and no quantization library, so the folders can be written again on
 any machine. The quantizers are plain round-to-nearest (not GPTQ's or AWQ's calibration: only the stored layout
-matters to a loader); the packing follows each format's documentation (table in
-jaxinfer/loading/prequantized.py's docstring). Every projection of every layer (q, k, v, o, gate, up, down) is
-quantized; the embedding and (except in `ct_fp8_channel`) the LM head are stored as float16, the norms as the
-source's float32, and config.json is the source's plus a `quantization_config`.
+matters to a loader); the packing follows each format's documentation (table in jaxinfer/loading/prequantized.py's
+docstring). Every projection of every layer (q, k, v, o, gate, up, down; an MoE source's experts too, e.g.
+tests/data/tiny_qwen3_moe) is quantized; the embedding, a router and (except in `ct_fp8_channel`) the LM head are
+stored as float16, the norms as the source's float32, and config.json is the source's plus a `quantization_config`.
 
 | folder | quantization_config | stored per projection |
 |---|---|---|
@@ -35,8 +35,8 @@ from safetensors.numpy import load_file, save_file
 
 log = logging.getLogger("make_prequantized")
 
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
+# The projections' names end so (HF Llama-style attention and MLP, MoE experts and shared experts), the routers' not
+PROJECTIONS = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUP = 32
 BLOCK = (16, 32)  # fp8_block's [rows, cols]: not square, so swapped axes would show
@@ -162,7 +162,7 @@ def write_folder(source: Path, dst: Path, name: str) -> None:
     writer, qconfig, quantize_head = FOLDERS[name]
     tensors = load_file(source / "model.safetensors")
     modules = [k.removesuffix(".weight") for k in tensors
-               if any(k.endswith(f"{p}.weight") for p in PROJECTIONS) or (quantize_head and k == "lm_head.weight")]
+               if k.endswith(PROJECTIONS) or (quantize_head and k == "lm_head.weight")]
     # float16 for the plain matrices (the embedding, a float LM head): half the bytes, and exact in float32
     out = {k: v.astype(np.float16) if v.ndim == 2 else v for k, v in tensors.items()
            if k.removesuffix(".weight") not in modules}

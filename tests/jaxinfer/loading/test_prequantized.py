@@ -164,6 +164,26 @@ def test_logits_equal_the_float_model_on_the_dequantized_weights(case, loaded):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def test_moe_experts_load_quantized(tmp_path, case="gptq_asym"):
+    # tiny_qwen3_moe written by the script (not committed): 8 experts per layer, each stored quantized on its own,
+    # stacked into [L, E, ...] QuantizedWeights; the router stays float. The MoE matmuls dequantize the experts.
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_prequantized.py"), "--source",
+                    str(REPO / "tests" / "data" / "tiny_qwen3_moe"), "--out", str(tmp_path), "--only", case],
+                   check=True, capture_output=True)
+    cfg, weights = load_hf_weights(tmp_path / case)
+    _, ref = load_hf_weights(dense_folder(case, tmp_path / "dense", tmp_path / case))
+    for field in ("wq", "wo", "e_gate", "e_up", "e_down"):
+        q = getattr(weights.layers, field)
+        assert isinstance(q, QuantizedWeight), field
+        np.testing.assert_array_equal(np.asarray(q.dequantize()), getattr(ref.layers, field), err_msg=field)
+    assert weights.layers.e_down.values.shape[:2] == (cfg.num_layers, cfg.num_experts)
+    assert not isinstance(weights.layers.router, QuantizedWeight)
+    tokens = [int(x) for x in (np.arange(24) * 37 + 5) % cfg.vocab_size]
+    want = _logits(_runner(cfg, jax.tree.map(jnp.asarray, ref)), tokens)
+    got = _logits(_runner(cfg, jax.tree.map(jnp.asarray, weights)), tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_fp8_blocks_of_128_with_partial_blocks():
     # DeepSeek-V3 / Qwen3-FP8 blocks of [128, 128] over a [200, 320] weight: the last row block holds 72 rows and the
     # last column block 64 columns; groups become gcd(128, 320) = 64 wide, each block scale repeated over 2 groups.
