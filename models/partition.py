@@ -146,15 +146,27 @@ def _pad_quantized(q: QuantizedWeight, spec: Any, layout: TPLayout) -> Quantized
     and for a per-group scale the contracted axes with the last one counted in groups. Kept axes (and a grouped
     scale's leading contracted axes) are gathered or padded like the values, with scale 1 on zero slots.
 
+    A weight that needs no gather or padding (tp divides its heads and widths) is returned as it is, whatever its
+    format or groups.
+
     Raises:
       ValueError: a grouped scale whose last contracted axis would need a padding that is not a whole number of
-        groups (or a head gather along it): the padded weight has no per-group layout that equals the checkpoint's.
+        groups (or a head gather along it): the padded weight has no per-group layout that equals the checkpoint's;
+        an int4 weight, or groups spanning more than the last contracted axis, that would need padding.
     """
+    if layout.heads_identity and all(name not in (MLP, VOCAB) or layout.pad_size(n) == n
+                                     for name, n in zip(spec.logical_axes, q.shape)):
+        return q  # nothing is gathered or padded
     xp = np if isinstance(q.values, np.ndarray) else jnp
     nd, order = q.ndim, q._order()
     num_kept = nd - len(q.contract_axes)
     values, scale = q.values, q.scale
     contracted = values.shape[num_kept:]
+    if q.format == "int4" or (q.group_size and contracted[-1] % q.group_size):
+        why = "packed 4-bit values" if q.format == "int4" else "its groups span more than its last input axis"
+        raise ValueError(f"a {q.format} weight of shape {q.shape} stored with group_size {q.group_size} cannot be "
+                         f"padded for tp={layout.tp} ({why}); use a tp that divides the heads, KV heads and MLP "
+                         "width, or one device")
     groups = (*contracted[:-1], contracted[-1] // q.group_size) if q.group_size else (1,) * len(contracted)
     scale = scale.reshape(*scale.shape[:-1], *groups)
 

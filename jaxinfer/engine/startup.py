@@ -77,7 +77,8 @@ def _quantize(weights, cfg, qcfg: QuantizationConfig, dtype) -> Weights:
 def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | None, bool]:
     """(the effective quantization, resolved, or None; whether the weights are quantized at load).
 
-    A quantized checkpoint's own quantization wins: `config.quantization` None takes it, an equal one is
+    A quantized checkpoint's own quantization (a `jaxinfer convert --quantization` checkpoint, or a pre-quantized
+    HF folder: `jaxinfer.loading.stored_quantization`) wins: `config.quantization` None takes it, an equal one is
     accepted, a different one is refused.
 
     Raises:
@@ -90,8 +91,7 @@ def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | Non
     if wanted is not None and wanted != stored:
         raise ValueError(f"quantization={wanted} differs from the quantization the checkpoint {config.model!r} "
                          f"is stored with, {stored}; pass quantization=None (leave out --quantization) to use the "
-                         f"checkpoint's, or convert "
-                         f"the original model again")
+                         f"checkpoint's, or load (or convert) the original, unquantized model")
     return stored, False
 
 

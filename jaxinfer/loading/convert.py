@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxinfer.loading.loader import default_model_path, load_model
+from jaxinfer.loading.loader import default_model_path, load_model, stored_quantization
 from jaxinfer.loading.orbax import check_output_dir, save
 from jaxinfer.loading.orbax_format import checked_dtype, checkpoint_quantization, is_orbax_checkpoint
 from models import quant
@@ -57,6 +57,9 @@ def convert(src: str | os.PathLike | None, output_dir: str | os.PathLike, dtype:
     source = default_model_path() if src is None else Path(src)
     if is_orbax_checkpoint(source) and checkpoint_quantization(source) is not None:
         raise ValueError(f"{str(source)!r} is a quantized checkpoint already; convert from the original model")
+    if not is_orbax_checkpoint(source) and stored_quantization(source) is not None:
+        raise ValueError(f"{str(source)!r} is a pre-quantized HF folder ({stored_quantization(source).format}); "
+                         "load it directly (--model FOLDER), or convert from the original model")
     logger.info("loading %s as %s", source, dt.name if qcfg is None else "float32, to quantize")
     t0 = time.perf_counter()
     cfg, weights, tokenizer = load_model(source, dt if qcfg is None else np.dtype(np.float32))

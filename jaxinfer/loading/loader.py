@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxinfer.loading import orbax, orbax_format
 from jaxinfer.loading.gguf import load_gguf_weights, read_gguf, read_gguf_header
-from jaxinfer.loading.hf import load_hf_weights, read_hf_config
+from jaxinfer.loading.hf import load_hf_weights, read_hf_config, stored_hf_quantization
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights
@@ -116,16 +116,23 @@ def read_model_config(model: str | os.PathLike | None) -> ModelConfig:
 
 
 def stored_quantization(model: str | os.PathLike | None) -> QuantizationConfig | None:
-    """The quantization a model's weights are stored with: a quantized `jaxinfer convert` checkpoint's
-    `QuantizationConfig` (resolved), else None (GGUF and HF sources load as float weights).
+    """The quantization a model's weights are stored with (resolved): a quantized `jaxinfer convert` checkpoint's
+    `QuantizationConfig`, or a pre-quantized HF folder's (FP8, GPTQ, AWQ, compressed-tensors: derived from its
+    config.json's `quantization_config`, `jaxinfer.loading.prequantized`); else None (GGUF files and other HF
+    folders load as float weights).
 
     Raises:
       ValueError: for a checkpoint folder whose JSON is missing or malformed (see
-        `jaxinfer.loading.orbax_format.checkpoint_quantization`).
+        `jaxinfer.loading.orbax_format.checkpoint_quantization`), or an HF folder whose `quantization_config` names
+        an option we do not support (`jaxinfer.loading.prequantized.read_scheme`).
     """
-    if model is None or not orbax_format.is_orbax_checkpoint(model):
+    if model is None:
         return None
-    return orbax_format.checkpoint_quantization(model)
+    if orbax_format.is_orbax_checkpoint(model):
+        return orbax_format.checkpoint_quantization(model)
+    if Path(model).is_dir() and (Path(model) / "config.json").is_file():
+        return stored_hf_quantization(model)
+    return None
 
 
 # GGUF `general.file_type` (llama.cpp's `llama_ftype`): 0 all F32, 1 mostly F16, 32 mostly BF16; the rest quantized.

@@ -18,6 +18,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.llama import LayerWeights, Weights
+from models.quant import QuantizedWeight
 
 
 # --- name table -------------------------------------------------------------------------------------------------
@@ -189,14 +190,33 @@ def assemble(
     fetch: Callable[[TensorName, int | None, int | None], np.ndarray | None],
     source: str,
     dtype: np.dtype,
+    quantized: Callable[[str, TensorName, int | None, int | None], QuantizedWeight | None] | None = None,
 ) -> Weights:
     """Builds `Weights` from a per-tensor fetch function (name, layer, expert); checks presence and shapes.
 
     `source` "gguf" fetches a per-expert field once per layer (expert None), as one [E, out, in] tensor whose
     slices each convert like an HF expert's [out, in] matrix; other sources fetch it expert by expert.
+    `quantized` (field, name, layer, expert), if given, is asked first: a `models.quant.QuantizedWeight` in our
+    layout for a tensor the checkpoint stores quantized (kept as it is, not cast), None to fetch it as usual.
+
+    Raises:
+      ValueError: a missing tensor, a shape that does not fit the config, or a field stored quantized in some
+        layers (or experts) and not in others, or with different static fields (all named).
     """
     specs = Weights.abstract(cfg)
     stacked_experts = source == "gguf"
+
+    def stack(field: str, items: list) -> np.ndarray | QuantizedWeight:
+        if not any(isinstance(x, QuantizedWeight) for x in items):
+            return np.stack(items)
+        first = items[0]
+        if not all(isinstance(x, QuantizedWeight) and x.replace(values=None, scale=None, min=None)
+                   == first.replace(values=None, scale=None, min=None) and (x.min is None) == (first.min is None)
+                   for x in items):
+            raise ValueError(f"{source} checkpoint stores {field} quantized in some layers or experts and not in "
+                             f"others (or with different groups); they must all be stored alike")
+        return first.replace(values=np.stack([x.values for x in items]), scale=np.stack([x.scale for x in items]),
+                             min=None if first.min is None else np.stack([x.min for x in items]))
 
     def convert(name: TensorName, raw: np.ndarray, stacked: bool) -> np.ndarray:
         if not stacked:
@@ -207,11 +227,17 @@ def assemble(
 
     def get(field: str, name: TensorName, spec, layer: int | None, expert: int | None = None) -> np.ndarray:
         if name.per_expert and expert is None and not stacked_experts:
-            return np.stack([get(field, name, spec, layer, j) for j in range(cfg.num_experts)])
-        raw = fetch(name, layer, expert)
+            return stack(field, [get(field, name, spec, layer, j) for j in range(cfg.num_experts)])
         label = (name.gguf if source == "gguf" else name.hf).format(i=layer, j=expert)
         expected = spec.shape[1:] if layer is not None else spec.shape
         expected = expected[1:] if expert is not None else expected
+        q = None if quantized is None else quantized(field, name, layer, expert)
+        if q is not None:
+            if q.shape != expected:
+                raise ValueError(f"{source} tensor {label!r} is stored quantized as a {q.shape} weight; the config "
+                                 f"needs {expected}")
+            return q
+        raw = fetch(name, layer, expert)
         if raw is None:
             raise ValueError(f"{source} checkpoint is missing tensor {label!r}")
         try:
@@ -231,7 +257,7 @@ def assemble(
         spec = getattr(specs.layers, field)
         if spec is None:
             continue
-        layer_fields[field] = np.stack([get(field, name, spec, i) for i in range(cfg.num_layers)])
+        layer_fields[field] = stack(field, [get(field, name, spec, i) for i in range(cfg.num_layers)])
     top = {field: get(field, name, getattr(specs, field), None)
            for field, name in TOP_TENSORS.items() if getattr(specs, field) is not None}
     return Weights(layers=LayerWeights(**layer_fields), **top)
