@@ -12,7 +12,8 @@ dim, E experts, Fe / Fs expert / shared-expert MLP width. A converter that gets 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -184,17 +185,28 @@ TOP_TENSORS: dict[str, TensorName] = {
 }
 
 
+def layer_names(architecture: str) -> dict[str, TensorName]:
+    """Layer field -> its `TensorName` for one architecture: `LAYER_TENSORS` with the architecture's MoE, family
+    and fused entries over it."""
+    return {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(architecture, {}), **FAMILY_LAYER_TENSORS.get(architecture, {}),
+            **FUSED_LAYER_TENSORS.get(architecture, {})}
+
+
 def assemble(
     cfg: ModelConfig,
     fetch: Callable[[TensorName, int | None, int | None], np.ndarray | None],
     source: str,
     dtype: np.dtype,
+    given: Mapping[str, Any] | None = None,
 ) -> Weights:
     """Builds `Weights` from a per-tensor fetch function (name, layer, expert); checks presence and shapes.
 
     `source` "gguf" fetches a per-expert field once per layer (expert None), as one [E, out, in] tensor whose
-    slices each convert like an HF expert's [out, in] matrix; other sources fetch it expert by expert.
+    slices each convert like an HF expert's [out, in] matrix; other sources fetch it expert by expert. `given`
+    maps fields (layer fields stacked over layers, or "embed" / "lm_head") to values built already, taken as they
+    are (`jaxinfer.loading.gguf_quant`'s quantized weights).
     """
+    given = given or {}
     specs = Weights.abstract(cfg)
     stacked_experts = source == "gguf"
 
@@ -224,14 +236,14 @@ def assemble(
         return arr.astype(dtype)
 
     layer_fields = {}
-    arch = cfg.architecture
-    names = {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(arch, {}), **FAMILY_LAYER_TENSORS.get(arch, {}),
-             **FUSED_LAYER_TENSORS.get(arch, {})}
-    for field, name in names.items():
+    for field, name in layer_names(cfg.architecture).items():
         spec = getattr(specs.layers, field)
         if spec is None:
             continue
+        if field in given:
+            layer_fields[field] = given[field]
+            continue
         layer_fields[field] = np.stack([get(field, name, spec, i) for i in range(cfg.num_layers)])
-    top = {field: get(field, name, getattr(specs, field), None)
+    top = {field: given[field] if field in given else get(field, name, getattr(specs, field), None)
            for field, name in TOP_TENSORS.items() if getattr(specs, field) is not None}
     return Weights(layers=LayerWeights(**layer_fields), **top)
