@@ -201,8 +201,7 @@ class QuantizationConfig:
     """Which weights are quantized, and how.
 
     Attributes:
-      format: "int8" (symmetric, per output channel), "fp8" (e4m3) or "int4" (`models.quant4`, weight-only);
-        "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors kept as stored (`jaxinfer.loading.gguf_quant`).
+      format: "int8" (per output channel), "fp8" (e4m3), "int4" (`models.quant4`) or "gguf" (a GGUF's, as stored).
       group_size: fp8: input channels per scale (e.g. 128), 0 for per output channel. A weight whose last
         contracted axis it does not divide keeps per-channel scales (`quantize_weights` logs none; see
         `weight_bytes`). int4: 32, 64 or 128 (0 means 32); a weight whose last contracted axis it does not divide
@@ -282,9 +281,9 @@ class QuantizationConfig:
 
     def resolved(self) -> QuantizationConfig:
         """This config with every None default decided (activations, embedding, LM head): two configs that
-        quantize the same way compare equal once resolved."""
-        return dataclasses.replace(self, quantize_activations=self.activations, quantize_embedding=self.embedding,
-                                   quantize_lm_head=self.lm_head)
+        quantize the same way compare equal once resolved. "gguf" (the file decides) stays as it is."""
+        return self if self.format == "gguf" else dataclasses.replace(
+            self, quantize_activations=self.activations, quantize_embedding=self.embedding, quantize_lm_head=self.lm_head)
 
 
 # Contracted axes of each quantized projection in its own layout (see models.llama.LayerWeights).

@@ -1,6 +1,6 @@
-"""Checkpoint loading: GGUF files (`gguf`; quantized tensors kept as stored: `gguf_quant`), HF safetensors folders (`hf`) and jaxinfer's own orbax checkpoints
-(`orbax_format`, `orbax`), one table of checkpoint tensor names (`tensor_names`), the config codec (`codec`), the
-entry point `load_model` (`loader`) and `convert` (`convert`).
+"""Checkpoint loading: GGUF files (`gguf`; Q8_0 / Q4 tensors kept as stored: `gguf_quant`), HF safetensors folders
+(`hf`) and jaxinfer's own orbax checkpoints (`orbax_format`, `orbax`), one table of checkpoint tensor names
+(`tensor_names`), the config codec (`codec`), the entry point `load_model` (`loader`) and `convert` (`convert`).
 
 Imports only `models`, `sharding` and `jaxinfer.tokenizer` (never the engine, serving or CLI).
 """

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxinfer.loading.gguf_quant import kept_quantized
-from jaxinfer.loading.tensor_names import TOP_TENSORS, TensorName, assemble, layer_names
+from jaxinfer.loading.tensor_names import TensorName, assemble
 from models.config import ModelConfig
 from models.gguf_families import GGUF_METADATA_TENSORS
 from models.llama import Weights
@@ -316,7 +316,5 @@ def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32,  
             arr = arr - np.float32(cfg.norm_weight_offset)
         return arr
 
-    kept = {} if not keep_quantized else kept_quantized(cfg, tensors, layer_names(cfg.architecture),
-                                                         {"embed": TOP_TENSORS["embed"],
-                                                          "lm_head": TOP_TENSORS["lm_head"]}, rope_rows)
+    kept = kept_quantized(cfg, tensors, rope_rows) if keep_quantized else {}
     return cfg, assemble(cfg, fetch, "gguf", dtype, given=kept)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer.loading.tensor_names import TensorName
+from jaxinfer.loading.tensor_names import TOP_TENSORS, TensorName, layer_names
 from models import quant4
 from models.config import ModelConfig
 from models.llama import Weights
@@ -132,16 +132,13 @@ def _field(name: TensorName, cfg: ModelConfig, tensors: list, spec_shape: tuple[
                            contract_axes=contract_axes, group_size=BLOCK)
 
 
-def kept_quantized(cfg: ModelConfig, tensors: Mapping, names: Mapping[str, TensorName],
-                   top_names: Mapping[str, TensorName],
+def kept_quantized(cfg: ModelConfig, tensors: Mapping,
                    rows_of: Callable[[TensorName, int | None, int], np.ndarray]) -> dict[str, QuantizedWeight]:
     """The fields of `models.llama.Weights` that stay quantized (module docstring: which), built from the file.
 
     Args:
       cfg: the model's config.
       tensors: GGUF tensor name -> the `gguf` reader's tensor (its `tensor_type`, `shape` and `data`).
-      names: layer field -> its `TensorName` (the name table's entries for this architecture).
-      top_names: "embed" / "lm_head" -> their `TensorName`s.
       rows_of: (name, layer, rows) -> i64[rows], the checkpoint row each row of the loaded [out, in] matrix comes
         from (the Q/K RoPE un-permutation; arange otherwise).
 
@@ -151,8 +148,8 @@ def kept_quantized(cfg: ModelConfig, tensors: Mapping, names: Mapping[str, Tenso
     """
     specs = Weights.abstract(cfg)
     kept = {}
-    for field, name in names.items():
-        spec = getattr(specs.layers, field, None)
+    for field, name in layer_names(cfg.architecture).items():
+        spec = getattr(specs.layers, field)
         if spec is None or field not in CONTRACT_AXES:
             continue
         ts = [tensors.get(name.gguf.format(i=i)) for i in range(cfg.num_layers)]
@@ -161,8 +158,9 @@ def kept_quantized(cfg: ModelConfig, tensors: Mapping, names: Mapping[str, Tenso
         q = _field(name, cfg, ts, spec.shape, CONTRACT_AXES[field], rows_of, list(range(cfg.num_layers)))
         if q is not None:
             kept[field] = q
-    for field, name in top_names.items():
-        spec, t = getattr(specs, field, None), tensors.get(name.gguf)
+    for field in _TOP_CONTRACT_AXES:
+        name = TOP_TENSORS[field]
+        spec, t = getattr(specs, field), tensors.get(name.gguf)
         if spec is None or t is None or t.tensor_type not in KEPT_TYPES:
             continue
         q = _field(name, cfg, [t], spec.shape, _TOP_CONTRACT_AXES[field], rows_of, [None])
