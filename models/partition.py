@@ -141,10 +141,12 @@ def _pad_quantized(q: QuantizedWeight, spec: Any, layout: TPLayout) -> Quantized
     """`pad_weights` of one quantized weight, equal to quantizing the padded float weight with the same static
     fields (values moved, never requantized; see the module docstring).
 
-    The scale is handled with its group axis unflattened, [*kept, *contracted groups]: size 1 on every contracted
-    axis for a per-channel scale (padding a contracted axis leaves each channel's absmax, so its scale, unchanged),
-    and for a per-group scale the contracted axes with the last one counted in groups. Kept axes (and a grouped
-    scale's leading contracted axes) are gathered or padded like the values, with scale 1 on zero slots.
+    The scale (and an int4 min) is handled with its group axis unflattened, [*kept, *contracted groups]: size 1 on
+    every contracted axis for a per-channel scale (padding a contracted axis leaves each channel's absmax, so its
+    scale, unchanged), and for a per-group scale the contracted axes with the last one counted in groups. Kept axes
+    (and a grouped scale's leading contracted axes) are gathered or padded like the values, with zero weights on
+    zero slots: values 0 (symmetric int4: code 8, `models.quant4`), scale 1, min 0. An int4 weight's packed last
+    axis is padded in bytes of two codes.
 
     A weight that needs no gather or padding (tp divides its heads and widths) is returned as it is, whatever its
     format or groups.
@@ -152,7 +154,7 @@ def _pad_quantized(q: QuantizedWeight, spec: Any, layout: TPLayout) -> Quantized
     Raises:
       ValueError: a grouped scale whose last contracted axis would need a padding that is not a whole number of
         groups (or a head gather along it): the padded weight has no per-group layout that equals the checkpoint's;
-        an int4 weight, or groups spanning more than the last contracted axis, that would need padding.
+        groups spanning more than the last contracted axis, that would need padding.
     """
     if layout.heads_identity and all(name not in (MLP, VOCAB) or layout.pad_size(n) == n
                                      for name, n in zip(spec.logical_axes, q.shape)):
@@ -160,20 +162,22 @@ def _pad_quantized(q: QuantizedWeight, spec: Any, layout: TPLayout) -> Quantized
     xp = np if isinstance(q.values, np.ndarray) else jnp
     nd, order = q.ndim, q._order()
     num_kept = nd - len(q.contract_axes)
-    values, scale = q.values, q.scale
-    contracted = values.shape[num_kept:]
-    if q.format == "int4" or (q.group_size and contracted[-1] % q.group_size):
-        why = "packed 4-bit values" if q.format == "int4" else "its groups span more than its last input axis"
+    values, scale, mins = q.values, q.scale, q.min
+    packed = q.format == "int4"  # two codes per byte along the last axis
+    zero = 8 * 0x11 if packed and mins is None else 0  # the byte (or value) of zero weights
+    contracted = tuple(q.shape[a] for a in order[num_kept:])  # in the order of values, int4 unpacked
+    if q.group_size and contracted[-1] % q.group_size:
         raise ValueError(f"a {q.format} weight of shape {q.shape} stored with group_size {q.group_size} cannot be "
-                         f"padded for tp={layout.tp} ({why}); use a tp that divides the heads, KV heads and MLP "
-                         "width, or one device")
+                         f"padded for tp={layout.tp} (its groups span more than its last input axis); use a tp that "
+                         "divides the heads, KV heads and MLP width, or one device")
     groups = (*contracted[:-1], contracted[-1] // q.group_size) if q.group_size else (1,) * len(contracted)
     scale = scale.reshape(*scale.shape[:-1], *groups)
+    mins = None if mins is None else mins.reshape(scale.shape)
 
-    def ones_where_padding(x: Any, mask: np.ndarray, axis: int) -> Any:
+    def where_valid(x: Any, mask: np.ndarray, axis: int, fill: float) -> Any:
         shape = [1] * x.ndim
         shape[axis] = -1
-        return xp.where(mask.reshape(shape), x, xp.ones((), x.dtype))
+        return xp.where(mask.reshape(shape), x, xp.asarray(fill, x.dtype))
 
     for own_axis, name in enumerate(spec.logical_axes):
         pos = order.index(own_axis)  # the axis in values and in the unflattened scale
@@ -186,29 +190,32 @@ def _pad_quantized(q: QuantizedWeight, spec: Any, layout: TPLayout) -> Quantized
             values = xp.take(values, source, axis=pos)
             if scale_moves:
                 scale = xp.take(scale, source, axis=pos)
-            if name == HEADS:  # zero query slots: zero values (as the float path multiplies by 0) and scale 1
-                shape = [1] * values.ndim
-                shape[pos] = -1
-                values = values * layout.q_valid.reshape(shape).astype(values.dtype)
+                mins = None if mins is None else xp.take(mins, source, axis=pos)
+            if name == HEADS:  # zero query slots: zero weights (int8 / fp8 times 0, as the float path: -0 kept)
+                values = where_valid(values, layout.q_valid, pos, zero) if packed else \
+                    values * layout.q_valid.reshape([-1 if a == pos else 1 for a in range(nd)]).astype(values.dtype)
                 if scale_moves:
-                    scale = ones_where_padding(scale, layout.q_valid, pos)
+                    scale = where_valid(scale, layout.q_valid, pos, 1.0)
+                    mins = None if mins is None else where_valid(mins, layout.q_valid, pos, 0.0)
         elif name in (MLP, VOCAB):
-            size = layout.pad_size(values.shape[pos])
-            extra = size - values.shape[pos]
+            per_byte = 2 if packed and pos == nd - 1 else 1
+            length = values.shape[pos] * per_byte
+            size = layout.pad_size(length)
+            extra = size - length
             if not extra:
                 continue
             if grouped_last and extra % q.group_size:
                 raise ValueError(f"a weight quantized with group_size {q.group_size} along its {name} axis of size "
-                                 f"{values.shape[pos]} cannot be padded to {size} for tp={layout.tp} (not whole "
-                                 f"groups); use a tp that divides {values.shape[pos]}, a per-channel quantization, "
+                                 f"{length} cannot be padded to {size} for tp={layout.tp} (not whole "
+                                 f"groups); use a tp that divides {length}, a per-channel quantization, "
                                  f"or quantize at load instead of from a quantized checkpoint")
-            values = _pad_axis(values, pos, size)
-            if grouped_last:
-                scale = _pad_axis(scale, pos, scale.shape[pos] + extra // q.group_size, fill=1.0)
-            elif scale_moves:
-                scale = _pad_axis(scale, pos, size, fill=1.0)
+            values = _pad_axis(values, pos, size // per_byte, fill=zero)
+            if grouped_last or scale_moves:
+                new = scale.shape[pos] + extra // q.group_size if grouped_last else size
+                scale = _pad_axis(scale, pos, new, fill=1.0)
+                mins = None if mins is None else _pad_axis(mins, pos, new)
     scale = scale.reshape(*scale.shape[:num_kept], -1)
-    return q.replace(values=values, scale=scale)
+    return q.replace(values=values, scale=scale, min=None if mins is None else mins.reshape(scale.shape))
 
 
 def pad_weights(weights: Any, specs: Any, layout: TPLayout) -> Any:

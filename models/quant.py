@@ -10,7 +10,7 @@ for Deep Learning", for e4m3):
 
 | format | values          | scale                                          | scale = amax / |
 |--------|-----------------|------------------------------------------------|----------------|
-| int8   | int8 in [-127, 127] | f32 per output channel                     | 127            |
+| int8   | int8 in [-127, 127] | f32 per output channel (GGUF Q8_0: per group of 32) | 127   |
 | fp8    | float8_e4m3fn   | f32 per output channel, or per group of `group_size` input channels | 448 |
 | int4   | uint8, 2 per byte (`models.quant4`) | f32 per group of 32 / 64 / 128, optional f32 min | 7    |
 
@@ -201,7 +201,7 @@ class QuantizationConfig:
     """Which weights are quantized, and how.
 
     Attributes:
-      format: "int8" (symmetric, per output channel), "fp8" (e4m3) or "int4" (`models.quant4`, weight-only).
+      format: "int8" (per output channel), "fp8" (e4m3), "int4" (`models.quant4`) or "gguf" (a GGUF's, as stored).
       group_size: fp8: input channels per scale (e.g. 128), 0 for per output channel. A weight whose last
         contracted axis it does not divide keeps per-channel scales (`quantize_weights` logs none; see
         `weight_bytes`). int4: 32, 64 or 128 (0 means 32); a weight whose last contracted axis it does not divide
@@ -227,12 +227,14 @@ class QuantizationConfig:
     activation_group_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"quantization format={self.format!r} is not one of {', '.join(FORMATS)}")
+        if self.format not in (*FORMATS, "gguf"):
+            raise ValueError(f"quantization format={self.format!r} is not one of {', '.join(FORMATS)}, gguf")
+        if self.format == "gguf" and (self.activations or self.embedding or self.lm_head or self.activation_group_size):
+            raise ValueError(f"quantization gguf keeps the GGUF file's own types: set no other field ({self})")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
             raise ValueError(f"quantization group_size={self.group_size!r} must be an integer >= 0")
-        if self.group_size and self.format == "int8":
-            raise ValueError("quantization group_size is for fp8 and int4; int8 uses one scale per output channel")
+        if self.group_size and self.format in ("int8", "gguf"):
+            raise ValueError(f"quantization group_size is for fp8 and int4; {self.format} sets its own scales")
         if self.format == "int4":
             object.__setattr__(self, "group_size", self.group_size or DEFAULT_INT4_GROUP_SIZE)
             quant4.check_config(self.group_size, INT4_GROUP_SIZES, self.quantize_activations,
@@ -279,9 +281,9 @@ class QuantizationConfig:
 
     def resolved(self) -> QuantizationConfig:
         """This config with every None default decided (activations, embedding, LM head): two configs that
-        quantize the same way compare equal once resolved."""
-        return dataclasses.replace(self, quantize_activations=self.activations, quantize_embedding=self.embedding,
-                                   quantize_lm_head=self.lm_head)
+        quantize the same way compare equal once resolved. "gguf" (the file decides) stays as it is."""
+        return self if self.format == "gguf" else dataclasses.replace(
+            self, quantize_activations=self.activations, quantize_embedding=self.embedding, quantize_lm_head=self.lm_head)
 
 
 # Contracted axes of each quantized projection in its own layout (see models.llama.LayerWeights).

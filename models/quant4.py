@@ -1,7 +1,8 @@
 """The packed 4-bit weight format ("int4" in `models.quant`): two 4-bit codes per byte, group scales, optional mins.
 
-Every 4-bit source is meant to land in this one layout (our own `quantize(..., "int4")` today; GGUF Q4_0 / Q4_1,
-GPTQ and AWQ converters later), and the quantized matmul kernels read it. It is a format of
+Every 4-bit source is meant to land in this one layout (today our own `quantize(..., "int4")` and GGUF Q4_0 / Q4_1
+kept as stored, `jaxinfer.loading.gguf_quant`; GPTQ and AWQ converters later), and the quantized matmul kernels read
+it. It is a format of
 `models.quant.QuantizedWeight` (same layout rules, scales and static fields), told apart by its `uint8` values:
 
 | field  | dtype, shape                              | meaning                                                    |

@@ -118,12 +118,24 @@ def dequantize_if_quantized(w: jax.Array | QuantizedWeight, dtype: jnp.dtype) ->
     return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
 
 
+def lookup_supports(table: QuantizedWeight) -> bool:
+    """Whether `embed_lookup` reads this quantized table: int8 or fp8 values [V, D] (contract_axes (-1,)) with
+    one scale per row or per group of a row (GGUF Q8_0's 32); not packed int4."""
+    return table.contract_axes == (-1,) and table.format != "int4"
+
+
 def embed_lookup(table: jax.Array | QuantizedWeight, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Rows `tokens` of an embedding table [V, D] (plain, or quantized with contract_axes (-1,)), in `dtype`."""
+    """Rows `tokens` of an embedding table [V, D] (plain, or quantized as `lookup_supports` says), in `dtype`.
+
+    Raises:
+      ValueError: a quantized table that `lookup_supports` refuses (int4, or other contract axes).
+    """
     if not isinstance(table, QuantizedWeight):
         return jnp.take(table, tokens, axis=0).astype(dtype)
-    if table.contract_axes != (-1,) or table.group_size or table.format == "int4":
-        raise ValueError("a quantized embedding table needs one scale per row (contract_axes (-1,), no groups) and "
-                         f"int8 or fp8 values, got {table.format} with group_size {table.group_size}")
-    rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)
-    return (rows * jnp.take(table.scale, tokens, axis=0)).astype(dtype)
+    if not lookup_supports(table):
+        raise ValueError("a quantized embedding table needs contract_axes (-1,) and int8 or fp8 values, got "
+                         f"{table.format} with contract_axes {table.contract_axes}")
+    rows = jnp.take(table.values, tokens, axis=0).astype(jnp.float32)  # [T, D]
+    scale = jnp.take(table.scale, tokens, axis=0)  # [T, G]: G = 1 per row, D / group_size per group
+    rows = rows.reshape(*rows.shape[:-1], scale.shape[-1], -1) * scale[..., None]  # [T, G, D / G]
+    return rows.reshape(*rows.shape[:-2], -1).astype(dtype)

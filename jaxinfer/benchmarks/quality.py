@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The quality workload's options."""
     parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--quantization", default=None, help="weight quantization: int8, fp8 or a JSON object")
+    parser.add_argument("--quantization", default=None,
+                        help="weight quantization: int8, fp8, int4, gguf (a GGUF kept as stored) or a JSON object")
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype: auto, int8 or fp8")
     parser.add_argument("--text", type=Path, default=GPL3, help="a UTF-8 text file (default: the GPL-3 licence)")
     parser.add_argument("--tokens", type=int, default=2048, help="ids of the text evaluated (from its start)")

@@ -28,7 +28,7 @@ from jaxinfer.engine.config import (DEFAULT_KV_CACHE_DEVICE_FRACTION, DEFAULT_KV
                                     DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig)
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.spec_decode import draft as draft_lib
-from jaxinfer.loading import load_model, read_model_config, stored_quantization
+from jaxinfer.loading import is_gguf, load_model, read_model_config, stored_quantization
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import PrefixCache
 from jaxinfer.tokenizer import Tokenizer
@@ -79,13 +79,20 @@ def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | Non
 
     A quantized checkpoint's own quantization (a `jaxinfer convert --quantization` checkpoint, or a pre-quantized
     HF folder: `jaxinfer.loading.stored_quantization`) wins: `config.quantization` None takes it, an equal one is
-    accepted, a different one is refused.
+    accepted, a different one is refused. "gguf" keeps a GGUF file's quantized tensors as stored.
 
     Raises:
-      ValueError: `config.quantization` differs from the checkpoint's (both named), or a malformed checkpoint.
+      ValueError: `config.quantization` differs from the checkpoint's (both named), "gguf" for a model that is not
+        a GGUF file, or a malformed checkpoint.
     """
-    stored = stored_quantization(config.model)
     wanted = None if config.quantization is None else config.quantization.resolved()
+    if wanted is not None and wanted.format == "gguf":
+        if not is_gguf(config.model):
+            raise ValueError(f"quantization gguf keeps a GGUF file's quantized tensors as stored, but the model "
+                             f"{config.model!r} is not a GGUF file; leave out quantization, or pick int8, fp8 or int4 "
+                             "to quantize it at load")
+        return wanted, False
+    stored = stored_quantization(config.model)
     if stored is None:
         return wanted, wanted is not None
     if wanted is not None and wanted != stored:
@@ -100,7 +107,8 @@ def _load_target(config: EngineConfig, mesh, qcfg: QuantizationConfig | None, qu
     dtype = DTYPES[config.dtype]
     load_dtype = np.float32 if quantize_at_load else np.dtype(dtype)  # quantized from f32
     # numpy weights; for an orbax checkpoint and a mesh, arrays restored straight onto the mesh
-    cfg, np_weights, tokenizer = load_model(config.model, load_dtype, mesh=mesh)
+    cfg, np_weights, tokenizer = load_model(config.model, load_dtype, mesh=mesh,
+                                            gguf_quantized=qcfg is not None and qcfg.format == "gguf")
     if mesh is None:
         run_cfg, weights = cfg, jax.tree.map(jnp.asarray, np_weights)
         if quantize_at_load:
@@ -137,10 +145,13 @@ def load_draft(config: EngineConfig, run_cfg: ModelConfig, weights: Weights, qcf
         raise ValueError("speculative method 'draft_model' runs in one process; use 'ngram' or 'self_draft'")
     dtype = DTYPES[config.dtype]
     try:
-        # a quantized draft checkpoint is used as stored; other drafts are quantized like the target
-        draft_qcfg = None if stored_quantization(spec.model) is not None else qcfg
+        # a quantized draft checkpoint is used as stored; with "gguf", a GGUF draft keeps its quantized tensors;
+        # other drafts are quantized like the target
+        as_stored = qcfg is not None and qcfg.format == "gguf"
+        draft_qcfg = None if as_stored or stored_quantization(spec.model) is not None else qcfg
         draft_cfg, draft_weights, draft_tokenizer = load_model(
-            spec.model, np.float32 if draft_qcfg is not None else np.dtype(dtype))
+            spec.model, np.float32 if draft_qcfg is not None else np.dtype(dtype),
+            gguf_quantized=as_stored and is_gguf(spec.model))
     except ValueError as e:
         raise ValueError(f"speculative draft model: {e}") from None
     draft_lib.check_draft_model(draft_cfg, run_cfg, draft_tokenizer.vocab_size, target_vocab)

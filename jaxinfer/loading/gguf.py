@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxinfer.loading.gguf_quant import kept_quantized
 from jaxinfer.loading.tensor_names import TensorName, assemble
 from models.config import ModelConfig
 from models.gguf_families import GGUF_METADATA_TENSORS
@@ -255,8 +256,11 @@ def gguf_metadata(reader: "gguf.GGUFReader") -> dict:  # noqa: F821
     return meta
 
 
-def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -> tuple[ModelConfig, Weights]:  # noqa: F821
-    """Reads config and weights from a GGUF file, dequantizing every type the `gguf` package supports.
+def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32,  # noqa: F821
+                      keep_quantized: bool = False) -> tuple[ModelConfig, Weights]:
+    """Reads config and weights from a GGUF file, dequantizing every type the `gguf` package supports; with
+    `keep_quantized`, Q8_0 / Q4_0 / Q4_1 projections (and a Q8_0 embedding or LM head) stay quantized as stored,
+    `models.quant.QuantizedWeight`s exactly equal to their dequantized values (`jaxinfer.loading.gguf_quant`).
 
     Q/K rows of llama/mistral files (Mixtral's too: a `llama` file with experts) are un-permuted back to the
     half-split rotary layout that `models.llama` uses (GGUF converters interleave them for llama.cpp; qwen2, qwen3,
@@ -284,6 +288,17 @@ def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -
                               mlp_bias="blk.0.ffn_gate.bias" in tensors)
     permute = meta["general.architecture"] in _PERMUTED_GGUF_ARCHITECTURES
 
+    def rope_rows(name: TensorName, layer: int | None, rows: int) -> np.ndarray:
+        """The file's row each of `rows` loaded rows comes from: the Q/K un-permutation, else in order."""
+        order = np.arange(rows)
+        if not (permute and name.rope_heads is not None):
+            return order
+        heads = getattr(cfg, name.rope_heads)
+        if rows != heads * cfg.head_dim:
+            raise ValueError(f"GGUF tensor {name.gguf.format(i=layer)!r} has {rows} rows; the config needs "
+                             f"{heads * cfg.head_dim} ({heads} heads x {cfg.head_dim})")
+        return _unpermute_rope_rows(order, heads)
+
     def fetch(name: TensorName, layer: int | None, expert: int | None) -> np.ndarray | None:
         key = name.gguf.format(i=layer)
         t = tensors.get(key)
@@ -296,13 +311,10 @@ def load_gguf_weights(reader: "gguf.GGUFReader", dtype: np.dtype = np.float32) -
                              "which the gguf package cannot dequantize") from None
         arr = np.asarray(arr, dtype=np.float32)
         if permute and name.rope_heads is not None:
-            heads = getattr(cfg, name.rope_heads)
-            if arr.shape[0] != heads * cfg.head_dim:
-                raise ValueError(f"GGUF tensor {key!r} has shape {arr.shape}; the config needs "
-                                 f"{heads * cfg.head_dim} rows ({heads} heads x {cfg.head_dim})")
-            arr = _unpermute_rope_rows(arr, heads)
+            arr = arr[rope_rows(name, layer, arr.shape[0])]
         if cfg.norm_weight_offset and key.endswith("norm.weight"):
             arr = arr - np.float32(cfg.norm_weight_offset)
         return arr
 
-    return cfg, assemble(cfg, fetch, "gguf", dtype)
+    kept = kept_quantized(cfg, tensors, rope_rows) if keep_quantized else {}
+    return cfg, assemble(cfg, fetch, "gguf", dtype, given=kept)

@@ -44,8 +44,18 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(model: str | os.PathLike | None, dtype: np.dtype,
-               mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, Weights, Tokenizer]:
+def is_gguf(model: str | os.PathLike | None) -> bool:
+    """Whether `load_model` reads `model` as a GGUF file (None: the default model, which is one): an existing file
+    that starts with the GGUF magic bytes or is named `.gguf`."""
+    path = default_model_path() if model is None else Path(model)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF" or path.suffix.lower() == ".gguf"
+
+
+def load_model(model: str | os.PathLike | None, dtype: np.dtype, mesh: jax.sharding.Mesh | None = None,
+               gguf_quantized: bool = False) -> tuple[ModelConfig, Weights, Tokenizer]:
     """Loads a model onto the host, or for an orbax checkpoint and a mesh, straight onto the mesh.
 
     Args:
@@ -58,19 +68,24 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
         `sharding.placement.replicated_where_indivisible` shardings on this mesh (split as the rules say where
         sizes divide, else replicated; `models.partition.shard_model` then pads and shards the rest on
         device). Ignored for GGUF and HF sources, which always load to numpy.
+      gguf_quantized: keep a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors quantized as stored
+        (`jaxinfer.loading.gguf.load_gguf_weights`'s `keep_quantized`); only for a GGUF file.
 
     Returns:
       (config, weights, tokenizer): numpy weights, or `jax.Array`s for an orbax checkpoint with a mesh; a quantized
-      checkpoint's weights hold `models.quant.QuantizedWeight`s.
+      checkpoint's weights (and with `gguf_quantized`, a GGUF's) hold `models.quant.QuantizedWeight`s.
 
     Raises:
       ValueError: the path does not exist, is neither a GGUF file nor an HF folder nor a checkpoint, has no
-        tokenizer, or holds a model we cannot load (the message names the tensor or key); for checkpoints, see
-        `jaxinfer.loading.orbax.load`.
+        tokenizer, or holds a model we cannot load (the message names the tensor or key); `gguf_quantized` for a
+        model that is not a GGUF file; for checkpoints, see `jaxinfer.loading.orbax.load`.
     """
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
+    if gguf_quantized and not is_gguf(path):
+        raise ValueError(f"quantization gguf keeps a GGUF file's quantized tensors, but {str(path)!r} is not a GGUF "
+                         "file; leave out quantization or pick int8, fp8 or int4 to quantize it at load")
     if orbax_format.is_orbax_checkpoint(path) or orbax_format.looks_like_partial_checkpoint(path):
         shardings = None
         if mesh is not None:
@@ -89,7 +104,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype,
         empty = " (it is empty)" if not magic else ""
         raise ValueError(f"{str(path)!r} is not a model{empty}: expected a .gguf file or an HF folder with config.json")
     reader = read_gguf(path)  # names an empty, foreign or truncated .gguf file
-    cfg, weights = load_gguf_weights(reader, dtype)
+    cfg, weights = load_gguf_weights(reader, dtype, keep_quantized=gguf_quantized)
     cfg = dataclasses.replace(cfg, name=cfg.name or path.stem)
     return cfg, weights, Tokenizer.from_gguf(reader)
 

@@ -12,7 +12,8 @@ dim, E experts, Fe / Fs expert / shared-expert MLP width. A converter that gets 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -185,24 +186,36 @@ TOP_TENSORS: dict[str, TensorName] = {
 }
 
 
+def layer_names(architecture: str) -> dict[str, TensorName]:
+    """Layer field -> its `TensorName` for one architecture: `LAYER_TENSORS` with the architecture's MoE, family
+    and fused entries over it."""
+    return {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(architecture, {}), **FAMILY_LAYER_TENSORS.get(architecture, {}),
+            **FUSED_LAYER_TENSORS.get(architecture, {})}
+
+
 def assemble(
     cfg: ModelConfig,
     fetch: Callable[[TensorName, int | None, int | None], np.ndarray | None],
     source: str,
     dtype: np.dtype,
     quantized: Callable[[str, TensorName, int | None, int | None], QuantizedWeight | None] | None = None,
+    given: Mapping[str, Any] | None = None,
 ) -> Weights:
     """Builds `Weights` from a per-tensor fetch function (name, layer, expert); checks presence and shapes.
 
     `source` "gguf" fetches a per-expert field once per layer (expert None), as one [E, out, in] tensor whose
     slices each convert like an HF expert's [out, in] matrix; other sources fetch it expert by expert.
-    `quantized` (field, name, layer, expert), if given, is asked first: a `models.quant.QuantizedWeight` in our
-    layout for a tensor the checkpoint stores quantized (kept as it is, not cast), None to fetch it as usual.
+    Stored-quantized tensors come in one of two ways: `quantized` (field, name, layer, expert), if given, is asked
+    first per tensor: a `models.quant.QuantizedWeight` in our layout for a tensor the checkpoint stores quantized
+    (kept as it is, not cast), None to fetch it as usual (pre-quantized HF folders); `given` maps whole fields
+    (layer fields stacked over layers, or "embed" / "lm_head") to values built already, taken as they are
+    (`jaxinfer.loading.gguf_quant`, which decides per field).
 
     Raises:
       ValueError: a missing tensor, a shape that does not fit the config, or a field stored quantized in some
         layers (or experts) and not in others, or with different static fields (all named).
     """
+    given = given or {}
     specs = Weights.abstract(cfg)
     stacked_experts = source == "gguf"
 
@@ -250,14 +263,14 @@ def assemble(
         return arr.astype(dtype)
 
     layer_fields = {}
-    arch = cfg.architecture
-    names = {**LAYER_TENSORS, **MOE_LAYER_TENSORS.get(arch, {}), **FAMILY_LAYER_TENSORS.get(arch, {}),
-             **FUSED_LAYER_TENSORS.get(arch, {})}
-    for field, name in names.items():
+    for field, name in layer_names(cfg.architecture).items():
         spec = getattr(specs.layers, field)
         if spec is None:
             continue
+        if field in given:
+            layer_fields[field] = given[field]
+            continue
         layer_fields[field] = stack(field, [get(field, name, spec, i) for i in range(cfg.num_layers)])
-    top = {field: get(field, name, getattr(specs, field), None)
+    top = {field: given[field] if field in given else get(field, name, getattr(specs, field), None)
            for field, name in TOP_TENSORS.items() if getattr(specs, field) is not None}
     return Weights(layers=LayerWeights(**layer_fields), **top)

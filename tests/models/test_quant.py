@@ -17,7 +17,7 @@ from models import quant
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, forward, init_weights
 from models.quant import QuantizationConfig, QuantizedWeight, quantize
-from models.quant_matmul import qeinsum
+from models.quant_matmul import embed_lookup, lookup_supports, qeinsum
 
 TINY = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
@@ -289,3 +289,17 @@ def test_int8_decode_step_materializes_no_full_precision_weight_and_the_check_ca
     assert copies(QuantizationConfig("int8", quantize_activations=True)) == []  # w8a8: the int8 x int8 -> int32 dot reads the int8 values
     # weight-only int8 on XLA:CPU converts each weight for its dot (no fused convert-dot): the check must see it
     assert copies(QuantizationConfig("int8", quantize_activations=False))
+
+
+def test_embedding_lookup_of_a_grouped_int8_table():
+    # GGUF Q8_0 embeddings: int8 values with one scale per 32 elements of a row (built directly, as the GGUF loader
+    # does; `quantize` gives int8 per-row scales only). Each looked-up row is its values times its groups' scales.
+    rng = np.random.default_rng(0)
+    values = rng.integers(-127, 128, (10, 64), dtype=np.int8)
+    scale = rng.uniform(0.01, 1.0, (10, 2)).astype(np.float32)
+    table = QuantizedWeight(values=values, scale=scale, contract_axes=(-1,), group_size=32)
+    assert lookup_supports(table) and not lookup_supports(quantize(jnp.ones((10, 64)), "int4", (-1,), group_size=32))
+    tokens = np.array([3, 0, 9, 3])
+    want = values[tokens].astype(np.float32) * np.repeat(scale[tokens], 32, axis=1)
+    np.testing.assert_array_equal(np.asarray(embed_lookup(table, jnp.asarray(tokens), jnp.float32)), want)
+    np.testing.assert_array_equal(np.asarray(table.dequantize())[tokens], want)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from models import quant
+from models.config import ModelConfig
 from models.llama import KVCache, Weights, forward, init_weights
 from models.partition import shard_model
 from models.quant import QuantizationConfig, QuantizedWeight
@@ -78,3 +79,32 @@ def test_quantized_moe_on_an_expert_parallel_mesh_equals_single_device(ep, tp):
                            KVCache(k=cache_sharding, v=cache_sharding))
     got, _ = step(sharded, tokens, meta, cache, cfg=model.cfg, mesh=mesh)
     np.testing.assert_allclose(np.asarray(got)[:, : cfg.vocab_size], np.asarray(expected), rtol=2e-4, atol=2e-4)
+
+
+def test_int4_quantized_before_sharding_pads_and_shards_as_the_single_device_model():
+    # Asymmetric int4 weights that arrive quantized (a GGUF's Q4_1 kept as stored): 9 query heads over 3 KV heads,
+    # an MLP of 70 and a vocabulary of 101 are padded for tp=4 as stored (zero slots: code 0 with min 0; w_down's
+    # groups of 2 along its packed MLP axis padded in bytes), then sharded with their mins. The symmetric zero
+    # code and the bits of every padded weight: tests/jaxinfer/loading/test_orbax_quant.py.
+    cfg = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, intermediate_size=70, num_layers=2,
+                      num_heads=9, num_kv_heads=3, head_dim=16, max_position_embeddings=64, name="9-over-3")
+    weights = init_weights(cfg, jax.random.key(3), jnp.float32)
+    single = quant.quantize_weights(weights, cfg, QuantizationConfig("int4"), jnp.float32)
+    asym = lambda q, w: quant.quantize(w, "int4", q.contract_axes, group_size=q.group_size,  # noqa: E731
+                                       asymmetric=True) if isinstance(q, QuantizedWeight) else q
+    single = single.replace(layers=jax.tree.map(asym, single.layers, weights.layers,
+                                                is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+    assert single.layers.wq.min is not None and single.layers.w_down.group_size == 2
+    tokens, meta = _batch(cfg.vocab_size)
+    step = jax.jit(forward, static_argnames=("cfg",))
+    expected, _ = step(single, tokens, meta, KVCache.zeros(cfg, NUM_PAGES, PAGE_SIZE, jnp.float32), cfg=cfg)
+
+    model = shard_model(cfg, jax.tree.map(np.asarray, single), make_mesh(tp=4))
+    assert model.cfg.num_heads > cfg.num_heads and model.cfg.intermediate_size == 72
+    cache_sharding = jax.sharding.NamedSharding(model.mesh, logical_to_spec(KVCache.LOGICAL_AXES))
+    cache = jax.device_put(KVCache.zeros(model.cfg, NUM_PAGES, PAGE_SIZE, jnp.float32),
+                           KVCache(k=cache_sharding, v=cache_sharding))
+    assert model.weights.layers.wq.min.sharding.spec == model.weights.layers.wq.scale.sharding.spec
+    got, _ = step(model.weights, tokens, meta, cache, cfg=model.cfg)
+    np.testing.assert_allclose(np.asarray(got)[:, : cfg.vocab_size], np.asarray(expected), rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(got)[:, cfg.vocab_size:], 0)

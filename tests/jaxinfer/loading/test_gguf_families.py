@@ -169,6 +169,9 @@ def _write(path: Path, name: str, tensors: dict[str, np.ndarray], f16: bool = Fa
         writer.add_key_value(f"{arch}.{key}", value, vtype)
     writer.add_name(name)
     for key, w in tensors.items():
+        if isinstance(w, tuple):  # (raw block bytes, their type), written as is (test_gguf_quant.py)
+            writer.add_tensor(key, w[0], raw_dtype=w[1])
+            continue
         half = f16 and w.ndim >= 2 and "ffn_gate_inp" not in key
         writer.add_tensor(key, np.ascontiguousarray(w, np.float16 if half else np.float32))
     writer.write_header_to_file()

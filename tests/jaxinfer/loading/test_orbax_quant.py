@@ -220,15 +220,25 @@ TIED_9_OVER_3 = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48
     ({"format": "fp8"}, 4),
     ({"format": "fp8", "group_size": 8, "quantize_embedding": False}, 4),  # wo's groups move with their heads
     ({"format": "fp8", "group_size": 2}, 4),  # w_down grouped along the padded MLP axis (70 -> 72: whole groups)
-], ids=["int8-float-head-tp2", "int8-float-head-tp4", "fp8-tp4", "fp8-g8-tp4", "fp8-g2-tp4"])
+    # int4 (GGUF Q4_0 / Q4_1 kept as stored): groups of gcd(32, axis): 2 on w_down's packed MLP axis, padded in
+    # bytes; zero slots are code 8 (symmetric) or code 0 with min 0 (asymmetric)
+    ({"format": "int4"}, 4),
+    ("int4-asymmetric", 4),
+], ids=["int8-float-head-tp2", "int8-float-head-tp4", "fp8-tp4", "fp8-g8-tp4", "fp8-g2-tp4", "int4-tp4",
+        "int4-asym-tp4"])
 def test_padding_quantized_weights_equals_quantizing_padded_weights(quantization, tp):
     # 9 query heads over 3 KV heads: tp=2 and tp=4 pad query heads (zero slots), replicate KV heads and pad MLP
     # (70) and vocabulary (101). Quantizing the padded float weights is the reference; bit for bit, +-0 included.
     cfg, layout = TIED_9_OVER_3, tp_layout(TIED_9_OVER_3, tp)
     weights = init_weights(cfg, jax.random.key(tp))
     weights = weights.replace(embed=weights.embed.at[3].set(0.0))  # an all-zero channel before padding too
-    qcfg = QuantizationConfig.from_value(quantization)
+    asymmetric = quantization == "int4-asymmetric"
+    qcfg = QuantizationConfig.from_value("int4" if asymmetric else quantization)
     quantized = jax.jit(functools.partial(quantize_weights, cfg=cfg, qcfg=qcfg, dtype=jnp.float32))(weights)
+    if asymmetric:  # the same groups with mins (no config asks for them: GGUF Q4_1 files do)
+        asym = lambda q, w: quantize(w, "int4", q.contract_axes, group_size=q.group_size,  # noqa: E731
+                                     asymmetric=True) if is_q(q) else q
+        quantized = quantized.replace(layers=jax.tree.map(asym, quantized.layers, weights.layers, is_leaf=is_q))
     separate = quantized.lm_head is not None
     specs = Weights.abstract(cfg, separate)
     pad = jax.jit(lambda w: pad_weights(w, specs, layout))  # one compiled call instead of op-by-op dispatch
@@ -237,7 +247,8 @@ def test_padding_quantized_weights_equals_quantizing_padded_weights(quantization
     def reference(weights):  # the padded float weights quantized with the same static fields
         padded = pad_weights(weights.replace(lm_head=weights.embed.T) if separate else weights, specs, layout)
         return jax.tree.map(lambda q, w: quantize(w, q.format, q.contract_axes, group_size=q.group_size,
-                                                  quantize_activations=q.quantize_activations) if is_q(q) else w,
+                                                  quantize_activations=q.quantize_activations,
+                                                  asymmetric=q.min is not None) if is_q(q) else w,
                             jax.eval_shape(pad, quantized), padded, is_leaf=is_q)
 
     want = reference(weights)
@@ -246,10 +257,11 @@ def test_padding_quantized_weights_equals_quantizing_padded_weights(quantization
         assert isinstance(got.layers.wq.values, np.ndarray) is host
         _assert_identical(got, want)
     assert got.layers.wq.values.shape[1] == layout.num_heads > cfg.num_heads
-    assert not got.layers.wq.values[:, ~layout.q_valid].astype(np.float32).any()
+    assert not np.asarray(got.layers.wq.dequantize())[:, :, ~layout.q_valid].any()  # wq [L, D, N, H]
     assert (got.layers.wq.scale[:, ~layout.q_valid] == 1).all()  # zero slots: scale 1, as quantize gives them
-    if qcfg.group_size == 2 and tp == 4:
+    if qcfg.group_size == 2 and tp == 4 or qcfg.format == "int4":
         assert got.layers.w_down.group_size == 2 and got.layers.w_down.scale.shape[-1] == 36
+    assert (got.layers.w_down.min is not None) == asymmetric
 
 
 def test_padding_that_would_split_a_group_is_refused():
