@@ -39,11 +39,11 @@ def test_prequantized_weights_shard_as_stored(case, tp=2):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("gptq", r"a int4 weight of shape \(2, 64, 4, 16\) stored with group_size 32 cannot be padded for tp=4 "
-             r"\(packed 4-bit values\)"),
+    ("gptq", r"a int4 weight of shape \(2, 4, 16, 64\) stored with group_size 32 cannot be padded for tp=4 "
+             r"\(its groups span more than its last input axis\)"),
     ("fp8_block", r"cannot be padded for tp=4 \(its groups span more than its last input axis\)"),
 ])
-def test_padding_that_would_move_packed_values_or_spanning_groups_is_refused(case, message):
+def test_padding_that_would_split_spanning_groups_is_refused(case, message):
     cfg, weights = load_hf_weights(PREQUANTIZED / case)
     with pytest.raises(ValueError, match=message):
         shard_model(cfg, weights, make_mesh(tp=4))
