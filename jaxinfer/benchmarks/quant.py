@@ -5,7 +5,9 @@ Weight formats (all in one process, each engine with `warmup=False` and the same
 (unquantized), int8 (w8a8: dynamic per-token int8 activations, int8 x int8 -> int32 dots, norm gains folded;
 embedding and LM head int8), int8 weight-only, int8 with the embedding and LM head left in bf16, fp8 (e4m3,
 weight-only; embedding and LM head bf16, its default), fp8 with them quantized too, fp8 with groups of 128 input
-channels (where they divide). Quantized formats run with bf16 activations.
+channels (where they divide), int4 with groups of 32 (weight-only), and a GGUF model's Q8_0 / Q4_0 / Q4_1 tensors kept
+as stored (`--quantization gguf`; only for a GGUF model, such as the default). Quantized formats run with bf16
+activations.
 
 1. **Decode step time** at each `--batches` size (batch 1 is padded to 2 rows, as the runner does):
    `ModelRunner.execute` of one decode token per sequence at context 128 (distinct pages per sequence), greedy;
@@ -65,6 +67,8 @@ FORMATS = {  # name -> (dtype, quantization)
     "fp8, embedding + LM head fp8": ("bfloat16", {"format": "fp8", "quantize_embedding": True,
                                                   "quantize_lm_head": True}),
     "fp8 g128": ("bfloat16", {"format": "fp8", "group_size": 128}),
+    "int4 g32 (embedding + LM head bf16)": ("bfloat16", "int4"),
+    "gguf (Q4_1 / Q8_0 kept as stored)": ("bfloat16", "gguf"),
 }
 CONTEXT = 128  # cached tokens of every sequence in the timed decode step
 KV_BYTES = 256 << 20  # each engine's KV cache budget
