@@ -49,9 +49,9 @@ def convert(src: str | os.PathLike | None, output_dir: str | os.PathLike, dtype:
     """
     dt = checked_dtype(dtype)
     qcfg = QuantizationConfig.from_value(quantization)
-    if qcfg is not None and qcfg.format == "int4":
-        raise ValueError("quantization int4 is not stored in checkpoints yet (issue 22); quantize at load instead "
-                         "(--quantization int4 on generate / serve)")
+    if qcfg is not None and qcfg.format not in ("int8", "fp8"):
+        raise ValueError(f"quantization {qcfg.format} is not stored in checkpoints yet (issue 22); quantize at load "
+                         f"instead (--quantization {qcfg.format} on generate / serve)")
     out = Path(output_dir).resolve()
     check_output_dir(out)  # before the slow load
     source = default_model_path() if src is None else Path(src)
