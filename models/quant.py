@@ -152,6 +152,15 @@ class QuantizedWeight:
         return sum(x.nbytes for x in (self.values, self.scale, self.min, self.tensor_scale) if x is not None)
 
 
+def stacked_axes_of(q: QuantizedWeight) -> int:
+    """The `stacked_axes` that rebuilds `q`'s tensor scale shape with `quantize` (nvfp4; 0 for the other formats):
+    the leading axes of `tensor_scale` up to its last one longer than 1 (a stack of one layer gives 0 and the same
+    shape)."""
+    if q.tensor_scale is None:
+        return 0
+    return max((i + 1 for i, n in enumerate(q.tensor_scale.shape) if n != 1), default=0)
+
+
 def _order(nd: int, contract_axes: Sequence[int]) -> list[int]:
     """Axis i of a quantized weight's `values` is axis `order[i]` of the weight's own layout."""
     contracted = [a % nd for a in contract_axes]

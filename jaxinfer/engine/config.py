@@ -176,8 +176,8 @@ class EngineConfig:
         "written by `jaxinfer convert --quantization` loads as stored: unset takes its quantization, any other "
         "value must equal it"),
         Flag(commands=(*ENGINE_COMMANDS, "convert"), metavar="FORMAT_OR_JSON", command_help={
-            "convert": ("store the weights quantized: int8, fp8 or a JSON object of QuantizationConfig fields, as for "
-                        "generate; --model of such a checkpoint loads it quantized as stored (default: not "
+            "convert": ("store the weights quantized: a format name (int8, fp8, int4, mxfp8, mxfp4, nvfp4) or a JSON "
+                        "object of QuantizationConfig fields, as for generate; --model of such a checkpoint loads it quantized as stored (default: not "
                         "quantized)")}),
         normalize=_quantization_config)
     kv_cache_dtype: str = _option("auto", (
