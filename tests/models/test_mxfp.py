@@ -25,7 +25,7 @@ from tests.models.test_quant import EQUATIONS, TINY, _dequantized, _logits, _wei
 from tests.models.test_quant4 import _np_unpack
 
 REPO = Path(__file__).resolve().parents[2]
-HYPOTHESIS = settings(max_examples=20, deadline=None, derandomize=True, database=None)
+HYPOTHESIS = settings(max_examples=15, deadline=None, derandomize=True, database=None)
 # jitted: one compilation per shape instead of one per operation (eager quantization of a new shape takes seconds)
 _quantize = jax.jit(quantize, static_argnums=(1, 2), static_argnames=("group_size", "quantize_activations",
                                                                       "stacked_axes"))
@@ -272,7 +272,7 @@ def test_nvfp4_stacked_layer_slices_keep_their_tensor_scales():
 # ---- bytes and the whole model ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", mxfp.FORMATS)
-def test_model_weights_bytes_and_logits_equal_the_dequantized_models(fmt):
+def test_model_weight_bytes_and_weight_only_logits(fmt):
     weights = init_weights(TINY, jax.random.key(0))
     qw = jax.jit(lambda w: quant.quantize_weights(w, TINY, QuantizationConfig(fmt), jnp.float32))(weights)
     assert not isinstance(qw.embed, QuantizedWeight) and qw.lm_head is None  # embedding and tied head: f32
@@ -290,13 +290,13 @@ def test_model_weights_bytes_and_logits_equal_the_dequantized_models(fmt):
         want += (n if fmt == "mxfp8" else n // 2) + n // leaf.group_size + tensor_scales
     got = quant.weight_bytes(qw)
     assert got["quantized_bytes"] == want and got["quantized_params"] == params
-    np.testing.assert_allclose(_logits(qw), _logits(_dequantized(qw)), rtol=1e-4, atol=1e-4)
+    if fmt == "mxfp8":  # weight-only mxfp8 is not in the end-to-end runs below (w8a8 is); mxfp4 and nvfp4 are
+        np.testing.assert_allclose(_logits(qw), _logits(_dequantized(qw)), rtol=1e-4, atol=1e-4)
 
 
 # max |logits - f32 logits| / max |f32 logits| on tiny_llama3 (8 tokens), measured: mxfp8 w8a8 0.163 (weight-only
 # 0.082; fp8: 0.115 w8a8, 0.097 weight-only with groups of 32), mxfp4 0.379, nvfp4 0.398 (int4: 0.309); the bounds
-# leave room. A tiny random model has no redundancy to hide a 4-bit step. mxfp8 weight-only runs through the path
-# test_model_weights_bytes_and_logits_equal_the_dequantized_models checks.
+# leave room. A tiny random model has no redundancy to hide a 4-bit step. mxfp8 weight-only: the model test above.
 END_TO_END = [("mxfp8", {"quantize_activations": True}, 0.25), ("mxfp4", {}, 0.6), ("nvfp4", {}, 0.6)]
 
 
