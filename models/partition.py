@@ -22,11 +22,11 @@ slots (per-rank cache memory). A mesh that cannot be served usefully (more TP ra
 divisible over `ep`, an MoE mesh axis on a dense model) is refused with an error that names the numbers.
 
 Quantized weights (`models.quant.QuantizedWeight`, e.g. from a quantized checkpoint) are padded as they are: values
-move with their heads and zero slots get zero values and scale 1, exactly what quantizing the padded float weight
-gives (absmax scaling: a zero channel gets scale 1, and a channel's absmax does not change when zeros or copies join
-it). Dequantizing, padding and quantizing again would not be exact: the values come back the same, but
-`amax / qmax` recomputed from the dequantized `q * scale` differs from `scale` in its last bit for a few to half of
-the channels (measured on random weights, int8 and fp8).
+move with their heads and zero slots get zero values (packed formats: the codes of zero) and scale 1, exactly
+what quantizing the padded float weight gives (absmax scaling: a zero channel gets scale 1, and a channel's absmax
+does not change when zeros or copies join it). Dequantizing, padding and quantizing again would not be exact: the
+values come back the same, but `amax / qmax` recomputed from the dequantized `q * scale` differs from `scale` in its
+last bit for a few to half of the channels (measured on random weights, int8 and fp8).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from jax.sharding import NamedSharding
 
 from models.config import ModelConfig
 from models.llama import KVCache, Weights
-from models.quant import QuantizedWeight
+from models import quant4
+from models.quant import PACKED_FORMATS, QuantizedWeight
 from models.quant_sharding import quantized_sharding
 from sharding.mesh import EP_AXIS, TP_AXIS
 from sharding.placement import put_sharded
@@ -139,83 +140,90 @@ def _pad_axis(x: Any, axis: int, size: int, fill: float = 0.0) -> Any:
 
 def _pad_quantized(q: QuantizedWeight, spec: Any, layout: TPLayout) -> QuantizedWeight:
     """`pad_weights` of one quantized weight, equal to quantizing the padded float weight with the same static
-    fields (values moved, never requantized; see the module docstring).
+    fields (values moved, never requantized; see the module docstring), bit for bit (+-0 included).
 
-    The scale (and an int4 min) is handled with its group axis unflattened, [*kept, *contracted groups]: size 1 on
+    The scale (and int4's min) is handled with its group axis unflattened, [*kept, *contracted groups]: size 1 on
     every contracted axis for a per-channel scale (padding a contracted axis leaves each channel's absmax, so its
     scale, unchanged), and for a per-group scale the contracted axes with the last one counted in groups. Kept axes
-    (and a grouped scale's leading contracted axes) are gathered or padded like the values, with zero weights on
-    zero slots: values 0 (symmetric int4: code 8, `models.quant4`), scale 1, min 0. An int4 weight's packed last
-    axis is padded in bytes of two codes.
+    (and a grouped scale's leading contracted axes) are gathered or padded like the values, with scale 1 and min 0
+    on zero slots. Packed formats (int4, mxfp4, nvfp4) pad their packed last axis in bytes of two codes. Zero slots
+    hold what quantizing zeros gives: int4 code 8 (symmetric) or 0 (asymmetric); the sign of a zeroed query slot
+    (the float path multiplies by 0, keeping -0) in fp8 / mxfp8 values and in E2M1 codes (code 8 is -0). nvfp4's
+    tensor scale is per layer (and expert), axes padding never touches, and padding leaves each tensor's absmax.
+
+    Raises:
+      ValueError: a grouped (or packed) last contracted axis that would need a padding that is not a whole number
+        of groups (or of bytes), or a head gather along it: the padded weight has no layout that equals the
+        checkpoint's; or groups spanning more than the last contracted axis (a checkpoint's o_proj groups across
+        heads) where padding is needed.
 
     A weight that needs no gather or padding (tp divides its heads and widths) is returned as it is, whatever its
     format or groups.
-
-    Raises:
-      ValueError: a grouped scale whose last contracted axis would need a padding that is not a whole number of
-        groups (or a head gather along it): the padded weight has no per-group layout that equals the checkpoint's;
-        groups spanning more than the last contracted axis, that would need padding.
     """
     if layout.heads_identity and all(name not in (MLP, VOCAB) or layout.pad_size(n) == n
                                      for name, n in zip(spec.logical_axes, q.shape)):
         return q  # nothing is gathered or padded
     xp = np if isinstance(q.values, np.ndarray) else jnp
-    nd, order = q.ndim, q._order()
+    nd, order, fmt = q.ndim, q._order(), q.format
     num_kept = nd - len(q.contract_axes)
-    values, scale, mins = q.values, q.scale, q.min
-    packed = q.format == "int4"  # two codes per byte along the last axis
-    zero = 8 * 0x11 if packed and mins is None else 0  # the byte (or value) of zero weights
-    contracted = tuple(q.shape[a] for a in order[num_kept:])  # in the order of values, int4 unpacked
+    packed = fmt in PACKED_FORMATS
+    zero_code = quant4.SYMMETRIC_ZERO * 0x11 if fmt == "int4" and q.min is None else 0  # a byte of two zero codes
+    values = q.values
+    contracted = [q.shape[a] for a in order[num_kept:]]
     if q.group_size and contracted[-1] % q.group_size:
-        raise ValueError(f"a {q.format} weight of shape {q.shape} stored with group_size {q.group_size} cannot be "
+        raise ValueError(f"a {fmt} weight of shape {q.shape} stored with group_size {q.group_size} cannot be "
                          f"padded for tp={layout.tp} (its groups span more than its last input axis); use a tp that "
                          "divides the heads, KV heads and MLP width, or one device")
     groups = (*contracted[:-1], contracted[-1] // q.group_size) if q.group_size else (1,) * len(contracted)
-    scale = scale.reshape(*scale.shape[:-1], *groups)
-    mins = None if mins is None else mins.reshape(scale.shape)
+    fills = {"scale": 1.0, "min": 0.0}  # what a zero slot's group gets
+    per_group = {k: getattr(q, k).reshape(*getattr(q, k).shape[:-1], *groups) for k in fills
+                 if getattr(q, k) is not None}
 
-    def where_valid(x: Any, mask: np.ndarray, axis: int, fill: float) -> Any:
+    def where_padding(x: Any, mask: np.ndarray, axis: int, fill: Any) -> Any:
         shape = [1] * x.ndim
         shape[axis] = -1
-        return xp.where(mask.reshape(shape), x, xp.asarray(fill, x.dtype))
+        return xp.where(mask.reshape(shape), x, fill)
 
     for own_axis, name in enumerate(spec.logical_axes):
         pos = order.index(own_axis)  # the axis in values and in the unflattened scale
-        grouped_last = bool(q.group_size) and pos == nd - 1
-        scale_moves = scale.shape[pos] == values.shape[pos] and not grouped_last  # else size 1: unchanged
+        last = pos == nd - 1
+        grouped_last = bool(q.group_size) and last
+        moves = {k: a.shape[pos] == values.shape[pos] and not grouped_last for k, a in per_group.items()}
         if name in (HEADS, KV_HEADS) and not layout.heads_identity:
-            if grouped_last:
-                raise ValueError(f"cannot pad a per-group quantized weight along its grouped {name} axis")
+            if grouped_last or (packed and last):
+                raise ValueError(f"cannot pad a per-group or packed quantized weight along its grouped {name} axis")
             source = layout.q_source if name == HEADS else layout.kv_source
             values = xp.take(values, source, axis=pos)
-            if scale_moves:
-                scale = xp.take(scale, source, axis=pos)
-                mins = None if mins is None else xp.take(mins, source, axis=pos)
-            if name == HEADS:  # zero query slots: zero weights (int8 / fp8 times 0, as the float path: -0 kept)
-                values = where_valid(values, layout.q_valid, pos, zero) if packed else \
-                    values * layout.q_valid.reshape([-1 if a == pos else 1 for a in range(nd)]).astype(values.dtype)
-                if scale_moves:
-                    scale = where_valid(scale, layout.q_valid, pos, 1.0)
-                    mins = None if mins is None else where_valid(mins, layout.q_valid, pos, 0.0)
+            per_group = {k: xp.take(a, source, axis=pos) if moves[k] else a for k, a in per_group.items()}
+            if name == HEADS:  # zero query slots: what quantizing the float path's w * 0 gives
+                if fmt == "int4":
+                    zeroed = xp.asarray(zero_code, values.dtype)
+                elif packed:  # E2M1 +-0: the sign bits of both codes
+                    zeroed = values & xp.asarray(0x88, values.dtype)
+                else:
+                    zeroed = values * xp.zeros((), values.dtype)
+                values = where_padding(values, layout.q_valid, pos, zeroed)
+                per_group = {k: where_padding(a, layout.q_valid, pos, xp.asarray(fills[k], a.dtype)) if moves[k]
+                             else a for k, a in per_group.items()}
         elif name in (MLP, VOCAB):
-            per_byte = 2 if packed and pos == nd - 1 else 1
-            length = values.shape[pos] * per_byte
+            width = 2 if packed and last else 1  # codes per byte along this axis of values
+            length = values.shape[pos] * width
             size = layout.pad_size(length)
             extra = size - length
             if not extra:
                 continue
-            if grouped_last and extra % q.group_size:
-                raise ValueError(f"a weight quantized with group_size {q.group_size} along its {name} axis of size "
-                                 f"{length} cannot be padded to {size} for tp={layout.tp} (not whole "
-                                 f"groups); use a tp that divides {length}, a per-channel quantization, "
-                                 f"or quantize at load instead of from a quantized checkpoint")
-            values = _pad_axis(values, pos, size // per_byte, fill=zero)
-            if grouped_last or scale_moves:
-                new = scale.shape[pos] + extra // q.group_size if grouped_last else size
-                scale = _pad_axis(scale, pos, new, fill=1.0)
-                mins = None if mins is None else _pad_axis(mins, pos, new)
-    scale = scale.reshape(*scale.shape[:num_kept], -1)
-    return q.replace(values=values, scale=scale, min=None if mins is None else mins.reshape(scale.shape))
+            if (grouped_last and extra % q.group_size) or extra % width:
+                raise ValueError(f"a weight quantized {fmt} with group_size {q.group_size} along its {name} axis of "
+                                 f"size {length} cannot be padded to {size} for tp={layout.tp} (not whole groups or "
+                                 f"bytes); use a tp that divides {length}, a per-channel quantization, or quantize "
+                                 f"at load instead of from a quantized checkpoint")
+            values = _pad_axis(values, pos, size // width, fill=zero_code)
+            for k, a in per_group.items():
+                if grouped_last:
+                    per_group[k] = _pad_axis(a, pos, a.shape[pos] + extra // q.group_size, fill=fills[k])
+                elif moves[k]:
+                    per_group[k] = _pad_axis(a, pos, size, fill=fills[k])
+    return q.replace(values=values, **{k: a.reshape(*a.shape[:num_kept], -1) for k, a in per_group.items()})
 
 
 def pad_weights(weights: Any, specs: Any, layout: TPLayout) -> Any:

@@ -1,23 +1,31 @@
-"""Quantized weights: int8, FP8 (e4m3), packed int4 values with f32 scales, the config that picks them, a model.
+"""Quantized weights: int8, FP8 (e4m3), packed int4 and the microscaling formats MXFP8 / MXFP4 / NVFP4, and
+quantizing a model's weights to them.
 
-A quantized weight is its own pytree type, `QuantizedWeight`, holding the low-precision `values` and the f32
+A quantized weight is its own pytree type, `QuantizedWeight`, holding the low-precision `values` and their
 `scale`s; the model's einsums go through `models.quant_matmul.qeinsum`, which takes either a plain array or a
 `QuantizedWeight`, so the model code is the same for every format. The format is chosen by config
-(`QuantizationConfig`, from `EngineConfig.quantization`), never by file name.
+(`QuantizationConfig`, in `models.quant_config` and re-exported here with `FORMATS`, from
+`EngineConfig.quantization`), never by file name.
 
 Formats (symmetric, absmax scaling; Jacob et al. 2018 for int8 inference; Micikevicius et al. 2022, "FP8 Formats
-for Deep Learning", for e4m3):
+for Deep Learning", for e4m3; OCP MX v1.0 and NVIDIA NVFP4 for the microscaling ones, `models.mxfp`):
 
-| format | values          | scale                                          | scale = amax / |
-|--------|-----------------|------------------------------------------------|----------------|
-| int8   | int8 in [-127, 127] | f32 per output channel (GGUF Q8_0: per group of 32) | 127   |
-| fp8    | float8_e4m3fn   | f32 per output channel, or per group of `group_size` input channels | 448 |
-| int4   | uint8, 2 per byte (`models.quant4`) | f32 per group of 32 / 64 / 128, optional f32 min | 7    |
+| format | values                              | scale                                                 | scale =      |
+|--------|-------------------------------------|-------------------------------------------------------|--------------|
+| int8   | int8 in [-127, 127]                 | f32 per output channel (GGUF Q8_0: per group of 32)  | amax / 127   |
+| fp8    | float8_e4m3fn                       | f32 per output channel, or per group of `group_size`  | amax / 448   |
+| int4   | uint8, 2 per byte (`models.quant4`) | f32 per group of 32 / 64 / 128, optional f32 min      | amax / 7     |
+| mxfp8  | float8_e4m3fn                       | float8_e8m0fnu per block of 32                        | 2^k          |
+| mxfp4  | uint8, 2 E2M1 codes per byte        | float8_e8m0fnu per block of 32                        | 2^k          |
+| nvfp4  | uint8, 2 E2M1 codes per byte        | float8_e4m3fn per block of 16, f32 `tensor_scale`     | models.mxfp  |
+
+The format is the pair (values dtype, scale dtype) (`format_of`): no two formats share it, it travels with the
+arrays (checkpoints, `jax.eval_shape`), and it cannot disagree with them as a separate field could.
 
 Layout: `values` keep the weight's non-contracted ("kept") axes in their order, then its contracted (input) axes:
 a `wq` of [L, D, N, H] contracting D is stored [L, N, H, D]. Output-major is the fast layout for XLA:CPU's
 int8 x int8 -> int32 dot (2.4x the input-major one, BENCHMARKS.md), and a leading layer axis stays leading, so
-slicing or scanning stacked layers slices `values` and `scale` alike. `scale` is f32 [*kept, G], G = 1 per
+slicing or scanning stacked layers slices `values` and `scale` alike. `scale` is [*kept, G], G = 1 per
 output channel, G = C / group_size with groups along the flattened contracted axes.
 """
 
@@ -25,57 +33,76 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import quant4
-from models.config import options_from_value
+from models import mxfp, quant4
+from models.quant_config import (DEFAULT_INT4_GROUP_SIZE, FORMATS, GROUP_FALLBACK_FORMATS,  # noqa: F401 (re-exported)
+                                 INT4_GROUP_SIZES, QuantizationConfig)
 
-FORMATS = ("int8", "fp8", "int4")
-_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}  # int4: packed, models.quant4
-INT4_GROUP_SIZES = (32, 64, 128)
-DEFAULT_INT4_GROUP_SIZE = 32  # GGUF Q4_0/Q4_1 and MX blocks; the issue's quality bar is for group 32
+# (values dtype, scale dtype) of each format: the pair names the format (`format_of`)
+_DTYPES = {"int8": (jnp.int8, jnp.float32), "fp8": (jnp.float8_e4m3fn, jnp.float32),
+           "int4": (jnp.uint8, jnp.float32),  # packed, models.quant4
+           **{f: (mxfp.VALUES_DTYPE[f], mxfp.SCALE_DTYPE[f]) for f in mxfp.FORMATS}}
+PACKED_FORMATS = ("int4", *mxfp.PACKED)  # two 4-bit codes per byte along the last contracted axis
 _QMAX = {"int8": 127.0, "fp8": 448.0}  # int8 symmetric (no -128); largest finite e4m3fn
 
 
-def format_of(dtype: jnp.dtype) -> str:
-    """"int8", "fp8" or "int4" (uint8: packed) for a values dtype.
+def dtypes_of(fmt: str) -> tuple[jnp.dtype, jnp.dtype]:
+    """(values dtype, scale dtype) of a format name (module docstring table).
 
     Raises:
-      ValueError: for any other dtype.
+      ValueError: for an unknown format.
     """
-    for name, d in _DTYPES.items():
-        if jnp.dtype(dtype) == jnp.dtype(d):
+    if fmt not in _DTYPES:
+        raise ValueError(f"quantization format {fmt!r} is not one of {', '.join(FORMATS)}")
+    return tuple(jnp.dtype(d) for d in _DTYPES[fmt])
+
+
+def format_of(dtype: jnp.dtype, scale_dtype: jnp.dtype = jnp.float32) -> str:
+    """The format name of a quantized weight from its values dtype and scale dtype (default f32: int8, fp8, int4).
+
+    Raises:
+      ValueError: for a pair that is no format.
+    """
+    for name, (v, s) in _DTYPES.items():
+        if jnp.dtype(dtype) == jnp.dtype(v) and jnp.dtype(scale_dtype) == jnp.dtype(s):
             return name
-    raise ValueError(f"{jnp.dtype(dtype)} is not a quantized weight dtype ({', '.join(FORMATS)})")
+    raise ValueError(f"{jnp.dtype(dtype)} values with {jnp.dtype(scale_dtype)} scales are no quantized weight "
+                     f"format ({', '.join(FORMATS)})")
 
 
 @flax.struct.dataclass
 class QuantizedWeight:
-    """A weight stored as low-precision values times f32 scales.
+    """A weight stored as low-precision values times scales (the format: module docstring table, `format_of`).
 
     Attributes:
-      values: int8 or float8_e4m3fn, shape [*kept, *contracted] (module docstring: layout); for int4, uint8
-        [*kept, *contracted[:-1], contracted[-1] / 2], two codes per byte (`models.quant4`).
-      scale: f32 [*kept, G]; G = 1 (per output channel) or prod(contracted) / group_size (per group).
+      values: int8 or float8_e4m3fn, shape [*kept, *contracted] (module docstring: layout); for int4, mxfp4 and
+        nvfp4, uint8 [*kept, *contracted[:-1], contracted[-1] / 2], two codes per byte (`models.quant4`,
+        `models.mxfp`).
+      scale: [*kept, G], f32 (int8, fp8, int4), float8_e8m0fnu (mxfp8, mxfp4) or float8_e4m3fn (nvfp4);
+        G = 1 (per output channel) or prod(contracted) / group_size (per group / block).
       min: int4 only: f32 [*kept, G], w = scale * q + min (asymmetric); None: symmetric, w = scale * (q - 8).
+      tensor_scale: nvfp4 only: f32 with the rank of `scale`, one per tensor slice (the stacked leading axes kept,
+        size 1 elsewhere; `models.mxfp`): w = value * scale * tensor_scale. None for the other formats.
       contract_axes: static; the contracted (input) axes in the weight's own layout, as negative indices, so they
         stay valid when leading layer axes are sliced off.
-      group_size: static; input channels per scale, 0 for one scale per output channel.
+      group_size: static; input channels per scale, 0 for one scale per output channel (the block for mxfp8,
+        mxfp4, nvfp4).
       quantize_activations: static; `qeinsum` quantizes activations per token and runs the native low-precision
-        dot (per-channel weights only).
+        dot (per-channel weights, or mxfp8 blocks).
       activation_group_size: static; with `quantize_activations`, one activation scale per token per this many
-        channels of the last contracted axis (0: one per token).
+        channels of the last contracted axis (0: one per token; mxfp8: its `group_size`).
     """
 
     values: jax.Array
     scale: jax.Array
     min: jax.Array | None = None
+    tensor_scale: jax.Array | None = None
     contract_axes: tuple[int, ...] = flax.struct.field(pytree_node=False, default=(-2,))
     group_size: int = flax.struct.field(pytree_node=False, default=0)
     quantize_activations: bool = flax.struct.field(pytree_node=False, default=False)
@@ -83,7 +110,7 @@ class QuantizedWeight:
 
     @property
     def format(self) -> str:
-        return format_of(self.values.dtype)
+        return format_of(self.values.dtype, self.scale.dtype)
 
     @property
     def ndim(self) -> int:
@@ -100,17 +127,21 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, ...]:
         """The weight's shape in its own (unquantized) layout."""
         out = [0] * self.ndim
-        packed = self.format == "int4"
+        packed = self.format in PACKED_FORMATS
         for src, size in zip(self._order(), quant4.unpacked_shape(self.values.shape) if packed else self.values.shape):
             out[src] = size
         return tuple(out)
 
     def dequantize(self, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-        """The weight in its own layout and `dtype`: values * scale (materializes it; for references and tests)."""
+        """The weight in its own layout and `dtype`: values * scale (materializes it; for references and tests,
+        and inside the jitted weight-only matmul)."""
         kept = self.values.shape[: self.ndim - self._num_contracted]
         groups = self.scale.shape[-1]
-        if self.format == "int4":
+        fmt = self.format
+        if fmt == "int4":
             v = quant4.dequantize(self.values, self.scale, self.min, len(kept)).astype(dtype)
+        elif fmt in mxfp.FORMATS:
+            v = mxfp.dequantize(self.values, self.scale, self.tensor_scale, len(kept)).astype(dtype)
         else:
             v = self.values.reshape(*kept, groups, -1).astype(jnp.float32) * self.scale[..., None]
             v = v.reshape(self.values.shape).astype(dtype)
@@ -118,7 +149,16 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + self.scale.nbytes + (0 if self.min is None else self.min.nbytes)
+        return sum(x.nbytes for x in (self.values, self.scale, self.min, self.tensor_scale) if x is not None)
+
+
+def stacked_axes_of(q: QuantizedWeight) -> int:
+    """The `stacked_axes` that rebuilds `q`'s tensor scale shape with `quantize` (nvfp4; 0 for the other formats):
+    the leading axes of `tensor_scale` up to its last one longer than 1 (a stack of one layer gives 0 and the same
+    shape)."""
+    if q.tensor_scale is None:
+        return 0
+    return max((i + 1 for i, n in enumerate(q.tensor_scale.shape) if n != 1), default=0)
 
 
 def _order(nd: int, contract_axes: Sequence[int]) -> list[int]:
@@ -129,26 +169,32 @@ def _order(nd: int, contract_axes: Sequence[int]) -> list[int]:
 
 def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size: int = 0,
              quantize_activations: bool = False, activation_group_size: int = 0,
-             asymmetric: bool = False) -> QuantizedWeight:
+             asymmetric: bool = False, stacked_axes: int = 0) -> QuantizedWeight:
     """Quantizes one weight symmetrically (absmax) per output channel or per group of input channels.
 
     Args:
       w: float weight, any shape; `contract_axes` are the axes the model contracts against activations.
-      fmt: "int8", "fp8" (float8_e4m3fn) or "int4" (packed, `models.quant4`; its last contracted axis even).
+      fmt: "int8", "fp8" (float8_e4m3fn), "int4" (packed, `models.quant4`), or "mxfp8", "mxfp4", "nvfp4"
+        (`models.mxfp`); int4, mxfp4 and nvfp4 need an even last contracted axis.
       contract_axes: the contracted axes of `w` (any sign; stored negative).
       group_size: 0 for one scale per output channel; else input channels per scale (fp8, int4), which must divide
-        the last contracted axis, so no group spans two axes.
+        the last contracted axis, so no group spans two axes. mxfp8 / mxfp4 / nvfp4: 0 for the format's block
+        (32 / 32 / 16), or a divisor of it (the gcd fallback of `quantize_weights`).
       asymmetric: int4 only: a min per group too (Q4_1-style, `models.quant4`).
-      quantize_activations: recorded on the result for `qeinsum` (per-channel only).
-      activation_group_size: recorded on the result for `qeinsum` (see `QuantizedWeight`).
+      quantize_activations: recorded on the result for `qeinsum` (int8 / fp8 per channel, or mxfp8).
+      activation_group_size: recorded on the result for `qeinsum` (see `QuantizedWeight`); mxfp8 records its
+        block instead.
+      stacked_axes: nvfp4: how many leading axes of `w` stack separate tensors (1 for [L, ...] layers, 2 for
+        [L, E, ...] experts); each slice gets its own `tensor_scale`. Ignored by the other formats.
 
     Returns:
-      The `QuantizedWeight`; all-zero channels get scale 1 (and values 0), so nothing divides by zero.
+      The `QuantizedWeight`; all-zero channels (blocks) get scale 1 (and values 0), so nothing divides by zero.
 
     Raises:
       ValueError: unknown format, contract axes out of range, groups with int8, a group size that does not divide
-        the last contracted axis, activation quantization with groups or int4, an odd last contracted axis for
-        int4, or `asymmetric` for another format.
+        the last contracted axis (or, for the microscaling formats, their block), activation quantization with
+        groups (but mxfp8) or a weight-only format, an odd last contracted axis for a packed format, `asymmetric`
+        for another format than int4, or `stacked_axes` reaching a contracted axis.
     """
     if fmt not in FORMATS:
         raise ValueError(f"quantization format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -156,27 +202,45 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
     if not contract_axes or any(not -nd <= a < nd for a in contract_axes):
         raise ValueError(f"contract_axes {tuple(contract_axes)} out of range for a weight of shape {w.shape}")
     neg = tuple(sorted({a % nd - nd for a in contract_axes}))
-    if (fmt == "int4" and (quantize_activations or w.shape[neg[-1]] % 2)) or (asymmetric and fmt != "int4"):
+    packed, weight_only = fmt in PACKED_FORMATS, fmt in ("int4", "mxfp4", "nvfp4")
+    if ((packed and w.shape[neg[-1]] % 2) or (weight_only and quantize_activations)
+            or (asymmetric and fmt != "int4")):
         raise ValueError(f"{fmt} with asymmetric={asymmetric}, quantize_activations={quantize_activations} for "
-                         f"shape {w.shape}, contract_axes {neg}: int4 is weight-only and packs its last contracted "
-                         "axis in pairs (it must be even); only int4 is asymmetric")
+                         f"shape {w.shape}, contract_axes {neg}: int4, mxfp4 and nvfp4 are weight-only and pack "
+                         "their last contracted axis in pairs (it must be even); only int4 is asymmetric")
+    if not 0 <= stacked_axes <= neg[0] + nd:
+        raise ValueError(f"stacked_axes={stacked_axes} must count leading axes before the first contracted axis "
+                         f"of a weight of shape {w.shape} with contract_axes {neg}")
+    if fmt in mxfp.FORMATS:
+        group_size = group_size or mxfp.BLOCK[fmt]
+        if mxfp.BLOCK[fmt] % group_size:
+            raise ValueError(f"{fmt} group_size {group_size} must divide the format's block of {mxfp.BLOCK[fmt]}")
     if group_size:
         if fmt == "int8":
             raise ValueError("per-group scales are for fp8 and int4; int8 uses one scale per output channel")
         if w.shape[neg[-1]] % group_size:
             raise ValueError(f"group_size {group_size} does not divide the contracted axis of size "
                              f"{w.shape[neg[-1]]} (weight shape {w.shape})")
-        if quantize_activations:
+        if quantize_activations and fmt != "mxfp8":
             raise ValueError("activation quantization needs one scale per output channel (group_size 0)")
     wt = jnp.transpose(jnp.asarray(w, jnp.float32), _order(nd, neg))
     kept = wt.shape[: nd - len(neg)]
     contracted = math.prod(wt.shape[nd - len(neg):])
     groups = contracted // group_size if group_size else 1
+    g = wt.reshape(*kept, groups, -1)  # [*kept, G, group]
     if fmt == "int4":
-        codes, scale, mn = quant4.quantize_groups(wt.reshape(*kept, groups, -1), asymmetric)
+        codes, scale, mn = quant4.quantize_groups(g, asymmetric)
         return QuantizedWeight(values=quant4.pack(codes.reshape(wt.shape)), scale=scale, min=mn, contract_axes=neg,
                                group_size=group_size)
-    q, scale = quantize_rows(wt.reshape(*kept, groups, -1), (-1,), fmt)  # absmax per group, as for activations
+    if fmt in mxfp.FORMATS:
+        tensor_amax = jnp.max(jnp.abs(g), axis=tuple(range(stacked_axes, g.ndim)), keepdims=True)[..., 0]
+        elements, scale, tensor_scale = mxfp.quantize_blocks(g, fmt, tensor_amax if fmt == "nvfp4" else None)
+        elements = elements.reshape(wt.shape)
+        return QuantizedWeight(values=quant4.pack(elements) if packed else elements, scale=scale,
+                               tensor_scale=tensor_scale, contract_axes=neg, group_size=group_size,
+                               quantize_activations=quantize_activations,
+                               activation_group_size=group_size if quantize_activations else 0)
+    q, scale = quantize_rows(g, (-1,), fmt)  # absmax per group, as for activations
     return QuantizedWeight(values=q.reshape(wt.shape), scale=scale[..., 0], contract_axes=neg, group_size=group_size,
                            quantize_activations=quantize_activations,
                            activation_group_size=activation_group_size if quantize_activations else 0)
@@ -185,105 +249,24 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
 def quantize_rows(x: jax.Array, axes: Sequence[int], fmt: str) -> tuple[jax.Array, jax.Array]:
     """Dynamic symmetric quantization of activations, one scale per slice over `axes` (per token).
 
+    Args:
+      x: float activations, any shape.
+      axes: the axes each scale covers.
+      fmt: "int8", "fp8" (scale amax / 127, amax / 448) or "mxfp8" (a power of two, `models.mxfp.mx_scale`;
+        the caller makes the slices MX blocks).
+
     Returns:
       (values in the format's dtype, f32 scales with `axes` kept as size 1); an all-zero row gets scale 1.
     """
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=tuple(axes), keepdims=True)
+    if fmt == "mxfp8":
+        scale = mxfp.mx_scale(amax, fmt)
+        return jnp.clip(x32 / scale, -mxfp.E4M3_MAX, mxfp.E4M3_MAX).astype(jnp.float8_e4m3fn), scale
     scale = jnp.where(amax > 0, amax / _QMAX[fmt], 1.0)
     q = x32 / scale
     q = jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8) if fmt == "int8" else q.astype(jnp.float8_e4m3fn)
     return q, scale
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizationConfig:
-    """Which weights are quantized, and how.
-
-    Attributes:
-      format: "int8" (per output channel), "fp8" (e4m3), "int4" (`models.quant4`) or "gguf" (a GGUF's, as stored).
-      group_size: fp8: input channels per scale (e.g. 128), 0 for per output channel. A weight whose last
-        contracted axis it does not divide keeps per-channel scales (`quantize_weights` logs none; see
-        `weight_bytes`). int4: 32, 64 or 128 (0 means 32); a weight whose last contracted axis it does not divide
-        takes the largest group dividing both (a 16-wide head axis: 16).
-      quantize_activations: dynamic per-token activation quantization with the native low-precision dot (w8a8);
-        None or False: weight-only (the default: quality first). w8a8 is the fast int8 path on CPU (XLA:CPU's
-        int8 x int8 -> int32 dot, and no full-precision weight copy), at a quality cost measured in
-        BENCHMARKS.md.
-      quantize_embedding: the embedding gather reads a quantized table; None: yes for int8, no for fp8 (int4: no).
-      quantize_lm_head: the output projection is quantized (with tied embeddings and an unquantized gather, an
-        extra quantized copy of the table serves the head); None: yes for int8, no for fp8 and int4 (as vLLM's fp8 keeps
-        the head in full precision). On SmolLM2, fp8's perplexity is +3.4% over bf16 with them quantized and +1.5%
-        without; int8's barely moves (BENCHMARKS.md).
-      activation_group_size: with activation quantization, one activation scale per token per this many input
-        channels instead of one per token: closer to the unquantized model, slower on CPU (BENCHMARKS.md).
-    """
-
-    format: str = "int8"
-    group_size: int = 0
-    quantize_activations: bool | None = None
-    quantize_embedding: bool | None = None
-    quantize_lm_head: bool | None = None
-    activation_group_size: int = 0
-
-    def __post_init__(self) -> None:
-        if self.format not in (*FORMATS, "gguf"):
-            raise ValueError(f"quantization format={self.format!r} is not one of {', '.join(FORMATS)}, gguf")
-        if self.format == "gguf" and (self.activations or self.embedding or self.lm_head or self.activation_group_size):
-            raise ValueError(f"quantization gguf keeps the GGUF file's own types: set no other field ({self})")
-        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
-            raise ValueError(f"quantization group_size={self.group_size!r} must be an integer >= 0")
-        if self.group_size and self.format in ("int8", "gguf"):
-            raise ValueError(f"quantization group_size is for fp8 and int4; {self.format} sets its own scales")
-        if self.format == "int4":
-            object.__setattr__(self, "group_size", self.group_size or DEFAULT_INT4_GROUP_SIZE)
-            quant4.check_config(self.group_size, INT4_GROUP_SIZES, self.quantize_activations,
-                                self.quantize_embedding)
-        if (not isinstance(self.activation_group_size, int) or isinstance(self.activation_group_size, bool)
-                or self.activation_group_size < 0):
-            raise ValueError(f"activation_group_size={self.activation_group_size!r} must be an integer >= 0")
-        if self.group_size and self.quantize_activations:
-            raise ValueError("activation quantization needs per-channel scales (group_size 0)")
-        for name in ("quantize_activations", "quantize_embedding", "quantize_lm_head"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be true, false or null")
-
-    @staticmethod
-    def from_value(value: QuantizationConfig | Mapping[str, Any] | str | None) -> QuantizationConfig | None:
-        """A config from a format name ("int8", "fp8", "int4"), a dict of the fields, a JSON object string, an
-        instance, or None (no quantization).
-
-        Raises:
-          ValueError: for an unknown format, JSON that does not parse or is not an object, unknown keys (named),
-            or bad values.
-        """
-        if isinstance(value, str) and not value.lstrip().startswith("{"):
-            if value.strip() not in FORMATS and value.strip()[:1] in ('[', '"', "-", *"0123456789"):
-                raise ValueError(f"quantization {value!r} is neither a format name ({', '.join(FORMATS)}) nor a JSON "
-                                 'object of QuantizationConfig fields (e.g. {"format": "int8"})')
-            return QuantizationConfig(format=value)
-        if value is not None and not isinstance(value, (str, Mapping, QuantizationConfig)):
-            raise ValueError(f"quantization must be None, a format name, or a dict / JSON object, "
-                             f"got {type(value).__name__}")
-        return options_from_value(QuantizationConfig, value, "quantization config", required=("format",))
-
-    @property
-    def activations(self) -> bool:
-        return bool(self.quantize_activations)
-
-    @property
-    def embedding(self) -> bool:
-        return self.format == "int8" if self.quantize_embedding is None else self.quantize_embedding
-
-    @property
-    def lm_head(self) -> bool:
-        return self.format == "int8" if self.quantize_lm_head is None else self.quantize_lm_head
-
-    def resolved(self) -> QuantizationConfig:
-        """This config with every None default decided (activations, embedding, LM head): two configs that
-        quantize the same way compare equal once resolved. "gguf" (the file decides) stays as it is."""
-        return self if self.format == "gguf" else dataclasses.replace(
-            self, quantize_activations=self.activations, quantize_embedding=self.embedding, quantize_lm_head=self.lm_head)
 
 
 # Contracted axes of each quantized projection in its own layout (see models.llama.LayerWeights).
@@ -322,7 +305,9 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
 
     Norms, biases and routers stay in `dtype` (they are small and sensitive). MoE expert weights are quantized
     too; their `ragged_dot` dequantizes them (no quantized ragged dot yet). With activation quantization, a dense
-    model's norm gains are folded into the projections first (`fold_norm_scales`).
+    model's norm gains are folded into the projections first (`fold_norm_scales`). A group (int4) or block
+    (mxfp8, mxfp4, nvfp4) that does not divide a weight's last contracted axis becomes gcd(group, axis) for that
+    weight (fp8: per channel). nvfp4's tensor scales are per layer (per layer and expert for routed experts).
 
     Args:
       weights: `models.llama.Weights` with float arrays (numpy or jax); quantized from f32.
@@ -337,13 +322,14 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
     def group_for(w, axes, per_row_only=False):
         group = 0 if per_row_only else qcfg.group_size
         if group and w.shape[axes[-1]] % group:  # the group does not divide this weight's input axis:
-            group = math.gcd(group, w.shape[axes[-1]]) if qcfg.format == "int4" else 0  # smaller / per-channel
+            group = math.gcd(group, w.shape[axes[-1]]) if qcfg.format in GROUP_FALLBACK_FORMATS else 0
         return group
 
-    def q(w, axes, per_row_only=False):
+    def q(w, axes, per_row_only=False, stacked_axes=0):
         group = group_for(w, axes, per_row_only)
-        return quantize(w, qcfg.format, axes, group_size=group, quantize_activations=qcfg.activations and not group,
-                        activation_group_size=qcfg.activation_group_size)
+        acts = qcfg.activations and (not group or qcfg.format == "mxfp8")  # fp8 groups: weight-only
+        return quantize(w, qcfg.format, axes, group_size=group, quantize_activations=acts,
+                        activation_group_size=qcfg.activation_group_size, stacked_axes=stacked_axes)
 
     def cast(w):
         return None if w is None else jnp.asarray(w, dtype)
@@ -357,10 +343,11 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
         if w is None:
             new_layers[field.name] = None
         elif field.name in CONTRACT_AXES and not (cfg.is_moe and field.name.startswith("e_")):
-            new_layers[field.name] = q(w, CONTRACT_AXES[field.name])
+            new_layers[field.name] = q(w, CONTRACT_AXES[field.name], stacked_axes=1)  # [L, ...]
         elif field.name in CONTRACT_AXES:  # routed experts: dequantized for ragged_dot, so no activation quant
+            grouped = qcfg.format in GROUP_FALLBACK_FORMATS
             new_layers[field.name] = quantize(w, qcfg.format, CONTRACT_AXES[field.name], group_size=group_for(
-                w, CONTRACT_AXES[field.name]) if qcfg.format == "int4" else 0)
+                w, CONTRACT_AXES[field.name]) if grouped else 0, stacked_axes=2)  # [L, E, ...]
         else:
             new_layers[field.name] = cast(w)
     embed = weights.embed

@@ -73,6 +73,8 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
         raise ValueError(f"einsum {eq!r} must contract the quantized weight's axes {contracted!r}")
     kept = "".join(c for c in rhs if c not in contracted)
     vals = kept + contracted  # the labels of w.values
+    if w.quantize_activations and w.group_size:  # mxfp8 blocks: the weight's scales are applied per block inside
+        return _activation_quantized(lhs, vals, out, contracted, x, w).astype(out_dtype)
     if w.group_size or w.format == "int4":  # grouped scales (int4: also its codes' offset or min) do not factor
         # out of the sum: dequantize inside the computation (int4: unpack, scale, cast to x's dtype, then the dot)
         return jnp.einsum(eq, x, w.dequantize(x.dtype), preferred_element_type=out_dtype).astype(out_dtype)
@@ -85,11 +87,13 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
 
 def _activation_quantized(lhs: str, vals: str, out: str, contracted: str, x: jax.Array,
                           w: QuantizedWeight) -> jax.Array:
-    """f32 sum over `contracted` of x * w.values with x quantized dynamically to w's format (w's scales not applied).
+    """f32 sum over `contracted` of x * w.values with x quantized dynamically to w's format (w's per-channel scales
+    not applied; an mxfp8 weight's block scales are).
 
     Activations get one scale per token per group of `w.activation_group_size` channels of the last contracted
-    axis (0: per token over all contracted channels). Each group's dot runs natively in low precision
-    (int8 x int8 -> int32) and the groups are summed in f32 after their scales are applied.
+    axis (0: per token over all contracted channels; mxfp8: its blocks, power-of-two scales). Each group's dot runs
+    natively in low precision (int8 x int8 -> int32, e4m3 x e4m3 -> f32) and the groups are summed in f32 after
+    their scales (mxfp8: the activation's and the weight's block scale) are applied.
     """
     acc_type = jnp.int32 if w.format == "int8" else jnp.float32
     last, group = contracted[-1], w.activation_group_size
@@ -110,6 +114,11 @@ def _activation_quantized(lhs: str, vals: str, out: str, contracted: str, x: jax
     x_scale = _to_layout(jnp.squeeze(x_scale, [lhs.index(c) for c in quantized_axes]),
                          "".join(c for c in lhs if c not in quantized_axes), out + grouped)
     y = acc.astype(jnp.float32) * x_scale
+    if w.group_size:  # mxfp8: the weight's block scales [*kept, G] as [*kept, *contracted[:-1], blocks of the last]
+        num_kept = len(vals) - len(contracted)
+        w_scale = w.scale.astype(jnp.float32).reshape(*w.values.shape[:num_kept],
+                                                      *(x.shape[lhs.index(c)] for c in grouped))
+        y = y * _to_layout(w_scale, vals[:num_kept] + grouped, out + grouped)
     return jnp.sum(y, axis=tuple(range(len(out), len(out) + len(grouped)))) if grouped else y
 
 

@@ -17,7 +17,8 @@ def _quantized_spec(spec: jax.sharding.PartitionSpec, q: QuantizedWeight,
     """PartitionSpecs of a quantized weight's values and scale from the spec of the weight it quantizes.
 
     A per-group scale's group axis is split like the contracted axis when there is one contracted axis and (given
-    `mesh`) the number of groups divides over it; otherwise it is replicated.
+    `mesh`) the number of groups divides over it; otherwise it is replicated. nvfp4's tensor scale keeps the
+    sharding of its stacked leading axes (experts over `ep`).
     """
     parts = list(spec) + [None] * (q.ndim - len(spec))
     order = q._order()
@@ -28,8 +29,14 @@ def _quantized_spec(spec: jax.sharding.PartitionSpec, q: QuantizedWeight,
         if q.scale.shape[-1] % math.prod(mesh.shape[n] for n in names):
             grouped = None  # fewer groups than shards, or an uneven split: every device holds all groups
     scale = jax.sharding.PartitionSpec(*kept, grouped)
+    tensor_scale = None
+    if q.tensor_scale is not None:  # nvfp4: stacked axes (layers, experts) split like the values, size-1 axes not
+        sizes = q.tensor_scale.shape
+        tensor_scale = jax.sharding.PartitionSpec(
+            *[p if sizes[i] == q.values.shape[i] and sizes[i] > 1 else None for i, p in enumerate(kept)], None)
     return q.replace(values=jax.sharding.PartitionSpec(*[parts[a] for a in order]), scale=scale,
-                     min=None if q.min is None else scale)  # int4's packed last axis splits like the unpacked one
+                     min=None if q.min is None else scale,  # packed last axes split like the unpacked ones
+                     tensor_scale=tensor_scale)
 
 
 def quantized_sharding(sharding: jax.sharding.NamedSharding, q: QuantizedWeight) -> QuantizedWeight:

@@ -167,16 +167,18 @@ class EngineConfig:
     quantization: QuantizationConfig | None = _option(None, (
         "weight quantization at load (models.quant): int8 (symmetric) or fp8 (e4m3), per output channel and "
         "weight-only, int4 (packed, group scales of 32 by default, weight-only, embedding and head unquantized), "
+        "mxfp8 / mxfp4 / nvfp4 (microscaling: e4m3 or e2m1 values in blocks of 32 / 32 / 16 with one power-of-two "
+        "or e4m3 scale each, embedding and head unquantized; mxfp8 also w8a8), "
         "gguf (a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors kept quantized as stored, vLLM's --quantization gguf), "
-        "or a dict / JSON object of QuantizationConfig fields (format, group_size, "
-        "quantize_activations, quantize_embedding, quantize_lm_head, activation_group_size), e.g. "
+        "or a dict / JSON object of QuantizationConfig fields (format, group_size, quantize_activations, "
+        "quantize_embedding, quantize_lm_head, activation_group_size), e.g. "
         '{"format": "int8", "quantize_activations": true} (w8a8: dynamic per-token activations and the int8 dot, '
         'the fast path on CPU) or {"format": "fp8", "group_size": 128}; unset: weights in dtype. A checkpoint '
         "written by `jaxinfer convert --quantization` loads as stored: unset takes its quantization, any other "
         "value must equal it"),
         Flag(commands=(*ENGINE_COMMANDS, "convert"), metavar="FORMAT_OR_JSON", command_help={
-            "convert": ("store the weights quantized: int8, fp8 or a JSON object of QuantizationConfig fields, as for "
-                        "generate; --model of such a checkpoint loads it quantized as stored (default: not "
+            "convert": ("store the weights quantized: a format name (int8, fp8, int4, mxfp8, mxfp4, nvfp4) or a JSON "
+                        "object of QuantizationConfig fields, as for generate; --model of such a checkpoint loads it quantized as stored (default: not "
                         "quantized)")}),
         normalize=_quantization_config)
     kv_cache_dtype: str = _option("auto", (

@@ -35,7 +35,7 @@ def convert(src: str | os.PathLike | None, output_dir: str | os.PathLike, dtype:
       output_dir: a folder that does not exist yet or is empty.
       dtype: "float32" or "bfloat16": the dtype the weights are stored in (with `quantization`: the weights left
         unquantized, which is also the activation dtype `models.quant.quantize_weights` casts them to).
-      quantization: None, a format name ("int8", "fp8"), or a `models.quant.QuantizationConfig` / dict / JSON
+      quantization: None, a format name (`models.quant.FORMATS`), or a `models.quant.QuantizationConfig` / dict / JSON
         object of its fields: the weights are read in float32 and quantized as `EngineConfig.quantization` would
         quantize them at load (the same computation, so the same values and scales), then stored quantized.
 
@@ -49,9 +49,9 @@ def convert(src: str | os.PathLike | None, output_dir: str | os.PathLike, dtype:
     """
     dt = checked_dtype(dtype)
     qcfg = QuantizationConfig.from_value(quantization)
-    if qcfg is not None and qcfg.format in ("int4", "gguf"):
-        raise ValueError(f"quantization {qcfg.format} is not stored in checkpoints yet (issue 22); use it at load "
-                         f"instead (--quantization {qcfg.format} on generate / serve)")
+    if qcfg is not None and qcfg.format == "gguf":
+        raise ValueError("quantization gguf is not stored in checkpoints yet (issue 22); use it at load instead "
+                         "(--quantization gguf on generate / serve)")
     out = Path(output_dir).resolve()
     check_output_dir(out)  # before the slow load
     source = default_model_path() if src is None else Path(src)

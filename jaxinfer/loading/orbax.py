@@ -22,14 +22,14 @@ import jax
 import numpy as np
 
 from jaxinfer.loading.codec import config_to_dict
-from jaxinfer.loading.orbax_format import (CHECKPOINT_JSON, FORMAT_VERSION, TOKENIZER_DIR, WEIGHTS_DIR,
-                                           CheckpointQuantization, abstract_quantized, checked_dtype, flat_keys,
+from jaxinfer.loading.orbax_format import (CHECKPOINT_JSON, FORMAT_VERSION, QUANTIZED_ARRAYS, TOKENIZER_DIR,
+                                           WEIGHTS_DIR, CheckpointQuantization, checked_dtype, flat_keys,
                                            get_path, nest, quantization_record, quantized_leaves,
                                            read_checkpoint_json, weight_paths, weights_from_dict, weights_to_dict)
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights, check_weights
-from models.quant import QuantizationConfig, QuantizedWeight
+from models.quant import QuantizationConfig, QuantizedWeight, dtypes_of
 from models.quant_sharding import quantized_sharding
 
 logger = logging.getLogger(__name__)
@@ -80,9 +80,15 @@ def save(output_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, toke
     if qcfg is not None and not quantized:
         raise ValueError(f"quantization={qcfg.format!r} given, but no weight is quantized")
     for path, q in quantized.items():
-        if q.format != qcfg.format or np.dtype(q.scale.dtype) != np.float32:
-            raise ValueError(f"weight {'.'.join(path)}: {q.format} values with {q.scale.dtype} scales do not fit "
-                             f"quantization format {qcfg.format!r} (float32 scales)")
+        try:
+            fmt = q.format
+        except ValueError:  # no format's pair of dtypes
+            fmt = None
+        if fmt != qcfg.format:
+            want = ", ".join(f"{np.dtype(d).name} {k}" for d, k in zip(dtypes_of(qcfg.format), ("values", "scales")))
+            raise ValueError(f"weight {'.'.join(path)}: {np.dtype(q.values.dtype).name} values with "
+                             f"{np.dtype(q.scale.dtype).name} scales do not fit quantization format {qcfg.format!r} "
+                             f"({want})")
     separate_head = bool(quantized) and cfg.tie_word_embeddings and weights.lm_head is not None
     check_weights(weights, cfg, separate_head)
     tree = weights_to_dict(weights)
@@ -102,7 +108,7 @@ def save(output_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, toke
         if quantized:
             meta["quantization"] = CheckpointQuantization(
                 config=qcfg.resolved(), separate_head=separate_head,
-                weights={p: q.replace(values=None, scale=None) for p, q in quantized.items()}).to_json()
+                weights={p: jax.eval_shape(lambda q=q: q) for p, q in quantized.items()}).to_json()
         tmp = out / (CHECKPOINT_JSON + ".tmp")
         tmp.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         tmp.rename(out / CHECKPOINT_JSON)  # last: a folder without it is not a checkpoint
@@ -214,12 +220,12 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
     weights_dir = root / WEIGHTS_DIR
     stored = _stored_arrays(weights_dir, root)
     expected = weight_paths(cfg, separate_head)
-    # Every array on disk: (path, ShapeDtypeStruct without sharding); a quantized weight's two arrays keep their dtypes
+    # Every array on disk: (path, ShapeDtypeStruct without sharding); a quantized weight's arrays keep their dtypes
     arrays: list[tuple[tuple[str, ...], jax.ShapeDtypeStruct]] = []
     for p, spec in expected:
         if p in quantized:
-            q = abstract_quantized(spec, quantized[p], qinfo.config.format)
-            arrays += [((*p, "values"), q.values), ((*p, "scale"), q.scale)]
+            arrays += [((*p, k), getattr(quantized[p], k)) for k in QUANTIZED_ARRAYS
+                       if getattr(quantized[p], k) is not None]
         else:
             arrays.append((p, jax.ShapeDtypeStruct(spec.shape, dt)))
     extra = sorted(set(flat_keys(stored)) - {p for p, _ in arrays})
@@ -241,7 +247,7 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
             if tuple(got.shape) != want.shape:
                 raise ValueError(f"checkpoint {str(root)!r} disagrees with its config: weight {name}: shape "
                                  f"{tuple(got.shape)} does not match config shape {want.shape}")
-            if p[-1] in ("values", "scale") and p[:-1] in quantized and np.dtype(got.dtype) != want.dtype:
+            if p[-1] in QUANTIZED_ARRAYS and p[:-1] in quantized and np.dtype(got.dtype) != want.dtype:
                 raise ValueError(f"checkpoint {str(root)!r} disagrees with its quantization: weight {name} is stored "
                                  f"as {np.dtype(got.dtype).name}, expected {want.dtype.name}")
 
@@ -253,11 +259,10 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
         missing = [p for p, _ in expected if sharding_of.get(p) is None]
         if missing:
             raise ValueError(f"shardings has no sharding for {', '.join('.'.join(p) for p in missing)}")
-        for p, spec in expected:
+        for p, _ in expected:
             if p in quantized:
-                q = quantized_sharding(sharding_of[p],
-                                       abstract_quantized(spec, quantized[p], qinfo.config.format))
-                sharding_of[(*p, "values")], sharding_of[(*p, "scale")] = q.values, q.scale
+                q = quantized_sharding(sharding_of[p], quantized[p])
+                sharding_of.update({(*p, k): getattr(q, k) for k in QUANTIZED_ARRAYS if getattr(q, k) is not None})
     targets = [(p, jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding_of.get(p))) for p, a in arrays]
 
     try:  # before the (long) restore: a missing tokenizer fails at once
@@ -288,7 +293,7 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
             restored += [(p, get_path(out, p)) for p, _ in group]
             bar.update(sum(nbytes(t) for _, t in group))
     tree = nest(restored)
-    for p, statics in quantized.items():  # {"values", "scale"} back into QuantizedWeights
+    for p, statics in quantized.items():  # {"values", "scale", ...} back into QuantizedWeights
         parent = get_path(tree, p[:-1]) if len(p) > 1 else tree
         parent[p[-1]] = statics.replace(**parent[p[-1]])
     weights = weights_from_dict(tree, cfg, separate_head)

@@ -13,18 +13,22 @@ A converted model is a folder:
                                     "layers": {"attn_norm": [L, D], "wq": [L, D, N, H], ...}}
     DIR/tokenizer/                 an HF tokenizer folder (`Tokenizer.save_pretrained`)
 
-Quantized checkpoints (`convert(..., quantization=...)`, `models.quant`): each quantized weight is a dict of its two
-arrays in their own dtypes, {"values": int8 or float8_e4m3fn [*kept, *contracted], "scale": float32 [*kept, G]}
-(orbax / tensorstore store float8_e4m3fn natively and round-trip every bit pattern, so no uint8 view is needed);
-"dtype" in the JSON is then the dtype of the weights left unquantized (norms, biases, routers). The JSON's
-"quantization" object records what `load` needs to rebuild the `QuantizedWeight`s without re-deriving anything:
+Quantized checkpoints (`convert(..., quantization=...)`, `models.quant`): each quantized weight is a dict of its
+arrays in their own dtypes (`models.quant.dtypes_of`), {"values": [*kept, *contracted] (int4, mxfp4, nvfp4: uint8
+with the last axis packed, halved), "scale": [*kept, G], and where the weight has them "min": float32 [*kept, G]
+(asymmetric int4) and "tensor_scale": float32 (nvfp4)}. orbax / tensorstore store float8_e4m3fn and
+float8_e8m0fnu natively and round-trip every bit pattern, so no uint8 view is needed. "dtype" in the JSON is then
+the dtype of the weights left unquantized (norms, biases, routers). The JSON's "quantization" object records what
+`load` needs to rebuild the `QuantizedWeight`s without re-deriving anything:
 
     "quantization": {"config": {"format": "int8", "group_size": 0, "quantize_activations": true,
                                 "quantize_embedding": true, "quantize_lm_head": true},   (resolved: no null)
                      "separate_lm_head": false,   (a tied model whose head is its own [D, V] weight)
                      "weights": {"embed": {"contract_axes": [-1], "group_size": 0, "quantize_activations": true},
                                  "layers.wq": {"contract_axes": [-3], "group_size": 0, "quantize_activations": true},
-                                 ...}}   (every quantized weight by its dotted path, with its static fields)
+                                 ...}}   (every quantized weight by its dotted path, with its static fields,
+                                              and "asymmetric": true for an int4 weight with mins, "stacked_axes":
+                                              n for an nvfp4 weight: `models.quant.quantize`'s arguments)
 
 The on-disk tree is a dict, not the flax dataclass, so the format does not depend on pytree registration.
 """
@@ -53,6 +57,7 @@ CHECKPOINT_JSON = "jaxinfer_checkpoint.json"
 WEIGHTS_DIR = "weights"
 TOKENIZER_DIR = "tokenizer"
 DTYPES: dict[str, Any] = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
+QUANTIZED_ARRAYS = ("values", "scale", "min", "tensor_scale")  # a QuantizedWeight's arrays, keys on disk
 
 
 def checked_dtype(dtype: Any) -> np.dtype:
@@ -133,10 +138,11 @@ def weight_paths(cfg: ModelConfig, separate_head: bool = False) -> list[tuple[tu
 
 def weights_to_dict(weights: Weights) -> dict[str, Any]:
     """The weights as a nested dict of arrays keyed by field names; None fields are left out; a `QuantizedWeight`
-    becomes {"values": ..., "scale": ...} (its static fields go to the JSON, see the module docstring)."""
+    becomes {"values": ..., "scale": ...} and its "min" and "tensor_scale" where it has them (its static fields go
+    to the JSON, see the module docstring)."""
     def one(x: Any) -> Any:
         if isinstance(x, QuantizedWeight):
-            return {"values": x.values, "scale": x.scale}
+            return {k: getattr(x, k) for k in QUANTIZED_ARRAYS if getattr(x, k) is not None}
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             return {f.name: one(getattr(x, f.name)) for f in dataclasses.fields(x) if getattr(x, f.name) is not None}
         return x
@@ -190,8 +196,8 @@ class CheckpointQuantization:
     Attributes:
       config: the `QuantizationConfig` the weights were quantized with, resolved (`quantize_activations` a bool).
       separate_head: a tied model (`tie_word_embeddings`) whose head is stored as its own [D, V] `lm_head`.
-      weights: the static fields of every quantized weight by field path, as `QuantizedWeight`s whose `values`
-        and `scale` are None.
+      weights: every quantized weight by field path, as a `QuantizedWeight` of `jax.ShapeDtypeStruct`s: its static
+        fields and the shapes and dtypes of its arrays.
     """
 
     config: QuantizationConfig
@@ -199,11 +205,17 @@ class CheckpointQuantization:
     weights: dict[tuple[str, ...], QuantizedWeight]
 
     def to_json(self) -> dict[str, Any]:
+        def statics(q: QuantizedWeight) -> dict[str, Any]:
+            out = {"contract_axes": list(q.contract_axes), "group_size": q.group_size,
+                   "quantize_activations": q.quantize_activations, "activation_group_size": q.activation_group_size}
+            if q.min is not None:
+                out["asymmetric"] = True
+            if q.tensor_scale is not None:
+                out["stacked_axes"] = quant.stacked_axes_of(q)
+            return out
+
         return {"config": dataclass_to_dict(self.config), "separate_lm_head": self.separate_head,
-                "weights": {".".join(path): {"contract_axes": list(q.contract_axes), "group_size": q.group_size,
-                                             "quantize_activations": q.quantize_activations,
-                                             "activation_group_size": q.activation_group_size}
-                            for path, q in self.weights.items()}}
+                "weights": {".".join(path): statics(q) for path, q in self.weights.items()}}
 
     @staticmethod
     def from_json(data: Any, cfg: ModelConfig, where: str) -> CheckpointQuantization:
@@ -211,8 +223,9 @@ class CheckpointQuantization:
 
         Raises:
           ValueError: starting with `where`: not an object, a bad config, an unknown weight path, or static fields
-            that do not fit the weight (contract axes out of range, a group size that does not divide the last
-            contracted axis or with int8, activation quantization with groups).
+            that do not fit the weight (whatever `models.quant.quantize` refuses: contract axes out of range, a
+            group size that does not divide the last contracted axis or with int8, activation quantization with
+            groups, ...).
         """
         if not isinstance(data, Mapping) or set(data) != {"config", "separate_lm_head", "weights"}:
             raise ValueError(f"{where}: expected an object with keys config, separate_lm_head, weights")
@@ -234,37 +247,45 @@ class CheckpointQuantization:
             path = tuple(name.split("."))
             if path not in specs:
                 raise ValueError(f"{where}.weights: {name!r} is not a weight of this model")
-            required = {"contract_axes", "group_size", "quantize_activations"}
-            if not isinstance(statics, Mapping) or not required <= set(statics) <= required | {"activation_group_size"}:
-                raise ValueError(f"{where}.weights.{name}: expected contract_axes, group_size, quantize_activations "
-                                 f"(and optionally activation_group_size)")
-            shape = specs[path].shape
-            axes, group, act = statics["contract_axes"], statics["group_size"], statics["quantize_activations"]
-            act_group = statics.get("activation_group_size", 0)
-            if not isinstance(act_group, int) or isinstance(act_group, bool) or act_group < 0:
-                raise ValueError(f"{where}.weights.{name}: activation_group_size {act_group!r} must be an integer >= 0")
-            ok = (isinstance(axes, list) and axes and all(isinstance(a, int) and -len(shape) <= a < 0 for a in axes)
-                  and axes == sorted(set(axes)) and isinstance(group, int) and not isinstance(group, bool)
-                  and group >= 0 and isinstance(act, bool) and not (group and (act or qcfg.format != "fp8"
-                                                                                or shape[axes[-1]] % group)))
-            if not ok:
-                raise ValueError(f"{where}.weights.{name}: {dict(statics)!r} does not fit a {qcfg.format} weight of "
-                                 f"shape {shape}")
-            weights[path] = QuantizedWeight(values=None, scale=None, contract_axes=tuple(axes), group_size=group,
-                                            quantize_activations=act, activation_group_size=act_group if act else 0)
+            weights[path] = abstract_quantized(specs[path].shape, qcfg.format, statics, f"{where}.weights.{name}")
         return CheckpointQuantization(config=qcfg, separate_head=separate, weights=weights)
 
 
-def abstract_quantized(spec: WeightSpec, statics: QuantizedWeight, fmt: str) -> QuantizedWeight:
-    """A `QuantizedWeight` of `jax.ShapeDtypeStruct`s: the arrays that quantize a weight of `spec.shape`."""
-    nd = len(spec.shape)
-    order = quant._order(nd, statics.contract_axes)
-    num_kept = nd - len(statics.contract_axes)
-    contracted = int(np.prod([spec.shape[a] for a in order[num_kept:]]))
-    groups = contracted // statics.group_size if statics.group_size else 1
-    return statics.replace(
-        values=jax.ShapeDtypeStruct(tuple(spec.shape[a] for a in order), np.dtype(quant._DTYPES[fmt])),
-        scale=jax.ShapeDtypeStruct((*(spec.shape[a] for a in order[:num_kept]), groups), np.dtype(np.float32)))
+_STATICS = {"contract_axes": list, "group_size": int, "quantize_activations": bool, "activation_group_size": int,
+            "asymmetric": bool, "stacked_axes": int}  # the JSON keys of a quantized weight and their types
+_REQUIRED_STATICS = {"contract_axes", "group_size", "quantize_activations"}
+
+
+def abstract_quantized(shape: tuple[int, ...], fmt: str, statics: Any, where: str) -> QuantizedWeight:
+    """The `QuantizedWeight` of `jax.ShapeDtypeStruct`s that quantizing a weight of `shape` to `fmt` with the
+    recorded static fields gives (`jax.eval_shape` of `models.quant.quantize`, so the checks are its checks).
+
+    Raises:
+      ValueError: starting with `where`, for keys missing, unknown or of the wrong type, or fields `quantize`
+        refuses, or a record whose fields `quantize` would not reproduce.
+    """
+    ok = isinstance(statics, Mapping) and _REQUIRED_STATICS <= set(statics) <= set(_STATICS) and all(
+        isinstance(v, _STATICS[k]) and (_STATICS[k] is bool or not isinstance(v, bool)) for k, v in statics.items())
+    if not ok:
+        raise ValueError(f"{where}: expected contract_axes, group_size, quantize_activations (and optionally "
+                         f"activation_group_size, asymmetric, stacked_axes), got {statics!r}")
+    axes = statics["contract_axes"]
+    try:
+        if not axes or axes != sorted(set(axes)) or any(not isinstance(a, int) or not -len(shape) <= a < 0
+                                                        for a in axes):
+            raise ValueError("contract_axes must be sorted distinct negative axes")
+        q = jax.eval_shape(lambda w: quant.quantize(
+            w, fmt, tuple(axes), group_size=statics["group_size"],
+            quantize_activations=statics["quantize_activations"],
+            activation_group_size=statics.get("activation_group_size", 0),
+            asymmetric=statics.get("asymmetric", False), stacked_axes=statics.get("stacked_axes", 0)),
+            jax.ShapeDtypeStruct(shape, np.float32))
+        if q.group_size != statics["group_size"] or q.activation_group_size != statics.get(
+                "activation_group_size", q.activation_group_size):
+            raise ValueError("quantize would record other static fields")
+    except ValueError as e:
+        raise ValueError(f"{where}: {dict(statics)!r} does not fit a {fmt} weight of shape {shape} ({e})") from None
+    return q
 
 
 def quantized_leaves(weights: Weights) -> dict[tuple[str, ...], QuantizedWeight]:

@@ -55,7 +55,8 @@ def test_convert_quantized_then_generate_from_it(tmp_path):
 
 @pytest.mark.parametrize("command, value, message", [
     ("generate", "int3", "quantization format='int3' is not one of int8, fp8, int4"),
-    ("generate", "[1,2]", "quantization '[1,2]' is neither a format name (int8, fp8, int4) nor a JSON object"),
+    ("generate", "[1,2]", "quantization '[1,2]' is neither a format name (int8, fp8, int4, mxfp8, mxfp4, nvfp4) nor "
+                          "a JSON object"),
     ("generate", "8", "quantization '8' is neither a format name"),
     ("generate", '{"group_size": 128}', "needs the key(s) format"),
     ("generate", '{"format": "fp8", "group_size": -1', "quantization config is not valid JSON"),
@@ -74,8 +75,9 @@ def test_bad_quantization_exits_2_with_one_line(command, value, message, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def test_generate_int4_at_load_and_convert_refuses_it(tmp_path):
+def test_generate_int4_at_load_and_convert_stores_nvfp4(tmp_path):
     src = make_tiny_hf_folder(tmp_path / "tiny", REPO / "tests" / "data" / "tiny_llama3")
+    converted = _start("convert", "--model", str(src), "--output", str(tmp_path / "out"), "--quantization", "nvfp4")
     done = _finish(_start("generate", "--model", str(src), "--quantization", "int4", "--prompt", "hello world",
                           "--temperature", "0", "--max-tokens", "6", "--json", "--kv-cache-memory-bytes", str(1 << 20)))
     assert done.returncode == 0, done.stderr
@@ -87,7 +89,8 @@ def test_generate_int4_at_load_and_convert_refuses_it(tmp_path):
     assert got["weight_bytes"]["quantized_share"] > 0.5
     # packed codes (half a byte each) plus an f32 scale per 32 (per 16 on wo's 16-wide head axis)
     assert got["weight_bytes"]["quantized_bytes"] < 0.2 * 4 * got["weight_bytes"]["quantized_params"]
-    refused = _finish(_start("convert", "--model", str(src), "--output", str(tmp_path / "out"), "--quantization",
-                             "int4"))
-    assert refused.returncode != 0 and "int4 is not stored in checkpoints yet" in refused.stderr, refused.stderr
-    assert "Traceback" not in refused.stderr and not (tmp_path / "out").exists()
+    converted = _finish(converted)  # every format is stored (tests/jaxinfer/loading/test_orbax_quant.py: restores)
+    assert converted.returncode == 0 and "quantized to nvfp4" in converted.stderr, converted.stderr
+    meta = json.loads((tmp_path / "out" / "jaxinfer_checkpoint.json").read_text())
+    assert meta["quantization"]["config"]["format"] == "nvfp4"
+    assert meta["quantization"]["weights"]["layers.wq"]["stacked_axes"] == 1  # one tensor scale per layer

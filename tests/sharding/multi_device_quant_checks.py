@@ -19,10 +19,10 @@ from sharding.rules import logical_to_spec
 from tests.sharding.multi_device_checks import NUM_PAGES, PAGE_SIZE, TINY, _batch
 
 
-@pytest.mark.parametrize("qcfg", [QuantizationConfig("int8", quantize_activations=True),
-                                  QuantizationConfig("fp8", group_size=16),
-                                  QuantizationConfig("int8", quantize_embedding=False), QuantizationConfig("int4")])
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("qcfg,tp", [(qcfg, tp) for qcfg in (
+    QuantizationConfig("int8", quantize_activations=True), QuantizationConfig("fp8", group_size=16),
+    QuantizationConfig("int8", quantize_embedding=False), QuantizationConfig("int4")) for tp in (2, 4)] + [
+    (QuantizationConfig("mxfp8", quantize_activations=True), 4), (QuantizationConfig("nvfp4"), 4)])  # time: tp 4 only
 def test_sharded_quantization_equals_single_device_and_scales_follow_their_weights(qcfg, tp):
     weights = init_weights(TINY, jax.random.key(0), jnp.float32)
     tokens, meta = _batch()
@@ -37,7 +37,7 @@ def test_sharded_quantization_equals_single_device_and_scales_follow_their_weigh
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     wq = sharded.layers.wq  # [L, D, N, H] stored [L, N, H, D]: heads split tp ways, and so are their scales
     assert isinstance(wq, QuantizedWeight)
-    packed = 2 if wq.format == "int4" else 1  # int4 values hold two codes per byte along the contracted axis
+    packed = 2 if wq.format in quant.PACKED_FORMATS else 1  # two 4-bit codes per byte along the contracted axis
     assert wq.values.addressable_shards[0].data.shape == (TINY.num_layers, TINY.num_heads // tp, TINY.head_dim,
                                                           TINY.hidden_size // packed)
     groups = TINY.hidden_size // wq.group_size if wq.group_size else 1
@@ -47,6 +47,8 @@ def test_sharded_quantization_equals_single_device_and_scales_follow_their_weigh
     assert down.values.addressable_shards[0].data.shape == (TINY.num_layers, TINY.hidden_size,
                                                             TINY.intermediate_size // tp // packed)
     assert down.scale.sharding.spec[-1] == (None if not down.group_size else "tp")
+    if down.tensor_scale is not None:  # nvfp4: one per layer, replicated (layers are not split)
+        assert down.tensor_scale.shape == (TINY.num_layers, 1, 1) and down.tensor_scale.sharding.is_fully_replicated
     mesh = model.mesh
     cache_sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES))
     cache = jax.device_put(KVCache.zeros(TINY, NUM_PAGES, PAGE_SIZE, jnp.float32),

@@ -84,7 +84,8 @@ def test_eight_devices():
     ("tiny_llama3", {"format": "fp8", "group_size": 64}, 4),
     ("tiny_qwen2", INT8_TIED_FLOAT_HEAD, 2),  # tied, with the head a separate float weight
     ("tiny_llama3", INT8, 3),  # padded: 4 -> 6 query heads (2 zero slots), 2 -> 3 KV heads, MLP and vocab 128 -> 129
-], ids=["fp8-g16-tp2", "fp8-g64-tp4", "int8-tied-float-head-tp2", "int8-tp3-padded"])
+    ("tiny_llama3", {"format": "nvfp4"}, 2),  # packed values, e4m3 block scales, per-layer f32 tensor scales
+], ids=["fp8-g16-tp2", "fp8-g64-tp4", "int8-tied-float-head-tp2", "int8-tp3-padded", "nvfp4-tp2"])
 def test_quantized_checkpoint_restores_sharded(name, quantization, tp, sources, checkpoints):
     ckpt = checkpoints(name, quantization)
     mesh = make_mesh(tp=tp)
@@ -116,8 +117,11 @@ def test_quantized_checkpoint_restores_sharded(name, quantization, tp, sources, 
     assert wk.scale.addressable_shards[0].data.shape[:3] == (L, K // tp, cfg.head_dim)
     assert w_up.values.sharding.spec == P(None, "tp", None) == w_up.scale.sharding.spec  # [L, F, D], [L, F, G]
     assert w_up.scale.addressable_shards[0].data.shape[:2] == (L, F // tp)
-    assert w_down.values.sharding.spec == P(None, None, "tp")  # [L, D, F]: contracted F split
-    groups = F // quantization.get("group_size", F)
+    assert w_down.values.sharding.spec == P(None, None, "tp")  # [L, D, F]: contracted F split (nvfp4: F / 2 bytes)
+    if w_down.tensor_scale is not None:  # nvfp4: one f32 per layer, on every device
+        assert w_down.tensor_scale.shape == (L, 1, 1) and w_down.tensor_scale.sharding.is_fully_replicated
+    group_size = QuantizationConfig.from_value(quantization).group_size
+    groups = F // group_size if group_size else 1
     assert w_down.scale.shape == (L, D, groups)
     assert w_down.scale.sharding.spec == (P(None, None, "tp") if groups % tp == 0 else P(None, None, None))
     head = sharded.weights.lm_head

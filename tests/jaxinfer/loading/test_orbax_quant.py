@@ -5,6 +5,7 @@ tests/jaxinfer/loading/multi_device_orbax_quant_checks.py, run by test_orbax.py)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -20,6 +21,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.loading import convert, load_model, orbax, orbax_format, stored_quantization
 from models.config import ModelConfig
 from models.llama import Weights, init_weights
+from models import quant
 from models.quant import QuantizationConfig, QuantizedWeight, quantize, quantize_weights
 from models.partition import pad_weights, tp_layout
 from tests.jaxinfer.loading.multi_device_orbax_checks import make_tiny_hf_folder
@@ -34,6 +36,9 @@ CASES = {
     "fp8": ("tiny_llama3", "fp8"),
     "fp8-g16": ("tiny_llama3", '{"format": "fp8", "group_size": 16}'),
     "int8-tied-float-head": ("tiny_qwen2", {"format": "int8", "quantize_lm_head": False}),
+    "int4": ("tiny_llama3", "int4"),  # packed values, f32 group scales
+    "mxfp8-w8a8": ("tiny_llama3", {"format": "mxfp8", "quantize_activations": True}),  # float8_e8m0fnu scales
+    "nvfp4": ("tiny_qwen2", "nvfp4"),  # packed values, float8_e4m3fn block scales, f32 tensor scales; tied
 }
 
 is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
@@ -101,9 +106,10 @@ def test_quantized_checkpoint_restores_bit_identical(case, sources, checkpoint):
 
     # On disk the arrays have their real dtypes (orbax metadata, not what `load` asks for).
     stored = orbax._stored_arrays(ckpt / "weights", ckpt)
-    values_dtype = {"int8": np.int8, "fp8": jnp.float8_e4m3fn}[qcfg.format]
+    values_dtype, scale_dtype = quant.dtypes_of(qcfg.format)
     assert np.dtype(stored["layers"]["wq"]["values"].dtype) == values_dtype
-    assert np.dtype(stored["layers"]["wq"]["scale"].dtype) == np.float32
+    assert np.dtype(stored["layers"]["wq"]["scale"].dtype) == scale_dtype
+    assert ("tensor_scale" in stored["layers"]["wq"]) is (qcfg.format == "nvfp4")
     assert np.dtype(stored["layers"]["attn_norm"].dtype) == np.float32
     assert set(meta["quantization"]["weights"]) == {".".join(p) for p in orbax_format.quantized_leaves(restored)}
 
@@ -224,8 +230,12 @@ TIED_9_OVER_3 = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48
     # bytes; zero slots are code 8 (symmetric) or code 0 with min 0 (asymmetric)
     ({"format": "int4"}, 4),
     ("int4-asymmetric", 4),
+    # packed codes (zero slots: code 8, or E2M1 +-0), e8m0 / e4m3 block scales, nvfp4's tensor scales; blocks are
+    # gcd(block, axis): 16 along D = 48, 2 along F = 70 (so 70 -> 72 pads one whole block, one byte)
+    ({"format": "int4", "quantize_lm_head": True}, 4), ({"format": "mxfp8", "quantize_activations": True}, 2),
+    ({"format": "mxfp4"}, 4), ({"format": "nvfp4", "quantize_lm_head": True}, 4),
 ], ids=["int8-float-head-tp2", "int8-float-head-tp4", "fp8-tp4", "fp8-g8-tp4", "fp8-g2-tp4", "int4-tp4",
-        "int4-asym-tp4"])
+        "int4-asym-tp4", "int4-head-tp4", "mxfp8-w8a8-tp2", "mxfp4-tp4", "nvfp4-tp4"])
 def test_padding_quantized_weights_equals_quantizing_padded_weights(quantization, tp):
     # 9 query heads over 3 KV heads: tp=2 and tp=4 pad query heads (zero slots), replicate KV heads and pad MLP
     # (70) and vocabulary (101). Quantizing the padded float weights is the reference; bit for bit, +-0 included.
@@ -248,7 +258,8 @@ def test_padding_quantized_weights_equals_quantizing_padded_weights(quantization
         padded = pad_weights(weights.replace(lm_head=weights.embed.T) if separate else weights, specs, layout)
         return jax.tree.map(lambda q, w: quantize(w, q.format, q.contract_axes, group_size=q.group_size,
                                                   quantize_activations=q.quantize_activations,
-                                                  asymmetric=q.min is not None) if is_q(q) else w,
+                                                  asymmetric=q.min is not None,
+                                                  stacked_axes=quant.stacked_axes_of(q)) if is_q(q) else w,
                             jax.eval_shape(pad, quantized), padded, is_leaf=is_q)
 
     want = reference(weights)
@@ -257,7 +268,7 @@ def test_padding_quantized_weights_equals_quantizing_padded_weights(quantization
         assert isinstance(got.layers.wq.values, np.ndarray) is host
         _assert_identical(got, want)
     assert got.layers.wq.values.shape[1] == layout.num_heads > cfg.num_heads
-    assert not np.asarray(got.layers.wq.dequantize())[:, :, ~layout.q_valid].any()  # wq [L, D, N, H]
+    assert not np.asarray(got.layers.wq.dequantize())[:, :, ~layout.q_valid].any()  # wq [L, D, N', H]
     assert (got.layers.wq.scale[:, ~layout.q_valid] == 1).all()  # zero slots: scale 1, as quantize gives them
     if qcfg.group_size == 2 and tp == 4 or qcfg.format == "int4":
         assert got.layers.w_down.group_size == 2 and got.layers.w_down.scale.shape[-1] == 36
@@ -271,3 +282,18 @@ def test_padding_that_would_split_a_group_is_refused():
     assert quantized.layers.w_down.group_size == 5  # 70 = 14 groups of 5; padded to 72: not whole groups
     with pytest.raises(ValueError, match="group_size 5 along its mlp axis of size 70 cannot be padded to 72 for tp=4"):
         pad_weights(quantized, Weights.abstract(cfg), layout)
+
+
+def test_padding_asymmetric_int4_and_refusing_half_a_byte():
+    cfg, layout = TIED_9_OVER_3, tp_layout(TIED_9_OVER_3, 4)
+    specs, layers = Weights.abstract(cfg).layers, init_weights(cfg, jax.random.key(5)).layers
+    for name, group in (("wq", 16), ("wo", 16), ("w_gate", 16), ("w_down", 2)):  # heads, MLP kept and contracted
+        axes, spec = quant.CONTRACT_AXES[name], {"w": getattr(specs, name)}
+        q = functools.partial(quantize, fmt="int4", contract_axes=axes, group_size=group, asymmetric=True)
+        pad = lambda w, spec=spec: pad_weights({"w": w}, spec, layout)["w"]  # noqa: E731
+        got, want = jax.jit(lambda w, q=q, pad=pad: (pad(q(w)), q(pad(w))))(getattr(layers, name))
+        _assert_identical(got, want)  # mins 0 and scales 1 on zero slots
+    cfg = dataclasses.replace(cfg, intermediate_size=68)  # tp=3: 68 -> 69, half a byte of w_down's packed codes
+    w_down = quantize(init_weights(cfg, jax.random.key(6)).layers.w_down, "int4", (-2,))
+    with pytest.raises(ValueError, match="int4 with group_size 0 along its mlp axis of size 68 cannot be padded to 69"):
+        pad_weights({"w": w_down}, {"w": Weights.abstract(cfg).layers.w_down}, tp_layout(cfg, 3))
