@@ -245,7 +245,7 @@ def test_gguf_quantization_is_refused_where_it_does_not_apply(tmp_path):
     for bad in ({"format": "gguf", "quantize_embedding": True}, {"format": "gguf", "quantize_activations": True}):
         with pytest.raises(ValueError, match="gguf keeps the GGUF file's own types"):
             QuantizationConfig.from_value(bad)
-    with pytest.raises(ValueError, match="group_size is for fp8 and int4; gguf"):
+    with pytest.raises(ValueError, match="group_size is for fp8, int4 and the microscaling formats; gguf"):
         QuantizationConfig.from_value({"format": "gguf", "group_size": 32})
     with pytest.raises(ValueError, match="quantization gguf is not stored in checkpoints"):
         convert(None, tmp_path / "out", quantization="gguf")
