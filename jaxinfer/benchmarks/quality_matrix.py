@@ -49,6 +49,7 @@ class Baseline:
       nll: f64[n - 1] negative log-likelihood of ids[1:], nats.
       top1: i64[n - 1] argmax token per position.
       prompts: the flip prompts (`quality_runs.flip_prompts`).
+      context: their longest length: --flip-context, or less where the model's context is shorter.
       continuations: i32[len(prompts), flip tokens] greedy tokens after each prompt.
     """
 
@@ -58,6 +59,7 @@ class Baseline:
     nll: np.ndarray
     top1: np.ndarray
     prompts: list[list[int]]
+    context: int
     continuations: np.ndarray
 
 
@@ -103,7 +105,8 @@ def make_baseline(llm: LLM, label: str, ids: list[int], args: argparse.Namespace
     nll, top1, _ = score(llm, ids, args.chunk, write_to=store)
     context = min(args.flip_context, llm.max_model_len - args.flip_tokens)
     prompts = runs.flip_prompts(ids, min(args.flips, len(ids)), context)
-    return Baseline(label, ids, store, nll, top1, prompts, runs.greedy_continuations(llm, prompts, args.flip_tokens))
+    continuations = runs.greedy_continuations(llm, prompts, args.flip_tokens)
+    return Baseline(label, ids, store, nll, top1, prompts, context, continuations)
 
 
 def row(label: str, kv: str, base: Baseline, llm: LLM, nll: np.ndarray, top1: np.ndarray, kld: np.ndarray,
@@ -145,7 +148,8 @@ def run_matrix(args: argparse.Namespace, texts: list[Path], named_texts: dict[st
 
     Returns:
       {"rows": [row dicts, grouped by text, baseline first], "skipped": [{"format", "kv_cache", "reason"}],
-      "golden": `golden_check` or None, "model": name, "model_shape": `describe`, "dtype": the baseline's}.
+      "golden": `golden_check` or None, "model": name, "model_shape": `describe`, "dtype": the baseline's,
+      "flip_context": the flip prompts' longest length}.
     """
     rows, skipped = [], []
     with tempfile.TemporaryDirectory(prefix="jaxinfer-quality-") as tmp:
@@ -159,7 +163,8 @@ def run_matrix(args: argparse.Namespace, texts: list[Path], named_texts: dict[st
         for b in baselines:
             rows.append(row(base_label, base_label, b, llm, b.nll, b.top1, np.zeros(len(b.nll)), 0, seconds))
         info = {"golden": golden_check(llm, args.model), "model": llm.model_config.name,
-                "model_shape": describe(llm.model_config), "dtype": args.dtype}
+                "model_shape": describe(llm.model_config), "dtype": args.dtype,
+                "flip_context": min(b.context for b in baselines)}
         del llm
         for label, quantization in configs:
             name = base_label if quantization is None else label
@@ -205,7 +210,7 @@ def matrix_markdown(data: dict, args: argparse.Namespace, text_notes: dict[str, 
         "`llama-perplexity --kl-divergence`: KLD is KL(P_base || Q) of the next-token distribution over the whole "
         "vocabulary per position (f64 sums of f32 log-softmax), its mean and 99th percentile over the positions; "
         "top-1 is the share of positions whose argmax equals the baseline's; flips: of "
-        f"{args.flips} evenly spaced points of each text, the prompts (the up to {args.flip_context} tokens "
+        f"{args.flips} evenly spaced points of each text, the prompts (the up to {data['flip_context']} tokens "
         f"before the point) whose {args.flip_tokens} greedy tokens differ anywhere from the baseline's. Weights: "
         "resident bytes and share of parameters stored quantized (`models.quant.weight_bytes`).",
         "",

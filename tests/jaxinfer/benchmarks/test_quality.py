@@ -131,3 +131,4 @@ def test_quality_matrix_on_the_tiny_golden_model(tmp_path, monkeypatch):
         in section
     assert "| int4 | f32 | textwrap.py |" in section and "Skipped fp8 with a f32 KV cache: no fp8 here" in section
     assert "CPython 3.12.1's Lib/textwrap.py" in section and "machine: nproc" in section
+    assert data["flip_context"] == 256 - 4 and "the up to 252 tokens before the point" in section  # context 256
