@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Fills in the defaults that depend on --matrix (dtype, texts) and raises ValueError naming the problem: bad
-    sizes, a missing text file, several texts without --matrix, options --matrix does not take, an unknown format
+    sizes, a missing or repeated text file, several texts without --matrix, options --matrix does not take, an unknown format
     or KV dtype, or --write without --matrix."""
     if args.tokens < 2 or args.chunk < 1:
         raise ValueError("--tokens must be >= 2 and --chunk >= 1")
@@ -105,6 +105,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     for t in args.text:
         if not t.is_file():
             raise ValueError(f"--text {str(t)!r} is not a file")
+    if len({t.resolve() for t in args.text}) < len(args.text):
+        raise ValueError("--text names the same file twice")
     if args.matrix:
         if args.quantization or args.kv_cache_dtype != "auto":
             raise ValueError("--matrix runs its own formats; leave out --quantization and --kv-cache-dtype")

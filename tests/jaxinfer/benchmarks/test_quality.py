@@ -60,7 +60,8 @@ def test_quality_matrix_options_are_checked(tiny, tmp_path, capsys):
     for options, message in ((["--matrix", "--formats", "int9"], "--formats entry 'int9'"),
                              (["--matrix", "--kv-dtypes", "int4"], "--kv-dtypes: unknown or empty ['int4']"),
                              (["--matrix", "--flips", "0"], "--flips, --flip-tokens and --flip-context"),
-                             (["--text", str(text)], "several --text files need --matrix")):
+                             (["--text", str(text)], "--text names the same file twice"),
+                             (["--text", str(GPL3)], "several --text files need --matrix")):
         assert main(["bench", "quality", "--model", str(model), "--text", str(text), *options]) == 2
         assert message in capsys.readouterr().err
 
