@@ -238,6 +238,7 @@ class Expected:
     include_usage: bool
     n: int = 1
     echo_tokens: list[int] | None = None  # echo with logprobs: per prompt, its tokens (they lead the logprobs)
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats (with include_usage): usage on every chunk
 
 
 def expected(data: bytes, chat: bool, http: httpx.Client) -> Expected:
@@ -261,7 +262,8 @@ def expected(data: bytes, chat: bool, http: httpx.Client) -> Expected:
                     http.post("/tokenize", json={"prompt": p}).json()["count"] for p in texts]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return Expected(prompts * body.n, max_tokens, logprobs, include_usage, body.n,
-                    None if chat or not (body.echo and logprobs) else echo)
+                    None if chat or not (body.echo and logprobs) else echo,
+                    include_usage and body.stream_options.continuous_usage_stats)
 
 
 def assert_usage(usage: dict, exp: Expected, finishes: list[str], counts: list[int] | None) -> None:
@@ -313,7 +315,12 @@ def assert_stream(lines: list[str], exp: Expected, chat: bool) -> None:
         assert_error(errors[0]["error"]["code"], errors[0])
         return
     with_usage = [c for c in chunks if c.get("usage")]
-    assert len(with_usage) == exp.include_usage and (not with_usage or with_usage[0] is chunks[-1])
+    if exp.continuous_usage:  # every chunk, the last one (no choices) with the final usage
+        assert with_usage == chunks and not chunks[-1]["choices"], chunks
+        done = [c["usage"]["completion_tokens"] for c in chunks]
+        assert done == sorted(done), done  # running totals never go back
+    else:
+        assert len(with_usage) == exp.include_usage and (not with_usage or with_usage[0] is chunks[-1])
     finish: dict[int, str] = {}
     tokens = {i: 0 for i in range(exp.choices)}
     for chunk in chunks[:len(chunks) - exp.include_usage]:
