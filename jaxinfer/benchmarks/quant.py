@@ -6,8 +6,8 @@ Weight formats (all in one process, each engine with `warmup=False` and the same
 embedding and LM head int8), int8 weight-only, int8 with the embedding and LM head left in bf16, fp8 (e4m3,
 weight-only; embedding and LM head bf16, its default), fp8 with them quantized too, fp8 with groups of 128 input
 channels (where they divide), int4 with groups of 32 (weight-only), and a GGUF model's Q8_0 / Q4_0 / Q4_1 tensors kept
-as stored (`--quantization gguf`; only for a GGUF model, such as the default). Quantized formats run with bf16
-activations.
+as stored (`--quantization gguf`; only for a GGUF model, such as the default), and the microscaling formats
+(mxfp8 weight-only and w8a8, mxfp4, nvfp4; `models.mxfp`). Quantized formats run with bf16 activations.
 
 1. **Decode step time** at each `--batches` size (batch 1 is padded to 2 rows, as the runner does):
    `ModelRunner.execute` of one decode token per sequence at context 128 (distinct pages per sequence), greedy;
@@ -69,6 +69,10 @@ FORMATS = {  # name -> (dtype, quantization)
     "fp8 g128": ("bfloat16", {"format": "fp8", "group_size": 128}),
     "int4 g32 (embedding + LM head bf16)": ("bfloat16", "int4"),
     "gguf (Q4_1 / Q8_0 kept as stored)": ("bfloat16", "gguf"),
+    "mxfp8 (embedding + LM head bf16)": ("bfloat16", "mxfp8"),
+    "mxfp8 (w8a8)": ("bfloat16", {"format": "mxfp8", "quantize_activations": True}),
+    "mxfp4 (embedding + LM head bf16)": ("bfloat16", "mxfp4"),
+    "nvfp4 (embedding + LM head bf16)": ("bfloat16", "nvfp4"),
 }
 CONTEXT = 128  # cached tokens of every sequence in the timed decode step
 KV_BYTES = 256 << 20  # each engine's KV cache budget
