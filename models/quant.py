@@ -329,7 +329,8 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
         group = group_for(w, axes, per_row_only)
         acts = qcfg.activations and (not group or qcfg.format == "mxfp8")  # fp8 groups: weight-only
         return quantize(w, qcfg.format, axes, group_size=group, quantize_activations=acts,
-                        activation_group_size=qcfg.activation_group_size, stacked_axes=stacked_axes)
+                        activation_group_size=qcfg.activation_group_size, stacked_axes=stacked_axes,
+                        asymmetric=qcfg.asymmetric)
 
     def cast(w):
         return None if w is None else jnp.asarray(w, dtype)
@@ -347,7 +348,8 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
         elif field.name in CONTRACT_AXES:  # routed experts: dequantized for ragged_dot, so no activation quant
             grouped = qcfg.format in GROUP_FALLBACK_FORMATS
             new_layers[field.name] = quantize(w, qcfg.format, CONTRACT_AXES[field.name], group_size=group_for(
-                w, CONTRACT_AXES[field.name]) if grouped else 0, stacked_axes=2)  # [L, E, ...]
+                w, CONTRACT_AXES[field.name]) if grouped else 0, stacked_axes=2,  # [L, E, ...]
+                asymmetric=qcfg.asymmetric)
         else:
             new_layers[field.name] = cast(w)
     embed = weights.embed

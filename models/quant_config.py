@@ -44,6 +44,9 @@ class QuantizationConfig:
       activation_group_size: with activation quantization, one activation scale per token per this many input
         channels instead of one per token: closer to the unquantized model, slower on CPU (BENCHMARKS.md). int8 and
         fp8 only (mxfp8's activation blocks are its weight blocks).
+      asymmetric: int4 only: a min per group too (w = scale * q + min, GGUF Q4_1's and zero-point GPTQ/AWQ's form;
+        `models.quant4`) instead of symmetric codes (w = scale * (q - 8)); 4 more bytes per group. On SmolLM2, whose
+        weights come from a Q4_1 file, asymmetric groups of 32 land on the file's own grid (BENCHMARKS.md).
     """
 
     format: str = "int8"
@@ -52,6 +55,7 @@ class QuantizationConfig:
     quantize_embedding: bool | None = None
     quantize_lm_head: bool | None = None
     activation_group_size: int = 0
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in (*FORMATS, "gguf"):
@@ -79,6 +83,9 @@ class QuantizationConfig:
         for name in ("quantize_activations", "quantize_embedding", "quantize_lm_head"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true, false or null")
+        if not isinstance(self.asymmetric, bool) or (self.asymmetric and self.format != "int4"):
+            raise ValueError(f"asymmetric={self.asymmetric!r} must be true or false, and true only with format int4 "
+                             f"(got format {self.format})")
 
     @staticmethod
     def from_value(value: QuantizationConfig | Mapping[str, Any] | str | None) -> QuantizationConfig | None:

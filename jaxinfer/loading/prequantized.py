@@ -204,7 +204,7 @@ def stored_quantization(hf_config: Mapping[str, Any], keys: Collection[str]) -> 
     if scheme is None:
         return None
     return QuantizationConfig(format=scheme.fmt, group_size=scheme.group_size, quantize_activations=False,
-                              quantize_embedding=False,
+                              quantize_embedding=False, asymmetric=scheme.fmt == "int4" and not scheme.symmetric,
                               quantize_lm_head=is_stored_quantized(scheme, "lm_head", keys)).resolved()
 
 

@@ -237,3 +237,30 @@ def test_llm_int4_end_to_end_on_a_tiny_checkpoint(tmp_path):
     assert len(tokens) == 8 and tokens == int4.generate(prompt, params)[0].outputs[0].token_ids  # deterministic
     reference = full.generate(prompt, params)[0].outputs[0].token_ids
     assert tokens[:1] == reference[:1]  # then they part (measured: [3, 89, 68, ...] vs [3, 64, 92, ...])
+
+
+def test_asymmetric_config_lands_on_a_q4_1_grid_exactly_where_symmetric_cannot():
+    """`QuantizationConfig(format="int4", asymmetric=True)` gives every weight a min per group; re-quantizing
+    weights that already lie on a Q4_1-style grid (w = d * q + m per block of 32, codes 0 and 15 used in every
+    block, f16 d and m as GGUF stores them) with groups of 32 recovers them to f32 rounding, while symmetric
+    codes cannot (their grid is centred on 0)."""
+    rng = np.random.default_rng(0)
+    kept, blocks = 12, 4  # a [D=128, N=12] projection contracting D: 4 blocks of 32 per output
+    codes = rng.integers(0, 16, (kept, blocks, 32))
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = rng.uniform(0.001, 0.05, (kept, blocks, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.4, 0.0, (kept, blocks, 1)).astype(np.float16).astype(np.float32)
+    w = (d * codes + m).reshape(kept, -1).T  # [D, N], contracted axis first
+    cfg = QuantizationConfig.from_value({"format": "int4", "asymmetric": True})
+    assert cfg.asymmetric and cfg.group_size == 32
+    q = quantize(jnp.asarray(w), "int4", (-2,), group_size=cfg.group_size, asymmetric=cfg.asymmetric)
+    sym = quantize(jnp.asarray(w), "int4", (-2,), group_size=cfg.group_size)
+    np.testing.assert_allclose(np.asarray(q.dequantize()), w, rtol=0, atol=1e-6)
+    assert np.abs(np.asarray(sym.dequantize()) - w).max() > 1e-3
+    weights = init_weights(TINY, jax.random.key(2))
+    qw = quant.quantize_weights(weights, TINY, cfg, jnp.float32)
+    assert all(x.min is not None for x in jax.tree.leaves(qw.layers, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+               if isinstance(x, QuantizedWeight))
+    for bad in ({"format": "fp8", "asymmetric": True}, {"format": "int4", "asymmetric": 1}):
+        with pytest.raises(ValueError, match="asymmetric"):
+            QuantizationConfig.from_value(bad)

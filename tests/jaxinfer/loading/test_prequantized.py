@@ -38,8 +38,8 @@ FIELDS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_
 EXPECTED = {
     "fp8_block": QuantizationConfig("fp8", group_size=32), "fp8_tensor": QuantizationConfig("fp8"),
     "ct_fp8_channel": QuantizationConfig("fp8", quantize_lm_head=True),
-    "gptq": QuantizationConfig("int4", 32), "gptq_asym": QuantizationConfig("int4", 32),
-    "awq": QuantizationConfig("int4", 32), "ct_w4a16": QuantizationConfig("int4", 32),
+    "gptq": QuantizationConfig("int4", 32), "gptq_asym": QuantizationConfig("int4", 32, asymmetric=True),
+    "awq": QuantizationConfig("int4", 32, asymmetric=True), "ct_w4a16": QuantizationConfig("int4", 32),
 }
 AWQ_REVERSE_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output column c sits in nibble AWQ_REVERSE_ORDER[c % 8]
 
