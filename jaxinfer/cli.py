@@ -317,6 +317,7 @@ def _generate(args: argparse.Namespace) -> int:
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,  # the --stop string that ended it, else null
             "error": completion.error,  # why the engine failed the request; null unless finish_reason is "error"
+            "error_kind": completion.error_kind,  # with error: "request" (its own values) or "engine"
             "ttft_s": round(out.metrics.ttft_s, 4),
             "decode_tokens_per_s": round(out.metrics.decode_tokens_per_s, 2),
             "quantization": None if llm.engine.quantization is None else dataclasses.asdict(llm.engine.quantization),

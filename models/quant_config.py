@@ -60,7 +60,8 @@ class QuantizationConfig:
     def __post_init__(self) -> None:
         if self.format not in (*FORMATS, "gguf"):
             raise ValueError(f"quantization format={self.format!r} is not one of {', '.join(FORMATS)}, gguf")
-        if self.format == "gguf" and (self.activations or self.embedding or self.lm_head or self.activation_group_size):
+        if self.format == "gguf" and (self.activation_group_size or self.asymmetric or any(
+                getattr(self, f) is not None for f in ("quantize_activations", "quantize_embedding", "quantize_lm_head"))):
             raise ValueError(f"quantization gguf keeps the GGUF file's own types: set no other field ({self})")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
             raise ValueError(f"quantization group_size={self.group_size!r} must be an integer >= 0")

@@ -10,7 +10,7 @@ Reference (issue 9): SmolLM2-135M-Instruct in f32 on the first 2,048 tokens of /
 (copied verbatim to tests/data/GPL-3.txt) scores perplexity 19.66 (mean NLL 2.9786) in HF transformers; ours must
 agree within 0.5%.
 
-Quantization (issues 9, 22): `--quantization int8|fp8|int4|JSON` and `--kv-cache-dtype int8|fp8` evaluate one
+Quantization: `--quantization` (a `models.quant.FORMATS` name, gguf, or JSON) and `--kv-cache-dtype int8|fp8` evaluate one
 configuration; `--matrix` evaluates every weight format x KV cache dtype (`--formats`, `--kv-dtypes`) against the
 unquantized model (`--dtype`, default bf16) on the same tokens of each `--text` (default: the GPL-3 text and
 CPython 3.12.1's textwrap.py), as llama.cpp's `llama-perplexity --kl-divergence` does: perplexity, mean and p99 KL
@@ -122,6 +122,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     else:
         if len(args.text) > 1:
             raise ValueError("several --text files need --matrix")
+        matrix_only = {"--formats": args.formats is not None, "--kv-dtypes": args.kv_dtypes != ",".join(KV_DTYPES),
+                       "--flips": args.flips != 16, "--flip-tokens": args.flip_tokens != 32,
+                       "--flip-context": args.flip_context != 256}
+        if any(matrix_only.values()):
+            raise ValueError(f"{', '.join(k for k, v in matrix_only.items() if v)} only apply with --matrix; add "
+                             "--matrix, or use --quantization / --kv-cache-dtype for one configuration")
         if args.write is not None:
             raise ValueError("--write records the --matrix table; add --matrix")
 
@@ -132,7 +138,8 @@ def matrix_formats(args: argparse.Namespace) -> list[tuple[str, object]]:
     Raises:
       ValueError: an empty list or an entry that is neither unquantized, named, nor a valid quantization.
     """
-    entries = [f.strip() for f in (args.formats or default_formats()).split(";") if f.strip()]
+    entries = [f.strip() for f in (default_formats() if args.formats is None else args.formats).split(";")
+               if f.strip()]
     if not entries:
         raise ValueError("--formats is empty")
     out = []

@@ -28,7 +28,7 @@ from jaxinfer.engine.config import (DEFAULT_KV_CACHE_DEVICE_FRACTION, DEFAULT_KV
                                     DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig)
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.spec_decode import draft as draft_lib
-from jaxinfer.loading import is_gguf, load_model, read_model_config, stored_quantization
+from jaxinfer.loading import is_gguf, load_model, not_a_gguf_error, read_model_config, stored_quantization
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import PrefixCache
 from jaxinfer.tokenizer import Tokenizer
@@ -88,9 +88,7 @@ def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | Non
     wanted = None if config.quantization is None else config.quantization.resolved()
     if wanted is not None and wanted.format == "gguf":
         if not is_gguf(config.model):
-            raise ValueError(f"quantization gguf keeps a GGUF file's quantized tensors as stored, but the model "
-                             f"{config.model!r} is not a GGUF file; leave out quantization, or pick int8, fp8 or int4 "
-                             "to quantize it at load")
+            raise not_a_gguf_error(config.model)
         return wanted, False
     stored = stored_quantization(config.model)
     if stored is None:

@@ -6,8 +6,8 @@ Imports only `models`, `sharding` and `jaxinfer.tokenizer` (never the engine, se
 """
 
 from jaxinfer.loading.convert import convert
-from jaxinfer.loading.loader import (default_model_path, is_gguf, load_model, read_model_config, stored_dtype,
-                                     stored_quantization)
+from jaxinfer.loading.loader import (default_model_path, is_gguf, load_model, not_a_gguf_error, read_model_config,
+                                     stored_dtype, stored_quantization)
 
-__all__ = ["convert", "default_model_path", "is_gguf", "load_model", "read_model_config", "stored_dtype",
-           "stored_quantization"]
+__all__ = ["convert", "default_model_path", "is_gguf", "load_model", "not_a_gguf_error", "read_model_config",
+           "stored_dtype", "stored_quantization"]

@@ -50,7 +50,7 @@ def convert(src: str | os.PathLike | None, output_dir: str | os.PathLike, dtype:
     dt = checked_dtype(dtype)
     qcfg = QuantizationConfig.from_value(quantization)
     if qcfg is not None and qcfg.format == "gguf":
-        raise ValueError("quantization gguf is not stored in checkpoints yet (issue 22); use it at load instead "
+        raise ValueError("quantization gguf is not stored in checkpoints yet; use it at load instead "
                          "(--quantization gguf on generate / serve)")
     out = Path(output_dir).resolve()
     check_output_dir(out)  # before the slow load

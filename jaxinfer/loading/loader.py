@@ -54,6 +54,15 @@ def is_gguf(model: str | os.PathLike | None) -> bool:
         return f.read(4) == b"GGUF" or path.suffix.lower() == ".gguf"
 
 
+def not_a_gguf_error(model: str | os.PathLike | None) -> ValueError:
+    """The error for `quantization="gguf"` with a model that is not a GGUF file (`is_gguf`)."""
+    from models.quant import FORMATS
+    return ValueError(f"quantization gguf keeps a GGUF file's quantized tensors as stored, but the model "
+                      f"{str(model)!r} is not a GGUF file; leave out quantization (a quantized checkpoint or "
+                      f"pre-quantized folder brings its own), or pick one of {', '.join(FORMATS)} to quantize a "
+                      "float model at load")
+
+
 def load_model(model: str | os.PathLike | None, dtype: np.dtype, mesh: jax.sharding.Mesh | None = None,
                gguf_quantized: bool = False) -> tuple[ModelConfig, Weights, Tokenizer]:
     """Loads a model onto the host, or for an orbax checkpoint and a mesh, straight onto the mesh.
@@ -84,8 +93,7 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype, mesh: jax.shard
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     if gguf_quantized and not is_gguf(path):
-        raise ValueError(f"quantization gguf keeps a GGUF file's quantized tensors, but {str(path)!r} is not a GGUF "
-                         "file; leave out quantization or pick int8, fp8 or int4 to quantize it at load")
+        raise not_a_gguf_error(path)
     if orbax_format.is_orbax_checkpoint(path) or orbax_format.looks_like_partial_checkpoint(path):
         shardings = None
         if mesh is not None:

@@ -61,7 +61,10 @@ def test_quality_matrix_options_are_checked(tiny, tmp_path, capsys):
                              (["--matrix", "--kv-dtypes", "int4"], "--kv-dtypes: unknown or empty ['int4']"),
                              (["--matrix", "--flips", "0"], "--flips, --flip-tokens and --flip-context"),
                              (["--text", str(text)], "--text names the same file twice"),
-                             (["--text", str(GPL3)], "several --text files need --matrix")):
+                             (["--text", str(GPL3)], "several --text files need --matrix"),
+                             (["--matrix", "--formats", ""], "--formats is empty"),  # not the default matrix
+                             (["--formats", "int4"], "--formats only apply with --matrix"),  # was ignored
+                             (["--flips", "3", "--kv-dtypes", "int8"], "--kv-dtypes, --flips only apply with")):
         assert main(["bench", "quality", "--model", str(model), "--text", str(text), *options]) == 2
         assert message in capsys.readouterr().err
 

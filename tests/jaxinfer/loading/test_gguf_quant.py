@@ -240,9 +240,11 @@ def test_fused_expert_and_permuted_families_keep_their_weights_exactly(name, tmp
 
 
 def test_gguf_quantization_is_refused_where_it_does_not_apply(tmp_path):
-    with pytest.raises(ValueError, match="not a GGUF file"):
+    with pytest.raises(ValueError, match="not a GGUF file.*pick one of int8, fp8, int4, mxfp8, mxfp4, nvfp4"):
         LLM(str(LLAMA3), quantization="gguf", warmup=False)
-    for bad in ({"format": "gguf", "quantize_embedding": True}, {"format": "gguf", "quantize_activations": True}):
+    for bad in ({"format": "gguf", "quantize_embedding": True}, {"format": "gguf", "quantize_activations": True},
+                {"format": "gguf", "quantize_embedding": False}, {"format": "gguf", "quantize_lm_head": False},
+                {"format": "gguf", "asymmetric": True}):  # false is refused too: the file decides (user trial)
         with pytest.raises(ValueError, match="gguf keeps the GGUF file's own types"):
             QuantizationConfig.from_value(bad)
     with pytest.raises(ValueError, match="group_size is for fp8, int4 and the microscaling formats; gguf"):
