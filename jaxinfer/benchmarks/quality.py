@@ -61,6 +61,7 @@ NAMED_FORMATS = {"int8 (w8a8)": W8A8, "int8 (w8a8), embedding + LM head bf16": {
                  "mxfp8 (w8a8)": {"format": "mxfp8", "quantize_activations": True}}
 UNQUANTIZED = ("none", "bf16", "f32", "bfloat16", "float32")  # --formats entries meaning the baseline's weights
 KV_DTYPES = ("auto", *KV_CACHE_DTYPE_NAMES)
+FLIP_DEFAULTS = {"flips": 16, "flip_tokens": 32, "flip_context": 256}  # --matrix only (check_arguments)
 
 
 def default_formats() -> str:
@@ -91,10 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"object of QuantizationConfig fields, or one of {'; '.join(NAMED_FORMATS)} "
                              "(default: none, every format known, int8 (w8a8))")
     parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES), help="with --matrix: KV cache dtypes")
-    parser.add_argument("--flips", type=int, default=16, help="with --matrix: points of each text greedy "
+    parser.add_argument("--flips", type=int,
+                        default=FLIP_DEFAULTS["flips"], help="with --matrix: points of each text greedy "
                         "continuations start from")
-    parser.add_argument("--flip-tokens", type=int, default=32, help="with --matrix: greedy tokens per continuation")
-    parser.add_argument("--flip-context", type=int, default=256, help="with --matrix: prompt tokens before each point")
+    parser.add_argument("--flip-tokens", type=int, default=FLIP_DEFAULTS["flip_tokens"],
+                        help="with --matrix: greedy tokens per continuation")
+    parser.add_argument("--flip-context", type=int, default=FLIP_DEFAULTS["flip_context"],
+                        help="with --matrix: prompt tokens before each point")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -123,8 +127,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         if len(args.text) > 1:
             raise ValueError("several --text files need --matrix")
         matrix_only = {"--formats": args.formats is not None, "--kv-dtypes": args.kv_dtypes != ",".join(KV_DTYPES),
-                       "--flips": args.flips != 16, "--flip-tokens": args.flip_tokens != 32,
-                       "--flip-context": args.flip_context != 256}
+                       **{"--" + k.replace("_", "-"): getattr(args, k) != v for k, v in FLIP_DEFAULTS.items()}}
         if any(matrix_only.values()):
             raise ValueError(f"{', '.join(k for k, v in matrix_only.items() if v)} only apply with --matrix; add "
                              "--matrix, or use --quantization / --kv-cache-dtype for one configuration")
