@@ -10,6 +10,8 @@ setup(
     # Every package under these roots (a folder with an __init__.py), so a new subpackage cannot be left out.
     packages=find_packages(include=[f"{root}{sub}" for root in ("jaxinfer", "models", "sharding", "pallas_kernels")
                                     for sub in ("", ".*")]),
+    # The native CPU kernels' C++ source, compiled at first use (pallas_kernels/cpu_gemv/build.py).
+    package_data={"pallas_kernels.cpu_gemv": ["*.cc"]},
     install_requires=[
         "jax>=0.11.2",
         "jaxlib>=0.11.2",

@@ -22,7 +22,7 @@ from models import moe
 from models.config import ModelConfig
 from models.layer import attention_inputs, attention_output_and_mlp, layer_norm, soft_cap_logits
 from models.quant import QuantizedWeight
-from models.quant_matmul import embed_lookup, qeinsum
+from models.quant_matmul import embed_lookup, native_unless_sharded, qeinsum
 from models.rope import rope_frequencies
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from pallas_kernels.paged_attention import fake_quantize, write_kv
@@ -294,6 +294,7 @@ def unstack_layers(weights: Weights) -> Weights:
     return weights.replace(layers=layers)
 
 
+@native_unless_sharded
 def forward(
     params: Weights,
     tokens: jax.Array,
@@ -324,9 +325,10 @@ def forward(
         run unrolled.
       attention: attention functions (`pallas_kernels.dispatch.select_attention`); steps marked
         `metadata.fresh_prefill` use `attention.flash` when there is one.
-      mesh: static; the device mesh the weights are placed on, or None. Only MoE layers use it: they run their
-        experts in a `shard_map` over its "ep" and "tp" axes (`models.moe.moe_block`); dense layers are
-        partitioned by XLA from the inputs' shardings either way.
+      mesh: static; the device mesh the weights are placed on, or None. MoE layers run their experts in a
+        `shard_map` over its "ep" and "tp" axes (`models.moe.moe_block`); dense layers are partitioned by XLA from
+        the inputs' shardings, so on a mesh of several devices no matmul uses the native CPU kernels
+        (`models.quant_matmul`).
 
     Returns:
       (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).

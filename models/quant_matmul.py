@@ -10,14 +10,50 @@ Matmul paths (`qeinsum`):
   `models.quant4`) are converted to the activation dtype inside the dot's computation. XLA:GPU and
   XLA:TPU fuse that convert into the matmul; XLA:CPU has no fused convert-dot and materializes one weight at a time
   as a temporary (XLA's memory analysis in BENCHMARKS.md shows the size).
+- **native CPU kernels** (`pallas_kernels.cpu_gemv`): on the CPU backend, a matmul with at most
+  `cpu_gemv.MAX_ROWS` activation rows (decode) and a weight the kernels read (bf16 / f32, int8 weight-only and
+  w8a8, packed int4) runs through them instead of XLA's dot, which streams such shapes far below the memory
+  bandwidth. Same results up to f32 summation order, except int4, whose kernel quantizes the activations to int8
+  per block of 32 (llama.cpp's Q4 x Q8 scheme). `JAXINFER_NATIVE_KERNELS=0` turns them off; `native_matmuls(False)`
+  does for what is traced inside it (`models.llama.forward` on a multi-device mesh: XLA partitions the dot, it
+  cannot partition a custom call).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
 from models.quant import QuantizedWeight, quantize_rows
+from pallas_kernels import cpu_gemv
+
+_native_allowed = contextvars.ContextVar("native_matmuls", default=True)
+
+
+@contextlib.contextmanager
+def native_matmuls(allowed: bool) -> Iterator[None]:
+    """Allows (the default) or forbids the native CPU kernels for the matmuls traced inside the block."""
+    token = _native_allowed.set(allowed)
+    try:
+        yield
+    finally:
+        _native_allowed.reset(token)
+
+
+def native_unless_sharded(fn: Callable) -> Callable:
+    """Decorates a function with a keyword `mesh`: its matmuls may use the native kernels only without a mesh
+    of more than one device."""
+    @functools.wraps(fn)
+    def wrapper(*args, mesh: jax.sharding.Mesh | None = None, **kwargs):
+        with native_matmuls(_native_allowed.get() and (mesh is None or mesh.size == 1)):
+            return fn(*args, mesh=mesh, **kwargs)
+    return wrapper
 
 
 def _f32_output_is_faster(x: jax.Array, w: jax.Array) -> bool:
@@ -60,6 +96,9 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
     Raises:
       ValueError: if the equation does not contract exactly the quantized weight's contract axes.
     """
+    native = _native(eq, x, w)
+    if native is not None:
+        return native.astype(preferred_element_type or x.dtype)
     if not isinstance(w, QuantizedWeight):
         if preferred_element_type is None and _f32_output_is_faster(x, w):
             return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -83,6 +122,54 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
         return (_activation_quantized(lhs, vals, out, contracted, x, w) * w_scale).astype(out_dtype)
     y = jnp.einsum(f"{lhs},{vals}->{out}", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w_scale).astype(out_dtype)
+
+
+def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array | None:
+    """The einsum through `pallas_kernels.cpu_gemv` (f32, or int32 -> f32 for w8a8), or None where no kernel
+    applies: not on CPU, turned off, more than `MAX_ROWS` activation rows, an equation that is not
+    "batch axes + contracted axes, weight -> batch axes + weight's kept axes", or a format or size the kernels
+    do not take (they fall back to XLA)."""
+    if not _native_allowed.get():
+        return None
+    lhs, rhs, out = _parse(eq)
+    summed = [c for c in rhs if c in lhs and c not in out]
+    if isinstance(w, QuantizedWeight):  # values are [*kept, *contracted in contract_axes order]
+        contracted = [rhs[a] for a in w.contract_axes] if len(rhs) == w.ndim else []
+        layout = "nk"
+    else:
+        contracted = summed
+        kept = [c for c in rhs if c not in summed]
+        layout = ("kn" if rhs == "".join(summed + kept) else "nk" if rhs == "".join(kept + summed) else None)
+    kept = [c for c in rhs if c not in contracted]
+    batch = [c for c in lhs if c not in contracted]
+    if (layout is None or sorted(contracted) != sorted(summed) or lhs != "".join(batch + contracted)
+            or out != "".join(batch + kept) or math.prod(x.shape[:len(batch)]) > cpu_gemv.MAX_ROWS
+            or not cpu_gemv.active()):
+        return None
+    rows, k = math.prod(x.shape[:len(batch)]), math.prod(x.shape[len(batch):])
+    y = _native_2d(x.reshape(rows, k), w, layout, k)
+    return None if y is None else y.reshape(*x.shape[:len(batch)], *(w.shape[rhs.index(c)] for c in kept))
+
+
+def _native_2d(x: jax.Array, w: jax.Array | QuantizedWeight, layout: str, k: int) -> jax.Array | None:
+    """x [M, K] times the weight flattened to [K, N] ("kn") or [N, K] ("nk") by a native kernel, f32 [M, N]."""
+    if not isinstance(w, QuantizedWeight):
+        if w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if layout == "kn" else 8):
+            return None
+        return cpu_gemv.float_matmul(x, w.reshape((k, -1) if layout == "kn" else (-1, k)),
+                                     input_major=layout == "kn")
+    fmt, n = w.format, math.prod(w.scale.shape[:-1])
+    scale = w.scale.reshape(n, -1)
+    if fmt == "int8" and not w.quantize_activations and (k // scale.shape[1]) % 8 == 0:
+        return cpu_gemv.int8_matmul(x, w.values.reshape(n, k), scale)
+    if fmt == "int8" and w.quantize_activations and not w.activation_group_size and k % 32 == 0:
+        xq, x_scale = quantize_rows(x, [1], "int8")  # as `_activation_quantized`: the same numbers
+        acc = cpu_gemv.i8i8_matmul(xq, w.values.reshape(n, k))
+        return acc.astype(jnp.float32) * x_scale * scale[:, 0]
+    if fmt == "int4" and k % 64 == 0 and (k // scale.shape[1]) % 32 == 0:
+        return cpu_gemv.int4_matmul(x, w.values.reshape(n, k // 2), scale,
+                                    None if w.min is None else w.min.reshape(n, -1))
+    return None
 
 
 def _activation_quantized(lhs: str, vals: str, out: str, contracted: str, x: jax.Array,

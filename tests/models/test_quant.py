@@ -17,7 +17,8 @@ from models import quant
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, forward, init_weights
 from models.quant import QuantizationConfig, QuantizedWeight, quantize
-from models.quant_matmul import embed_lookup, lookup_supports, qeinsum
+from models.quant_matmul import embed_lookup, lookup_supports, native_matmuls, qeinsum
+from pallas_kernels import cpu_gemv
 
 TINY = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True,
@@ -212,10 +213,12 @@ def _dequantized(weights):
 @pytest.mark.parametrize("qcfg", [QuantizationConfig("int8", quantize_activations=False), QuantizationConfig("fp8"),
                                   QuantizationConfig("fp8", group_size=32), QuantizationConfig("int4")])
 def test_weight_only_model_equals_the_model_on_dequantized_weights(qcfg):
+    """XLA's weight-only path (the native int4 kernel also rounds activations: tests/pallas_kernels/test_cpu_gemv)."""
     weights = init_weights(TINY, jax.random.key(0))
     qw = quant.quantize_weights(weights, TINY, qcfg, jnp.float32)
     assert isinstance(qw.layers.wq, QuantizedWeight) and not isinstance(qw.layers.attn_norm, QuantizedWeight)
-    np.testing.assert_allclose(_logits(qw), _logits(_dequantized(qw)), rtol=1e-4, atol=1e-4)
+    with native_matmuls(False):
+        np.testing.assert_allclose(_logits(qw), _logits(_dequantized(qw)), rtol=1e-4, atol=1e-4)
 
 
 def test_int8_model_is_close_to_f32_and_keeps_greedy_choices():
@@ -288,7 +291,11 @@ def test_int8_decode_step_materializes_no_full_precision_weight_and_the_check_ca
 
     assert copies(QuantizationConfig("int8", quantize_activations=True)) == []  # w8a8: the int8 x int8 -> int32 dot reads the int8 values
     # weight-only int8 on XLA:CPU converts each weight for its dot (no fused convert-dot): the check must see it
-    assert copies(QuantizationConfig("int8", quantize_activations=False))
+    with native_matmuls(False):
+        assert copies(QuantizationConfig("int8", quantize_activations=False))
+    # the native kernel reads the int8 values in place (tests/pallas_kernels/test_cpu_gemv.py: it is built here)
+    assert cpu_gemv.active()
+    assert copies(QuantizationConfig("int8", quantize_activations=False)) == []
 
 
 def test_embedding_lookup_of_a_grouped_int8_table():

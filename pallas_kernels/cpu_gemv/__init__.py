@@ -1,0 +1,205 @@
+"""Native CPU matmul kernels for decode shapes (at most `MAX_ROWS` activation rows), called through `jax.ffi`.
+
+XLA:CPU reads a weight at a fraction of the memory bandwidth when only one or a few activation rows multiply it
+(a 1-row bf16 dot streams ~2 GB/s; weight-only int8 first writes a full-precision copy of the weight), and decode is
+exactly that shape. These kernels (`gemv.cc`, AVX2 + FMA) stream the weight once, keep the outputs in registers and
+split the rows over XLA's intra-op thread pool. `models.quant_matmul.qeinsum` routes a matmul here when `active()`
+and the shapes fit; everything else stays on XLA.
+
+| function        | weight                                     | activations                        | result       |
+|-----------------|--------------------------------------------|------------------------------------|--------------|
+| `float_matmul`  | bf16 or f32, [K, N] or [N, K]              | f32 / bf16                         | f32          |
+| `int8_matmul`   | int8 [N, K], f32 scale [N, G]              | f32 / bf16 (exact products in f32) | f32          |
+| `i8i8_matmul`   | int8 [N, K]                                | int8 (w8a8, quantized by caller)   | int32, exact |
+| `int4_matmul`   | packed int4 [N, K / 2] (`models.quant4`'s  | quantized here to int8 per block of | f32          |
+|                 | order), f32 scale [N, G], optional f32 min | 32 (Q8_0-style, as llama.cpp does) |              |
+
+Environment: `JAXINFER_NATIVE_KERNELS=0` turns the kernels off (XLA everywhere); `JAXINFER_NATIVE_ISA=avx2` picks
+an ISA level (default: the highest this CPU runs; `build.ISA_LEVELS`). The library is compiled at first use
+(`build`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cpu_gemv import build
+
+MAX_ROWS = 8  # activation rows up to which the kernels beat XLA's dot (BENCHMARKS.md, "native kernels")
+_OFF = ("0", "off", "false", "no")
+
+
+def isa_level() -> str | None:
+    """The ISA level the kernels run at: `JAXINFER_NATIVE_ISA`, else the highest this CPU supports; None when
+    `JAXINFER_NATIVE_KERNELS` turns them off or the CPU has no supported level.
+
+    Raises:
+      ValueError: `JAXINFER_NATIVE_ISA` names an unknown level or one this CPU cannot run.
+    """
+    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1").strip().lower() in _OFF:
+        return None
+    levels = build.supported_levels()
+    forced = os.environ.get("JAXINFER_NATIVE_ISA", "").strip().lower()
+    if forced:
+        if forced not in build.ISA_LEVELS:
+            raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r} is not a level; known: {', '.join(build.ISA_LEVELS)}")
+        if forced not in levels:
+            raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r}: this CPU cannot run it (it runs: "
+                             f"{', '.join(levels) or 'none'})")
+        return forced
+    return levels[-1] if levels else None
+
+
+def active() -> bool:
+    """Whether matmuls traced now may use the kernels: the default backend is CPU, they are not turned off, and
+    the library for the ISA level is built and registered (built at the first call)."""
+    if jax.default_backend() != "cpu":
+        return False
+    level = isa_level()
+    return level is not None and build.load(level)
+
+
+def _call(kernel: str, out: jax.ShapeDtypeStruct, *args: jax.Array, **attrs) -> jax.Array:
+    level = isa_level()
+    if level is None or not build.load(level):
+        raise RuntimeError("the native CPU matmul kernels are not available (see `pallas_kernels.cpu_gemv.active`)")
+    return jax.ffi.ffi_call(build.target_name(kernel, level), out, vmap_method="sequential")(*args, **attrs)
+
+
+def _check_rows(x: jax.Array, k: int) -> tuple[int, int]:
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"activations must be [M, K] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
+    if x.shape[1] != k:
+        raise ValueError(f"activations have K={x.shape[1]}, the weight {k}")
+    return x.shape
+
+
+def float_matmul(x: jax.Array, w: jax.Array, *, input_major: bool) -> jax.Array:
+    """x @ w (input_major: w [K, N]) or x @ w.T (w [N, K]) for a bf16 or f32 weight, f32 accumulation.
+
+    Args:
+      x: f32 or bf16 [M, K], M <= MAX_ROWS.
+      w: bf16 or f32, [K, N] if `input_major` (K a multiple of 4) else [N, K] (K a multiple of 8).
+
+    Returns:
+      f32 [M, N].
+
+    Raises:
+      ValueError: wrong ranks, dtypes or sizes.
+    """
+    if w.ndim != 2 or w.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"weight must be 2-D bf16 or f32, got {w.dtype}{list(w.shape)}")
+    k, n = w.shape if input_major else w.shape[::-1]
+    m, _ = _check_rows(x, k)
+    if k % (4 if input_major else 8):
+        raise ValueError(f"K={k} must be a multiple of {4 if input_major else 8} for a {'[K, N]' if input_major else '[N, K]'} weight")
+    return _call("float_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), x.astype(jnp.float32), w,
+                 kn=bool(input_major))
+
+
+def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    """Weight-only int8: x @ (values * scale).T with the weight's groups of K / G inputs each scaled.
+
+    Args:
+      x: f32 or bf16 [M, K], M <= MAX_ROWS.
+      values: int8 [N, K].
+      scale: f32 [N, G], G = 1 (per output channel) or K / group with group a multiple of 8.
+
+    Returns:
+      f32 [M, N].
+
+    Raises:
+      ValueError: wrong dtypes or sizes.
+    """
+    n, k = values.shape
+    m, _ = _check_rows(x, k)
+    groups = scale.shape[-1]
+    if values.dtype != jnp.int8 or scale.shape != (n, groups) or k % groups or (k // groups) % 8:
+        raise ValueError(f"int8 weight [N, K] with scale [N, G], K / G a multiple of 8; got {values.dtype}"
+                         f"{list(values.shape)}, scale {list(scale.shape)}")
+    return _call("int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), x.astype(jnp.float32), values,
+                 scale.astype(jnp.float32))
+
+
+def i8i8_matmul(xq: jax.Array, values: jax.Array) -> jax.Array:
+    """Exact int8 x int8 -> int32 products: xq @ values.T (w8a8; both in [-127, 127]).
+
+    Args:
+      xq: int8 [M, K], M <= MAX_ROWS, K a multiple of 32.
+      values: int8 [N, K].
+
+    Returns:
+      int32 [M, N].
+
+    Raises:
+      ValueError: wrong dtypes or sizes.
+    """
+    n, k = values.shape
+    m, _ = _check_rows(xq, k)
+    if xq.dtype != jnp.int8 or values.dtype != jnp.int8 or k % 32:
+        raise ValueError(f"int8 activations and weights with K a multiple of 32; got {xq.dtype}, {values.dtype}, "
+                         f"K={k}")
+    return _call("i8i8_matmul", jax.ShapeDtypeStruct((m, n), jnp.int32), xq, values)
+
+
+def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Activations to int8 per block of 32 inputs (absmax / 127, GGUF Q8_0's form).
+
+    Args:
+      x: float [M, K], K a multiple of 32.
+
+    Returns:
+      (int8 [M, K] in [-127, 127], f32 scales [M, K / 32]); x ~= q * scale per block. All-zero blocks get scale 0.
+    """
+    m, k = x.shape
+    blocks = x.astype(jnp.float32).reshape(m, k // 32, 32)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    inverse = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    q = jnp.clip(jnp.round(blocks * inverse[..., None]), -127, 127).astype(jnp.int8)
+    return q.reshape(m, k), amax / 127.0
+
+
+def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Array | None = None) -> jax.Array:
+    """Packed int4 weight times activations quantized to int8 per block of 32 (`quantize_blocks`).
+
+    The weight is `models.quant4`'s: uint8 [N, K / 2], input 2j in the low nibble of byte j and 2j + 1 in the
+    high one; w = scale * (q - 8) (symmetric) or scale * q + min per group of K / G inputs. Each block's integer
+    dot is exact; the activations' block scales make the result differ from the float weight-only product by the
+    int8 rounding of the activations (about 0.4% of a block's largest input, as in llama.cpp's Q4 x Q8 dots).
+
+    Args:
+      x: f32 or bf16 [M, K], M <= MAX_ROWS, K a multiple of 64.
+      values: uint8 [N, K / 2].
+      scale: f32 [N, G], K / G a multiple of 32.
+      min: f32 [N, G] or None.
+
+    Returns:
+      f32 [M, N].
+
+    Raises:
+      ValueError: wrong dtypes or sizes.
+    """
+    n, half = values.shape
+    k = 2 * half
+    m, _ = _check_rows(x, k)
+    groups = scale.shape[-1]
+    if (values.dtype != jnp.uint8 or k % 64 or scale.shape != (n, groups) or k % groups or (k // groups) % 32
+            or (min is not None and min.shape != scale.shape)):
+        raise ValueError(f"packed int4 [N, K / 2] with K a multiple of 64 and scale (and min) [N, G], K / G a "
+                         f"multiple of 32; got {values.dtype}{list(values.shape)}, scale {list(scale.shape)}")
+    xq, xs = quantize_blocks(x)
+    blocks_per_group = k // groups // 32
+    # the offset term (w = s (q - 8): -8 s; w = s q + min: min) times the quantized activations' group sums, so
+    # that the only error is the activations' rounding, on the dequantized weight
+    xsum = xq.reshape(m, k // 32, 32).astype(jnp.float32).sum(-1) * xs
+    offset, factor = (scale, -8.0) if min is None else (min, 1.0)
+    xsum = xsum.reshape(m, groups, blocks_per_group).sum(-1)
+    # each 64-input chunk as its 32 even inputs then its 32 odd ones (the codes' low and high nibbles)
+    xq = xq.reshape(m, k // 64, 32, 2).swapaxes(-1, -2).reshape(m, k)
+    xs8 = jnp.repeat(xs.reshape(m, k // 64, 2), 4, axis=-1)  # [M, K / 64, 8]: lanes 0-3 even block, 4-7 odd
+    return _call("q4_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), xq, xs8, xsum, values,
+                 scale.astype(jnp.float32), offset.astype(jnp.float32), offset_factor=np.float32(factor))

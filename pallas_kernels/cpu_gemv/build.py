@@ -1,0 +1,121 @@
+"""Builds and loads the native CPU matmul kernels (`gemv.cc`) once per ISA level, into a cache folder.
+
+The C++ source ships with the package and is compiled at first use with the machine's C++ compiler (`$CXX`, else
+`g++`, else `c++`) against jaxlib's FFI headers (`jax.ffi.include_dir()`), then registered with
+`jax.ffi.register_ffi_target` for the CPU platform. The library lands in `$JAXINFER_NATIVE_CACHE` (default
+`~/.cache/jaxinfer/native`) under a name that hashes the source, the flags, the compiler and the headers, so a
+changed source or jaxlib builds anew and concurrent processes never load a half-written file (each compiles to a
+temporary name and renames it into place). Without a compiler, or when the build fails, `load` logs one line and
+returns None: the callers fall back to XLA's dot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gemv.cc")
+# The ISA levels the source builds for, lowest first: compiler flags and the /proc/cpuinfo flags each needs.
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+}
+TARGETS = ("float_matmul", "int8_matmul", "i8i8_matmul", "q4_matmul")
+_lock = threading.Lock()
+_loaded: dict[str, bool] = {}  # ISA level -> registered (False: the build failed, do not retry)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def supported_levels() -> list[str]:
+    """The ISA levels this CPU can run, lowest first."""
+    flags = cpu_flags()
+    return [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= flags]
+
+
+def target_name(kernel: str, level: str) -> str:
+    """The FFI target name of `kernel` built for `level` (one registration per level, so tests can switch)."""
+    return f"jaxinfer_{kernel}_{level}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXINFER_NATIVE_CACHE") or Path.home() / ".cache" / "jaxinfer" / "native")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _command(cxx: str, level: str, output: Path) -> list[str]:
+    return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-attributes", "-Wno-return-type",
+            *ISA_LEVELS[level][0], "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(output)]
+
+
+def library_path(level: str) -> Path | None:
+    """Where the library for `level` is (built now if missing); None without a compiler or when the build fails."""
+    cxx = _compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found (g++ or $CXX): matmuls run on XLA's dot")
+        return None
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "ffi.h"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_command("cxx", level, Path("o"))), version,
+                                    header.read_text() if header.exists() else ""]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"jaxinfer_gemv_{level}_{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger.warning("compiling the native CPU matmul kernels (%s) into %s; once, about 10 s", level, path)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        partial = Path(tmp) / path.name
+        result = subprocess.run(_command(cxx, level, partial), capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("building the native CPU matmul kernels failed (matmuls run on XLA's dot):\n%s",
+                           result.stderr[-2000:])
+            return None
+        os.replace(partial, path)
+    return path
+
+
+def load(level: str) -> bool:
+    """Builds (if needed), loads and registers the kernels for ISA `level`; whether they are usable.
+
+    Raises:
+      ValueError: an unknown level.
+    """
+    if level not in ISA_LEVELS:
+        raise ValueError(f"unknown ISA level {level!r}; known: {', '.join(ISA_LEVELS)}")
+    with _lock:
+        if level not in _loaded:
+            path = library_path(level)
+            if path is not None:
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                for kernel in TARGETS:
+                    jax.ffi.register_ffi_target(target_name(kernel, level),
+                                                jax.ffi.pycapsule(getattr(lib, f"jaxinfer_{kernel}")),
+                                                platform="cpu")
+            _loaded[level] = path is not None
+        return _loaded[level]

@@ -1,0 +1,429 @@
+// Matrix times a few activation rows (decode's GEMV, M <= 8) on x86 CPUs, called from jitted JAX code through
+// XLA's FFI (jax.ffi.ffi_call). Built by pallas_kernels/cpu_gemv/build.py, once per ISA level, with the compiler
+// on the machine; the Python wrappers in pallas_kernels/cpu_gemv/__init__.py give the shapes and dtypes.
+//
+// Decode reads every weight once per step for one to a few activation rows, so these kernels are built to stream
+// the weight from memory at full speed: one pass over it, a few rows of outputs kept in registers, software
+// prefetch ahead of the stream, work split over XLA's intra-op thread pool (no fork per call).
+//
+// Kernels (x: f32 [M, K] row-major; y: [M, N]):
+//   float_kn   w bf16|f32 [K, N] (the model's plain layout, input-major)        y f32 = x @ w
+//   float_nk   w bf16|f32 [N, K] (a tied embedding used as the LM head)        y f32 = x @ w.T
+//   int8_nk    w int8 [N, K], scale f32 [N, G] per K/G inputs (weight-only)   y f32 = x @ (w * scale).T
+//   i8i8_nk    xq int8 [M, K], w int8 [N, K] (w8a8: values in [-127, 127])      y i32 = xq @ w.T (exact)
+//   q4_nk      w uint8 [N, K/2] (two 4-bit codes per byte, element 2j low nibble), scale f32 [N, G], x quantized
+//              to int8 per block of 32 (Q8_0-style, as llama.cpp pairs Q4 weights with Q8 activations):
+//              y f32 = sum_blocks ws * xs * (codes . xq) + corr, where corr (the -8 offset or the per-group min
+//              times the quantized activations' group sums) is added per group from `offset` [N, G] and `xsum` [M, G].
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "gemv.cc needs AVX2 and FMA (build.py passes -mavx2 -mfma)"
+#endif
+
+constexpr int kPrefetchBytes = 512;  // how far ahead of each weight stream to prefetch
+
+// ---------------------------------------------------------------------------------------------------------------
+// Work split: chunks taken from an atomic counter by the calling thread and by tasks on XLA's thread pool. The
+// caller takes chunks too, so the call finishes even if no pool task ever starts; a task that starts late finds no
+// chunk left and returns without touching the (by then finished) call's data.
+struct Chunks {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t count = 0;
+};
+
+template <typename F>
+void drain(Chunks& c, const F& f) {
+  for (int64_t i; (i = c.next.fetch_add(1, std::memory_order_relaxed)) < c.count;) {
+    f(i);
+    c.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename F>
+void parallel_chunks(ffi::ThreadPool& pool, int64_t count, const F& f) {
+  int64_t threads = std::min<int64_t>(pool.num_threads(), count);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < count; ++i) f(i);
+    return;
+  }
+  auto chunks = std::make_shared<Chunks>();
+  chunks->count = count;
+  const F* fp = &f;
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([chunks, fp] { drain(*chunks, *fp); });
+  drain(*chunks, f);
+  while (chunks->done.load(std::memory_order_acquire) < count) _mm_pause();
+}
+
+// Rows of N per chunk: about four chunks per thread, a multiple of `align`, at least `min_rows`.
+int64_t rows_per_chunk(ffi::ThreadPool& pool, int64_t n, int64_t align, int64_t min_rows) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t rows = (n + 4 * threads - 1) / (4 * threads);
+  rows = std::max(rows, min_rows);
+  return (rows + align - 1) / align * align;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Loads of 8 weights as f32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16: the upper half of an f32
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+inline float to_f32(int8_t v) { return float(v); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// float_kn: y = x @ w for w [K, N] (K a multiple of 4). The work is split along K: each chunk reads a contiguous
+// block of whole weight rows (one sequential stream, no page-hopping) into a partial sum of all N outputs, kept in
+// L1 / L2, and the partial sums are added in chunk order (the result does not depend on the threads). Within a
+// chunk, four weight rows at a time are added into the partial sums, MG activation rows sharing each converted
+// weight vector.
+template <typename T, int MG>
+void kn_quad(const float* x, int64_t K, const T* w, int64_t N, float* y, int64_t k, int64_t m0) {
+  __m256 b[MG][4];
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < 4; ++r) b[i][r] = _mm256_broadcast_ss(x + (m0 + i) * K + k + r);
+  const T* w0 = w + k * N;
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + 4 * N + n) + kPrefetchBytes, _MM_HINT_T0);
+    __m256 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = load8(w0 + r * N + n);
+    for (int i = 0; i < MG; ++i) {
+      float* yp = y + (m0 + i) * N + n;
+      __m256 a = _mm256_loadu_ps(yp);
+      for (int r = 0; r < 4; ++r) a = _mm256_fmadd_ps(b[i][r], wv[r], a);
+      _mm256_storeu_ps(yp, a);
+    }
+  }
+  for (; n < N; ++n)
+    for (int i = 0; i < MG; ++i)
+      for (int r = 0; r < 4; ++r) y[(m0 + i) * N + n] += x[(m0 + i) * K + k + r] * to_f32(w0[r * N + n]);
+}
+
+// Rows [k0, k1) of w into the partial sums y [M, N] (zeroed here).
+template <typename T>
+void float_kn_rows(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y, int64_t k0, int64_t k1) {
+  std::fill(y, y + M * N, 0.f);
+  for (int64_t k = k0; k < k1; k += 4) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) kn_quad<T, 2>(x, K, w, N, y, k, m);
+    if (m < M) kn_quad<T, 1>(x, K, w, N, y, k, m);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row-major weights [N, K] (float_nk, int8_nk): NR weight rows by MG activation rows per register block. Inputs
+// are taken in groups of `group` (a multiple of 8; K for one group): each group's partial sums are multiplied by
+// the group's scale (1 for plain weights) and added to the totals.
+template <typename T, int MG, int NR>
+void nk_block(const float* x, int64_t K, const T* w, const float* scale, int64_t G, float* y, int64_t N, int64_t n,
+              int64_t m0) {
+  const int64_t group = K / G;
+  __m256 total[MG][NR];
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) total[i][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 part[MG][NR];
+    for (int i = 0; i < MG; ++i)
+      for (int r = 0; r < NR; ++r) part[i][r] = _mm256_setzero_ps();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+      __m256 wv[NR];
+      for (int r = 0; r < NR; ++r) {
+        const T* row = w + (n + r) * K + k;
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+        wv[r] = load8(row);
+      }
+      for (int i = 0; i < MG; ++i) {
+        __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
+        for (int r = 0; r < NR; ++r) part[i][r] = _mm256_fmadd_ps(xv, wv[r], part[i][r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m256 s = _mm256_set1_ps(scale ? scale[(n + r) * G + g] : 1.f);
+      for (int i = 0; i < MG; ++i) total[i][r] = _mm256_fmadd_ps(part[i][r], s, total[i][r]);
+    }
+  }
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(total[i][r]);
+}
+
+template <typename T, int NR>
+void nk_rows_fixed(const float* x, int64_t M, int64_t K, const T* w, const float* scale, int64_t G, float* y,
+                   int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) nk_block<T, 4, NR>(x, K, w, scale, G, y, N, n, m);
+  switch (M - m) {
+    case 3: nk_block<T, 3, NR>(x, K, w, scale, G, y, N, n, m); break;
+    case 2: nk_block<T, 2, NR>(x, K, w, scale, G, y, N, n, m); break;
+    case 1: nk_block<T, 1, NR>(x, K, w, scale, G, y, N, n, m); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void nk_rows(const float* x, int64_t M, int64_t K, const T* w, const float* scale, int64_t G, float* y, int64_t N,
+             int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M == 1) {
+    for (; n + 4 <= n1; n += 4) nk_block<T, 1, 4>(x, K, w, scale, G, y, N, n, 0);
+  }
+  for (; n + 2 <= n1; n += 2) nk_rows_fixed<T, 2>(x, M, K, w, scale, G, y, N, n);
+  for (; n < n1; ++n) nk_rows_fixed<T, 1>(x, M, K, w, scale, G, y, N, n);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// i8i8_nk: exact int8 x int8 -> int32 dot products, 32 inputs per step. vpmaddubsw multiplies unsigned by signed
+// bytes, so |w| is the unsigned operand and x takes w's sign (the usual AVX2 trick); with both in [-127, 127] no
+// pair sum saturates int16 (2 * 127 * 127 < 32767).
+template <int MG, int NR>
+void i8_block(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n, int64_t m0) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[MG][NR];
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256i wv[NR], wa[NR];
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* row = w + (n + r) * K + k;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      wa[r] = _mm256_abs_epi8(wv[r]);
+    }
+    for (int i = 0; i < MG; ++i) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (m0 + i) * K + k));
+      for (int r = 0; r < NR; ++r) {
+        __m256i p = _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(xv, wv[r]));
+        acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(p, ones));
+      }
+    }
+  }
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum_i32(acc[i][r]);
+}
+
+template <int NR>
+void i8_rows_fixed(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) i8_block<4, NR>(x, K, w, y, N, n, m);
+  switch (M - m) {
+    case 3: i8_block<3, NR>(x, K, w, y, N, n, m); break;
+    case 2: i8_block<2, NR>(x, K, w, y, N, n, m); break;
+    case 1: i8_block<1, NR>(x, K, w, y, N, n, m); break;
+    default: break;
+  }
+}
+
+void i8_rows(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n0,
+             int64_t n1) {
+  int64_t n = n0;
+  if (M == 1) {
+    for (; n + 4 <= n1; n += 4) i8_block<1, 4>(x, K, w, y, N, n, 0);
+  }
+  for (; n + 2 <= n1; n += 2) i8_rows_fixed<2>(x, M, K, w, y, N, n);
+  for (; n < n1; ++n) i8_rows_fixed<1>(x, M, K, w, y, N, n);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// q4_nk: 64 inputs (32 bytes of codes) per step. Low nibbles are the even inputs and high nibbles the odd ones, so
+// the caller lays out each 64-input chunk of xq as its 32 even inputs then its 32 odd ones. The int32 lanes 0-3
+// then hold block 2c's dot and lanes 4-7 block 2c+1's, scaled by xs8 (the activations' block scales, each repeated
+// over its four lanes: [M, K / 64, 8]) times the weight's group scale of each block.
+template <int MG>
+void q4_row(const int8_t* xq, const float* xs8, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+            const float* offset, float offset_factor, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+  const int64_t blocks_per_group = K / G / 32;
+  const uint8_t* row = w + n * (K / 2);
+  const float* ws = scale + n * G;
+  __m256 acc[MG];
+  for (int i = 0; i < MG; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / 64; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + 32 * c) + kPrefetchBytes, _MM_HINT_T0);
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    __m256 wsv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(ws[(2 * c) / blocks_per_group])),
+                                      _mm_set1_ps(ws[(2 * c + 1) / blocks_per_group]), 1);
+    for (int i = 0; i < MG; ++i) {
+      const int8_t* xc = xq + (m0 + i) * K + 64 * c;
+      __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
+      __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32));
+      __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+      __m256 d = _mm256_mul_ps(wsv, _mm256_loadu_ps(xs8 + ((m0 + i) * (K / 64) + c) * 8));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), d, acc[i]);
+    }
+  }
+  const float* off = offset + n * G;
+  for (int i = 0; i < MG; ++i) {
+    const float* xg = xsum + (m0 + i) * G;
+    float corr = 0.f;
+    for (int64_t g = 0; g < G; ++g) corr += off[g] * xg[g];
+    y[(m0 + i) * N + n] = hsum(acc[i]) + offset_factor * corr;
+  }
+}
+
+void q4_rows(const int8_t* xq, const float* xs8, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+             const float* scale, const float* offset, float offset_factor, int64_t G, float* y, int64_t N,
+             int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) q4_row<4>(xq, xs8, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m);
+    switch (M - m) {
+      case 3: q4_row<3>(xq, xs8, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m); break;
+      case 2: q4_row<2>(xq, xs8, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m); break;
+      case 1: q4_row<1>(xq, xs8, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m); break;
+      default: break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// FFI handlers. Shapes are checked in Python (pallas_kernels/cpu_gemv/__init__.py); the handlers check ranks.
+ffi::Error rank2(const ffi::AnyBuffer& b, const char* name) {
+  if (b.dimensions().size() != 2) return ffi::Error::InvalidArgument(std::string(name) + " must be 2-D");
+  return ffi::Error::Success();
+}
+
+template <typename T>
+void float_call(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y,
+                bool kn, const float* scale, int64_t G) {
+  if (kn) {
+    int64_t threads = std::max<int64_t>(1, pool.num_threads());
+    int64_t rows = std::max<int64_t>(64, (K / (2 * threads) + 3) / 4 * 4);
+    int64_t count = (K + rows - 1) / rows;
+    std::vector<float> partial(count * M * N);
+    parallel_chunks(pool, count, [&](int64_t c) {
+      float_kn_rows(x, M, K, w, N, partial.data() + c * M * N, c * rows, std::min(K, (c + 1) * rows));
+    });
+    std::copy(partial.begin(), partial.begin() + M * N, y);
+    for (int64_t c = 1; c < count; ++c)
+      for (int64_t i = 0; i < M * N; ++i) y[i] += partial[c * M * N + i];
+    return;
+  }
+  int64_t rows = rows_per_chunk(pool, N, 8, 16);
+  parallel_chunks(pool, (N + rows - 1) / rows, [&](int64_t c) {
+    int64_t n0 = c * rows, n1 = std::min(N, n0 + rows);
+    nk_rows(x, M, K, w, scale, G, y, N, n0, n1);
+  });
+}
+
+ffi::Error FloatMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                       ffi::ResultBuffer<ffi::F32> y, bool kn) {
+  if (auto e = rank2(w, "w"); e.failure()) return e;
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  int64_t N = kn ? w.dimensions()[1] : w.dimensions()[0];
+  if (w.element_type() == ffi::BF16)
+    float_call(pool, x.typed_data(), M, K, reinterpret_cast<const uint16_t*>(w.untyped_data()), N,
+               y->typed_data(), kn, nullptr, 1);
+  else if (w.element_type() == ffi::F32)
+    float_call(pool, x.typed_data(), M, K, reinterpret_cast<const float*>(w.untyped_data()), N, y->typed_data(),
+               kn, nullptr, 1);
+  else
+    return ffi::Error::InvalidArgument("float_matmul: w must be bf16 or f32");
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0], G = scale.dimensions()[1];
+  float_call(pool, x.typed_data(), M, K, w.typed_data(), N, y->typed_data(), false, scale.typed_data(), G);
+  return ffi::Error::Success();
+}
+
+ffi::Error I8I8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                      ffi::ResultBuffer<ffi::S32> y) {
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
+  int64_t rows = rows_per_chunk(pool, N, 8, 16);
+  parallel_chunks(pool, (N + rows - 1) / rows, [&](int64_t c) {
+    int64_t n0 = c * rows;
+    i8_rows(x.typed_data(), M, K, w.typed_data(), y->typed_data(), N, n0, std::min(N, n0 + rows));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs8,
+                    ffi::Buffer<ffi::F32> xsum, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+                    ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y, float offset_factor) {
+  int64_t M = xq.dimensions()[0], K = xq.dimensions()[1], N = w.dimensions()[0], G = scale.dimensions()[1];
+  int64_t rows = rows_per_chunk(pool, N, 8, 16);
+  parallel_chunks(pool, (N + rows - 1) / rows, [&](int64_t c) {
+    int64_t n0 = c * rows;
+    q4_rows(xq.typed_data(), xs8.typed_data(), xsum.typed_data(), M, K, w.typed_data(), scale.typed_data(),
+            offset.typed_data(), offset_factor, G, y->typed_data(), N, n0, std::min(N, n0 + rows));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_float_matmul, FloatMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("kn"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_i8i8_matmul, I8I8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_q4_matmul, Q4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("offset_factor"));
