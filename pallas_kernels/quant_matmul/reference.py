@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 SYMMETRIC_ZERO = 8  # symmetric int4 codes are q - 8 (models.quant4)
+MAX_ROWS = 8  # activation rows the kernels take (decode shapes); above it XLA's dot reads the weights as well
 X_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 

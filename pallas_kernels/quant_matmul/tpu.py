@@ -36,10 +36,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.quant_matmul.reference import (SYMMETRIC_ZERO, MatmulShape, check_args, split_even_odd,
+from pallas_kernels.quant_matmul.reference import (MAX_ROWS, SYMMETRIC_ZERO, MatmulShape, check_args, split_even_odd,
                                                    unpack_low_high)
 
-ROWS = 8  # x is padded to one f32 sublane tile; the most rows the kernel takes
+ROWS = 8  # x is padded to one f32 sublane tile
+assert ROWS >= MAX_ROWS
 LANES = 128
 MAX_EXPANDED_BYTES = 8 << 20  # the block-diagonal x of a whole-K tile (no aligned K tile) may not exceed this
 
@@ -149,7 +150,7 @@ def weight_only_matmul_tpu(x: jax.Array, values: jax.Array, scale: jax.Array, mi
       ValueError: on `reference.check_args`'s problems (M > 8 included), a block_n that is no multiple of 128,
         or no K tile (`choose_block_k`).
     """
-    shape = check_args(x, values, scale, min, group_size, max_rows=ROWS)
+    shape = check_args(x, values, scale, min, group_size, max_rows=MAX_ROWS)
     n = shape.out
     bn = n if blocks.block_n >= n else blocks.block_n
     if bn != n and bn % LANES:
