@@ -24,7 +24,8 @@ BACKENDS = ("auto", "tpu", "gpu", "reference")
 
 
 def weight_only_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Array | None = None, *,
-                       group_size: int, backend: str = "auto", interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+                       group_size: int, backend: str = "auto",
+                       interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
     """x @ w.T for a weight-only quantized w: int8 [N, K] or packed int4 uint8 [N, K/2] (`reference` docstring).
 
     Args:

@@ -42,7 +42,8 @@ TARGET_PROGRAMS = 264  # split K until about this many programs run (2 per SM of
 @dataclasses.dataclass(frozen=True)
 class GpuBlocks:
     """Tile sizes (powers of two): block_n weight rows per program, block_k columns of `values` per loop step
-    (None: the largest power of two dividing K's columns up to 256), split_k (None: `choose_split_k`)."""
+    (None: `choose_block_k`), split_k (None: `choose_split_k`). Defaults untuned: `scripts/gpu_check.py` times a
+    few on a GPU."""
 
     block_n: int = 64
     block_k: int | None = None
@@ -51,9 +52,10 @@ class GpuBlocks:
     num_stages: int = 3
 
 
-def choose_block_k(shape: MatmulShape, cap: int = 256) -> int:
-    """The largest power of two <= cap dividing K's columns of `values`."""
-    tile = cap
+def choose_block_k(shape: MatmulShape, max_elements: int = 128) -> int:
+    """The largest power of two dividing K's columns of `values` that covers at most `max_elements` of K (int8:
+    128 bytes per weight row, int4: 64)."""
+    tile = max_elements // 2 if shape.packed else max_elements
     while shape.lanes % tile:
         tile //= 2
     return tile
@@ -171,7 +173,8 @@ def weight_only_matmul_gpu(x: jax.Array, values: jax.Array, scale: jax.Array, mi
         out_shape = jax.ShapeDtypeStruct((split, ROWS, n), jnp.float32)
         out_spec = pl.BlockSpec((None, ROWS, bn), lambda j, s: (s, 0, j))
     else:
-        out_shape, out_spec = jax.ShapeDtypeStruct((ROWS, n), jnp.float32), pl.BlockSpec((ROWS, bn), lambda j, s: (0, j))
+        out_shape = jax.ShapeDtypeStruct((ROWS, n), jnp.float32)
+        out_spec = pl.BlockSpec((ROWS, bn), lambda j, s: (0, j))
     kernel = functools.partial(
         _quant_matmul_kernel, packed=shape.packed, asymmetric=shape.asymmetric, per_row=per_row,
         group_lanes=shape.group_lanes, block_k=bk, steps=chunks // split, compute_dtype=x.dtype,

@@ -1,4 +1,4 @@
-"""Weight-only quantized matmul, `jnp` reference: the oracle of the TPU / GPU kernels, and the argument checks they share.
+"""Weight-only quantized matmul, `jnp` reference: the kernels' oracle, and the argument checks they all share.
 
 Weight formats (plain arrays; the same layout as `models.quant.QuantizedWeight` with one kept and one contracted
 axis, told apart by the values' dtype):
