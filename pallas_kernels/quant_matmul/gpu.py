@@ -14,7 +14,8 @@ Formats and the even/odd split of packed int4: `pallas_kernels.quant_matmul.refe
    instead. With split_k > 1 the programs write partial sums [split_k, 16, N] that the wrapper adds (enough
    programs to fill the GPU when N is small, e.g. a down projection).
 3. Triton tiles must have power-of-two sizes: block_n, block_k and (grouped) the group's columns of `values`
-   are powers of two; block_k divides K's columns (at least 16 on hardware).
+   are powers of two, block_k divides K's columns (at least 16 on hardware), and a group's columns divide block_k
+   or are a multiple of it.
 
 bf16 x: weights are dequantized in f32 and rounded to bf16 before the dot (what XLA's path, `qeinsum`, does).
 f32 x: the dot runs at `Precision.HIGHEST` (IEEE f32, not TF32).
@@ -135,7 +136,8 @@ def weight_only_matmul_gpu(x: jax.Array, values: jax.Array, scale: jax.Array, mi
       x: f32 or bf16 [M, K], 1 <= M <= 8.
       values: int8 [N, K] or packed int4 uint8 [N, K/2].
       scale: f32 [N, G]; min: f32 [N, G] (asymmetric int4) or None.
-      group_size: elements per scale (0: per row); with groups, a power of two (int4: its bytes, g / 2, too).
+      group_size: elements per scale (0: per row); its columns of values (int4: g / 2) a power of two or a
+        multiple of block_k.
       blocks: tile sizes and Triton launch options (`GpuBlocks`).
       interpret: False on GPU; True runs the same kernel in Pallas' generic interpret mode (CPU).
 
@@ -144,20 +146,21 @@ def weight_only_matmul_gpu(x: jax.Array, values: jax.Array, scale: jax.Array, mi
 
     Raises:
       ValueError: on `reference.check_args`'s problems (M > 8 included), tiles that are not powers of two, a
-        block_k that does not divide K's columns or (on hardware) is below 16, a group that is not a power of two,
-        or a split_k that does not divide the loop steps.
+        block_k that does not divide K's columns or (on hardware) is below 16, a group that neither divides
+        block_k nor is a multiple of it, or a split_k that does not divide the loop steps.
     """
     shape = check_args(x, values, scale, min, group_size, max_rows=MAX_ROWS)
     n, lanes = shape.out, shape.lanes
-    per_row = shape.groups == 1
+    per_row = shape.groups == 1 and not shape.asymmetric  # scale the accumulator; a min needs the grouped path
     bn, bk = blocks.block_n, blocks.block_k or choose_block_k(shape)
     if not (is_pow2(bn) and is_pow2(bk)) or lanes % bk:
         raise ValueError(f"block_n={bn} and block_k={bk} must be powers of two, block_k dividing K's {lanes} columns "
                          "of values (Triton tiles)")
     if not interpret and (bn < MIN_DOT_DIM or bk < MIN_DOT_DIM):  # (`min` is the argument here)
         raise ValueError(f"block_n={bn} and block_k={bk} must be >= {MIN_DOT_DIM} for tl.dot (K's columns {lanes})")
-    if not per_row and not is_pow2(shape.group_lanes):
-        raise ValueError(f"group_size={group_size} must be a power of two on GPU (Triton tiles)")
+    if not per_row and shape.group_lanes % bk and bk % shape.group_lanes:
+        raise ValueError(f"group_size={group_size} must be a power of two or a multiple of block_k={bk} columns of "
+                         "values on GPU (Triton tiles)")
     num_n, chunks = pl.cdiv(n, bn), lanes // bk
     split = blocks.split_k or choose_split_k(num_n, chunks)
     if chunks % split:

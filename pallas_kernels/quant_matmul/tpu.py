@@ -113,7 +113,8 @@ def _quant_matmul_kernel(
     x_sums = jnp.zeros((groups * ROWS, 1), jnp.float32)
     for x, codes in pairs:
         xb = x.astype(jnp.float32) if groups == 1 else _block_diagonal(x, groups, group_lanes)  # [gpt * ROWS, bk]
-        partial += jax.lax.dot_general(xb.astype(compute_dtype), codes.astype(compute_dtype),
+        codes = codes.astype(jnp.float32).astype(compute_dtype)  # exact: |codes| <= 127
+        partial += jax.lax.dot_general(xb.astype(compute_dtype), codes,
                                        (((1,), (1,)), ((), ())), precision=precision,
                                        preferred_element_type=jnp.float32)  # [gpt * ROWS, bn]
         if asymmetric:

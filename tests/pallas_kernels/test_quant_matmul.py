@@ -109,6 +109,7 @@ CASES = [
     Case(8, 1024, 1001, "int4_asym", 128, "bfloat16"),
     Case(4, 512, 301, "int4", 0),
     Case(3, 256, 96, "int4_asym", 32),
+    Case(2, 256, 40, "int4_asym", 0),  # one min per row
 ]
 # Small grids for the TPU interpret mode (~3 ms per grid step); the block_n of 128 makes N edge tiles.
 TPU_CASES = [
@@ -117,7 +118,7 @@ TPU_CASES = [
     (Case(3, 512, 300, "int8", 32, "bfloat16"), TpuBlocks(block_n=128)),  # 16 groups per K tile, N edge tile
     (Case(5, 1024, 200, "int4", 64), TpuBlocks(block_n=128)),  # 2 K tiles of 16 groups
     (Case(2, 2048, 130, "int4_asym", 128, "bfloat16"), TpuBlocks(block_n=128)),
-    (Case(7, 384, 136, "int4", 0), None),  # per row, K tile of 128 lanes (packed: 192 -> whole)
+    (Case(7, 384, 136, "int4_asym", 0), None),  # one scale and min per row; packed K of 192 lanes: one K tile
 ]
 
 
@@ -212,8 +213,9 @@ def test_bad_input_is_a_value_error(changes, match):
         _bad(**changes)
 
 
-def test_gpu_refuses_a_group_that_is_not_a_power_of_two():
-    with pytest.raises(ValueError, match="power of two"):
+def test_gpu_refuses_a_group_that_does_not_tile():
+    # K = 96: block_k 32 columns; a group of 48 neither divides 32 nor is a multiple of it.
+    with pytest.raises(ValueError, match="power of two or a multiple of block_k=32"):
         weight_only_matmul_gpu(jnp.zeros((1, 96)), jnp.zeros((16, 96), jnp.int8), jnp.ones((16, 2)), group_size=48,
                                interpret=True)
 
