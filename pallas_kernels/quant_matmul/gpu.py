@@ -156,7 +156,7 @@ def weight_only_matmul_gpu(x: jax.Array, values: jax.Array, scale: jax.Array, mi
     if not (is_pow2(bn) and is_pow2(bk)) or lanes % bk:
         raise ValueError(f"block_n={bn} and block_k={bk} must be powers of two, block_k dividing K's {lanes} columns "
                          "of values (Triton tiles)")
-    if not interpret and (bn < MIN_DOT_DIM or bk < MIN_DOT_DIM):  # (`min` is the argument here)
+    if not interpret and (bn < MIN_DOT_DIM or bk < MIN_DOT_DIM):
         raise ValueError(f"block_n={bn} and block_k={bk} must be >= {MIN_DOT_DIM} for tl.dot (K's columns {lanes})")
     if not per_row and shape.group_lanes % bk and bk % shape.group_lanes:
         raise ValueError(f"group_size={group_size} must be a power of two or a multiple of block_k={bk} columns of "
