@@ -47,7 +47,8 @@ constexpr int kPrefetchBytes = 512;  // how far ahead of each weight stream to p
 // Work split: a call's chunks are taken from an atomic counter by the calling thread and by persistent worker
 // threads. A decode step calls these kernels a few hundred times, tens of microseconds apart, so the workers spin
 // for a while after each job (`kSpin`) instead of sleeping: waking a sleeping thread costs about as long as a small
-// matmul takes. After the spin they sleep until the next job. One job runs at a time; a call made while another
+// matmul takes; they spin by yielding, so XLA's own threads still get the core whenever they have work. After the
+// spin they sleep until the next job. One job runs at a time; a call made while another
 // runs (XLA may run independent thunks concurrently) does its chunks alone.
 constexpr auto kSpin = std::chrono::microseconds(300);
 
@@ -121,8 +122,8 @@ class Workers {
     for (;;) {
       auto start = std::chrono::steady_clock::now();
       for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
-        _mm_pause();
-        if ((spins & 255) == 255 && std::chrono::steady_clock::now() - start > kSpin) {
+        sched_yield();  // polite: XLA's own threads (its parallel fusions) get this core when they need it
+        if ((spins & 15) == 15 && std::chrono::steady_clock::now() - start > kSpin) {
           std::unique_lock<std::mutex> lock(sleep_);
           sleepers_.fetch_add(1);
           wake_.wait(lock, [&] { return generation_.load() != seen; });
