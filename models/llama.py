@@ -362,7 +362,7 @@ def forward(
     if isinstance(params.layers, tuple) or not cfg.uniform_windows:
         scan_layers = False  # per-layer arrays, or layers with differing windows (static args), run unrolled
     # on CPU the native matmul kernels read each dense projection inside its stack (no slice copied per layer)
-    refs = DENSE_PROJECTIONS if scan_layers and layer_refs_apply() else ()
+    refs = DENSE_PROJECTIONS if scan_layers and layer_refs_apply(tokens.shape[0]) else ()
     if scan_layers and params.layers.attn_norm.shape[0] == cfg.num_layers and not refs:
         def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
             x, kv = carry

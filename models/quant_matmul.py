@@ -149,9 +149,11 @@ def slice_layer(layers, index: jax.Array, refs: Sequence[str] = ()):
     return sliced.replace(**{f: LayerRef(getattr(layers, f), index) for f in refs if getattr(layers, f) is not None})
 
 
-def layer_refs_apply() -> bool:
-    """Whether `LayerRef`s pay off for what is traced now: the native CPU kernels may run (else a slice is as good)."""
-    return _native_allowed.get() and jax.default_backend() == "cpu" and cpu_gemv.active()
+def layer_refs_apply(rows: int) -> bool:
+    """Whether `LayerRef`s pay off for a step of `rows` token rows traced now: the native CPU kernels may run its
+    matmuls (else XLA's dots take a slice anyway, and the usual scan over sliced layers is as good)."""
+    return (rows <= cpu_gemv.MAX_ROWS and _native_allowed.get() and jax.default_backend() == "cpu"
+            and cpu_gemv.active())
 
 
 def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) -> jax.Array | None:
