@@ -1,7 +1,7 @@
 """One-call device check for a lent GPU (run by `scripts/gpu_check.sh`): tests, kernel accuracy, kernel speed, engine.
 
 The machine has no network and nothing over 64 MiB can be sent to it, so models are random weights of real shapes
-(the shapes, not the values, set the speed). Five sections, each with its own time budget and its own try/except,
+(the shapes, not the values, set the speed). Six sections, each with its own time budget and its own try/except,
 so that one failure keeps the others; the markdown report is rewritten after every row, so a run killed by the
 outer timeout still leaves everything measured so far.
 
@@ -24,8 +24,12 @@ outer timeout still leaves everything measured so far.
    int8 w8a8, int4 group 32, MXFP8 (weight-only and w8a8), MXFP4, NVFP4 (those this tree has), each decoding at batch 1 and the largest engine batch beside its own roofline (its weight bytes),
    with XLA's memory analysis of the batch-1 decode step, the full-precision weight copies in it (XLA:GPU should
    fuse the converts into the dots: none), and its prefill logits' largest difference from bf16's.
+6. qmatmul: the weight-only int8 / int4 matmul kernel (`pallas_kernels.quant_matmul.weight_only_matmul_gpu`) at
+   Llama-3-8B decode shapes (rows 1 / 4 / 8) against its f32 reference, and its speed beside XLA's dot on the weight
+   dequantized inside the jitted call (`qeinsum`'s path) and on a bf16 weight: GB/s of weight bytes read.
 
-    python scripts/gpu_check.py [--quick] [--out FILE] [--budget-s 235] [--sections tests,kernels,timing,engine,quant]
+    python scripts/gpu_check.py [--quick] [--out FILE] [--budget-s 265]
+                                [--sections tests,kernels,timing,engine,quant,qmatmul]
                                 [--section-budget tests=120 ...]
     python scripts/gpu_check.py --dry-run    # everything on CPU at tiny sizes, the GPU kernels in interpret mode
 """
@@ -80,6 +84,8 @@ class Sizes:
     engine_seconds: float
     engine_backends: tuple[str, ...]  # "pallas" / "reference", "-unrolled" for a Python loop over the layers
     quant_seconds: float  # decode timed per format and batch in section 5
+    qmatmul: tuple[tuple[int, int], ...]  # section 6: (K, N) of the weight
+    qmatmul_rows: tuple[int, ...]
     ref_limit_bytes: float  # largest reference score matrix computed in one call
     xla_limit_bytes: float  # largest [B, N, T, T] f32 score matrix XLA's own prefill attention may materialise
     min_time_s: float  # per timing sample
@@ -100,14 +106,14 @@ GPU = Sizes(
     time_prefill=((1, 1024), (1, 4096), (1, 16384), (1, 32768), (8, 4096)),
     model=LLAMA3_8B, engine_batches=(1, 64), engine_context=1024, engine_seconds=3.0,
     engine_backends=("pallas", "pallas-unrolled", "reference"), quant_seconds=1.5, ref_limit_bytes=12e9,
-    xla_limit_bytes=24e9,
-    min_time_s=0.05, budgets_s=dict(tests=55, kernels=35, timing=35, engine=65, quant=45),
+    xla_limit_bytes=24e9, qmatmul=((4096, 14336), (14336, 4096)), qmatmul_rows=(1, 4, 8),
+    min_time_s=0.05, budgets_s=dict(tests=55, kernels=35, timing=35, engine=65, quant=45, qmatmul=30),
 )
 QUICK = dataclasses.replace(
     GPU, name="quick", decode=((1, 1024), (32, 4096), (1, 32768)), mixed=GPU.mixed[:1],
     flash=((1024,), (1000, 3000, 77), (16384,)), time_decode=((1, 1024), (64, 4096), (1, 32768)),
     time_prefill=((1, 4096), (1, 16384)), engine_seconds=2.0, engine_backends=("pallas",), quant_seconds=1.0,
-    budgets_s=dict(tests=55, kernels=25, timing=30, engine=65, quant=45),
+    qmatmul_rows=(1, 8), budgets_s=dict(tests=55, kernels=25, timing=30, engine=65, quant=45, qmatmul=25),
 )
 TINY = Sizes(
     name="tiny", heads=(8, 2, 32), page_size=16,
@@ -118,8 +124,8 @@ TINY = Sizes(
                tie_word_embeddings=False, name="tiny-llama3-shaped"),
     engine_batches=(1, 4), engine_context=48, engine_seconds=0.3,
     engine_backends=("pallas", "pallas-unrolled", "reference"),
-    quant_seconds=0.2, ref_limit_bytes=50e3, xla_limit_bytes=1e9, min_time_s=0.01,
-    budgets_s=dict(tests=120, kernels=120, timing=120, engine=120, quant=120),
+    quant_seconds=0.2, ref_limit_bytes=50e3, xla_limit_bytes=1e9, qmatmul=((256, 320),), qmatmul_rows=(1, 8),
+    min_time_s=0.01, budgets_s=dict(tests=120, kernels=120, timing=120, engine=120, quant=120, qmatmul=120),
 )
 
 
@@ -871,6 +877,104 @@ def section_quant(report: Report, sizes: Sizes, args: argparse.Namespace, budget
         guarded(report, lines, f"quant {label}", one_format)
 
 
+# --- 6. weight-only quantized matmul kernel -----------------------------------------------------------------------
+
+# (label, group_size, asymmetric min): int8 per row, int4 symmetric group 32 (jaxinfer's default), int4 asymmetric
+# group 128 (GPTQ / AWQ's usual group, with mins).
+QMATMUL_FORMATS = (("int8 per row", "int8", 0, False), ("int4 g32", "int4", 32, False),
+                   ("int4 g128 asym", "int4", 128, True))
+QMATMUL_TILES = ((64, None), (32, 64), (128, 64), (64, 128), (128, 128), (64, 32), (256, 64))  # None: default
+
+
+def section_qmatmul(report: Report, sizes: Sizes, args: argparse.Namespace, budget: Budget,
+                    peak: float | None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.quant_matmul import GpuBlocks, dequantize, weight_only_matmul_gpu, weight_only_matmul_reference
+
+    note = " (interpret mode: interpreter speed, not kernel speed)" if args.interpret else ""
+    lines = report.section(f"6. Weight-only quantized matmul kernel{note}")
+    report.add(lines, "`weight_only_matmul_gpu` (Pallas Triton), bf16 x [rows, K] times a quantized weight [N, K], "
+                      "f32 out. `err`: max |kernel - reference| / max(|x| @ |w|.T) (the reference dequantizes to f32 "
+                      "and multiplies at HIGHEST precision; the kernel rounds the dequantized weight to bf16, so up "
+                      "to 2^-9 is rounding). GB/s: bytes of the quantized weight (values, scales, mins) / time; "
+                      "`XLA dequant`: `jnp.dot` on the weight dequantized to bf16 inside the same jit (what "
+                      "`qeinsum` does); `bf16`: a bf16 weight's 2 bytes per element through `jnp.dot`.\n")
+    pct = "% of peak" if peak else "% of peak (no peak known)"
+    report.add(lines, f"| format | K x N | rows | err | kernel us | kernel GB/s | {pct} | XLA dequant us | XLA dequant "
+                      "GB/s | bf16 dot us | bf16 GB/s | speed-up vs XLA dequant | vs bf16 |")
+    report.add(lines, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for f, (label, fmt, group, asym) in enumerate(QMATMUL_FORMATS):
+        for s_i, (k, n) in enumerate(sizes.qmatmul):
+            if budget.left() <= 0:
+                report.add(lines, f"| {label} | {k} x {n} | skipped: section budget spent |||||||||||")
+                continue
+
+            def one_shape(label=label, fmt=fmt, group=group, asym=asym, k=k, n=n, seed=10 * f + s_i):
+                keys = jax.random.split(jax.random.key(3000 + seed), 4)
+                groups = k // group if group else 1
+                if fmt == "int8":
+                    values = jax.random.randint(keys[0], (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+                else:
+                    values = jax.random.randint(keys[0], (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+                scale = jax.random.uniform(keys[1], (n, groups), jnp.float32, 1e-3, 2e-2)
+                mins = jax.random.normal(keys[2], (n, groups), jnp.float32) * 0.05 if asym else None
+                wbytes = values.size * values.dtype.itemsize + scale.size * 4 * (2 if asym else 1)
+                w16 = dequantize(values, scale, mins, group_size=group).astype(jnp.bfloat16)
+                kernel = jax.jit(functools.partial(weight_only_matmul_gpu, group_size=group, interpret=args.interpret))
+                xla = jax.jit(lambda x, v, s, m: jnp.dot(x, dequantize(v, s, m, group_size=group).astype(x.dtype).T,
+                                                         preferred_element_type=jnp.float32))
+                plain = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32))
+                for rows in sizes.qmatmul_rows:
+                    if budget.left() <= 0:
+                        report.add(lines, f"| {label} | {k} x {n} | {rows} | skipped: section budget spent ||||||||||")
+                        continue
+                    x = jax.random.normal(jax.random.fold_in(keys[3], rows), (rows, k), jnp.bfloat16)
+                    out = kernel(x, values, scale, mins)
+                    ref = weight_only_matmul_reference(x, values, scale, mins, group_size=group)
+                    bound = jnp.max(jnp.abs(x.astype(jnp.float32)) @ jnp.abs(w16.astype(jnp.float32)).T)
+                    err = float(jnp.max(jnp.abs(out - ref)) / bound)
+                    err_cell = f"{err:.1e}" if err <= 2.0**-8 else f"**{err:.1e}**"
+                    if err > 2.0**-8:
+                        report.problem(f"qmatmul {label} {k}x{n} rows {rows}: error {err:.2e} of |x| @ |w|.T")
+                    t_kernel = time_call(lambda: kernel(x, values, scale, mins), sizes.min_time_s)
+                    t_xla = time_call(lambda: xla(x, values, scale, mins), sizes.min_time_s)
+                    t_bf16 = time_call(lambda: plain(x, w16), sizes.min_time_s)
+                    gbs = wbytes / t_kernel / 1e9
+                    report.add(lines, f"| {label} | {k} x {n} | {rows} | {err_cell} | {num(t_kernel * 1e6)} | "
+                                      f"{num(gbs)} | {f'{100 * gbs * 1e9 / peak:.0f}%' if peak else '-'} | "
+                                      f"{num(t_xla * 1e6)} | {num(wbytes / t_xla / 1e9)} | {num(t_bf16 * 1e6)} | "
+                                      f"{num(2 * n * k / t_bf16 / 1e9)} | {t_xla / t_kernel:.2f}x | "
+                                      f"{t_bf16 / t_kernel:.2f}x |")
+
+            guarded(report, lines, f"qmatmul {label} {k}x{n}", one_shape)
+
+    # Untuned defaults: a few other tiles at the first shape, int4 g32, one row, as the budget allows.
+    k, n = sizes.qmatmul[0]
+    report.add(lines, f"\nTiles (`GpuBlocks`: block_n x block_k columns of values, split_k chosen), int4 g32, "
+                      f"{k} x {n}, 1 row; the default is the first row.\n")
+    report.add(lines, "| block_n | block_k | us | GB/s |")
+    report.add(lines, "|---|---|---|---|")
+    for bn, bk in QMATMUL_TILES:
+        if budget.left() <= 0 or (bk or 0) * 2 > k:
+            continue
+
+        def one_tile(bn=bn, bk=bk):
+            keys = jax.random.split(jax.random.key(4000), 3)
+            values = jax.random.randint(keys[0], (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+            scale = jax.random.uniform(keys[1], (n, k // 32), jnp.float32, 1e-3, 2e-2)
+            x = jax.random.normal(keys[2], (1, k), jnp.bfloat16)
+            blocks = GpuBlocks(block_n=bn, block_k=bk) if bk else GpuBlocks()
+            fn = jax.jit(functools.partial(weight_only_matmul_gpu, group_size=32, blocks=blocks,
+                                           interpret=args.interpret))
+            t = time_call(lambda: fn(x, values, scale), sizes.min_time_s)
+            report.add(lines, f"| {bn} | {bk or 'default'} | {num(t * 1e6)} | "
+                              f"{num((values.size + scale.size * 4) / t / 1e9)} |")
+
+        guarded(report, lines, f"qmatmul tile {bn}x{bk}", one_tile)
+
+
 # --- main -------------------------------------------------------------------------------------------------------------
 
 
@@ -894,8 +998,8 @@ def main() -> int:
     ap.add_argument("--platform", default=None, help="force a jax platform, e.g. cpu")
     ap.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode")
     ap.add_argument("--dry-run", action="store_true", help="= --platform cpu --tiny --interpret")
-    ap.add_argument("--sections", default="tests,kernels,timing,engine,quant")
-    ap.add_argument("--budget-s", type=float, default=235.0, help="whole run; sections also have their own")
+    ap.add_argument("--sections", default="tests,kernels,timing,engine,quant,qmatmul")
+    ap.add_argument("--budget-s", type=float, default=265.0, help="whole run; sections also have their own")
     ap.add_argument("--section-budget", action="append", default=[], metavar="NAME=S",
                     help="override one section's budget in seconds (repeatable), e.g. tests=120")
     ap.add_argument("--peak-hbm-gbs", type=float, default=None, help="HBM peak GB/s (default: by device kind)")
@@ -963,6 +1067,7 @@ def main() -> int:
     run("timing", lambda: section_timing(report, sizes, args, budget("timing"), peak))
     run("engine", lambda: section_engine(report, sizes, args, budget("engine"), peak))
     run("quant", lambda: section_quant(report, sizes, args, budget("quant"), peak))
+    run("qmatmul", lambda: section_qmatmul(report, sizes, args, budget("qmatmul"), peak))
 
     lines = report.section("Summary")
     report.add(lines, f"- run time {time.perf_counter() - t_start:.0f} s; "
