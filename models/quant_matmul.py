@@ -17,6 +17,8 @@ Matmul paths (`qeinsum`):
   per block of 32 (llama.cpp's Q4 x Q8 scheme). `JAXINFER_NATIVE_KERNELS=0` turns them off; `native_matmuls(False)`
   does for what is traced inside it (`models.llama.forward` on a multi-device mesh: XLA partitions the dot, it
   cannot partition a custom call).
+- **Pallas kernels on GPU / TPU** (`pallas_kernels.quant_matmul`, opt-in with `JAXINFER_PALLAS_QMATMUL=1` until
+  measured on hardware): weight-only int8 and int4 at the same decode shapes, dequantizing inside the kernel.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import contextlib
 import contextvars
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
 from models.quant import QuantizedWeight, quantize_rows
-from pallas_kernels import cpu_gemv
+from pallas_kernels import cpu_gemv, quant_matmul
 
 _native_allowed = contextvars.ContextVar("native_matmuls", default=True)
 
@@ -143,11 +146,17 @@ def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array 
     kept = [c for c in rhs if c not in contracted]
     batch = [c for c in lhs if c not in contracted]
     if (layout is None or sorted(contracted) != sorted(summed) or lhs != "".join(batch + contracted)
-            or out != "".join(batch + kept) or math.prod(x.shape[:len(batch)]) > cpu_gemv.MAX_ROWS
-            or not cpu_gemv.active()):
+            or out != "".join(batch + kept) or math.prod(x.shape[:len(batch)]) > cpu_gemv.MAX_ROWS):
+        return None
+    platform = jax.default_backend()
+    if platform != "cpu":
+        if platform not in PALLAS_PLATFORMS or not _pallas_enabled() or not isinstance(w, QuantizedWeight):
+            return None
+    elif not cpu_gemv.active():
         return None
     rows, k = math.prod(x.shape[:len(batch)]), math.prod(x.shape[len(batch):])
-    y = _native_2d(x.reshape(rows, k), w, layout, k)
+    x2 = x.reshape(rows, k)
+    y = _native_2d(x2, w, layout, k) if platform == "cpu" else _pallas_2d(x2, w, k)
     return None if y is None else y.reshape(*x.shape[:len(batch)], *(w.shape[rhs.index(c)] for c in kept))
 
 
@@ -170,6 +179,27 @@ def _native_2d(x: jax.Array, w: jax.Array | QuantizedWeight, layout: str, k: int
         return cpu_gemv.int4_matmul(x, w.values.reshape(n, k // 2), scale,
                                     None if w.min is None else w.min.reshape(n, -1))
     return None
+
+
+PALLAS_PLATFORMS = ("gpu", "tpu")
+_PALLAS_INTERPRET = False  # tests run the GPU kernel's routing on CPU in interpret mode
+
+
+def _pallas_enabled() -> bool:
+    return os.environ.get("JAXINFER_PALLAS_QMATMUL", "0").strip().lower() in ("1", "on", "true", "yes")
+
+
+def _pallas_2d(x: jax.Array, w: QuantizedWeight, k: int) -> jax.Array | None:
+    """x [M, K] times a weight-only int8 / int4 weight through `pallas_kernels.quant_matmul`, f32 [M, N]."""
+    if w.quantize_activations or w.format not in ("int8", "int4"):
+        return None
+    n = math.prod(w.scale.shape[:-1])
+    scale = w.scale.reshape(n, -1).astype(jnp.float32)
+    group = 0 if scale.shape[1] == 1 and w.format == "int8" else k // scale.shape[1]
+    values = w.values.reshape(n, -1)
+    return quant_matmul.weight_only_matmul(x, values, scale, None if w.min is None else w.min.reshape(n, -1),
+                                           group_size=group, backend="auto" if not _PALLAS_INTERPRET else "gpu",
+                                           interpret=_PALLAS_INTERPRET)
 
 
 def _activation_quantized(lhs: str, vals: str, out: str, contracted: str, x: jax.Array,

@@ -70,6 +70,11 @@ def _call(kernel: str, out: jax.ShapeDtypeStruct, *args: jax.Array, **attrs) -> 
     return jax.ffi.ffi_call(build.target_name(kernel, level), out, vmap_method="sequential")(*args, **attrs)
 
 
+def _activations(x: jax.Array) -> jax.Array:
+    """f32 and bf16 activations go to the kernels as they are (they convert bf16 themselves); others as f32."""
+    return x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(jnp.float32)
+
+
 def _check_rows(x: jax.Array, k: int) -> tuple[int, int]:
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"activations must be [M, K] with 1 <= M <= {MAX_ROWS}, got shape {x.shape}")
@@ -97,7 +102,7 @@ def float_matmul(x: jax.Array, w: jax.Array, *, input_major: bool) -> jax.Array:
     m, _ = _check_rows(x, k)
     if k % (4 if input_major else 8):
         raise ValueError(f"K={k} must be a multiple of {4 if input_major else 8} for a {'[K, N]' if input_major else '[N, K]'} weight")
-    return _call("float_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), x.astype(jnp.float32), w,
+    return _call("float_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), w,
                  kn=bool(input_major))
 
 
@@ -121,7 +126,7 @@ def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
     if values.dtype != jnp.int8 or scale.shape != (n, groups) or k % groups or (k // groups) % 8:
         raise ValueError(f"int8 weight [N, K] with scale [N, G], K / G a multiple of 8; got {values.dtype}"
                          f"{list(values.shape)}, scale {list(scale.shape)}")
-    return _call("int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), x.astype(jnp.float32), values,
+    return _call("int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), values,
                  scale.astype(jnp.float32))
 
 
@@ -146,30 +151,15 @@ def i8i8_matmul(xq: jax.Array, values: jax.Array) -> jax.Array:
     return _call("i8i8_matmul", jax.ShapeDtypeStruct((m, n), jnp.int32), xq, values)
 
 
-def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Activations to int8 per block of 32 inputs (absmax / 127, GGUF Q8_0's form).
-
-    Args:
-      x: float [M, K], K a multiple of 32.
-
-    Returns:
-      (int8 [M, K] in [-127, 127], f32 scales [M, K / 32]); x ~= q * scale per block. All-zero blocks get scale 0.
-    """
-    m, k = x.shape
-    blocks = x.astype(jnp.float32).reshape(m, k // 32, 32)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    inverse = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
-    q = jnp.clip(jnp.round(blocks * inverse[..., None]), -127, 127).astype(jnp.int8)
-    return q.reshape(m, k), amax / 127.0
-
-
 def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Array | None = None) -> jax.Array:
-    """Packed int4 weight times activations quantized to int8 per block of 32 (`quantize_blocks`).
+    """Packed int4 weight times activations quantized (in the kernel) to int8 per block of 32: absmax / 127,
+    rounded to nearest even, GGUF Q8_0's form.
 
     The weight is `models.quant4`'s: uint8 [N, K / 2], input 2j in the low nibble of byte j and 2j + 1 in the
     high one; w = scale * (q - 8) (symmetric) or scale * q + min per group of K / G inputs. Each block's integer
-    dot is exact; the activations' block scales make the result differ from the float weight-only product by the
-    int8 rounding of the activations (about 0.4% of a block's largest input, as in llama.cpp's Q4 x Q8 dots).
+    dot is exact, and the -8 offset or the min multiplies the quantized activations' group sums, so the result
+    differs from the float weight-only product only by the int8 rounding of the activations (at most 0.4% of a
+    block's largest input each, as in llama.cpp's Q4 x Q8 dots).
 
     Args:
       x: f32 or bf16 [M, K], M <= MAX_ROWS, K a multiple of 64.
@@ -191,15 +181,6 @@ def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Arra
             or (min is not None and min.shape != scale.shape)):
         raise ValueError(f"packed int4 [N, K / 2] with K a multiple of 64 and scale (and min) [N, G], K / G a "
                          f"multiple of 32; got {values.dtype}{list(values.shape)}, scale {list(scale.shape)}")
-    xq, xs = quantize_blocks(x)
-    blocks_per_group = k // groups // 32
-    # the offset term (w = s (q - 8): -8 s; w = s q + min: min) times the quantized activations' group sums, so
-    # that the only error is the activations' rounding, on the dequantized weight
-    xsum = xq.reshape(m, k // 32, 32).astype(jnp.float32).sum(-1) * xs
     offset, factor = (scale, -8.0) if min is None else (min, 1.0)
-    xsum = xsum.reshape(m, groups, blocks_per_group).sum(-1)
-    # each 64-input chunk as its 32 even inputs then its 32 odd ones (the codes' low and high nibbles)
-    xq = xq.reshape(m, k // 64, 32, 2).swapaxes(-1, -2).reshape(m, k)
-    xs8 = jnp.repeat(xs.reshape(m, k // 64, 2), 4, axis=-1)  # [M, K / 64, 8]: lanes 0-3 even block, 4-7 odd
-    return _call("q4_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), xq, xs8, xsum, values,
+    return _call("q4_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), values,
                  scale.astype(jnp.float32), offset.astype(jnp.float32), offset_factor=np.float32(factor))

@@ -12,14 +12,18 @@
 //   int8_nk    w int8 [N, K], scale f32 [N, G] per K/G inputs (weight-only)   y f32 = x @ (w * scale).T
 //   i8i8_nk    xq int8 [M, K], w int8 [N, K] (w8a8: values in [-127, 127])      y i32 = xq @ w.T (exact)
 //   q4_nk      w uint8 [N, K/2] (two 4-bit codes per byte, element 2j low nibble), scale f32 [N, G], x quantized
-//              to int8 per block of 32 (Q8_0-style, as llama.cpp pairs Q4 weights with Q8 activations):
+//              here to int8 per block of 32 (Q8_0-style, as llama.cpp pairs Q4 weights with Q8 activations):
 //              y f32 = sum_blocks ws * xs * (codes . xq) + corr, where corr (the -8 offset or the per-group min
 //              times the quantized activations' group sums) is added per group from `offset` [N, G] and `xsum` [M, G].
 #include <immintrin.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -53,9 +57,18 @@ void drain(Chunks& c, const F& f) {
   }
 }
 
+// Threads to use: XLA's pool size, capped by JAXINFER_NATIVE_THREADS when set (read once).
+int64_t max_threads(ffi::ThreadPool& pool) {
+  static const int64_t cap = [] {
+    const char* env = std::getenv("JAXINFER_NATIVE_THREADS");
+    return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t{1} << 30;
+  }();
+  return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
+}
+
 template <typename F>
 void parallel_chunks(ffi::ThreadPool& pool, int64_t count, const F& f) {
-  int64_t threads = std::min<int64_t>(pool.num_threads(), count);
+  int64_t threads = std::min<int64_t>(max_threads(pool), count);
   if (threads <= 1) {
     for (int64_t i = 0; i < count; ++i) f(i);
     return;
@@ -65,12 +78,17 @@ void parallel_chunks(ffi::ThreadPool& pool, int64_t count, const F& f) {
   const F* fp = &f;
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([chunks, fp] { drain(*chunks, *fp); });
   drain(*chunks, f);
-  while (chunks->done.load(std::memory_order_acquire) < count) _mm_pause();
+  // a chunk still running on another thread: spin briefly, then yield the core (it may be the one that thread
+  // needs when the machine is oversubscribed)
+  for (int spins = 0; chunks->done.load(std::memory_order_acquire) < count; ++spins) {
+    if (spins < 2000) _mm_pause();
+    else sched_yield();
+  }
 }
 
 // Rows of N per chunk: about four chunks per thread, a multiple of `align`, at least `min_rows`.
 int64_t rows_per_chunk(ffi::ThreadPool& pool, int64_t n, int64_t align, int64_t min_rows) {
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t threads = max_threads(pool);
   int64_t rows = (n + 4 * threads - 1) / (4 * threads);
   rows = std::max(rows, min_rows);
   return (rows + align - 1) / align * align;
@@ -325,7 +343,7 @@ template <typename T>
 void float_call(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y,
                 bool kn, const float* scale, int64_t G) {
   if (kn) {
-    int64_t threads = std::max<int64_t>(1, pool.num_threads());
+    int64_t threads = max_threads(pool);
     int64_t rows = std::max<int64_t>(64, (K / (2 * threads) + 3) / 4 * 4);
     int64_t count = (K + rows - 1) / rows;
     std::vector<float> partial(count * M * N);
@@ -344,26 +362,47 @@ void float_call(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, con
   });
 }
 
-ffi::Error FloatMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                       ffi::ResultBuffer<ffi::F32> y, bool kn) {
+// Activations as f32 [M, K]: f32 ones in place, bf16 ones converted into `tmp`.
+const float* activations_f32(const ffi::AnyBuffer& x, std::vector<float>& tmp) {
+  if (x.element_type() == ffi::F32) return reinterpret_cast<const float*>(x.untyped_data());
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  tmp.resize(x.element_count());
+  for (size_t i = 0; i < tmp.size(); ++i) tmp[i] = to_f32(p[i]);
+  return tmp.data();
+}
+
+ffi::Error check_activations(const ffi::AnyBuffer& x) {
+  if (x.dimensions().size() != 2 || (x.element_type() != ffi::F32 && x.element_type() != ffi::BF16))
+    return ffi::Error::InvalidArgument("activations must be f32 or bf16 [M, K]");
+  return ffi::Error::Success();
+}
+
+ffi::Error FloatMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                       bool kn) {
   if (auto e = rank2(w, "w"); e.failure()) return e;
+  if (auto e = check_activations(x); e.failure()) return e;
+  std::vector<float> tmp;
+  const float* xf = activations_f32(x, tmp);
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   int64_t N = kn ? w.dimensions()[1] : w.dimensions()[0];
   if (w.element_type() == ffi::BF16)
-    float_call(pool, x.typed_data(), M, K, reinterpret_cast<const uint16_t*>(w.untyped_data()), N,
-               y->typed_data(), kn, nullptr, 1);
+    float_call(pool, xf, M, K, reinterpret_cast<const uint16_t*>(w.untyped_data()), N, y->typed_data(), kn,
+               nullptr, 1);
   else if (w.element_type() == ffi::F32)
-    float_call(pool, x.typed_data(), M, K, reinterpret_cast<const float*>(w.untyped_data()), N, y->typed_data(),
-               kn, nullptr, 1);
+    float_call(pool, xf, M, K, reinterpret_cast<const float*>(w.untyped_data()), N, y->typed_data(), kn, nullptr,
+               1);
   else
     return ffi::Error::InvalidArgument("float_matmul: w must be bf16 or f32");
   return ffi::Error::Success();
 }
 
-ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = check_activations(x); e.failure()) return e;
+  std::vector<float> tmp;
+  const float* xf = activations_f32(x, tmp);
   int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0], G = scale.dimensions()[1];
-  float_call(pool, x.typed_data(), M, K, w.typed_data(), N, y->typed_data(), false, scale.typed_data(), G);
+  float_call(pool, xf, M, K, w.typed_data(), N, y->typed_data(), false, scale.typed_data(), G);
   return ffi::Error::Success();
 }
 
@@ -378,15 +417,53 @@ ffi::Error I8I8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<ffi::F32> xs8,
-                    ffi::Buffer<ffi::F32> xsum, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+// q4_nk's activations: each row quantized to int8 per block of 32 (absmax / 127, round to nearest even: GGUF
+// Q8_0's form), laid out per 64-input chunk as its even inputs then its odd ones; xs8 the block scales over their
+// four lanes; xsum [M, G] the quantized activations' sums per weight group (times their scales).
+struct Q8Activations {
+  std::vector<int8_t> q;
+  std::vector<float> xs8, xsum;
+};
+
+Q8Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t G) {
+  Q8Activations a;
+  a.q.resize(M * K);
+  a.xs8.resize(M * (K / 64) * 8);
+  a.xsum.assign(M * G, 0.f);
+  const int64_t blocks_per_group = K / G / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* xb = x + m * K + 32 * b;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      int8_t* chunk = a.q.data() + m * K + 64 * (b / 2);
+      for (int i = 0; i < 32; ++i) {
+        float v = std::nearbyint(xb[i] * inverse);
+        int8_t q = int8_t(std::max(-127.f, std::min(127.f, v)));
+        sum += q;
+        int pos = 32 * (b % 2) + i;  // position within the 64-input chunk; even ones first, then odd ones
+        chunk[(pos % 2) * 32 + pos / 2] = q;
+      }
+      for (int l = 0; l < 4; ++l) a.xs8[(m * (K / 64) + b / 2) * 8 + 4 * (b % 2) + l] = scale;
+      a.xsum[m * G + b / blocks_per_group] += float(sum) * scale;
+    }
+  return a;
+}
+
+ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
                     ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y, float offset_factor) {
-  int64_t M = xq.dimensions()[0], K = xq.dimensions()[1], N = w.dimensions()[0], G = scale.dimensions()[1];
+  if (auto e = check_activations(x); e.failure()) return e;
+  std::vector<float> tmp;
+  const float* xf = activations_f32(x, tmp);
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0], G = scale.dimensions()[1];
+  Q8Activations a = quantize_activations(xf, M, K, G);
   int64_t rows = rows_per_chunk(pool, N, 8, 16);
   parallel_chunks(pool, (N + rows - 1) / rows, [&](int64_t c) {
     int64_t n0 = c * rows;
-    q4_rows(xq.typed_data(), xs8.typed_data(), xsum.typed_data(), M, K, w.typed_data(), scale.typed_data(),
-            offset.typed_data(), offset_factor, G, y->typed_data(), N, n0, std::min(N, n0 + rows));
+    q4_rows(a.q.data(), a.xs8.data(), a.xsum.data(), M, K, w.typed_data(), scale.typed_data(), offset.typed_data(),
+            offset_factor, G, y->typed_data(), N, n0, std::min(N, n0 + rows));
   });
   return ffi::Error::Success();
 }
@@ -396,7 +473,7 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> xq, ffi::Buffer<f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_float_matmul, FloatMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("kn"));
@@ -404,7 +481,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_float_matmul, FloatMatmul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_matmul, Int8Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -419,9 +496,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_i8i8_matmul, I8I8Matmul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_q4_matmul, Q4Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

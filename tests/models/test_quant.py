@@ -310,3 +310,25 @@ def test_embedding_lookup_of_a_grouped_int8_table():
     want = values[tokens].astype(np.float32) * np.repeat(scale[tokens], 32, axis=1)
     np.testing.assert_array_equal(np.asarray(embed_lookup(table, jnp.asarray(tokens), jnp.float32)), want)
     np.testing.assert_array_equal(np.asarray(table.dequantize())[tokens], want)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_qeinsum_runs_the_pallas_kernel_on_accelerators_when_enabled(fmt, monkeypatch):
+    """On GPU / TPU with JAXINFER_PALLAS_QMATMUL=1, decode-shaped weight-only matmuls go to
+    `pallas_kernels.quant_matmul` (here its GPU kernel in interpret mode, the platform faked)."""
+    import models.quant_matmul as qm
+
+    w = quantize(jax.random.normal(jax.random.key(0), (64, 4, 32)), fmt, (-3,), group_size=32 if fmt == "int4" else 0)
+    x = jax.random.normal(jax.random.key(1), (3, 64))
+    with native_matmuls(False):
+        ref = qeinsum("td,dnh->tnh", x, w)
+    monkeypatch.setattr(qm, "_PALLAS_INTERPRET", True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    calls = []
+    original = qm.quant_matmul.weight_only_matmul
+    monkeypatch.setattr(qm.quant_matmul, "weight_only_matmul", lambda *a, **k: calls.append(k) or original(*a, **k))
+    assert qm._native("td,dnh->tnh", x, w) is None and not calls  # off by default
+    monkeypatch.setenv("JAXINFER_PALLAS_QMATMUL", "1")
+    y = qeinsum("td,dnh->tnh", x, w)
+    assert calls and calls[0]["backend"] == "gpu"
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,198 @@
+"""The native CPU matmul kernels (`pallas_kernels.cpu_gemv`) against float64 numpy references written from their
+documented math, at every ISA level this CPU runs; their build, switches and fallback to XLA."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.quant import quantize
+from models.quant_matmul import native_matmuls, qeinsum
+from pallas_kernels import cpu_gemv
+from pallas_kernels.cpu_gemv import build
+
+LEVELS = build.supported_levels()
+SHAPES = [(576, 1536), (1536, 576), (64, 13), (128, 1), (192, 100)]  # (K, N): SmolLM2's, odd and tiny N
+ROWS = [1, 2, 3, 4, 5, 8]
+
+
+@pytest.fixture(params=LEVELS or ["none"], autouse=True)
+def level(request, monkeypatch):
+    """Every test runs at each ISA level this CPU supports (JAXINFER_NATIVE_ISA)."""
+    assert LEVELS, "this CPU runs no ISA level of the native kernels (AVX2 + FMA needed)"
+    monkeypatch.setenv("JAXINFER_NATIVE_ISA", request.param)
+    assert cpu_gemv.active()
+    return request.param
+
+
+def _rel_err(y, ref) -> float:
+    return float(np.abs(np.asarray(y, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def _q8_blocks(x: np.ndarray) -> np.ndarray:
+    """GGUF Q8_0's activation rounding per block of 32 (absmax / 127, nearest even), as float64 values."""
+    m, k = x.shape
+    b = x.astype(np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.round(b * inverse), -127, 127)
+    return (q * (amax / np.float32(127)).astype(np.float32)).astype(np.float64).reshape(m, k)
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+def test_float_kernels_both_layouts(k, n, m):
+    rng = np.random.default_rng(k * 31 + n + m)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        wd = jnp.asarray(w, dtype)
+        ref = x.astype(np.float64) @ np.asarray(wd.astype(jnp.float32), np.float64)
+        for xin in (x, jnp.asarray(x, jnp.bfloat16)):
+            r = ref if xin is x else np.asarray(xin.astype(jnp.float32), np.float64) @ np.asarray(
+                wd.astype(jnp.float32), np.float64)
+            assert _rel_err(jax.jit(lambda a, b: cpu_gemv.float_matmul(a, b, input_major=True))(xin, wd), r) < 1e-5
+            assert _rel_err(jax.jit(lambda a, b: cpu_gemv.float_matmul(a, b, input_major=False))(xin, wd.T),
+                            r) < 1e-5
+
+
+@pytest.mark.parametrize("k,n", [s for s in SHAPES if s[0] % 32 == 0])
+@pytest.mark.parametrize("m", ROWS)
+def test_int8_weight_only_and_w8a8(k, n, m):
+    rng = np.random.default_rng(k + n * 7 + m)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    q = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    for groups in (1, k // 32):
+        scale = rng.uniform(0.01, 1.0, (n, groups)).astype(np.float32)
+        w = (q.reshape(n, groups, -1) * scale[..., None].astype(np.float64)).reshape(n, k)
+        assert _rel_err(jax.jit(cpu_gemv.int8_matmul)(x, q, scale), x.astype(np.float64) @ w.T) < 1e-5
+    xq = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    exact = xq.astype(np.int64) @ q.T.astype(np.int64)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_gemv.i8i8_matmul)(xq, q)), exact)
+
+
+def _int4_case(rng, m, k, n, group, asymmetric):
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)  # models.quant4's order, written out here
+    g = k // group
+    scale = rng.uniform(0.01, 0.1, (n, g)).astype(np.float32)
+    mins = rng.standard_normal((n, g)).astype(np.float32) * 0.3 if asymmetric else None
+    offset = mins[..., None] if asymmetric else -8.0 * scale[..., None]
+    w = (codes.reshape(n, g, group) * scale[..., None].astype(np.float64) + offset).reshape(n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    return x, packed, scale, mins, w
+
+
+INT4_CASES = [(k, n, group, asym) for k, n in [(576, 1536), (1536, 576), (128, 13), (64, 1)]
+              for group, asym in [(32, False), (32, True), (64, False), (128, True)] if k % group == 0]
+
+
+@pytest.mark.parametrize("k,n,group,asymmetric", INT4_CASES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_int4_equals_the_weight_on_q8_rounded_activations(k, n, m, group, asymmetric):
+    rng = np.random.default_rng(k + n + m + group)
+    x, packed, scale, mins, w = _int4_case(rng, m, k, n, group, asymmetric)
+    y = jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins)
+    xr = _q8_blocks(x)
+    assert _rel_err(y, xr @ w.T) < 1e-5  # the documented math: Q8_0-rounded activations, exact codes
+    # and the unrounded product within the rounding's bound sum_k |x^_k - x_k| |w_k|
+    exact = x.astype(np.float64) @ w.T
+    bound = np.abs(xr - x) @ np.abs(w).T
+    assert (np.abs(np.asarray(y, np.float64) - exact) <= bound * 1.001 + 1e-5 * np.abs(exact).max()).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 8), chunks=st.integers(1, 6), n=st.integers(1, 40), seed=st.integers(0, 2**16),
+       asymmetric=st.booleans())
+def test_int4_packing_property(m, chunks, n, seed, asymmetric):
+    rng = np.random.default_rng(seed)
+    x, packed, scale, mins, w = _int4_case(rng, m, 64 * chunks, n, 32, asymmetric)
+    assert _rel_err(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _q8_blocks(x) @ w.T) < 1e-5
+
+
+def test_all_zero_activation_blocks():
+    rng = np.random.default_rng(0)
+    x, packed, scale, mins, w = _int4_case(rng, 2, 128, 5, 32, False)
+    x[:, :64] = 0.0
+    assert _rel_err(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _q8_blocks(x) @ w.T) < 1e-5
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: cpu_gemv.float_matmul(jnp.ones((9, 8)), jnp.ones((8, 4)), input_major=True), "1 <= M <= 8"),
+    (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8)), jnp.ones((6, 4)), input_major=True), "K=8"),
+    (lambda: cpu_gemv.float_matmul(jnp.ones((1, 6)), jnp.ones((6, 4)), input_major=True), "multiple of 4"),
+    (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8)), jnp.ones((8, 4), jnp.int8), input_major=True), "bf16 or f32"),
+    (lambda: cpu_gemv.int8_matmul(jnp.ones((1, 32)), jnp.ones((4, 32), jnp.int8), jnp.ones((4, 3))), "scale"),
+    (lambda: cpu_gemv.i8i8_matmul(jnp.ones((1, 48), jnp.int8), jnp.ones((4, 48), jnp.int8)), "multiple of 32"),
+    (lambda: cpu_gemv.int4_matmul(jnp.ones((1, 96)), jnp.ones((4, 48), jnp.uint8), jnp.ones((4, 3))),
+     "multiple of 64"),
+])
+def test_bad_arguments_name_the_problem(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ---- routing from qeinsum, and the fallback ---------------------------------------------------------------------
+
+def _routed(eq, x, w):
+    f = jax.jit(lambda a, b: qeinsum(eq, a, b, preferred_element_type=jnp.float32))
+    return f(x, w), "custom_call" in f.lower(x, w).as_text()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "w8a8", "int4"])
+def test_qeinsum_routes_decode_shapes_and_matches_xla(fmt):
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((128, 4, 64)), jnp.bfloat16)  # [D, N, H] as wq
+    wq = {"bf16": w, "int8": quantize(w, "int8", (-3,)), "w8a8": quantize(w, "int8", (-3,), quantize_activations=True),
+          "int4": quantize(w, "int4", (-3,), group_size=32)}[fmt]
+    for rows in (1, 8, 9):
+        x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16)
+        y, native = _routed("td,dnh->tnh", x, wq)
+        with native_matmuls(False):
+            ref, xla_native = _routed("td,dnh->tnh", x, wq)
+        assert native == (rows <= cpu_gemv.MAX_ROWS) and not xla_native
+        tolerance = {"w8a8": 0.0, "int4": 2e-2}.get(fmt, 1e-5)  # w8a8 exact (same int32 sums), int4: Q8 activations
+        assert _rel_err(y, np.asarray(ref, np.float64)) <= tolerance
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
+    assert not cpu_gemv.active() and cpu_gemv.isa_level() is None
+    _, native = _routed("td,df->tf", jnp.ones((1, 64)), jnp.ones((64, 32)))
+    assert not native
+
+
+def test_isa_level_choice_is_checked(monkeypatch):
+    monkeypatch.setenv("JAXINFER_NATIVE_ISA", "sse9")
+    with pytest.raises(ValueError, match="not a level"):
+        cpu_gemv.isa_level()
+    monkeypatch.setitem(build.ISA_LEVELS, "future", (("-mfuture",), ("no_such_cpu_flag",)))
+    monkeypatch.setenv("JAXINFER_NATIVE_ISA", "future")
+    with pytest.raises(ValueError, match="cannot run it"):
+        cpu_gemv.isa_level()
+
+
+def test_build_into_a_fresh_cache_and_fallbacks(tmp_path, monkeypatch, caplog, level):
+    monkeypatch.setenv("JAXINFER_NATIVE_CACHE", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        path = build.library_path(level)
+    assert path is not None and path.parent == tmp_path and path.exists()
+    assert "compiling the native CPU matmul kernels" in caplog.text
+    caplog.clear()
+    assert build.library_path(level) == path and "compiling" not in caplog.text  # cached: no second build
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails: logged, no library, the callers use XLA
+    monkeypatch.setattr(build, "SOURCE", tmp_path / "changed.cc")
+    (tmp_path / "changed.cc").write_text("int broken(")
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.library_path(level) is None
+    assert "failed" in caplog.text
+    monkeypatch.setattr(build, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.library_path(level) is None
+    assert "no C++ compiler" in caplog.text
