@@ -60,7 +60,7 @@ only, 2 cores shared with other jobs, probe ~40 GB/s; a 4 MiB trial of the micro
     .venv/bin/jaxinfer bench quant --write BENCHMARKS.md
     .venv/bin/jaxinfer bench quant --formats "bf16;int8 weight-only;int8 (w8a8);int4 g32 (embedding + LM head \
         bf16);gguf (Q4_1 / Q8_0 kept as stored)" --batches 1,8 --native both --gemv \
-        --peer-python /work/venv-golden/bin/python --llamacpp-python /work/venv-llamacpp/bin/python
+        --peer-python /work/venv-hf/bin/python --llamacpp-python /work/venv-llamacpp/bin/python
 """
 
 from __future__ import annotations
