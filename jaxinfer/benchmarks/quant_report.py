@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from jaxinfer.benchmarks.probe import roofline_gb_s
 from jaxinfer.benchmarks.report import machine_line, table
 from jaxinfer.benchmarks.step_peers_report import peer_lines
 
@@ -93,8 +94,8 @@ def _gemv_table(gemv: list[dict], gb_s: float) -> list[str]:
                      "-" if nat is None else f"{nat / gb_s * 100:.0f}%", f"{g['xla_ms']:.2f}",
                      f"{g['xla_gb_s']:.2f}", "-" if nat is None else f"{nat / g['xla_gb_s']:.1f}x"])
     return ["", f"Kernel micro-benchmark (`--gemv`, `jaxinfer.benchmarks.gemv_stream`): one jitted call over one "
-            f"weight, bytes = values + scales, median of the timed calls; the roofline probe read {gb_s:.1f} GB/s "
-            "in this run. XLA = `qeinsum` with the native kernels forbidden (the engine's path without them).", "",
+            f"weight, bytes = values + scales, median of the timed calls; \"of probe\": of the roofline's "
+            f"{gb_s:.1f} GB/s. XLA = `qeinsum` with the native kernels forbidden (the engine's path without them).", "",
             table(["weight", "rows", "[N, K]", "MiB read", "native ms", "native GB/s", "of probe", "XLA ms",
                    "XLA GB/s", "native / XLA"], body)]
 
@@ -140,7 +141,9 @@ def render(data: dict, args: argparse.Namespace, elapsed_s: float) -> str:
         f"per sequence at context {data['context']}, `ModelRunner.execute` (device step + sampling + host), median "
         "of the timed calls (min-max). Matmuls: native = the CPU kernels of `pallas_kernels.cpu_gemv` where they "
         "apply (the engine's default), XLA = `models.quant_matmul.native_matmuls(False)` around the engine's "
-        f"compile and calls. Roofline: batch x {gb_s:.1f} GB/s (the roofline probe, measured in this run) / "
+        f"compile and calls. Roofline: batch x {gb_s:.1f} GB/s (the roofline probe's better reading, at the start "
+        f"({roofline_gb_s(data['bandwidth']):.1f}) and at the end ({roofline_gb_s(data['bandwidth_end']):.1f}) of "
+        "this run) / "
         "bytes the step must read (weights, minus embedding rows not gathered, plus the batch's KV). Last two "
         "columns: XLA's memory analysis of the compiled batch-1 step (temporary bytes) and the buffers in it that "
         "are full-precision copies of quantized weights (`jaxinfer.benchmarks.hlo.materialized_weight_copies`), "
