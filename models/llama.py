@@ -22,7 +22,7 @@ from models import moe
 from models.config import ModelConfig
 from models.layer import attention_inputs, attention_output_and_mlp, layer_norm, soft_cap_logits
 from models.quant import QuantizedWeight
-from models.quant_matmul import embed_lookup, native_unless_sharded, qeinsum
+from models.quant_matmul import embed_lookup, layer_refs_apply, native_unless_sharded, qeinsum, slice_layer
 from models.rope import rope_frequencies
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from pallas_kernels.paged_attention import fake_quantize, write_kv
@@ -74,6 +74,9 @@ class LayerWeights:
     s_router: jax.Array | None = None  # [L, D, 1]
     post_attn_norm: jax.Array | None = None  # [L, D] (post_norms: Gemma 2 / 3)
     post_mlp_norm: jax.Array | None = None  # [L, D]
+
+
+DENSE_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the LayerWeights read by qeinsum only
 
 
 @flax.struct.dataclass
@@ -358,20 +361,22 @@ def forward(
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     if isinstance(params.layers, tuple) or not cfg.uniform_windows:
         scan_layers = False  # per-layer arrays, or layers with differing windows (static args), run unrolled
-    if scan_layers and params.layers.attn_norm.shape[0] == cfg.num_layers:
+    # on CPU the native matmul kernels read each dense projection inside its stack (no slice copied per layer)
+    refs = DENSE_PROJECTIONS if scan_layers and layer_refs_apply() else ()
+    if scan_layers and params.layers.attn_norm.shape[0] == cfg.num_layers and not refs:
         def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
             x, kv = carry
             w, i = xs
             return layer_step(x, w, kv, i), None
 
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params.layers, layer_ids))
-    elif scan_layers:  # the first cfg.num_layers of deeper stacked weights (self-drafting): index them in the loop
-        def first_layers_body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
+    elif scan_layers:  # index the stacks in the loop: LayerRefs, or the first cfg.num_layers of deeper stacked
+        # weights (self-drafting)
+        def indexed_body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
             x, kv = carry
-            w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), params.layers)
-            return layer_step(x, w, kv, i), None
+            return layer_step(x, slice_layer(params.layers, i, refs), kv, i), None
 
-        (x, kv_cache), _ = jax.lax.scan(first_layers_body, (x, kv_cache), layer_ids)
+        (x, kv_cache), _ = jax.lax.scan(indexed_body, (x, kv_cache), layer_ids)
     else:
         for i in range(cfg.num_layers):
             if isinstance(params.layers, tuple):  # one array per layer weight (`unstack_layers`): no slicing

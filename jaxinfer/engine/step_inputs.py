@@ -20,6 +20,13 @@ import numpy as np
 
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.llama import AttentionMetadata
+from pallas_kernels import cpu_gemv
+
+
+def min_rows() -> int:
+    """Fewest token and logits rows a step pads to: 2 where XLA:CPU runs the matmuls (its one-row bf16 dot is ~10x
+    slower than its two-row one), 1 where the native CPU kernels do (a padding row is only extra work there)."""
+    return 1 if cpu_gemv.active() else 2
 
 NULL_PAGE = 0  # never allocated: padding reads and writes land here
 MIN_PREFILL_TOKENS = 16  # smallest token bucket of a step with a prefill chunk
@@ -108,7 +115,7 @@ def _pages_needed(chunks: Sequence[ScheduledChunk], kv_lens: Sequence[int], page
 def _token_buckets(q_lens: list[int], batch_pad: int, verify_width: int, verify_len: int) -> tuple[int, int, int]:
     """(padded flat tokens, longest query run as used, its padded bucket) of a step."""
     num_tokens, max_q = sum(q_lens), max(q_lens)
-    tokens_pad = next_power_of_two(num_tokens, 2)  # >= 2 rows: bf16 matrix-vector with one row is slow on CPU
+    tokens_pad = next_power_of_two(num_tokens, min_rows())
     if verify_width:
         if verify_len:
             if max_q > verify_len:
@@ -132,7 +139,7 @@ def _logits_indices(cu_q_lens: np.ndarray, q_lens: list[int], batch_pad: int, to
         last[:n] = np.array(q_lens) - 1
         offsets = np.minimum(np.arange(verify_width)[None, :], last[:, None])
         return (starts[:, None] + offsets).reshape(-1).astype(np.int32), batch_pad
-    rows_pad = max(batch_pad, 2)  # >= 2 logits rows: the one-row bf16 LM head is 10x slower on CPU
+    rows_pad = max(batch_pad, min_rows())
     if all_rows:
         return np.arange(tokens_pad, dtype=np.int32), rows_pad
     indices = np.zeros(rows_pad, np.int32)

@@ -83,12 +83,29 @@ def _check_rows(x: jax.Array, k: int) -> tuple[int, int]:
     return x.shape
 
 
-def float_matmul(x: jax.Array, w: jax.Array, *, input_major: bool) -> jax.Array:
+def _stacked(layer: jax.Array | int | None, *arrays: jax.Array | None) -> tuple[jax.Array, list]:
+    """(int32 [1] layer index, the arrays as [L, ...]): one layer's 2-D arrays get L = 1 and index 0; with a
+    `layer`, the arrays are a scanned model's stacks [L, ...] and the kernel reads layer `layer` in place."""
+    if layer is None:
+        return jnp.zeros((1,), jnp.int32), [None if a is None else a[None] for a in arrays]
+    return jnp.asarray(layer, jnp.int32).reshape(1), list(arrays)
+
+
+def _check_stack(name: str, a: jax.Array, layer) -> None:
+    if a.ndim != (2 if layer is None else 3):
+        raise ValueError(f"{name} must be {'2-D' if layer is None else '[L, ...] (3-D) with a layer index'}, got "
+                         f"shape {a.shape}")
+
+
+def float_matmul(x: jax.Array, w: jax.Array, *, input_major: bool, layer: jax.Array | int | None = None
+                 ) -> jax.Array:
     """x @ w (input_major: w [K, N]) or x @ w.T (w [N, K]) for a bf16 or f32 weight, f32 accumulation.
 
     Args:
       x: f32 or bf16 [M, K], M <= MAX_ROWS.
-      w: bf16 or f32, [K, N] if `input_major` (K a multiple of 4) else [N, K] (K a multiple of 8).
+      w: bf16 or f32, [K, N] if `input_major` (K a multiple of 4) else [N, K] (K a multiple of 8); with `layer`,
+        a stack [L, K, N] / [L, N, K] of which layer `layer` is read (no slice is copied).
+      layer: int32 scalar (may be traced), or None.
 
     Returns:
       f32 [M, N].
@@ -96,23 +113,38 @@ def float_matmul(x: jax.Array, w: jax.Array, *, input_major: bool) -> jax.Array:
     Raises:
       ValueError: wrong ranks, dtypes or sizes.
     """
-    if w.ndim != 2 or w.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"weight must be 2-D bf16 or f32, got {w.dtype}{list(w.shape)}")
-    k, n = w.shape if input_major else w.shape[::-1]
+    _check_stack("weight", w, layer)
+    if w.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"weight must be bf16 or f32, got {w.dtype}")
+    k, n = w.shape[-2:] if input_major else w.shape[-2:][::-1]
     m, _ = _check_rows(x, k)
     if k % (4 if input_major else 8):
-        raise ValueError(f"K={k} must be a multiple of {4 if input_major else 8} for a {'[K, N]' if input_major else '[N, K]'} weight")
-    return _call("float_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), w,
+        raise ValueError(f"K={k} must be a multiple of {4 if input_major else 8} for a "
+                         f"{'[K, N]' if input_major else '[N, K]'} weight")
+    index, (w,) = _stacked(layer, w)
+    return _call("float_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), index, w,
                  kn=bool(input_major))
 
 
-def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+def _check_scales(n: int, k: int, values: jax.Array, scale: jax.Array, min: jax.Array | None, multiple: int,
+                  what: str) -> int:
+    groups = scale.shape[-1]
+    if (scale.dtype != jnp.float32 or scale.shape[-2:] != (n, groups) or scale.ndim != values.ndim or k % groups
+            or (k // groups) % multiple or (min is not None and (min.shape != scale.shape or min.dtype != jnp.float32))):
+        raise ValueError(f"{what} with f32 scale (and min) [N, G], K / G a multiple of {multiple}; got "
+                         f"{values.dtype}{list(values.shape)}, scale {scale.dtype}{list(scale.shape)}")
+    return groups
+
+
+def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, layer: jax.Array | int | None = None
+                ) -> jax.Array:
     """Weight-only int8: x @ (values * scale).T with the weight's groups of K / G inputs each scaled.
 
     Args:
       x: f32 or bf16 [M, K], M <= MAX_ROWS.
-      values: int8 [N, K].
-      scale: f32 [N, G], G = 1 (per output channel) or K / group with group a multiple of 8.
+      values: int8 [N, K] ([L, N, K] with `layer`).
+      scale: f32 [N, G] ([L, N, G]), G = 1 (per output channel) or K / group with group a multiple of 8.
+      layer: as `float_matmul`.
 
     Returns:
       f32 [M, N].
@@ -120,22 +152,23 @@ def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
     Raises:
       ValueError: wrong dtypes or sizes.
     """
-    n, k = values.shape
+    _check_stack("values", values, layer)
+    n, k = values.shape[-2:]
     m, _ = _check_rows(x, k)
-    groups = scale.shape[-1]
-    if values.dtype != jnp.int8 or scale.shape != (n, groups) or k % groups or (k // groups) % 8:
-        raise ValueError(f"int8 weight [N, K] with scale [N, G], K / G a multiple of 8; got {values.dtype}"
-                         f"{list(values.shape)}, scale {list(scale.shape)}")
-    return _call("int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), values,
-                 scale.astype(jnp.float32))
+    if values.dtype != jnp.int8:
+        raise ValueError(f"int8 values expected, got {values.dtype}")
+    _check_scales(n, k, values, scale, None, 8, "int8 weight [N, K]")
+    index, (values, scale) = _stacked(layer, values, scale)
+    return _call("int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), index, values, scale)
 
 
-def i8i8_matmul(xq: jax.Array, values: jax.Array) -> jax.Array:
+def i8i8_matmul(xq: jax.Array, values: jax.Array, *, layer: jax.Array | int | None = None) -> jax.Array:
     """Exact int8 x int8 -> int32 products: xq @ values.T (w8a8; both in [-127, 127]).
 
     Args:
       xq: int8 [M, K], M <= MAX_ROWS, K a multiple of 32.
-      values: int8 [N, K].
+      values: int8 [N, K] ([L, N, K] with `layer`).
+      layer: as `float_matmul`.
 
     Returns:
       int32 [M, N].
@@ -143,15 +176,18 @@ def i8i8_matmul(xq: jax.Array, values: jax.Array) -> jax.Array:
     Raises:
       ValueError: wrong dtypes or sizes.
     """
-    n, k = values.shape
+    _check_stack("values", values, layer)
+    n, k = values.shape[-2:]
     m, _ = _check_rows(xq, k)
     if xq.dtype != jnp.int8 or values.dtype != jnp.int8 or k % 32:
         raise ValueError(f"int8 activations and weights with K a multiple of 32; got {xq.dtype}, {values.dtype}, "
                          f"K={k}")
-    return _call("i8i8_matmul", jax.ShapeDtypeStruct((m, n), jnp.int32), xq, values)
+    index, (values,) = _stacked(layer, values)
+    return _call("i8i8_matmul", jax.ShapeDtypeStruct((m, n), jnp.int32), xq, index, values)
 
 
-def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Array | None = None) -> jax.Array:
+def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Array | None = None, *,
+                layer: jax.Array | int | None = None) -> jax.Array:
     """Packed int4 weight times activations quantized (in the kernel) to int8 per block of 32: absmax / 127,
     rounded to nearest even, GGUF Q8_0's form.
 
@@ -163,9 +199,10 @@ def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Arra
 
     Args:
       x: f32 or bf16 [M, K], M <= MAX_ROWS, K a multiple of 64.
-      values: uint8 [N, K / 2].
-      scale: f32 [N, G], K / G a multiple of 32.
-      min: f32 [N, G] or None.
+      values: uint8 [N, K / 2] ([L, N, K / 2] with `layer`).
+      scale: f32 [N, G] ([L, N, G]), K / G a multiple of 32.
+      min: f32, scale's shape, or None.
+      layer: as `float_matmul`.
 
     Returns:
       f32 [M, N].
@@ -173,14 +210,15 @@ def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Arra
     Raises:
       ValueError: wrong dtypes or sizes.
     """
-    n, half = values.shape
+    _check_stack("values", values, layer)
+    n, half = values.shape[-2:]
     k = 2 * half
     m, _ = _check_rows(x, k)
-    groups = scale.shape[-1]
-    if (values.dtype != jnp.uint8 or k % 64 or scale.shape != (n, groups) or k % groups or (k // groups) % 32
-            or (min is not None and min.shape != scale.shape)):
-        raise ValueError(f"packed int4 [N, K / 2] with K a multiple of 64 and scale (and min) [N, G], K / G a "
-                         f"multiple of 32; got {values.dtype}{list(values.shape)}, scale {list(scale.shape)}")
+    if values.dtype != jnp.uint8 or k % 64:
+        raise ValueError(f"packed int4 uint8 [N, K / 2] with K a multiple of 64; got {values.dtype}"
+                         f"{list(values.shape)}")
+    _check_scales(n, k, values, scale, min, 32, "packed int4 [N, K / 2]")
     offset, factor = (scale, -8.0) if min is None else (min, 1.0)
-    return _call("q4_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), values,
-                 scale.astype(jnp.float32), offset.astype(jnp.float32), offset_factor=np.float32(factor))
+    index, (values, scale, offset) = _stacked(layer, values, scale, offset)
+    return _call("q4_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), index, values, scale,
+                 offset, offset_factor=np.float32(factor))

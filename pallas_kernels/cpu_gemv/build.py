@@ -12,6 +12,7 @@ returns None: the callers fall back to XLA's dot.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -35,16 +36,17 @@ _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # ISA level -> registered (False: the build failed, do not retry)
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def supported_levels() -> list[str]:

@@ -4,7 +4,7 @@
 //
 // Decode reads every weight once per step for one to a few activation rows, so these kernels are built to stream
 // the weight from memory at full speed: one pass over it, a few rows of outputs kept in registers, software
-// prefetch ahead of the stream, work split over XLA's intra-op thread pool (no fork per call).
+// prefetch ahead of the stream, work split over persistent worker threads (no fork or wake-up per call).
 //
 // Kernels (x: f32 [M, K] row-major; y: [M, N]):
 //   float_kn   w bf16|f32 [K, N] (the model's plain layout, input-major)        y f32 = x @ w
@@ -21,10 +21,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -40,55 +44,116 @@ namespace {
 constexpr int kPrefetchBytes = 512;  // how far ahead of each weight stream to prefetch
 
 // ---------------------------------------------------------------------------------------------------------------
-// Work split: chunks taken from an atomic counter by the calling thread and by tasks on XLA's thread pool. The
-// caller takes chunks too, so the call finishes even if no pool task ever starts; a task that starts late finds no
-// chunk left and returns without touching the (by then finished) call's data.
-struct Chunks {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+// Work split: a call's chunks are taken from an atomic counter by the calling thread and by persistent worker
+// threads. A decode step calls these kernels a few hundred times, tens of microseconds apart, so the workers spin
+// for a while after each job (`kSpin`) instead of sleeping: waking a sleeping thread costs about as long as a small
+// matmul takes; they spin by yielding, so XLA's own threads still get the core whenever they have work. After the
+// spin they sleep until the next job. One job runs at a time; a call made while another
+// runs (XLA may run independent thunks concurrently) does its chunks alone.
+constexpr auto kSpin = std::chrono::microseconds(300);
+
+struct Job {
+  std::atomic<int64_t> next{0}, done{0};
   int64_t count = 0;
+  void (*call)(const void*, int64_t) = nullptr;
+  const void* ctx = nullptr;
+
+  void drain() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) {
+      call(ctx, i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Threads per call: the CPUs this process may run on, capped by JAXINFER_NATIVE_THREADS when set (read once).
+int64_t max_threads() {
+  static const int64_t threads = [] {
+    cpu_set_t set;
+    int64_t cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    const char* env = std::getenv("JAXINFER_NATIVE_THREADS");
+    int64_t cap = env && *env ? std::max<int64_t>(1, std::atoll(env)) : cpus;
+    return std::max<int64_t>(1, std::min(cpus, cap));
+  }();
+  return threads;
+}
+
+class Workers {
+ public:
+  static Workers& get() {
+    static Workers* workers = new Workers(max_threads() - 1);  // never destroyed: threads outlive exit safely
+    return *workers;
+  }
+
+  template <typename F>
+  void run(int64_t count, const F& f) {
+    std::unique_lock<std::mutex> lock(submit_, std::try_to_lock);
+    if (threads_.empty() || count <= 1 || !lock.owns_lock()) {
+      for (int64_t i = 0; i < count; ++i) f(i);
+      return;
+    }
+    Job job;
+    job.count = count;
+    job.call = [](const void* ctx, int64_t i) { (*static_cast<const F*>(ctx))(i); };
+    job.ctx = &f;
+    job_.store(&job);
+    generation_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> guard(sleep_);
+      wake_.notify_all();
+    }
+    job.drain();
+    for (int spins = 0; job.done.load(std::memory_order_acquire) < count; ++spins) {
+      if (spins < 4000) _mm_pause();
+      else sched_yield();  // the worker holding the last chunk may need this core
+    }
+    job_.store(nullptr);
+    while (inside_.load() > 0) _mm_pause();  // no worker still holds &job
+  }
+
+ private:
+  explicit Workers(int64_t n) {
+    for (int64_t t = 0; t < n; ++t) threads_.emplace_back([this] { loop(); });
+    for (auto& t : threads_) t.detach();
+  }
+
+  void loop() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        sched_yield();  // polite: XLA's own threads (its parallel fusions) get this core when they need it
+        if ((spins & 15) == 15 && std::chrono::steady_clock::now() - start > kSpin) {
+          std::unique_lock<std::mutex> lock(sleep_);
+          sleepers_.fetch_add(1);
+          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          sleepers_.fetch_sub(1);
+          break;
+        }
+      }
+      seen = generation_.load();
+      inside_.fetch_add(1);
+      if (Job* job = job_.load()) job->drain();
+      inside_.fetch_sub(1);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex submit_, sleep_;
+  std::condition_variable wake_;
+  std::atomic<Job*> job_{nullptr};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> inside_{0}, sleepers_{0};
 };
 
 template <typename F>
-void drain(Chunks& c, const F& f) {
-  for (int64_t i; (i = c.next.fetch_add(1, std::memory_order_relaxed)) < c.count;) {
-    f(i);
-    c.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-// Threads to use: XLA's pool size, capped by JAXINFER_NATIVE_THREADS when set (read once).
-int64_t max_threads(ffi::ThreadPool& pool) {
-  static const int64_t cap = [] {
-    const char* env = std::getenv("JAXINFER_NATIVE_THREADS");
-    return env && *env ? std::max<int64_t>(1, std::atoll(env)) : int64_t{1} << 30;
-  }();
-  return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), cap));
-}
-
-template <typename F>
-void parallel_chunks(ffi::ThreadPool& pool, int64_t count, const F& f) {
-  int64_t threads = std::min<int64_t>(max_threads(pool), count);
-  if (threads <= 1) {
-    for (int64_t i = 0; i < count; ++i) f(i);
-    return;
-  }
-  auto chunks = std::make_shared<Chunks>();
-  chunks->count = count;
-  const F* fp = &f;
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([chunks, fp] { drain(*chunks, *fp); });
-  drain(*chunks, f);
-  // a chunk still running on another thread: spin briefly, then yield the core (it may be the one that thread
-  // needs when the machine is oversubscribed)
-  for (int spins = 0; chunks->done.load(std::memory_order_acquire) < count; ++spins) {
-    if (spins < 2000) _mm_pause();
-    else sched_yield();
-  }
+void parallel_chunks(int64_t count, const F& f) {
+  Workers::get().run(count, f);
 }
 
 // Rows of N per chunk: about four chunks per thread, a multiple of `align`, at least `min_rows`.
-int64_t rows_per_chunk(ffi::ThreadPool& pool, int64_t n, int64_t align, int64_t min_rows) {
-  int64_t threads = max_threads(pool);
+int64_t rows_per_chunk(int64_t n, int64_t align, int64_t min_rows) {
+  int64_t threads = max_threads();
   int64_t rows = (n + 4 * threads - 1) / (4 * threads);
   rows = std::max(rows, min_rows);
   return (rows + align - 1) / align * align;
@@ -140,8 +205,10 @@ void kn_quad(const float* x, int64_t K, const T* w, int64_t N, float* y, int64_t
     for (int r = 0; r < 4; ++r) b[i][r] = _mm256_broadcast_ss(x + (m0 + i) * K + k + r);
   const T* w0 = w + k * N;
   int64_t n = 0;
+  constexpr int64_t kLine = 64 / sizeof(T);  // weights per cache line
   for (; n + 8 <= N; n += 8) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + 4 * N + n) + kPrefetchBytes, _MM_HINT_T0);
+    if (n % kLine == 0)  // the next four rows' line at this column: one quad (4 N weights) ahead
+      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + (4 + r) * N + n), _MM_HINT_T0);
     __m256 wv[4];
     for (int r = 0; r < 4; ++r) wv[r] = load8(w0 + r * N + n);
     for (int i = 0; i < MG; ++i) {
@@ -334,20 +401,34 @@ void q4_rows(const int8_t* xq, const float* xs8, const float* xsum, int64_t M, i
 
 // ---------------------------------------------------------------------------------------------------------------
 // FFI handlers. Shapes are checked in Python (pallas_kernels/cpu_gemv/__init__.py); the handlers check ranks.
-ffi::Error rank2(const ffi::AnyBuffer& b, const char* name) {
-  if (b.dimensions().size() != 2) return ffi::Error::InvalidArgument(std::string(name) + " must be 2-D");
+// Weights arrive stacked, [L, ...] (L = 1 for a single layer's array), with the layer to read as an int32 scalar
+// operand: a scanned model passes the whole stack and its loop index, so no slice of the stack is ever copied.
+ffi::Error rank3(const ffi::AnyBuffer& b, const char* name) {
+  if (b.dimensions().size() != 3) return ffi::Error::InvalidArgument(std::string(name) + " must be [L, rows, cols]");
   return ffi::Error::Success();
 }
 
+// The element offset of layer `layer` (clamped into [0, L), as XLA clamps dynamic slices) in a stacked buffer.
+int64_t layer_offset(const ffi::AnyBuffer& b, const ffi::Buffer<ffi::S32>& layer) {
+  int64_t num_layers = std::max<int64_t>(1, b.dimensions()[0]);
+  int64_t l = std::min<int64_t>(std::max<int64_t>(0, layer.typed_data()[0]), num_layers - 1);
+  return l * (b.element_count() / num_layers);
+}
+
 template <typename T>
-void float_call(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y,
+const T* at_layer(const ffi::AnyBuffer& b, const ffi::Buffer<ffi::S32>& layer) {
+  return reinterpret_cast<const T*>(b.untyped_data()) + layer_offset(b, layer);
+}
+
+template <typename T>
+void float_call(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y,
                 bool kn, const float* scale, int64_t G) {
   if (kn) {
-    int64_t threads = max_threads(pool);
+    int64_t threads = max_threads();
     int64_t rows = std::max<int64_t>(64, (K / (2 * threads) + 3) / 4 * 4);
     int64_t count = (K + rows - 1) / rows;
     std::vector<float> partial(count * M * N);
-    parallel_chunks(pool, count, [&](int64_t c) {
+    parallel_chunks(count, [&](int64_t c) {
       float_kn_rows(x, M, K, w, N, partial.data() + c * M * N, c * rows, std::min(K, (c + 1) * rows));
     });
     std::copy(partial.begin(), partial.begin() + M * N, y);
@@ -355,8 +436,8 @@ void float_call(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, con
       for (int64_t i = 0; i < M * N; ++i) y[i] += partial[c * M * N + i];
     return;
   }
-  int64_t rows = rows_per_chunk(pool, N, 8, 16);
-  parallel_chunks(pool, (N + rows - 1) / rows, [&](int64_t c) {
+  int64_t rows = rows_per_chunk(N, 8, 16);
+  parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
     int64_t n0 = c * rows, n1 = std::min(N, n0 + rows);
     nk_rows(x, M, K, w, scale, G, y, N, n0, n1);
   });
@@ -377,42 +458,44 @@ ffi::Error check_activations(const ffi::AnyBuffer& x) {
   return ffi::Error::Success();
 }
 
-ffi::Error FloatMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
-                       bool kn) {
-  if (auto e = rank2(w, "w"); e.failure()) return e;
+ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w,
+                       ffi::ResultBuffer<ffi::F32> y, bool kn) {
+  if (auto e = rank3(w, "w"); e.failure()) return e;
   if (auto e = check_activations(x); e.failure()) return e;
   std::vector<float> tmp;
   const float* xf = activations_f32(x, tmp);
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  int64_t N = kn ? w.dimensions()[1] : w.dimensions()[0];
+  int64_t N = kn ? w.dimensions()[2] : w.dimensions()[1];
   if (w.element_type() == ffi::BF16)
-    float_call(pool, xf, M, K, reinterpret_cast<const uint16_t*>(w.untyped_data()), N, y->typed_data(), kn,
-               nullptr, 1);
+    float_call(xf, M, K, at_layer<uint16_t>(w, layer), N, y->typed_data(), kn, nullptr, 1);
   else if (w.element_type() == ffi::F32)
-    float_call(pool, xf, M, K, reinterpret_cast<const float*>(w.untyped_data()), N, y->typed_data(), kn, nullptr,
-               1);
+    float_call(xf, M, K, at_layer<float>(w, layer), N, y->typed_data(), kn, nullptr, 1);
   else
     return ffi::Error::InvalidArgument("float_matmul: w must be bf16 or f32");
   return ffi::Error::Success();
 }
 
-ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+ffi::Error Int8Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                       ffi::ResultBuffer<ffi::F32> y) {
   if (auto e = check_activations(x); e.failure()) return e;
+  if (auto e = rank3(w, "w"); e.failure()) return e;
+  if (auto e = rank3(scale, "scale"); e.failure()) return e;
   std::vector<float> tmp;
   const float* xf = activations_f32(x, tmp);
-  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0], G = scale.dimensions()[1];
-  float_call(pool, xf, M, K, w.typed_data(), N, y->typed_data(), false, scale.typed_data(), G);
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1], G = scale.dimensions()[2];
+  float_call(xf, M, K, at_layer<int8_t>(w, layer), N, y->typed_data(), false, at_layer<float>(scale, layer), G);
   return ffi::Error::Success();
 }
 
-ffi::Error I8I8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w,
                       ffi::ResultBuffer<ffi::S32> y) {
-  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
-  int64_t rows = rows_per_chunk(pool, N, 8, 16);
-  parallel_chunks(pool, (N + rows - 1) / rows, [&](int64_t c) {
+  if (auto e = rank3(w, "w"); e.failure()) return e;
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
+  const int8_t* wl = at_layer<int8_t>(w, layer);
+  int64_t rows = rows_per_chunk(N, 8, 16);
+  parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
     int64_t n0 = c * rows;
-    i8_rows(x.typed_data(), M, K, w.typed_data(), y->typed_data(), N, n0, std::min(N, n0 + rows));
+    i8_rows(x.typed_data(), M, K, wl, y->typed_data(), N, n0, std::min(N, n0 + rows));
   });
   return ffi::Error::Success();
 }
@@ -452,18 +535,22 @@ Q8Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t
   return a;
 }
 
-ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
-                    ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y, float offset_factor) {
+ffi::Error Q4Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                    ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, float offset_factor) {
   if (auto e = check_activations(x); e.failure()) return e;
+  for (auto* b : {&w, &scale, &offset})
+    if (auto e = rank3(*b, "w, scale and offset"); e.failure()) return e;
   std::vector<float> tmp;
   const float* xf = activations_f32(x, tmp);
-  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0], G = scale.dimensions()[1];
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1], G = scale.dimensions()[2];
   Q8Activations a = quantize_activations(xf, M, K, G);
-  int64_t rows = rows_per_chunk(pool, N, 8, 16);
-  parallel_chunks(pool, (N + rows - 1) / rows, [&](int64_t c) {
+  const uint8_t* wl = at_layer<uint8_t>(w, layer);
+  const float *sl = at_layer<float>(scale, layer), *ol = at_layer<float>(offset, layer);
+  int64_t rows = rows_per_chunk(N, 8, 16);
+  parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
     int64_t n0 = c * rows;
-    q4_rows(a.q.data(), a.xs8.data(), a.xsum.data(), M, K, w.typed_data(), scale.typed_data(), offset.typed_data(),
-            offset_factor, G, y->typed_data(), N, n0, std::min(N, n0 + rows));
+    q4_rows(a.q.data(), a.xs8.data(), a.xsum.data(), M, K, wl, sl, ol, offset_factor, G, y->typed_data(), N, n0,
+            std::min(N, n0 + rows));
   });
   return ffi::Error::Success();
 }
@@ -472,33 +559,33 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8>
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_float_matmul, FloatMatmul,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("kn"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_matmul, Int8Matmul,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_i8i8_matmul, I8I8Matmul,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_q4_matmul, Q4Matmul,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("offset_factor"));

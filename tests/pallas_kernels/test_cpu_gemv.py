@@ -1,5 +1,6 @@
 """The native CPU matmul kernels (`pallas_kernels.cpu_gemv`) against float64 numpy references written from their
-documented math, at every ISA level this CPU runs; their build, switches and fallback to XLA."""
+documented math, at every ISA level this CPU runs; their build, switches and fallback. Routing from `qeinsum`:
+tests/models/test_quant_matmul_native.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.quant import quantize
-from models.quant_matmul import native_matmuls, qeinsum
 from pallas_kernels import cpu_gemv
 from pallas_kernels.cpu_gemv import build
 
@@ -138,34 +137,13 @@ def test_bad_arguments_name_the_problem(call, message):
         call()
 
 
-# ---- routing from qeinsum, and the fallback ---------------------------------------------------------------------
-
-def _routed(eq, x, w):
-    f = jax.jit(lambda a, b: qeinsum(eq, a, b, preferred_element_type=jnp.float32))
-    return f(x, w), "custom_call" in f.lower(x, w).as_text()
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "w8a8", "int4"])
-def test_qeinsum_routes_decode_shapes_and_matches_xla(fmt):
-    rng = np.random.default_rng(1)
-    w = jnp.asarray(rng.standard_normal((128, 4, 64)), jnp.bfloat16)  # [D, N, H] as wq
-    wq = {"bf16": w, "int8": quantize(w, "int8", (-3,)), "w8a8": quantize(w, "int8", (-3,), quantize_activations=True),
-          "int4": quantize(w, "int4", (-3,), group_size=32)}[fmt]
-    for rows in (1, 8, 9):
-        x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16)
-        y, native = _routed("td,dnh->tnh", x, wq)
-        with native_matmuls(False):
-            ref, xla_native = _routed("td,dnh->tnh", x, wq)
-        assert native == (rows <= cpu_gemv.MAX_ROWS) and not xla_native
-        tolerance = {"w8a8": 0.0, "int4": 2e-2}.get(fmt, 1e-5)  # w8a8 exact (same int32 sums), int4: Q8 activations
-        assert _rel_err(y, np.asarray(ref, np.float64)) <= tolerance
-
+# ---- switches, build and fallback ------------------------------------------------------------------------------
 
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
     assert not cpu_gemv.active() and cpu_gemv.isa_level() is None
-    _, native = _routed("td,df->tf", jnp.ones((1, 64)), jnp.ones((64, 32)))
-    assert not native
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_gemv.float_matmul(jnp.ones((1, 64)), jnp.ones((64, 32)), input_major=True)
 
 
 def test_isa_level_choice_is_checked(monkeypatch):
