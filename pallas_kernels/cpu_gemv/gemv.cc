@@ -253,7 +253,8 @@ void nk_block(const float* x, int64_t K, const T* w, const float* scale, int64_t
       __m256 wv[NR];
       for (int r = 0; r < NR; ++r) {
         const T* row = w + (n + r) * K + k;
-        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+        if ((k & (64 / sizeof(T) - 1)) == 0)  // once per cache line
+          _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
         wv[r] = load8(row);
       }
       for (int i = 0; i < MG; ++i) {
@@ -308,7 +309,7 @@ void i8_block(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t N
     __m256i wv[NR], wa[NR];
     for (int r = 0; r < NR; ++r) {
       const int8_t* row = w + (n + r) * K + k;
-      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
       wa[r] = _mm256_abs_epi8(wv[r]);
     }
@@ -361,7 +362,7 @@ void q4_row(const int8_t* xq, const float* xs8, const float* xsum, int64_t K, co
   __m256 acc[MG];
   for (int i = 0; i < MG; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 64; ++c) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + 32 * c) + kPrefetchBytes, _MM_HINT_T0);
+    if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * c) + kPrefetchBytes, _MM_HINT_T0);
     __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
     __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
     __m256 wsv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(ws[(2 * c) / blocks_per_group])),
