@@ -22,8 +22,7 @@ as stored (`--quantization gguf`; only for a GGUF model, such as the default), a
    (`jaxinfer.benchmarks.hlo`).
 4. **Native kernels on and off** (`--native both`): each format's engine twice, once with the native CPU matmul
    kernels where they apply (`pallas_kernels.cpu_gemv`, the engine's default on CPU) and once with XLA's dots only
-   (`models.quant_matmul.native_matmuls(False)` around the engine's compile and every call), in the same
-   interleaved rounds.
+   (`JAXINFER_NATIVE_KERNELS=0` around the engine's compile and every call), in the same interleaved rounds.
 5. **Peers** (`--peer-python`, `--llamacpp-python`; `jaxinfer.benchmarks.peers`), after the engines, at batch 1
    on the same GGUF file and one random prompt of `CONTEXT` tokens (decode from it, `--peer-steps` timed steps):
    llama.cpp re-quantized to each `--llamacpp-types` type (default Q4_0, Q8_0, BF16), HF transformers in bf16; each
@@ -67,10 +66,13 @@ only, 2 cores shared with other jobs, probe ~40 GB/s; a 4 MiB trial of the micro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import statistics
+import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -82,7 +84,7 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.scheduler.chunk import ScheduledChunk
-from models import quant, quant_matmul
+from models import quant
 from models.config import ModelConfig
 from models.llama import KVCache
 from pallas_kernels import cpu_gemv
@@ -111,6 +113,7 @@ FORMATS = {  # name -> (dtype, quantization)
 CONTEXT = 128  # cached tokens of every sequence in the timed decode step
 KV_BYTES = 256 << 20  # each engine's KV cache budget
 NATIVE = {"on": (True,), "off": (False,), "both": (True, False)}  # --native -> kernels allowed, per engine
+NATIVE_VARIABLE = "JAXINFER_NATIVE_KERNELS"  # "0" turns the native CPU kernels off (`pallas_kernels.cpu_gemv`)
 PEER_WARMUP_STEPS = 2  # the peers' untimed decode steps
 
 
@@ -230,11 +233,27 @@ def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]
     return out, engine.runner.cfg
 
 
+@contextlib.contextmanager
+def native_kernels(allowed: bool) -> Iterator[None]:
+    """Inside the block, `JAXINFER_NATIVE_KERNELS` is unset (allowed) or "0" (off); put back afterwards. The
+    user's switch, read where the step is traced and where the runner pads a batch (`pallas_kernels.cpu_gemv
+    .active()`), unlike `models.quant_matmul.native_matmuls`, which only the model's trace reads."""
+    saved = os.environ.pop(NATIVE_VARIABLE, None)
+    if not allowed:
+        os.environ[NATIVE_VARIABLE] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(NATIVE_VARIABLE, None)
+        if saved is not None:
+            os.environ[NATIVE_VARIABLE] = saved
+
+
 def measure(args: argparse.Namespace, formats: list[str], batches: list[int]) -> tuple[list[dict], ModelConfig]:
     """Decode step times of every format, native setting (`--native`) and batch, interleaved over `--reps`
     rounds; each engine stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
     slow to interleave. Every call of an engine built without the native kernels, its compile included, runs
-    inside `native_matmuls(False)`.
+    with `JAXINFER_NATIVE_KERNELS=0` (`native_kernels`), as a user turns them off.
 
     Returns:
       (one row per format, native setting and batch, the model's config).
@@ -243,7 +262,7 @@ def measure(args: argparse.Namespace, formats: list[str], batches: list[int]) ->
     for name in formats:
         for native in NATIVE[args.native]:
             t0 = time.perf_counter()
-            with quant_matmul.native_matmuls(native):
+            with native_kernels(native):
                 calls, cfg = _setup(args, name, native, batches)
             setups += [(fn, native, row) for fn, row in calls]
             logger.info("%s (%s) ready in %.1f s", name, calls[0][1]["matmuls"], time.perf_counter() - t0)
@@ -251,7 +270,7 @@ def measure(args: argparse.Namespace, formats: list[str], batches: list[int]) ->
     for _ in range(args.reps):
         for i in rng.permutation(len(setups)):
             fn, native, row = setups[i]
-            with quant_matmul.native_matmuls(native):
+            with native_kernels(native):
                 t0 = time.perf_counter()
                 fn()
                 row["times"].append(time.perf_counter() - t0)

@@ -173,3 +173,23 @@ def test_quant_native_both_peers_and_gemv(tmp_path):
                      "- Batch 1, native kernels over XLA (tok/s): int8 weight-only ",
                      "- Goal: >= 70% of the weight-read roofline"):
         assert expected in section, expected
+
+
+@pytest.mark.parametrize("before", [None, "1", "0"])
+def test_native_kernels_sets_the_users_switch_and_puts_it_back(monkeypatch, before):
+    """XLA rows run as a user turns the kernels off (the variable, which the runner's padding reads too), native
+    rows with it unset; whatever was set before is restored."""
+    import os
+
+    from jaxinfer.benchmarks.quant import NATIVE_VARIABLE, native_kernels
+    from pallas_kernels import cpu_gemv
+
+    if before is None:
+        monkeypatch.delenv(NATIVE_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(NATIVE_VARIABLE, before)
+    with native_kernels(False):
+        assert os.environ[NATIVE_VARIABLE] == "0" and not cpu_gemv.active()
+    with native_kernels(True):
+        assert NATIVE_VARIABLE not in os.environ
+    assert os.environ.get(NATIVE_VARIABLE) == before
