@@ -8,10 +8,12 @@ import re
 import jax
 
 from models.quant import QuantizedWeight
+from pallas_kernels.cpu_gemv import build
 
 _FLOAT_BUFFER = re.compile(r"^\s*(?:ROOT )?%(\S+) = (f32|bf16|f16|f64)\[([\d,]*)\]\S* (\S+?)\(")
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
+_CUSTOM_CALL = re.compile(r'custom_call_target="([\w.\-]+)"|stablehlo\.custom_call @([\w.\-]+)')
 
 
 def materialized_weight_copies(hlo_text: str, weights) -> list[str]:
@@ -55,3 +57,18 @@ def materialized_weight_copies(hlo_text: str, weights) -> list[str]:
         if any(not collections.Counter(d for d in s if d != 1) - have for s in shapes):
             found.append(f"{name} = {dtype}[{dims}] {opcode}")
     return found
+
+
+def native_kernel_calls(hlo_text: str) -> collections.Counter:
+    """The native CPU matmul kernels (`pallas_kernels.cpu_gemv`) a compiled computation calls: custom-call sites
+    per kernel name, any ISA level (a call inside the layer scan's body counts once).
+
+    Args:
+      hlo_text: optimized HLO text (`compiled.as_text()`) or StableHLO (`lowered.as_text()`).
+
+    Returns:
+      {kernel name (`build.TARGETS`): call sites}; empty when the computation calls none.
+    """
+    targets = {build.target_name(k, level): k for k in build.TARGETS for level in build.ISA_LEVELS}
+    names = [a or b for a, b in _CUSTOM_CALL.findall(hlo_text)]
+    return collections.Counter(targets[t] for t in names if t in targets)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import subprocess
+import tempfile
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -118,3 +120,45 @@ def run_llamacpp_peer(python: str, script: Path, args: list[str], timeout: int) 
         logger.warning("llama.cpp peer: %s; rerunning without ggml's extra CPU buffer types", result["error"])
         result = run_peer(python, script, [*args, "--no-extra-bufts"], timeout)
     return result
+
+
+def run_peers(args: argparse.Namespace, model: Path, prompt: list[int], rows: list[list[int]], dtypes: list[str],
+              batches: list[int]) -> tuple[dict | None, dict | None]:
+    """Runs the peers `args` names on the same model file, prefill prompt and batch prompts as jaxinfer.
+
+    Args:
+      args: the options of `add_peer_arguments` and `add_llamacpp_arguments`, and the timing the peers share with
+        `jaxinfer bench step`: `decode_prompt_len`, `prefill_reps`, `decode_steps`, `warmup_steps` (batch 1) and
+        `peer_batch_steps` (the `batches` sizes).
+      model: the GGUF file (or HF folder, HF peer only).
+      prompt: the prefill prompt's token ids; batch-1 decode starts from its first `decode_prompt_len`.
+      rows: equal-length prompts; batch b decodes the first b.
+      dtypes: the HF peer's dtypes ("float32", "bfloat16").
+      batches: decode batch sizes besides 1 ([]: batch 1 only).
+
+    Returns:
+      (HF peer's JSON, llama.cpp peer's JSON), each None when its interpreter option is not given, or
+      {"error": why}.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file, rows_file = Path(tmp) / "prompt.json", Path(tmp) / "rows.json"
+        prompt_file.write_text(json.dumps(prompt))
+        rows_file.write_text(json.dumps(rows))
+        common = ["--gguf", str(model), "--prompt-file", str(prompt_file), "--threads", str(os.cpu_count() or 1),
+                  "--decode-prompt-len", str(args.decode_prompt_len), "--prefill-reps", str(args.prefill_reps),
+                  "--decode-steps", str(args.decode_steps), "--warmup-steps", str(args.warmup_steps)]
+        if batches:
+            common += ["--batches", ",".join(map(str, batches)), "--batch-prompts", str(rows_file),
+                       "--batch-steps", str(args.peer_batch_steps)]
+        hf = llama = None
+        if args.peer_python is not None:
+            hf = run_peer(args.peer_python, args.peer_script, [*common, "--dtypes", ",".join(dtypes)],
+                          args.peer_timeout)
+        if args.llamacpp_python is not None:
+            llama_args = [*common, "--types", args.llamacpp_types, "--cache-dir", str(args.llamacpp_cache)]
+            llama = run_llamacpp_peer(args.llamacpp_python, args.llamacpp_script, llama_args,
+                                      args.peer_timeout)
+    for name, result in (("HF transformers", hf), ("llama.cpp", llama)):
+        if result and "error" in result:
+            logger.warning("%s peer: %s", name, result["error"])
+    return hf, llama

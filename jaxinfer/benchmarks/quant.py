@@ -15,9 +15,22 @@ as stored (`--quantization gguf`; only for a GGUF model, such as the default), a
    the shared VM hit all alike. Tokens/s = batch / median step time.
 2. **Roofline**: bytes a decode step must read = every weight byte except the embedding rows not gathered (a tied
    table is read whole by the LM head anyway) + the KV cache of the batch's context; roofline tokens/s = batch x
-   bandwidth / bytes, with the roofline probe (`jaxinfer.benchmarks.probe`) measured first in the same run.
-3. **Memory analysis** of the compiled batch-1 decode step (`compiled.memory_analysis()`): temporary bytes, and
-   the full-precision copies of quantized weights among its buffers (`jaxinfer.benchmarks.hlo`).
+   bandwidth / bytes, with the roofline probe (`jaxinfer.benchmarks.probe`) measured at the start and at the end
+   of the same run (the better reading).
+3. **Memory analysis** of the compiled batch-1 decode step (`compiled.memory_analysis()`): temporary bytes, the
+   full-precision copies of quantized weights among its buffers, and the native kernel call sites in it
+   (`jaxinfer.benchmarks.hlo`).
+4. **Native kernels on and off** (`--native both`): each format's engine twice, once with the native CPU matmul
+   kernels where they apply (`pallas_kernels.cpu_gemv`, the engine's default on CPU) and once with XLA's dots only
+   (`JAXINFER_NATIVE_KERNELS=0` around the engine's compile and every call), in the same interleaved rounds.
+5. **Peers** (`--peer-python`, `--llamacpp-python`; `jaxinfer.benchmarks.peers`), after the engines, at batch 1
+   on the same GGUF file and one random prompt of `CONTEXT` tokens (decode from it, `--peer-steps` timed steps):
+   llama.cpp re-quantized to each `--llamacpp-types` type (default Q4_0, Q8_0, BF16), HF transformers in bf16; each
+   beside the roofline of its own bytes (llama.cpp: its tensors + an f16 KV cache of the decode context; HF: the
+   bf16 row's weights + KV) at the same probe bandwidth.
+6. **Kernel micro-benchmark** (`--gemv`, `jaxinfer.benchmarks.gemv_stream`): GB/s of one native kernel call
+   streaming a `--gemv-mib` MiB weight (bf16, int8 weight-only, int8 w8a8, int4 g32) at `--gemv-rows` rows, beside
+   XLA's dot on the same weight and the roofline probe.
 
 Expected for SmolLM2-135M-Instruct, written before the first measurement (2 shared cores, ~45 GB/s; earlier
 measurement of the forward at 2 rows with random weights: f32 ~30 ms, bf16 ~19 ms, int8 w8a8 ~20 ms):
@@ -29,29 +42,52 @@ measurement of the forward at 2 rows with random weights: f32 ~30 ms, bf16 ~19 m
 - memory analysis: int8 w8a8 no full-precision copy; weight-only int8 and fp8 copies (one weight at a time for
   int8; XLA:CPU upcasts fp8 arrays whole, before the loop).
 
+Expected with the native kernels (`--native both`, issue 23), written before the first such run (AMD EPYC, AVX2
+only, 2 cores shared with other jobs, probe ~40 GB/s; a 4 MiB trial of the micro-benchmark under load: native
+1-row 9-18 GB/s, XLA 0.1-2.7 GB/s):
+- micro-benchmark at 256 MiB: native bf16, int8 and w8a8 stream 15-25 GB/s at 1 row (40-60% of the probe; 2
+  threads, AVX2 loads and converts), less at 8 rows where the FMAs per byte grow; int4 g32 ~8-15 GB/s of packed
+  bytes (nibble unpacking and per-block scales are compute on AVX2). XLA: bf16 2-5 GB/s at 1 row, up to ~10 at 8;
+  weight-only int8 and int4 under 1 GB/s (they write the dequantized weight first).
+- decode batch 1: native over XLA bf16 ~1.2-1.5x (~35-45 tok/s), w8a8 ~1.5x, weight-only int8 5-10x, int4 g32 and
+  gguf 3-5x, all ~45-60 tok/s: the ~10 ms of each step that is not a dense matmul (attention, sampling, host,
+  small ops; `bench breakdown`) then dominate, so every format stays at 15-30% of its weight-read roofline, far
+  from the issue's 70% goal. Batch 8: smaller gains (the kernels' FMAs per byte grow 8x).
+- peers at batch 1: llama.cpp Q4_0 ~100-150 tok/s, Q8_0 ~80-120, BF16 ~40-60 (no native bf16 on this CPU); int4
+  g32 through the native kernels below Q4_0 (the goal "int4 >= llama.cpp Q4_0" not met). HF transformers bf16
+  ~10-20 tok/s.
+
     .venv/bin/jaxinfer bench quant --write BENCHMARKS.md
+    .venv/bin/jaxinfer bench quant --formats "bf16;int8 weight-only;int8 (w8a8);int4 g32 (embedding + LM head \
+        bf16);gguf (Q4_1 / Q8_0 kept as stored)" --batches 1,8 --native both --gemv \
+        --peer-python /work/venv-hf/bin/python --llamacpp-python /work/venv-llamacpp/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import statistics
+import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
 from jaxinfer import SamplingParams
-from jaxinfer.benchmarks import hlo
+from jaxinfer.benchmarks import gemv_stream, hlo, model_setup, peers, quant_report
 from jaxinfer.benchmarks.probe import measure_bandwidth, roofline_gb_s
-from jaxinfer.benchmarks.report import Report, machine_line, table
+from jaxinfer.benchmarks.report import Report
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models import quant
+from models.config import ModelConfig
 from models.llama import KVCache
+from pallas_kernels import cpu_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +112,9 @@ FORMATS = {  # name -> (dtype, quantization)
 }
 CONTEXT = 128  # cached tokens of every sequence in the timed decode step
 KV_BYTES = 256 << 20  # each engine's KV cache budget
-LLAMA_CPP_Q4_0_B1 = 217.0  # SmolLM2 tok/s, shared/JAX_ON_CPU.md (llama-cpp-python 0.3.36, not installed here)
+NATIVE = {"on": (True,), "off": (False,), "both": (True, False)}  # --native -> kernels allowed, per engine
+NATIVE_VARIABLE = "JAXINFER_NATIVE_KERNELS"  # "0" turns the native CPU kernels off (`pallas_kernels.cpu_gemv`)
+PEER_WARMUP_STEPS = 2  # the peers' untimed decode steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,27 +128,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each engine's context limit (sets the page-table width of the step)")
     parser.add_argument("--bw-gib", type=float, default=1.0, help="GiB the roofline probe reads")
     parser.add_argument("--bw-reps", type=int, default=7, help="timed calls of the roofline probe")
+    parser.add_argument("--native", choices=list(NATIVE), default="on",
+                        help="the native CPU matmul kernels: on (the engine's default: where they apply), off (XLA "
+                             "only), both (each format twice) (default: %(default)s)")
+    parser.add_argument("--gemv", action="store_true",
+                        help="also the kernel micro-benchmark: GB/s of one native call over a large weight vs XLA")
+    parser.add_argument("--gemv-mib", type=float, default=256, help="MiB of the micro-benchmark's weight values")
+    parser.add_argument("--gemv-rows", default="1,2,4,8", help="activation rows of the micro-benchmark's calls")
+    parser.add_argument("--gemv-reps", type=int, default=5, help="timed calls per micro-benchmark cell (median)")
+    parser.add_argument("--peer-steps", type=int, default=20, help="the peers' timed batch-1 decode steps (median)")
+    peers.add_peer_arguments(parser)
+    peers.add_llamacpp_arguments(parser)
+    parser.set_defaults(llamacpp_types="Q4_0,Q8_0,BF16")
 
 
-def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int]]:
-    """(formats, batch sizes) of the options.
+def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
+    """(formats, batch sizes, micro-benchmark rows) of the options.
 
     Raises:
-      ValueError: an unknown format, a batch below 1, --reps below 1 or a context limit below 129 tokens.
+      ValueError: an unknown format or llama.cpp type, a batch below 1, --reps / --peer-steps / --gemv-reps below
+        1, a context limit below 129 tokens, micro-benchmark rows outside [1, `cpu_gemv.MAX_ROWS`], a --gemv-mib
+        <= 0, or `--native both` where the native kernels are not available (turned off, not on CPU, or no
+        supported ISA level).
     """
     formats = [f.strip() for f in args.formats.split(";") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
     if not formats or unknown:
         raise ValueError(f"--formats: unknown {unknown or 'empty list'}; known: {'; '.join(FORMATS)}")
-    try:
-        batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    except ValueError:
-        raise ValueError(f"--batches {args.batches!r} is not a list of integers") from None
-    if not batches or min(batches) < 1 or args.reps < 1:
-        raise ValueError("--batches needs integers >= 1 and --reps must be >= 1")
+    batches, gemv_rows = _ints("--batches", args.batches), _ints("--gemv-rows", args.gemv_rows)
+    if not batches or min(batches) < 1 or min(args.reps, args.peer_steps, args.gemv_reps) < 1:
+        raise ValueError("--batches needs integers >= 1; --reps, --peer-steps and --gemv-reps must be >= 1")
     if args.max_model_len <= CONTEXT:
         raise ValueError(f"--max-model-len {args.max_model_len} must exceed the timed context ({CONTEXT} tokens)")
-    return formats, batches
+    if args.gemv and (not gemv_rows or not all(1 <= m <= cpu_gemv.MAX_ROWS for m in gemv_rows)
+                      or args.gemv_mib <= 0):
+        raise ValueError(f"--gemv-rows {args.gemv_rows!r} needs integers in [1, {cpu_gemv.MAX_ROWS}] and "
+                         f"--gemv-mib > 0 (got {args.gemv_mib})")
+    peers.check_llamacpp_types(args.llamacpp_types)
+    if args.native == "both" and not cpu_gemv.active():
+        raise ValueError("--native both: the native CPU matmul kernels are not available here (JAXINFER_NATIVE_"
+                         "KERNELS=0, a backend other than CPU, or a CPU without AVX2 + FMA); use --native off")
+    return formats, batches, gemv_rows
+
+
+def _ints(option: str, text: str) -> list[int]:
+    try:
+        return [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"{option} {text!r} is not a list of integers") from None
 
 
 def step_bytes(engine: Engine, batch: int) -> float:
@@ -132,105 +197,127 @@ def _chunks(batch: int, pages: list[int], pages_per_seq: int, vocab_size: int) -
 
 
 def memory_analysis(engine: Engine, chunks: list[ScheduledChunk], rows: list[SamplingRow]) -> dict:
-    """Temp bytes and full-precision weight copies of the engine's compiled step for this batch."""
+    """Temp bytes, full-precision weight copies and native kernel call sites of the engine's compiled step for this
+    batch (traced under the caller's `native_matmuls` setting)."""
     compiled = engine.runner.compile_step(chunks, rows)
+    text = compiled.as_text()
     return {"temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
-            "copies": hlo.materialized_weight_copies(compiled.as_text(), engine.runner.weights)}
+            "copies": hlo.materialized_weight_copies(text, engine.runner.weights),
+            "native_calls": dict(hlo.native_kernel_calls(text))}
 
 
-def measure(args: argparse.Namespace, formats: list[str], batches: list[int], bandwidth_gb_s: float) -> list[dict]:
-    """Decode step times of every format and batch, interleaved over `--reps` rounds; each format's engine stays
-    alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too slow to interleave."""
+def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]) -> tuple[list, ModelConfig]:
+    """One format's engine with the native kernels allowed or not: [(timed call, row)] per batch, its config."""
     greedy = SamplingParams(temperature=0.0)
-    setups, rows = [], []
+    dtype, quantization = FORMATS[name]
+    engine = Engine(EngineConfig.create(model=args.model, dtype=dtype, quantization=quantization, warmup=False,
+                                        max_model_len=args.max_model_len, kv_cache_memory_bytes=KV_BYTES,
+                                        enable_prefix_caching=False))
+    pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
+    pages = engine.page_allocator.allocate(max(batches) * pages_per_seq)
+    kv_per_token = KVCache.bytes_per_page(engine.runner.cfg, 1, engine.runner.kv_cache.k.dtype)
+    out = []
+    for batch in batches:
+        chunks = _chunks(batch, pages, pages_per_seq, engine.runner.cfg.vocab_size)
+        sampling = [SamplingRow(greedy, seed=i) for i in range(batch)]
+        fn = functools.partial(engine.runner.execute, chunks, sampling)
+        fn()  # compiles
+        row = {"format": name, "batch": batch, "model": engine.runner.cfg.name,
+               "matmuls": "native" if native and cpu_gemv.active() else "XLA",
+               "weight_bytes": engine.weight_bytes["bytes"], "weight_mib": engine.weight_bytes["bytes"] / 2**20,
+               "quantized_share": engine.weight_bytes["quantized_share"], "kv_bytes": kv_per_token * CONTEXT * batch,
+               "step_bytes": step_bytes(engine, batch), "times": []}
+        if batch == 1:
+            row.update(memory_analysis(engine, chunks, sampling))
+        out.append((fn, row))
+    return out, engine.runner.cfg
+
+
+@contextlib.contextmanager
+def native_kernels(allowed: bool) -> Iterator[None]:
+    """Inside the block, `JAXINFER_NATIVE_KERNELS` is unset (allowed) or "0" (off); put back afterwards. The
+    user's switch, read where the step is traced and where the runner pads a batch (`pallas_kernels.cpu_gemv
+    .active()`), unlike `models.quant_matmul.native_matmuls`, which only the model's trace reads."""
+    saved = os.environ.pop(NATIVE_VARIABLE, None)
+    if not allowed:
+        os.environ[NATIVE_VARIABLE] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(NATIVE_VARIABLE, None)
+        if saved is not None:
+            os.environ[NATIVE_VARIABLE] = saved
+
+
+def measure(args: argparse.Namespace, formats: list[str], batches: list[int]) -> tuple[list[dict], ModelConfig]:
+    """Decode step times of every format, native setting (`--native`) and batch, interleaved over `--reps`
+    rounds; each engine stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
+    slow to interleave. Every call of an engine built without the native kernels, its compile included, runs
+    with `JAXINFER_NATIVE_KERNELS=0` (`native_kernels`), as a user turns them off.
+
+    Returns:
+      (one row per format, native setting and batch, the model's config).
+    """
+    setups = []
     for name in formats:
-        dtype, quantization = FORMATS[name]
-        t0 = time.perf_counter()
-        engine = Engine(EngineConfig.create(model=args.model, dtype=dtype, quantization=quantization, warmup=False,
-                                            max_model_len=args.max_model_len, kv_cache_memory_bytes=KV_BYTES,
-                                            enable_prefix_caching=False))
-        pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
-        pages = engine.page_allocator.allocate(max(batches) * pages_per_seq)
-        for batch in batches:
-            chunks = _chunks(batch, pages, pages_per_seq, engine.runner.cfg.vocab_size)
-            sampling = [SamplingRow(greedy, seed=i) for i in range(batch)]
-            fn = functools.partial(engine.runner.execute, chunks, sampling)
-            fn()  # compiles
-            row = {"format": name, "batch": batch, "model": engine.runner.cfg.name,
-                   "weight_bytes": engine.weight_bytes["bytes"], "weight_mib": engine.weight_bytes["bytes"] / 2**20,
-                   "quantized_share": engine.weight_bytes["quantized_share"],
-                   "step_bytes": step_bytes(engine, batch), "times": []}
-            if batch == 1:
-                row.update(memory_analysis(engine, chunks, sampling))
-            setups.append((fn, row))
-            rows.append(row)
-        logger.info("%s ready in %.1f s", name, time.perf_counter() - t0)
+        for native in NATIVE[args.native]:
+            t0 = time.perf_counter()
+            with native_kernels(native):
+                calls, cfg = _setup(args, name, native, batches)
+            setups += [(fn, native, row) for fn, row in calls]
+            logger.info("%s (%s) ready in %.1f s", name, calls[0][1]["matmuls"], time.perf_counter() - t0)
     rng = np.random.default_rng(0)
     for _ in range(args.reps):
         for i in rng.permutation(len(setups)):
-            fn, row = setups[i]
-            t0 = time.perf_counter()
-            fn()
-            row["times"].append(time.perf_counter() - t0)
+            fn, native, row = setups[i]
+            with native_kernels(native):
+                t0 = time.perf_counter()
+                fn()
+                row["times"].append(time.perf_counter() - t0)
+    rows = [row for _, _, row in setups]
     for row in rows:
         times = row.pop("times")
         ms = 1e3 * statistics.median(times)
-        row.update(ms=ms, min_ms=1e3 * min(times), max_ms=1e3 * max(times), tok_s=row["batch"] * 1e3 / ms,
-                   roofline_tok_s=row["batch"] * bandwidth_gb_s * 1e9 / row["step_bytes"])
-        row["of_roofline"] = row["tok_s"] / row["roofline_tok_s"]
+        row.update(ms=ms, min_ms=1e3 * min(times), max_ms=1e3 * max(times), tok_s=row["batch"] * 1e3 / ms)
         logger.info("%s", row)
-    return rows
+    return rows, cfg
 
 
-def _summary(rows: list[dict], default_model: bool) -> list[str]:
-    """The int8 (w8a8) vs bf16 lines, per measured batch, when both ran."""
-    out = []
-    for batch in sorted({r["batch"] for r in rows}):
-        tok = {r["format"]: r["tok_s"] for r in rows if r["batch"] == batch}
-        if "int8 (w8a8)" not in tok or "bf16" not in tok:
-            continue
-        line = (f"- Batch {batch}: int8 (w8a8) {tok['int8 (w8a8)']:.1f} tok/s vs bf16 {tok['bf16']:.1f} "
-                f"({tok['int8 (w8a8)'] / tok['bf16']:.2f}x)")
-        if batch == 1 and default_model:
-            line += (f"; the goal, llama.cpp's best on this machine ({LLAMA_CPP_Q4_0_B1:.0f} tok/s, Q4_0, from "
-                     "shared/JAX_ON_CPU.md, not re-run: llama-cpp-python is not installed here), is "
-                     f"{'met' if tok['int8 (w8a8)'] > LLAMA_CPP_Q4_0_B1 else 'not met'}")
-        out.append(line + ".")
-    return out
+def add_rooflines(rows: list[dict], bandwidth_gb_s: float) -> None:
+    """Sets each row's "roofline_tok_s" (batch x bandwidth / step bytes) and "of_roofline" (tok/s over it)."""
+    for row in rows:
+        row["roofline_tok_s"] = row["batch"] * bandwidth_gb_s * 1e9 / row["step_bytes"]
+        row["of_roofline"] = row["tok_s"] / row["roofline_tok_s"]
 
 
-def render(rows: list[dict], args: argparse.Namespace, bandwidth_gb_s: float, elapsed_s: float) -> str:
-    """The section's markdown (without its markers)."""
-    body = []
-    for r in rows:
-        copies = r.get("copies")
-        body.append([r["format"], str(r["batch"]), f"{r['weight_mib']:.0f}", f"{r['quantized_share'] * 100:.1f}%",
-                     f"{r['ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f})", f"{r['tok_s']:.1f}",
-                     f"{r['roofline_tok_s']:.0f}", f"{r['of_roofline'] * 100:.0f}%",
-                     "" if copies is None else f"{r['temp_mib']:.1f} MiB, {len(copies)} copies"])
-    return "\n".join([
-        "## Quantization: decode speed and memory roofline",
-        "",
-        f"`{args.command}` ({args.date}; {machine_line()}; {elapsed_s:.0f} s). {rows[0]['model']}, one decode token "
-        f"per sequence at context {CONTEXT}, `ModelRunner.execute` (device step + sampling + host), median of the "
-        f"timed calls (min-max). Roofline: batch x {bandwidth_gb_s:.1f} GB/s (the roofline probe, measured in this "
-        "run) / bytes the step must read (weights, minus embedding rows not gathered, plus the batch's KV). Last "
-        "column: XLA's memory analysis of the compiled batch-1 step (temporary bytes) and the buffers in it that are "
-        "full-precision copies of quantized weights (`jaxinfer.benchmarks.hlo.materialized_weight_copies`).",
-        "",
-        table(["weights", "batch", "weight MiB", "params quantized", "step ms", "tok/s", "roofline tok/s",
-               "of roofline", "step temp, weight copies"], body),
-        "",
-        *_summary(rows, args.model is None),
-    ])
+def run_peers(args: argparse.Namespace, vocab_size: int) -> tuple[dict | None, dict | None]:
+    """The peers the options name (`peers.run_peers`) at batch 1: one random prompt of `CONTEXT` tokens, decode
+    from it (`--peer-steps` timed steps after `PEER_WARMUP_STEPS`), HF in bf16."""
+    if args.peer_python is None and args.llamacpp_python is None:
+        return None, None
+    prompt = np.random.default_rng(0).integers(1, min(40000, vocab_size), CONTEXT).tolist()
+    timing = argparse.Namespace(**vars(args), decode_prompt_len=CONTEXT, prefill_reps=1,
+                                decode_steps=args.peer_steps, warmup_steps=PEER_WARMUP_STEPS, peer_batch_steps=1)
+    return peers.run_peers(timing, model_setup.model_path(args.model), prompt, [], ["bfloat16"], [])
 
 
 def run(args: argparse.Namespace) -> Report:
-    """Measures the roofline probe, then every format's decode steps."""
+    """Checks the options and the peers' paths, measures the roofline probe, every format's decode steps, the
+    peers and (`--gemv`) the kernel micro-benchmark."""
     t0 = time.perf_counter()
-    formats, batches = check_arguments(args)
+    formats, batches, gemv_rows = check_arguments(args)
+    peers.check_peer_paths(args, model_setup.model_path(args.model))
     bandwidth = measure_bandwidth(args.bw_gib, args.bw_reps, others=False)
-    gb_s = roofline_gb_s(bandwidth)
-    rows = measure(args, formats, batches, gb_s)
-    data = {"bandwidth": bandwidth, "roofline_gb_s": gb_s, "context": CONTEXT, "rows": rows}
-    return Report("quant", render(rows, args, gb_s, time.perf_counter() - t0), data)
+    rows, cfg = measure(args, formats, batches)
+    data = {"bandwidth": bandwidth, "context": CONTEXT, "native": args.native, "rows": rows,
+            "kv_bytes_per_token_f16": model_setup.kv_bytes_per_token(cfg, 2)}
+    data["peer"], data["llamacpp"] = run_peers(args, cfg.vocab_size)
+    if args.gemv:
+        data["gemv"] = gemv_stream.measure(list(gemv_stream.KINDS), gemv_rows, args.gemv_mib, args.gemv_reps)
+    # Other jobs on the shared VM pull the probe down for minutes at a time: it runs again at the end, and the
+    # better reading is the bandwidth every roofline divides by (as `jaxinfer bench step` does).
+    data["bandwidth_end"] = measure_bandwidth(args.bw_gib, args.bw_reps, others=False)
+    data["roofline_gb_s"] = gb_s = max(roofline_gb_s(bandwidth), roofline_gb_s(data["bandwidth_end"]))
+    add_rooflines(rows, gb_s)
+    data["peer_rows"] = quant_report.peer_rows(data)
+    return Report("quant", quant_report.render(data, args, time.perf_counter() - t0), data)

@@ -31,12 +31,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -233,34 +229,6 @@ def int8_roofline_rows(q: dict, gb_s: float) -> list[dict]:
             for r in rows]
 
 
-def run_peers(args: argparse.Namespace, model: Path, prompt: list[int], rows: list[list[int]], dtypes: list[str],
-              batches: list[int]) -> tuple[dict | None, dict | None]:
-    """(HF peer's JSON, llama.cpp peer's JSON), each None when its interpreter option is not given, or
-    {"error": why}: both on the same model file, prefill prompt and batch prompts as jaxinfer."""
-    with tempfile.TemporaryDirectory() as tmp:
-        prompt_file, rows_file = Path(tmp) / "prompt.json", Path(tmp) / "rows.json"
-        prompt_file.write_text(json.dumps(prompt))
-        rows_file.write_text(json.dumps(rows))
-        common = ["--gguf", str(model), "--prompt-file", str(prompt_file), "--threads", str(os.cpu_count() or 1),
-                  "--decode-prompt-len", str(args.decode_prompt_len), "--prefill-reps", str(args.prefill_reps),
-                  "--decode-steps", str(args.decode_steps), "--warmup-steps", str(args.warmup_steps)]
-        if batches:
-            common += ["--batches", ",".join(map(str, batches)), "--batch-prompts", str(rows_file),
-                       "--batch-steps", str(args.peer_batch_steps)]
-        hf = llama = None
-        if args.peer_python is not None:
-            hf = peers.run_peer(args.peer_python, args.peer_script, [*common, "--dtypes", ",".join(dtypes)],
-                                args.peer_timeout)
-        if args.llamacpp_python is not None:
-            llama_args = [*common, "--types", args.llamacpp_types, "--cache-dir", str(args.llamacpp_cache)]
-            llama = peers.run_llamacpp_peer(args.llamacpp_python, args.llamacpp_script, llama_args,
-                                            args.peer_timeout)
-    for name, result in (("HF transformers", hf), ("llama.cpp", llama)):
-        if result and "error" in result:
-            logger.warning("%s peer: %s", name, result["error"])
-    return hf, llama
-
-
 def run(args: argparse.Namespace) -> Report:
     """Runs sections 1-6 of the module docstring; the report's data holds every number of the section."""
     t_start = time.perf_counter()
@@ -307,6 +275,6 @@ def run(args: argparse.Namespace) -> Report:
     if data["int8"]:
         data["int8"]["decode_rows"] = int8_roofline_rows(data["int8"], data["roofline_gb_s"])
     data["batches"] = batches
-    data["peer"], data["llamacpp"] = run_peers(args, path, prompt, rows, dtypes, batches)
+    data["peer"], data["llamacpp"] = peers.run_peers(args, path, prompt, rows, dtypes, batches)
     data["elapsed_s"] = time.perf_counter() - t_start
     return Report("step", step_report.render(data, cfg, args.command, args.date), data)

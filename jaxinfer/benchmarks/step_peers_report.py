@@ -108,8 +108,16 @@ def _llamacpp_types(data: dict, cfg: ModelConfig) -> list[str]:
                    *[f"decode b{b} tok/s" for b in batches]], rows), ""]
 
 
-def _peer_lines(data: dict) -> list[str]:
-    """What each peer is, or why it did not run."""
+def peer_lines(data: dict) -> list[str]:
+    """What each peer is, or why it did not run (also `jaxinfer bench quant`'s peer prose).
+
+    Args:
+      data: a report's data with "peer" (the HF peer's JSON) and "llamacpp" (the llama.cpp peer's JSON), each None
+        when not run, or {"error": why}.
+
+    Returns:
+      [the HF line, the llama.cpp line].
+    """
     peer, ll = data.get("peer"), data.get("llamacpp")
     if peer is None:
         hf = "HF transformers peer skipped (`--peer-python` not given)."
@@ -149,7 +157,7 @@ def section(data: dict, cfg: ModelConfig) -> list[str]:
            "(the prefill prompt; batch b decodes the first b of the same batch prompts), timing whole steps, "
            "medians as above. jaxinfer numbers are scan mode (the engine's default) from the tables above; the "
            "roofline is that of jaxinfer's bytes (decode roofline table).\n",
-           "\n".join(f"- {line}" for line in _peer_lines(data)) + "\n"]
+           "\n".join(f"- {line}" for line in peer_lines(data)) + "\n"]
     return out + _comparison(data) + _llamacpp_types(data, cfg)
 
 

@@ -4,13 +4,15 @@ arithmetic."""
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import numpy as np
 import pytest
 
 from jaxinfer.benchmarks.quant import CONTEXT, SECTION
 from jaxinfer.loading.hf import load_hf_weights
-from tests.jaxinfer.benchmarks.bench_runner import assert_positive_finite, run_bench
+from tests.jaxinfer.benchmarks.bench_runner import STUB_PEER, assert_positive_finite, run_bench
 from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir
 
 
@@ -37,4 +39,157 @@ def test_quant_report(tmp_path):
     assert rows[("bf16", 1)]["copies"] == [] and rows[("int8 (w8a8)", 1)]["copies"] == []
     begin, end = SECTION
     section = written[written.index(begin):written.index(end)]
-    assert "| int8 (w8a8) | 1 |" in section and "- Batch 1: int8 (w8a8)" in section
+    matmuls = rows[("int8 (w8a8)", 1)]["matmuls"]  # native where the kernels run (the default), else XLA
+    assert f"| int8 (w8a8) | {matmuls} | 1 |" in section and "- Batch 1: int8 (w8a8)" in section
+
+
+@pytest.mark.parametrize("options, message", [
+    (("--gemv", "--gemv-rows", "0,4"), "--gemv-rows '0,4' needs integers in [1, 8]"),
+    (("--gemv", "--gemv-rows", "9"), "--gemv-rows '9' needs integers in [1, 8]"),
+    (("--gemv", "--gemv-mib", "0"), "--gemv-mib > 0 (got 0.0)"),
+    (("--gemv-rows", "1,x"), "--gemv-rows '1,x' is not a list of integers"),
+    (("--peer-steps", "0"), "--reps, --peer-steps and --gemv-reps must be >= 1"),
+    (("--llamacpp-types", "Q4_0,Q5_K"), "--llamacpp-types 'Q4_0,Q5_K': unknown Q5_K"),
+    (("--llamacpp-python", "/nonexistent/python"), "--llamacpp-python /nonexistent/python: no such interpreter"),
+])
+def test_quant_bad_options_name_the_problem(options, message, capsys):
+    from jaxinfer.cli import main
+
+    assert main(["bench", "quant", *options]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_quant_native_both_needs_the_kernels(monkeypatch, capsys):
+    """`--native both` with the kernels turned off is refused before any measuring, naming the variable."""
+    from jaxinfer.cli import main
+
+    monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
+    assert main(["bench", "quant", "--native", "both"]) == 2
+    assert "--native both: the native CPU matmul kernels are not available here (JAXINFER_NATIVE_KERNELS=0" in (
+        capsys.readouterr().err)
+
+
+def test_native_kernel_calls_counts_the_kernels_custom_calls():
+    """A jitted native call shows up once by kernel name, in optimized HLO and in StableHLO; XLA's dot not at all."""
+    import jax.numpy as jnp
+
+    from jaxinfer.benchmarks.hlo import native_kernel_calls
+    from pallas_kernels import cpu_gemv
+
+    if not cpu_gemv.active():
+        pytest.skip("the native CPU kernels are not available here")
+    x, w = jnp.ones((2, 64), jnp.float32), jnp.ones((64, 16), jnp.bfloat16)
+    both = jax.jit(lambda x, w: cpu_gemv.float_matmul(x, w, input_major=True) + jnp.dot(x, w.astype(x.dtype)))
+    lowered = both.lower(x, w)
+    assert native_kernel_calls(lowered.as_text()) == {"float_matmul": 1}
+    assert native_kernel_calls(lowered.compile().as_text()) == {"float_matmul": 1}
+    assert native_kernel_calls(jax.jit(jnp.dot).lower(x, w).compile().as_text()) == {}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8 weight-only", "int8 (w8a8)", "int4 g32"])
+def test_gemv_weights_their_bytes_and_both_paths_agree(kind):
+    """The micro-benchmark's weight has the bytes its layout implies (values + f32 scales), and its native call
+    computes XLA's product (w8a8: the int32 dot, before the scales XLA's path applies)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.benchmarks import gemv_stream
+    from models import quant4
+    from pallas_kernels import cpu_gemv
+
+    if not cpu_gemv.active():
+        pytest.skip("the native CPU kernels are not available here")
+    w = gemv_stream.make_weight(kind, 0.25)
+    k = gemv_stream.K
+    per_row = {"bf16": 2 * k, "int4 g32": k // 2 + 4 * (k // 32)}.get(kind, k + 4)
+    n = int(0.25 * 2**20) // ({"bf16": 2 * k, "int4 g32": k // 2}.get(kind, k)) // 8 * 8
+    assert gemv_stream.weight_bytes(w) == n * per_row
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, k)), jnp.bfloat16)
+    fn, arg = gemv_stream.native_call(kind, w, x)
+    got = np.asarray(fn(arg, w), np.float64)
+    if kind == "bf16":
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    elif kind == "int4 g32":  # reference: the dequantized weight, independent of both paths
+        codes = np.asarray(quant4.unpack(np.asarray(w.values)), np.float64).reshape(n, k // 32, 32)
+        dense = ((codes - 8) * np.asarray(w.scale)[..., None]).reshape(n, k)
+        want = np.asarray(x, np.float64) @ dense.T
+    elif kind == "int8 (w8a8)":
+        want = np.asarray(arg, np.float64) @ np.asarray(w.values, np.float64).T
+    else:
+        want = np.asarray(x, np.float64) @ (np.asarray(w.values, np.float64) * np.asarray(w.scale)).T
+    tol = 2e-2 if kind == "int4 g32" else 1e-5  # int4: the activations' int8 rounding (Q8_0-style)
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    if kind != "int8 (w8a8)":
+        xla = np.asarray(gemv_stream.xla_call(x, w), np.float64)
+        assert np.abs(xla - want).max() <= 2e-2 * np.abs(want).max()
+
+
+def test_gemv_weight_checks():
+    from jaxinfer.benchmarks import gemv_stream
+
+    with pytest.raises(ValueError, match="unknown micro-benchmark weight 'fp8'"):
+        gemv_stream.make_weight("fp8", 1)
+    with pytest.raises(ValueError, match="fewer than 8 output channels"):
+        gemv_stream.make_weight("bf16", 0.01)
+
+
+def test_quant_native_both_peers_and_gemv(tmp_path):
+    """One run of every new part on the tiny HF Llama: weight-only int8 with the native kernels and with XLA, the
+    stub peers, and a 0.25 MiB micro-benchmark; the kernels are in the native step's HLO and not in XLA's, and the
+    peers' rooflines follow from their bytes."""
+    from pallas_kernels import cpu_gemv
+
+    if not cpu_gemv.active():
+        pytest.skip("the native CPU kernels are not available here")
+    model = make_tiny_model_dir(tmp_path / "tiny")
+    stub = ["--peer-python", sys.executable, "--peer-script", str(STUB_PEER), "--llamacpp-python", sys.executable,
+            "--llamacpp-script", str(STUB_PEER), "--llamacpp-cache", str(tmp_path / "cache")]
+    report, written = run_bench(tmp_path, "quant", "--model", str(model), "--formats", "int8 weight-only",
+                                "--batches", "1", "--reps", "1", "--max-model-len", "256", "--bw-gib", "0.016",
+                                "--bw-reps", "1", "--native", "both", "--gemv", "--gemv-mib", "0.25",
+                                "--gemv-rows", "1,8", "--gemv-reps", "1", "--peer-steps", "2", *stub)
+    data = report["data"]
+    rows = {r["matmuls"]: r for r in data["rows"]}
+    assert set(rows) == {"native", "XLA"} and rows["native"]["weight_bytes"] == rows["XLA"]["weight_bytes"]
+    assert rows["native"]["native_calls"].get("int8_matmul", 0) >= 1 and rows["XLA"]["native_calls"] == {}
+    cfg, _ = load_hf_weights(model, np.float32)
+    kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    peer_rows = {(p["peer"], p["weights"]): p for p in data["peer_rows"]}
+    assert set(peer_rows) == {("llama.cpp", t) for t in ("Q4_0", "Q8_0", "BF16")} | {("HF transformers", "bfloat16")}
+    q4 = peer_rows[("llama.cpp", "Q4_0")]
+    assert q4["tok_s"] == 20.0  # the stub's 50 ms step
+    assert q4["roofline_tok_s"] == pytest.approx(data["roofline_gb_s"] * 1e9 / (70e6 + kv_f16 * q4["context"]))
+    assert peer_rows[("HF transformers", "bfloat16")]["roofline_tok_s"] is None  # no bf16 row to take bytes from
+    assert [(g["kind"], g["rows"]) for g in data["gemv"]] == [(k, m) for k in ("bf16", "int8 weight-only",
+                                                                                "int8 (w8a8)", "int4 g32")
+                                                               for m in (1, 8)]
+    for g in data["gemv"]:
+        for key in ("native_gb_s", "xla_gb_s"):
+            assert_positive_finite(g[key], key)
+        assert g["native_gb_s"] == pytest.approx(g["bytes"] / g["native_ms"] / 1e6)
+    begin, end = SECTION
+    section = written[written.index(begin):written.index(end)]
+    for expected in ("| int8 weight-only | native | 1 |", "| int8 weight-only | XLA | 1 |",
+                     "| llama.cpp | Q4_0 | ", "Kernel micro-benchmark", "| int4 g32 | 8 | [128, 4096] | 0 |",
+                     "- Batch 1, native kernels over XLA (tok/s): int8 weight-only ",
+                     "- Goal: >= 70% of the weight-read roofline"):
+        assert expected in section, expected
+
+
+@pytest.mark.parametrize("before", [None, "1", "0"])
+def test_native_kernels_sets_the_users_switch_and_puts_it_back(monkeypatch, before):
+    """XLA rows run as a user turns the kernels off (the variable, which the runner's padding reads too), native
+    rows with it unset; whatever was set before is restored."""
+    import os
+
+    from jaxinfer.benchmarks.quant import NATIVE_VARIABLE, native_kernels
+    from pallas_kernels import cpu_gemv
+
+    if before is None:
+        monkeypatch.delenv(NATIVE_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(NATIVE_VARIABLE, before)
+    with native_kernels(False):
+        assert os.environ[NATIVE_VARIABLE] == "0" and not cpu_gemv.active()
+    with native_kernels(True):
+        assert NATIVE_VARIABLE not in os.environ
+    assert os.environ.get(NATIVE_VARIABLE) == before
