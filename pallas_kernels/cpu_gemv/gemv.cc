@@ -352,52 +352,72 @@ void i8_rows(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y,
 // the caller lays out each 64-input chunk of xq as its 32 even inputs then its 32 odd ones. The int32 lanes 0-3
 // then hold block 2c's dot and lanes 4-7 block 2c+1's, scaled by xs8 (the activations' block scales, each repeated
 // over its four lanes: [M, K / 64, 8]) times the weight's group scale of each block.
-template <int MG>
-void q4_row(const int8_t* xq, const float* xs8, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
-            const float* offset, float offset_factor, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
+template <int MG, int NR>
+void q4_block(const int8_t* xq, const float* xs8, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+              const float* offset, float offset_factor, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+  const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const int64_t blocks_per_group = K / G / 32;
-  const uint8_t* row = w + n * (K / 2);
-  const float* ws = scale + n * G;
-  __m256 acc[MG];
-  for (int i = 0; i < MG; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[MG][NR];
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 64; ++c) {
-    if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * c) + kPrefetchBytes, _MM_HINT_T0);
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
-    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    __m256 wsv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(ws[(2 * c) / blocks_per_group])),
-                                      _mm_set1_ps(ws[(2 * c + 1) / blocks_per_group]), 1);
+    __m256i lo[NR], hi[NR];
+    __m256 wsv[NR];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      lo[r] = _mm256_and_si256(v, low4);
+      hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const float* ws = scale + (n + r) * G;
+      if (blocks_per_group == 1) {  // the two blocks' scales, each over four lanes
+        __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws + 2 * c)));
+        wsv[r] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pair);
+      } else {  // both blocks in one group
+        wsv[r] = _mm256_broadcast_ss(ws + (2 * c) / blocks_per_group);
+      }
+    }
     for (int i = 0; i < MG; ++i) {
       const int8_t* xc = xq + (m0 + i) * K + 64 * c;
       __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
       __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32));
-      __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-      __m256 d = _mm256_mul_ps(wsv, _mm256_loadu_ps(xs8 + ((m0 + i) * (K / 64) + c) * 8));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), d, acc[i]);
+      __m256 xs = _mm256_loadu_ps(xs8 + ((m0 + i) * (K / 64) + c) * 8);
+      for (int r = 0; r < NR; ++r) {
+        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xe), _mm256_maddubs_epi16(hi[r], xo));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(wsv[r], xs),
+                                    acc[i][r]);
+      }
     }
   }
-  const float* off = offset + n * G;
-  for (int i = 0; i < MG; ++i) {
-    const float* xg = xsum + (m0 + i) * G;
-    float corr = 0.f;
-    for (int64_t g = 0; g < G; ++g) corr += off[g] * xg[g];
-    y[(m0 + i) * N + n] = hsum(acc[i]) + offset_factor * corr;
+  for (int r = 0; r < NR; ++r) {
+    const float* off = offset + (n + r) * G;
+    for (int i = 0; i < MG; ++i) {
+      const float* xg = xsum + (m0 + i) * G;
+      __m256 c8 = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
+      float corr = hsum(c8);
+      for (; g < G; ++g) corr += off[g] * xg[g];
+      y[(m0 + i) * N + n + r] = hsum(acc[i][r]) + offset_factor * corr;
+    }
   }
+}
+
+template <int NR>
+void q4_rows_fixed(const int8_t* xq, const float* xs8, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                   const float* scale, const float* offset, float f, int64_t G, float* y, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) q4_block<2, NR>(xq, xs8, xsum, K, w, scale, offset, f, G, y, N, n, m);
+  if (m < M) q4_block<1, NR>(xq, xs8, xsum, K, w, scale, offset, f, G, y, N, n, m);
 }
 
 void q4_rows(const int8_t* xq, const float* xs8, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
              const float* scale, const float* offset, float offset_factor, int64_t G, float* y, int64_t N,
              int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q4_row<4>(xq, xs8, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m);
-    switch (M - m) {
-      case 3: q4_row<3>(xq, xs8, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m); break;
-      case 2: q4_row<2>(xq, xs8, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m); break;
-      case 1: q4_row<1>(xq, xs8, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m); break;
-      default: break;
-    }
-  }
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) q4_rows_fixed<2>(xq, xs8, xsum, M, K, w, scale, offset, offset_factor, G, y, N, n);
+  for (; n < n1; ++n) q4_rows_fixed<1>(xq, xs8, xsum, M, K, w, scale, offset, offset_factor, G, y, N, n);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
