@@ -11,7 +11,7 @@ setup(
     packages=find_packages(include=[f"{root}{sub}" for root in ("jaxinfer", "models", "sharding", "pallas_kernels")
                                     for sub in ("", ".*")]),
     # The native CPU kernels' C++ source, compiled at first use (pallas_kernels/cpu_gemv/build.py).
-    package_data={"pallas_kernels.cpu_gemv": ["*.cc"]},
+    package_data={"pallas_kernels.cpu_gemv": ["*.cc", "*.h"]},
     install_requires=[
         "jax>=0.11.2",
         "jaxlib>=0.11.2",

@@ -214,7 +214,7 @@ def _native_2d(x: jax.Array, w: jax.Array | QuantizedWeight, layout: str, k: int
     if w.scale.dtype != jnp.float32:
         return None
     scale = flat(src.scale, n, groups)
-    if fmt == "int8" and not w.quantize_activations and (k // groups) % 8 == 0:
+    if fmt == "int8" and not w.quantize_activations and (k // groups) % 16 == 0:
         return cpu_gemv.int8_matmul(x, flat(src.values, n, k), scale, layer=layer)
     if fmt == "int8" and w.quantize_activations and not w.activation_group_size and k % 32 == 0:
         xq, x_scale = quantize_rows(x, [1], "int8")  # as `_activation_quantized`: the same numbers

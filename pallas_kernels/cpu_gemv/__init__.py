@@ -9,7 +9,7 @@ and the shapes fit; everything else stays on XLA.
 | function        | weight                                     | activations                        | result       |
 |-----------------|--------------------------------------------|------------------------------------|--------------|
 | `float_matmul`  | bf16 or f32, [K, N] or [N, K]              | f32 / bf16                         | f32          |
-| `int8_matmul`   | int8 [N, K], f32 scale [N, G]              | f32 / bf16 (exact products in f32) | f32          |
+| `int8_matmul`   | int8 [N, K], f32 scale [N, G]              | rounded here to int16 per row      | f32          |
 | `i8i8_matmul`   | int8 [N, K]                                | int8 (w8a8, quantized by caller)   | int32, exact |
 | `int4_matmul`   | packed int4 [N, K / 2] (`models.quant4`'s  | quantized here to int8 per block of | f32          |
 |                 | order), f32 scale [N, G], optional f32 min | 32 (Q8_0-style, as llama.cpp does) |              |
@@ -140,10 +140,14 @@ def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, layer: jax
                 ) -> jax.Array:
     """Weight-only int8: x @ (values * scale).T with the weight's groups of K / G inputs each scaled.
 
+    The kernel rounds each activation row to int16 (absmax / 32767, nearest even: at most 1 / 65534 of the row's
+    largest input per element, finer than bf16) and multiplies it exactly with the int8 values (vpmaddwd), so the
+    result differs from the float product by that rounding alone.
+
     Args:
       x: f32 or bf16 [M, K], M <= MAX_ROWS.
       values: int8 [N, K] ([L, N, K] with `layer`).
-      scale: f32 [N, G] ([L, N, G]), G = 1 (per output channel) or K / group with group a multiple of 8.
+      scale: f32 [N, G] ([L, N, G]), G = 1 (per output channel) or K / group with group a multiple of 16.
       layer: as `float_matmul`.
 
     Returns:
@@ -157,7 +161,7 @@ def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, layer: jax
     m, _ = _check_rows(x, k)
     if values.dtype != jnp.int8:
         raise ValueError(f"int8 values expected, got {values.dtype}")
-    _check_scales(n, k, values, scale, None, 8, "int8 weight [N, K]")
+    _check_scales(n, k, values, scale, None, 16, "int8 weight [N, K]")
     index, (values, scale) = _stacked(layer, values, scale)
     return _call("int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), index, values, scale)
 

@@ -27,6 +27,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.cc")
+HEADERS = (Path(__file__).with_name("threads.h"),)  # included by SOURCE; part of the cache key
 # The ISA levels the source builds for, lowest first: compiler flags and the /proc/cpuinfo flags each needs.
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
@@ -84,7 +85,8 @@ def library_path(level: str) -> Path | None:
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "ffi.h"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(_command("cxx", level, Path("o"))), version,
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *(h.read_text() for h in HEADERS),
+                                    " ".join(_command("cxx", level, Path("o"))), version,
                                     header.read_text() if header.exists() else ""]).encode()).hexdigest()[:16]
     path = cache_dir() / f"jaxinfer_gemv_{level}_{key}.so"
     if path.exists():

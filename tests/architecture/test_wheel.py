@@ -29,5 +29,6 @@ def test_wheel_contains_every_library_package(tmp_path):
     assert missing == []
     modules = sorted(p.relative_to(REPO).as_posix() for root in LIBRARY_ROOTS for p in (REPO / root).rglob("*.py"))
     assert [m for m in modules if m not in names] == []
-    sources = sorted(p.relative_to(REPO).as_posix() for root in LIBRARY_ROOTS for p in (REPO / root).rglob("*.cc"))
+    sources = sorted(p.relative_to(REPO).as_posix() for root in LIBRARY_ROOTS for pattern in ("*.cc", "*.h")
+                     for p in (REPO / root).rglob(pattern))
     assert sources and [s for s in sources if s not in names] == []  # native kernels build from their source

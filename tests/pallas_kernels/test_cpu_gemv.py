@@ -44,6 +44,15 @@ def _q8_blocks(x: np.ndarray) -> np.ndarray:
     return (q * (amax / np.float32(127)).astype(np.float32)).astype(np.float64).reshape(m, k)
 
 
+def _int16_rows(x: np.ndarray) -> np.ndarray:
+    """The int8 kernel's activation rounding: each row to int16 at absmax / 32767, nearest even, as float64."""
+    x = x.astype(np.float32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(32767) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.round(x * inverse), -32767, 32767)
+    return q.astype(np.float64) * (amax / np.float32(32767)).astype(np.float32).astype(np.float64)
+
+
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("m", ROWS)
 def test_float_kernels_both_layouts(k, n, m):
@@ -70,7 +79,12 @@ def test_int8_weight_only_and_w8a8(k, n, m):
     for groups in (1, k // 32):
         scale = rng.uniform(0.01, 1.0, (n, groups)).astype(np.float32)
         w = (q.reshape(n, groups, -1) * scale[..., None].astype(np.float64)).reshape(n, k)
-        assert _rel_err(jax.jit(cpu_gemv.int8_matmul)(x, q, scale), x.astype(np.float64) @ w.T) < 1e-5
+        y = jax.jit(cpu_gemv.int8_matmul)(x, q, scale)
+        xr = _int16_rows(x)
+        assert _rel_err(y, xr @ w.T) < 1e-6  # the documented math: int16-rounded rows, exact int8 weights
+        exact = x.astype(np.float64) @ w.T  # and the unrounded product, within that rounding's bound
+        bound = np.abs(xr - x) @ np.abs(w).T
+        assert (np.abs(np.asarray(y, np.float64) - exact) <= bound * 1.001 + 1e-6 * np.abs(exact).max()).all()
     xq = rng.integers(-127, 128, (m, k)).astype(np.int8)
     exact = xq.astype(np.int64) @ q.T.astype(np.int64)
     np.testing.assert_array_equal(np.asarray(jax.jit(cpu_gemv.i8i8_matmul)(xq, q)), exact)
@@ -128,6 +142,7 @@ def test_all_zero_activation_blocks():
     (lambda: cpu_gemv.float_matmul(jnp.ones((1, 6)), jnp.ones((6, 4)), input_major=True), "multiple of 4"),
     (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8)), jnp.ones((8, 4), jnp.int8), input_major=True), "bf16 or f32"),
     (lambda: cpu_gemv.int8_matmul(jnp.ones((1, 32)), jnp.ones((4, 32), jnp.int8), jnp.ones((4, 3))), "scale"),
+    (lambda: cpu_gemv.int8_matmul(jnp.ones((1, 32)), jnp.ones((4, 32), jnp.int8), jnp.ones((4, 4))), "multiple of 16"),
     (lambda: cpu_gemv.i8i8_matmul(jnp.ones((1, 48), jnp.int8), jnp.ones((4, 48), jnp.int8)), "multiple of 32"),
     (lambda: cpu_gemv.int4_matmul(jnp.ones((1, 96)), jnp.ones((4, 48), jnp.uint8), jnp.ones((4, 3))),
      "multiple of 64"),

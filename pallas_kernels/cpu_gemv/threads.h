@@ -1,0 +1,138 @@
+// Work split for the kernels of gemv.cc: persistent worker threads and the chunk counter they share with the caller.
+#ifndef JAXINFER_CPU_GEMV_THREADS_H_
+#define JAXINFER_CPU_GEMV_THREADS_H_
+
+#include <immintrin.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace jaxinfer_gemv {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Work split: a call's chunks are taken from an atomic counter by the calling thread and by persistent worker
+// threads. A decode step calls these kernels a few hundred times, tens of microseconds apart, so the workers spin
+// for a while after each job (`kSpin`) instead of sleeping: waking a sleeping thread costs about as long as a small
+// matmul takes; they spin by yielding, so XLA's own threads still get the core whenever they have work. After the
+// spin they sleep until the next job. One job runs at a time; a call made while another
+// runs (XLA may run independent thunks concurrently) does its chunks alone.
+constexpr auto kSpin = std::chrono::microseconds(300);
+
+struct Job {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t count = 0;
+  void (*call)(const void*, int64_t) = nullptr;
+  const void* ctx = nullptr;
+
+  void drain() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) {
+      call(ctx, i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Threads per call: the CPUs this process may run on, capped by JAXINFER_NATIVE_THREADS when set (read once).
+inline int64_t max_threads() {
+  static const int64_t threads = [] {
+    cpu_set_t set;
+    int64_t cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    const char* env = std::getenv("JAXINFER_NATIVE_THREADS");
+    int64_t cap = env && *env ? std::max<int64_t>(1, std::atoll(env)) : cpus;
+    return std::max<int64_t>(1, std::min(cpus, cap));
+  }();
+  return threads;
+}
+
+class Workers {
+ public:
+  static Workers& get() {
+    static Workers* workers = new Workers(max_threads() - 1);  // never destroyed: threads outlive exit safely
+    return *workers;
+  }
+
+  template <typename F>
+  void run(int64_t count, const F& f) {
+    std::unique_lock<std::mutex> lock(submit_, std::try_to_lock);
+    if (threads_.empty() || count <= 1 || !lock.owns_lock()) {
+      for (int64_t i = 0; i < count; ++i) f(i);
+      return;
+    }
+    Job job;
+    job.count = count;
+    job.call = [](const void* ctx, int64_t i) { (*static_cast<const F*>(ctx))(i); };
+    job.ctx = &f;
+    job_.store(&job);
+    generation_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> guard(sleep_);
+      wake_.notify_all();
+    }
+    job.drain();
+    for (int spins = 0; job.done.load(std::memory_order_acquire) < count; ++spins) {
+      if (spins < 4000) _mm_pause();
+      else sched_yield();  // the worker holding the last chunk may need this core
+    }
+    job_.store(nullptr);
+    while (inside_.load() > 0) _mm_pause();  // no worker still holds &job
+  }
+
+ private:
+  explicit Workers(int64_t n) {
+    for (int64_t t = 0; t < n; ++t) threads_.emplace_back([this] { loop(); });
+    for (auto& t : threads_) t.detach();
+  }
+
+  void loop() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        sched_yield();  // polite: XLA's own threads (its parallel fusions) get this core when they need it
+        if ((spins & 15) == 15 && std::chrono::steady_clock::now() - start > kSpin) {
+          std::unique_lock<std::mutex> lock(sleep_);
+          sleepers_.fetch_add(1);
+          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          sleepers_.fetch_sub(1);
+          break;
+        }
+      }
+      seen = generation_.load();
+      inside_.fetch_add(1);
+      if (Job* job = job_.load()) job->drain();
+      inside_.fetch_sub(1);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex submit_, sleep_;
+  std::condition_variable wake_;
+  std::atomic<Job*> job_{nullptr};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> inside_{0}, sleepers_{0};
+};
+
+template <typename F>
+void parallel_chunks(int64_t count, const F& f) {
+  Workers::get().run(count, f);
+}
+
+// Rows of N per chunk: about four chunks per thread, a multiple of `align`, at least `min_rows`.
+inline int64_t rows_per_chunk(int64_t n, int64_t align, int64_t min_rows) {
+  int64_t threads = max_threads();
+  int64_t rows = (n + 4 * threads - 1) / (4 * threads);
+  rows = std::max(rows, min_rows);
+  return (rows + align - 1) / align * align;
+}
+
+}  // namespace jaxinfer_gemv
+
+#endif  // JAXINFER_CPU_GEMV_THREADS_H_
