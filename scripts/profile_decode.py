@@ -1,0 +1,77 @@
+"""Where a decode step's time goes, by XLA op kind: a `jax.profiler` trace of a few `ModelRunner.execute` calls of
+one weight format (a `jaxinfer bench quant` format name), aggregated from the trace's XLA thread events.
+
+    .venv/bin/python scripts/profile_decode.py "int8 (w8a8)" --batch 1 [--unrolled]
+
+Prints the median step time untraced, then ms per step of each op kind (ffi_call = the native matmul kernels,
+while = loops, including the layer scan itself, so nested times add up to more than the step; copy / ynn fusions
+inside the attention loop are its page gathers and dots). Tracing slows the step; compare kinds, not totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import statistics
+import tempfile
+import time
+
+import jax
+from jax._src.lib import _profile_data
+
+from jaxinfer import SamplingParams
+from jaxinfer.benchmarks.quant import CONTEXT, FORMATS, KV_BYTES, _chunks
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.sampling import SamplingRow
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("format", choices=list(FORMATS))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--unrolled", action="store_true", help="scan_layers=False")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    dtype, quantization = FORMATS[args.format]
+    engine = Engine(EngineConfig.create(model=None, dtype=dtype, quantization=quantization, warmup=False,
+                                        max_model_len=512, kv_cache_memory_bytes=KV_BYTES,
+                                        enable_prefix_caching=False, scan_layers=not args.unrolled))
+    pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
+    pages = engine.page_allocator.allocate(args.batch * pages_per_seq)
+    chunks = _chunks(args.batch, pages, pages_per_seq, engine.runner.cfg.vocab_size)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), seed=i) for i in range(args.batch)]
+    step = functools.partial(engine.runner.execute, chunks, rows)
+    for _ in range(5):
+        step()
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    print(f"{args.format}, batch {args.batch}: median step {1e3 * statistics.median(times):.2f} ms (untraced)")
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        for _ in range(args.steps):
+            step()
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        data = _profile_data.ProfileData.from_file(path)
+    total, count = collections.Counter(), collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):
+                continue
+            for event in line.events:
+                if not event.name.startswith("ThunkExecutor"):
+                    kind = event.name.split(".")[0]
+                    total[kind] += event.duration_ns
+                    count[kind] += 1
+    for kind, ns in total.most_common(12):
+        print(f"{ns / args.steps / 1e6:8.3f} ms/step  {count[kind] // args.steps:5d} per step  {kind}")
+
+
+if __name__ == "__main__":
+    main()
