@@ -36,7 +36,7 @@ from jaxinfer.engine.prompt_logprobs import PromptLogprobRows, chunk_targets
 from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow
 from jaxinfer.engine.spec_decode import draft as draft_lib
 from jaxinfer.engine.spec_decode.verify import VerifyOutput
-from jaxinfer.engine.step_inputs import (draft_inputs, next_power_of_two, num_padded_tokens, prepare_step,
+from jaxinfer.engine.step_inputs import (draft_inputs, min_rows, next_power_of_two, num_padded_tokens, prepare_step,
                                          verify_draft_ids)
 from jaxinfer.engine.step_results import StepResult, VerifyResult
 from jaxinfer.scheduler.chunk import ScheduledChunk
@@ -102,6 +102,7 @@ class ModelRunner:
             penalty_width=self.max_pages_per_seq * page_size)
         self.output_vocab = cfg.vocab_size if output_vocab is None else output_vocab
         self.mesh = mesh
+        self.fewest_rows = min_rows(1 if mesh is None else mesh.size)  # 1 with the native CPU kernels
         self.attention = attention
         self.draft = draft
         own_draft_cache = draft is not None and not draft.shares_target_cache
@@ -179,7 +180,8 @@ class ModelRunner:
                  verify_len: int = 0) -> tuple[np.ndarray, AttentionMetadata, int]:
         """`step_inputs.prepare_step` with this runner's page size, widest page table and attention backend."""
         return prepare_step(chunks, self.page_size, self.max_pages_per_seq, all_rows=all_rows,
-                            flash=self.attention.flash is not None, verify_width=verify_width, verify_len=verify_len)
+                            flash=self.attention.flash is not None, verify_width=verify_width, verify_len=verify_len,
+                            fewest_rows=self.fewest_rows)
 
     def step_inputs(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
                     prompt_logprobs: bool = False) -> tuple:

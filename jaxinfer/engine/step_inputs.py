@@ -23,10 +23,11 @@ from models.llama import AttentionMetadata
 from pallas_kernels import cpu_gemv
 
 
-def min_rows() -> int:
-    """Fewest token and logits rows a step pads to: 2 where XLA:CPU runs the matmuls (its one-row bf16 dot is ~10x
-    slower than its two-row one), 1 where the native CPU kernels do (a padding row is only extra work there)."""
-    return 1 if cpu_gemv.active() else 2
+def min_rows(mesh_size: int = 1) -> int:
+    """Fewest token and logits rows a step pads to: 1 where the native CPU kernels run the matmuls (a padding row
+    is only extra work there: one device, kernels active), else 2 (XLA:CPU's one-row bf16 dot is ~10x slower than
+    its two-row one)."""
+    return 1 if mesh_size == 1 and cpu_gemv.active() else 2
 
 NULL_PAGE = 0  # never allocated: padding reads and writes land here
 MIN_PREFILL_TOKENS = 16  # smallest token bucket of a step with a prefill chunk
@@ -112,10 +113,11 @@ def _pages_needed(chunks: Sequence[ScheduledChunk], kv_lens: Sequence[int], page
     return needed
 
 
-def _token_buckets(q_lens: list[int], batch_pad: int, verify_width: int, verify_len: int) -> tuple[int, int, int]:
+def _token_buckets(q_lens: list[int], batch_pad: int, verify_width: int, verify_len: int, fewest: int
+                   ) -> tuple[int, int, int]:
     """(padded flat tokens, longest query run as used, its padded bucket) of a step."""
     num_tokens, max_q = sum(q_lens), max(q_lens)
-    tokens_pad = next_power_of_two(num_tokens, min_rows())
+    tokens_pad = next_power_of_two(num_tokens, fewest)
     if verify_width:
         if verify_len:
             if max_q > verify_len:
@@ -129,7 +131,7 @@ def _token_buckets(q_lens: list[int], batch_pad: int, verify_width: int, verify_
 
 
 def _logits_indices(cu_q_lens: np.ndarray, q_lens: list[int], batch_pad: int, tokens_pad: int, all_rows: bool,
-                    verify_width: int) -> tuple[np.ndarray, int]:
+                    verify_width: int, fewest: int) -> tuple[np.ndarray, int]:
     """(which token rows the LM head reads, how many rows that is)."""
     n = len(q_lens)
     if verify_width:
@@ -139,7 +141,7 @@ def _logits_indices(cu_q_lens: np.ndarray, q_lens: list[int], batch_pad: int, to
         last[:n] = np.array(q_lens) - 1
         offsets = np.minimum(np.arange(verify_width)[None, :], last[:, None])
         return (starts[:, None] + offsets).reshape(-1).astype(np.int32), batch_pad
-    rows_pad = max(batch_pad, min_rows())
+    rows_pad = max(batch_pad, fewest)
     if all_rows:
         return np.arange(tokens_pad, dtype=np.int32), rows_pad
     indices = np.zeros(rows_pad, np.int32)
@@ -148,8 +150,8 @@ def _logits_indices(cu_q_lens: np.ndarray, q_lens: list[int], batch_pad: int, to
 
 
 def prepare_step(chunks: Sequence[ScheduledChunk], page_size: int, max_pages_per_seq: int, *, all_rows: bool,
-                 flash: bool = False, verify_width: int = 0,
-                 verify_len: int = 0) -> tuple[np.ndarray, AttentionMetadata, int]:
+                 flash: bool = False, verify_width: int = 0, verify_len: int = 0,
+                 fewest_rows: int = 2) -> tuple[np.ndarray, AttentionMetadata, int]:
     """Pads a ragged batch to its shape buckets.
 
     Args:
@@ -164,6 +166,7 @@ def prepare_step(chunks: Sequence[ScheduledChunk], page_size: int, max_pages_per
       verify_len: >= every verify window's length: pads the step as if every sequence of the padded batch had
         that many tokens, so that a verify step's shape depends on its batch bucket and verify_len alone (the
         shapes warm-up compiles); 0: no such padding.
+      fewest_rows: the fewest token and logits rows of a step (`min_rows`).
 
     Returns:
       (tokens i32[T_pad], metadata, padded batch / logits rows).
@@ -176,7 +179,7 @@ def prepare_step(chunks: Sequence[ScheduledChunk], page_size: int, max_pages_per
     if not chunks or min(q_lens) < 1:
         raise ValueError("every sequence in a step needs at least one new token")
     num_tokens, batch_pad = sum(q_lens), next_power_of_two(len(chunks))
-    tokens_pad, max_q, max_q_pad = _token_buckets(q_lens, batch_pad, verify_width, verify_len)
+    tokens_pad, max_q, max_q_pad = _token_buckets(q_lens, batch_pad, verify_width, verify_len, fewest_rows)
     kv_lens = [c.num_computed_tokens + q for c, q in zip(chunks, q_lens)]
     pages_needed = _pages_needed(chunks, kv_lens, page_size)
     page_table = build_page_table([c.page_ids for c in chunks], pages_needed, batch_pad,
@@ -195,7 +198,8 @@ def prepare_step(chunks: Sequence[ScheduledChunk], page_size: int, max_pages_per
     cu_q_lens[: len(chunks) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     kv_lens_arr = np.zeros(batch_pad, np.int32)
     kv_lens_arr[: len(chunks)] = kv_lens
-    logits_indices, rows_pad = _logits_indices(cu_q_lens, q_lens, batch_pad, tokens_pad, all_rows, verify_width)
+    logits_indices, rows_pad = _logits_indices(cu_q_lens, q_lens, batch_pad, tokens_pad, all_rows, verify_width,
+                                               fewest_rows)
     metadata = AttentionMetadata(positions=positions, cu_q_lens=cu_q_lens, kv_lens=kv_lens_arr,
                                  page_table=page_table, kv_loc=kv_loc, logits_indices=logits_indices,
                                  max_q_len=max_q_pad, fresh_prefill=fresh)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxinfer.engine.step_inputs import (NULL_PAGE, build_page_table, draft_inputs, kv_locations, padded_page_ids,
-                                         page_bucket, page_table_widths, prepare_step, verify_draft_ids)
+from jaxinfer.engine.step_inputs import (NULL_PAGE, build_page_table, draft_inputs, kv_locations, min_rows,
+                                         padded_page_ids, page_bucket, page_table_widths, prepare_step,
+                                         verify_draft_ids)
 from jaxinfer.scheduler.chunk import ScheduledChunk
 
 PAGE_SIZE = 4
@@ -88,3 +89,15 @@ def test_widths_and_padded_ids() -> None:
     assert page_table_widths(200) == [8, 32, 128, 200]
     assert page_table_widths(8) == [8]
     assert [list(a) for a in padded_page_ids([4, 5, 6], [7, 8, 9])] == [[4, 5, 6, 0], [7, 8, 9, 0]]
+
+
+def test_one_row_steps_pad_to_two_rows_unless_the_native_kernels_run(monkeypatch):
+    """XLA:CPU's one-row dot is slow, so a lone decode pads to two rows; with the native CPU kernels (one device) it
+    stays one row. A mesh of several devices runs XLA's dots: two rows."""
+    chunk = [ScheduledChunk([5], 3, [1])]
+    for fewest in (1, 2):
+        tokens, md, rows_pad = prepare_step(chunk, PAGE_SIZE, 64, all_rows=False, fewest_rows=fewest)
+        assert tokens.shape == (fewest,) and rows_pad == fewest and md.logits_indices.shape == (fewest,)
+    assert min_rows(1) == 1 and min_rows(4) == 2  # this machine builds the kernels (tests/pallas_kernels)
+    monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
+    assert min_rows(1) == 2
