@@ -13,8 +13,9 @@ Matmul paths (`qeinsum`):
 - **native CPU kernels** (`pallas_kernels.cpu_gemv`): on the CPU backend, a matmul with at most
   `cpu_gemv.MAX_ROWS` activation rows (decode) and a weight the kernels read (bf16 / f32, int8 weight-only and
   w8a8, packed int4) runs through them instead of XLA's dot, which streams such shapes far below the memory
-  bandwidth. Same results up to f32 summation order, except int4, whose kernel quantizes the activations to int8
-  per block of 32 (llama.cpp's Q4 x Q8 scheme). `JAXINFER_NATIVE_KERNELS=0` turns them off; `native_matmuls(False)`
+  bandwidth. bf16 / f32 and w8a8: the same results up to f32 summation order (w8a8: the same int32 sums); int8
+  weight-only and int4 round the activation rows to int16 (1 / 65534 of a row's largest input at most) and
+  multiply the codes exactly. `JAXINFER_NATIVE_KERNELS=0` turns them off; `native_matmuls(False)`
   does for what is traced inside it (`models.llama.forward` on a multi-device mesh: XLA partitions the dot, it
   cannot partition a custom call).
 - **Pallas kernels on GPU / TPU** (`pallas_kernels.quant_matmul`, opt-in with `JAXINFER_PALLAS_QMATMUL=1` until

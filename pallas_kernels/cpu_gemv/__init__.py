@@ -11,8 +11,8 @@ and the shapes fit; everything else stays on XLA.
 | `float_matmul`  | bf16 or f32, [K, N] or [N, K]              | f32 / bf16                         | f32          |
 | `int8_matmul`   | int8 [N, K], f32 scale [N, G]              | rounded here to int16 per row      | f32          |
 | `i8i8_matmul`   | int8 [N, K]                                | int8 (w8a8, quantized by caller)   | int32, exact |
-| `int4_matmul`   | packed int4 [N, K / 2] (`models.quant4`'s  | quantized here to int8 per block of | f32          |
-|                 | order), f32 scale [N, G], optional f32 min | 32 (Q8_0-style, as llama.cpp does) |              |
+| `int4_matmul`   | packed int4 [N, K / 2] (`models.quant4`'s  | rounded here to int16 per row      | f32          |
+|                 | order), f32 scale [N, G], optional f32 min |                                    |              |
 
 Environment: `JAXINFER_NATIVE_KERNELS=0` turns the kernels off (XLA everywhere); `JAXINFER_NATIVE_ISA=avx2` picks
 an ISA level (default: the highest this CPU runs; `build.ISA_LEVELS`). The library is compiled at first use
@@ -192,14 +192,13 @@ def i8i8_matmul(xq: jax.Array, values: jax.Array, *, layer: jax.Array | int | No
 
 def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Array | None = None, *,
                 layer: jax.Array | int | None = None) -> jax.Array:
-    """Packed int4 weight times activations quantized (in the kernel) to int8 per block of 32: absmax / 127,
-    rounded to nearest even, GGUF Q8_0's form.
+    """Packed int4 weight times activations rounded (in the kernel) to int16 per row, as `int8_matmul`.
 
     The weight is `models.quant4`'s: uint8 [N, K / 2], input 2j in the low nibble of byte j and 2j + 1 in the
-    high one; w = scale * (q - 8) (symmetric) or scale * q + min per group of K / G inputs. Each block's integer
-    dot is exact, and the -8 offset or the min multiplies the quantized activations' group sums, so the result
-    differs from the float weight-only product only by the int8 rounding of the activations (at most 0.4% of a
-    block's largest input each, as in llama.cpp's Q4 x Q8 dots).
+    high one; w = scale * (q - 8) (symmetric) or scale * q + min per group of K / G inputs. The codes multiply the
+    int16 activations exactly (vpmaddwd) and the -8 offset or the min multiplies the rounded rows' group sums, so
+    the result differs from the float weight-only product only by the activations' rounding (at most 1 / 65534 of
+    the row's largest input each).
 
     Args:
       x: f32 or bf16 [M, K], M <= MAX_ROWS, K a multiple of 64.

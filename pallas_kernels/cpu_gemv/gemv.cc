@@ -11,10 +11,10 @@
 //   float_nk   w bf16|f32 [N, K] (a tied embedding used as the LM head)        y f32 = x @ w.T
 //   int8_nk    w int8 [N, K], scale f32 [N, G] per K/G inputs (weight-only), x rounded to int16 per row here
 //   i8i8_nk    xq int8 [M, K], w int8 [N, K] (w8a8: values in [-127, 127])      y i32 = xq @ w.T (exact)
-//   q4_nk      w uint8 [N, K/2] (two 4-bit codes per byte, element 2j low nibble), scale f32 [N, G], x quantized
-//              here to int8 per block of 32 (Q8_0-style, as llama.cpp pairs Q4 weights with Q8 activations):
-//              y f32 = sum_blocks ws * xs * (codes . xq) + corr, where corr (the -8 offset or the per-group min
-//              times the quantized activations' group sums) is added per group from `offset` [N, G] and `xsum` [M, G].
+//   q4_nk      w uint8 [N, K/2] (two 4-bit codes per byte, element 2j low nibble), scale f32 [N, G], x rounded
+//              here to int16 per row (as int8_nk) and multiplied exactly with the codes:
+//              y f32 = xs * (sum_blocks ws * (codes . xq) + corr), where corr (the -8 offset or the per-group min
+//              times the rounded activations' group sums) is added per group from `offset` [N, G] and `xsum` [M, G].
 #include <immintrin.h>
 
 #include <sched.h>
@@ -233,75 +233,55 @@ void i8_rows(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y,
 
 // ---------------------------------------------------------------------------------------------------------------
 // q4_nk: 64 inputs (32 bytes of codes) per step. Low nibbles are the even inputs and high nibbles the odd ones, so
-// the caller lays out each 64-input chunk of xq as its 32 even inputs then its 32 odd ones. The int32 lanes 0-3
-// then hold block 2c's dot and lanes 4-7 block 2c+1's, scaled by xs8 (the activations' block scales, each repeated
-// over its four lanes: [M, K / 64, 8]) times the weight's group scale of each block.
-template <int MG, int NR>
-void q4_block(const int8_t* xq, const float* xs8, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
-              const float* offset, float offset_factor, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
-  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
-  const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+// the caller lays out each 64-input chunk of the int16 activations as its 32 even inputs then its 32 odd ones. The
+// codes widen to int16 and vpmaddwd multiplies them exactly with the activations; each 32-input block's int32 sums
+// are scaled by the block's weight scale into f32 totals (in units of the row's activation scale, applied last).
+template <int MG>
+void q4_row(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+            const float* offset, float offset_factor, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
   const int64_t blocks_per_group = K / G / 32;
-  __m256 acc[MG][NR];
-  for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_ps();
+  const uint8_t* row = w + n * (K / 2);
+  const float* ws = scale + n * G;
+  __m256 acc[MG];
+  for (int i = 0; i < MG; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t c = 0; c < K / 64; ++c) {
-    __m256i lo[NR], hi[NR];
-    __m256 wsv[NR];
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
-      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-      lo[r] = _mm256_and_si256(v, low4);
-      hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      const float* ws = scale + (n + r) * G;
-      if (blocks_per_group == 1) {  // the two blocks' scales, each over four lanes
-        __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws + 2 * c)));
-        wsv[r] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), pair);
-      } else {  // both blocks in one group
-        wsv[r] = _mm256_broadcast_ss(ws + (2 * c) / blocks_per_group);
-      }
-    }
+    if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * c) + kPrefetchBytes, _MM_HINT_T0);
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    __m256i e0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), e1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+    __m256i o0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), o1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+    __m256 s0 = _mm256_broadcast_ss(ws + (2 * c) / blocks_per_group);
+    __m256 s1 = _mm256_broadcast_ss(ws + (2 * c + 1) / blocks_per_group);
     for (int i = 0; i < MG; ++i) {
-      const int8_t* xc = xq + (m0 + i) * K + 64 * c;
-      __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc));
-      __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32));
-      __m256 xs = _mm256_loadu_ps(xs8 + ((m0 + i) * (K / 64) + c) * 8);
-      for (int r = 0; r < NR; ++r) {
-        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xe), _mm256_maddubs_epi16(hi[r], xo));
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(wsv[r], xs),
-                                    acc[i][r]);
-      }
+      const __m256i* xc = reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 64 * c);
+      __m256i b0 = _mm256_add_epi32(_mm256_madd_epi16(e0, _mm256_loadu_si256(xc)),
+                                    _mm256_madd_epi16(o0, _mm256_loadu_si256(xc + 2)));
+      __m256i b1 = _mm256_add_epi32(_mm256_madd_epi16(e1, _mm256_loadu_si256(xc + 1)),
+                                    _mm256_madd_epi16(o1, _mm256_loadu_si256(xc + 3)));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b0), s0, acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b1), s1, acc[i]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    const float* off = offset + (n + r) * G;
-    for (int i = 0; i < MG; ++i) {
-      const float* xg = xsum + (m0 + i) * G;
-      __m256 c8 = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
-      float corr = hsum(c8);
-      for (; g < G; ++g) corr += off[g] * xg[g];
-      y[(m0 + i) * N + n + r] = hsum(acc[i][r]) + offset_factor * corr;
-    }
+  const float* off = offset + n * G;
+  for (int i = 0; i < MG; ++i) {
+    const float* xg = xsum + (m0 + i) * G;
+    __m256 c8 = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
+    float corr = hsum(c8);
+    for (; g < G; ++g) corr += off[g] * xg[g];
+    y[(m0 + i) * N + n] = hsum(acc[i]) + offset_factor * corr;  // the row's activation scale: by the caller
   }
 }
 
-template <int NR>
-void q4_rows_fixed(const int8_t* xq, const float* xs8, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                   const float* scale, const float* offset, float f, int64_t G, float* y, int64_t N, int64_t n) {
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) q4_block<2, NR>(xq, xs8, xsum, K, w, scale, offset, f, G, y, N, n, m);
-  if (m < M) q4_block<1, NR>(xq, xs8, xsum, K, w, scale, offset, f, G, y, N, n, m);
-}
-
-void q4_rows(const int8_t* xq, const float* xs8, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-             const float* scale, const float* offset, float offset_factor, int64_t G, float* y, int64_t N,
-             int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) q4_rows_fixed<2>(xq, xs8, xsum, M, K, w, scale, offset, offset_factor, G, y, N, n);
-  for (; n < n1; ++n) q4_rows_fixed<1>(xq, xs8, xsum, M, K, w, scale, offset, offset_factor, G, y, N, n);
+void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+             const float* offset, float offset_factor, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) q4_row<2>(xq, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m);
+    if (m < M) q4_row<1>(xq, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -435,6 +415,29 @@ ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// Activation rows rounded to int16 (absmax / 32767, nearest even), with each row's scale: the weight-only kernels'
+// activations (int8_nk, q4_nk). `chunked`: each 64-input chunk laid out as its even inputs then its odd ones
+// (q4_nk's nibble order); `xsum` (when given, [M, G]): the rounded rows' sums per group of K / G inputs.
+std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool chunked, std::vector<float>& xs,
+                                std::vector<float>* xsum = nullptr, int64_t G = 1) {
+  std::vector<int16_t> q(M * K);
+  xs.resize(M);
+  if (xsum) xsum->assign(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[m * K + k]));
+    float inverse = amax > 0.f ? 32767.f / amax : 0.f;
+    xs[m] = amax / 32767.f;
+    for (int64_t k = 0; k < K; ++k) {
+      int16_t v = int16_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(x[m * K + k] * inverse))));
+      int64_t at = chunked ? (k / 64) * 64 + (k % 2) * 32 + (k % 64) / 2 : k;
+      q[m * K + at] = v;
+      if (xsum) (*xsum)[m * G + k / (K / G)] += float(v);
+    }
+  }
+  return q;
+}
+
 ffi::Error Int8Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                       ffi::ResultBuffer<ffi::F32> y) {
   if (auto e = check_activations(x); e.failure()) return e;
@@ -443,16 +446,8 @@ ffi::Error Int8Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuf
   std::vector<float> tmp;
   const float* xf = activations_f32(x, tmp);
   int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1], G = scale.dimensions()[2];
-  std::vector<int16_t> xq(M * K);  // each row to int16, absmax / 32767, nearest even
-  std::vector<float> xs(M);
-  for (int64_t m = 0; m < M; ++m) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xf[m * K + k]));
-    float inverse = amax > 0.f ? 32767.f / amax : 0.f;
-    xs[m] = amax / 32767.f;
-    for (int64_t k = 0; k < K; ++k)
-      xq[m * K + k] = int16_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(xf[m * K + k] * inverse))));
-  }
+  std::vector<float> xs;
+  std::vector<int16_t> xq = int16_rows(xf, M, K, false, xs);
   const int8_t* wl = at_layer<int8_t>(w, layer);
   const float* sl = at_layer<float>(scale, layer);
   float* out = y->typed_data();
@@ -479,58 +474,25 @@ ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::
   return ffi::Error::Success();
 }
 
-// q4_nk's activations: each row quantized to int8 per block of 32 (absmax / 127, round to nearest even: GGUF
-// Q8_0's form), laid out per 64-input chunk as its even inputs then its odd ones; xs8 the block scales over their
-// four lanes; xsum [M, G] the quantized activations' sums per weight group (times their scales).
-struct Q8Activations {
-  std::vector<int8_t> q;
-  std::vector<float> xs8, xsum;
-};
-
-Q8Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t G) {
-  Q8Activations a;
-  a.q.resize(M * K);
-  a.xs8.resize(M * (K / 64) * 8);
-  a.xsum.assign(M * G, 0.f);
-  const int64_t blocks_per_group = K / G / 32;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const float* xb = x + m * K + 32 * b;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      int8_t* chunk = a.q.data() + m * K + 64 * (b / 2);
-      for (int i = 0; i < 32; ++i) {
-        float v = std::nearbyint(xb[i] * inverse);
-        int8_t q = int8_t(std::max(-127.f, std::min(127.f, v)));
-        sum += q;
-        int pos = 32 * (b % 2) + i;  // position within the 64-input chunk; even ones first, then odd ones
-        chunk[(pos % 2) * 32 + pos / 2] = q;
-      }
-      for (int l = 0; l < 4; ++l) a.xs8[(m * (K / 64) + b / 2) * 8 + 4 * (b % 2) + l] = scale;
-      a.xsum[m * G + b / blocks_per_group] += float(sum) * scale;
-    }
-  return a;
-}
-
 ffi::Error Q4Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                     ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, float offset_factor) {
   if (auto e = check_activations(x); e.failure()) return e;
   for (auto* b : {&w, &scale, &offset})
     if (auto e = rank3(*b, "w, scale and offset"); e.failure()) return e;
-  std::vector<float> tmp;
+  std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
   int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1], G = scale.dimensions()[2];
-  Q8Activations a = quantize_activations(xf, M, K, G);
+  std::vector<int16_t> xq = int16_rows(xf, M, K, true, xs, &xsum, G);
   const uint8_t* wl = at_layer<uint8_t>(w, layer);
   const float *sl = at_layer<float>(scale, layer), *ol = at_layer<float>(offset, layer);
+  float* out = y->typed_data();
   int64_t rows = rows_per_chunk(N, 8, 16);
   parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
     int64_t n0 = c * rows;
-    q4_rows(a.q.data(), a.xs8.data(), a.xsum.data(), M, K, wl, sl, ol, offset_factor, G, y->typed_data(), N, n0,
-            std::min(N, n0 + rows));
+    q4_rows(xq.data(), xsum.data(), M, K, wl, sl, ol, offset_factor, G, out, N, n0, std::min(N, n0 + rows));
   });
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) out[m * N + n] *= xs[m];
   return ffi::Error::Success();
 }
 

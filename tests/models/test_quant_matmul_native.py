@@ -34,8 +34,8 @@ def test_qeinsum_routes_decode_shapes_and_matches_xla(fmt):
         with native_matmuls(False):
             ref, xla_native = _routed("td,dnh->tnh", x, wq)
         assert native == (rows <= cpu_gemv.MAX_ROWS) and not xla_native
-        # w8a8 exact (the same int32 sums); int8 weight-only rounds activations to int16, int4 to int8 per block of 32
-        tolerance = {"w8a8": 0.0, "int8": 1e-4, "int4": 2e-2}.get(fmt, 1e-5)
+        # w8a8 exact (the same int32 sums); int8 weight-only and int4 round activation rows to int16
+        tolerance = {"w8a8": 0.0, "int8": 1e-4, "int4": 1e-2}.get(fmt, 1e-5)  # int4: XLA rounds its weight to bf16
         assert _rel_err(y, np.asarray(ref, np.float64)) <= tolerance
 
 

@@ -34,16 +34,6 @@ def _rel_err(y, ref) -> float:
     return float(np.abs(np.asarray(y, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
-def _q8_blocks(x: np.ndarray) -> np.ndarray:
-    """GGUF Q8_0's activation rounding per block of 32 (absmax / 127, nearest even), as float64 values."""
-    m, k = x.shape
-    b = x.astype(np.float32).reshape(m, k // 32, 32)
-    amax = np.abs(b).max(-1, keepdims=True)
-    inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.clip(np.round(b * inverse), -127, 127)
-    return (q * (amax / np.float32(127)).astype(np.float32)).astype(np.float64).reshape(m, k)
-
-
 def _int16_rows(x: np.ndarray) -> np.ndarray:
     """The int8 kernel's activation rounding: each row to int16 at absmax / 32767, nearest even, as float64."""
     x = x.astype(np.float32)
@@ -108,12 +98,12 @@ INT4_CASES = [(k, n, group, asym) for k, n in [(576, 1536), (1536, 576), (128, 1
 
 @pytest.mark.parametrize("k,n,group,asymmetric", INT4_CASES)
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_int4_equals_the_weight_on_q8_rounded_activations(k, n, m, group, asymmetric):
+def test_int4_equals_the_weight_on_int16_rounded_activations(k, n, m, group, asymmetric):
     rng = np.random.default_rng(k + n + m + group)
     x, packed, scale, mins, w = _int4_case(rng, m, k, n, group, asymmetric)
     y = jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins)
-    xr = _q8_blocks(x)
-    assert _rel_err(y, xr @ w.T) < 1e-5  # the documented math: Q8_0-rounded activations, exact codes
+    xr = _int16_rows(x)
+    assert _rel_err(y, xr @ w.T) < 1e-6  # the documented math: int16-rounded activation rows, exact codes
     # and the unrounded product within the rounding's bound sum_k |x^_k - x_k| |w_k|
     exact = x.astype(np.float64) @ w.T
     bound = np.abs(xr - x) @ np.abs(w).T
@@ -126,14 +116,14 @@ def test_int4_equals_the_weight_on_q8_rounded_activations(k, n, m, group, asymme
 def test_int4_packing_property(m, chunks, n, seed, asymmetric):
     rng = np.random.default_rng(seed)
     x, packed, scale, mins, w = _int4_case(rng, m, 64 * chunks, n, 32, asymmetric)
-    assert _rel_err(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _q8_blocks(x) @ w.T) < 1e-5
+    assert _rel_err(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x) @ w.T) < 1e-6
 
 
 def test_all_zero_activation_blocks():
     rng = np.random.default_rng(0)
     x, packed, scale, mins, w = _int4_case(rng, 2, 128, 5, 32, False)
     x[:, :64] = 0.0
-    assert _rel_err(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _q8_blocks(x) @ w.T) < 1e-5
+    assert _rel_err(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x) @ w.T) < 1e-6
 
 
 @pytest.mark.parametrize("call,message", [

@@ -22,8 +22,9 @@ FORMATS = {  # name -> (dtype, quantization); int4 and w8a8 round activations as
     "int4": ("float32", "int4"),
 }
 # |logprob difference| allowed per step: f32 and int8 differ by summation order only (w8a8: the same int32 sums),
-# bf16 by activations rounded after sums taken in another order, int4 by the kernel's Q8 activation rounding
-LOGPROB_TOLERANCE = {"f32": 1e-4, "bf16": 0.1, "int8 weight-only": 1e-4, "int8 w8a8": 1e-4, "int4": 0.25}
+# bf16 by activations rounded after sums taken in another order, int8 weight-only and int4 by the kernels' int16
+# activation rows
+LOGPROB_TOLERANCE = {"f32": 1e-4, "bf16": 0.1, "int8 weight-only": 5e-3, "int8 w8a8": 1e-4, "int4": 5e-3}
 
 
 @contextmanager
