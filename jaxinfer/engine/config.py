@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from pallas_kernels import cpu_features
+
 if TYPE_CHECKING:  # imported where used: the command line imports this module at start-up, before any of them
     from jaxinfer.engine.spec_decode.config import SpeculativeConfig
     from models.quant import QuantizationConfig
@@ -216,6 +218,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_normalised()
+        cpu_features.check_environment()  # JAXINFER_NATIVE_ISA / _THREADS: a bad value fails before weights load
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of auto, {', '.join(DTYPE_NAMES)}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPE_NAMES):

@@ -3,7 +3,7 @@
 XLA:CPU reads a weight at a fraction of the memory bandwidth when only one or a few activation rows multiply it
 (a 1-row bf16 dot streams ~2 GB/s; weight-only int8 first writes a full-precision copy of the weight), and decode is
 exactly that shape. These kernels (`gemv.cc`, AVX2 + FMA) stream the weight once, keep the outputs in registers and
-split the rows over XLA's intra-op thread pool. `models.quant_matmul.qeinsum` routes a matmul here when `active()`
+split the work over persistent worker threads (`threads.h`). `models.quant_matmul.qeinsum` routes a matmul here when `active()`
 and the shapes fit; everything else stays on XLA.
 
 | function        | weight                                     | activations                        | result       |
@@ -14,44 +14,22 @@ and the shapes fit; everything else stays on XLA.
 | `int4_matmul`   | packed int4 [N, K / 2] (`models.quant4`'s  | rounded here to int16 per row      | f32          |
 |                 | order), f32 scale [N, G], optional f32 min |                                    |              |
 
-Environment: `JAXINFER_NATIVE_KERNELS=0` turns the kernels off (XLA everywhere); `JAXINFER_NATIVE_ISA=avx2` picks
-an ISA level (default: the highest this CPU runs; `build.ISA_LEVELS`). The library is compiled at first use
-(`build`).
+Environment (`pallas_kernels.cpu_features`; read when a matmul is traced, validated by `check_environment`): `JAXINFER_NATIVE_KERNELS=0` turns the
+kernels off (XLA everywhere); `JAXINFER_NATIVE_ISA=avx2` picks an ISA level (default: the highest this CPU runs;
+`build.ISA_LEVELS`); `JAXINFER_NATIVE_THREADS=N` (a positive integer) caps the threads per call (default: the
+CPUs this process may use; read once per process). The library is compiled at first use (`build`).
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_features import check_environment, isa_level  # noqa: F401 (re-exported)
 from pallas_kernels.cpu_gemv import build
 
 MAX_ROWS = 8  # activation rows up to which the kernels beat XLA's dot (BENCHMARKS.md, "native kernels")
-_OFF = ("0", "off", "false", "no")
-
-
-def isa_level() -> str | None:
-    """The ISA level the kernels run at: `JAXINFER_NATIVE_ISA`, else the highest this CPU supports; None when
-    `JAXINFER_NATIVE_KERNELS` turns them off or the CPU has no supported level.
-
-    Raises:
-      ValueError: `JAXINFER_NATIVE_ISA` names an unknown level or one this CPU cannot run.
-    """
-    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1").strip().lower() in _OFF:
-        return None
-    levels = build.supported_levels()
-    forced = os.environ.get("JAXINFER_NATIVE_ISA", "").strip().lower()
-    if forced:
-        if forced not in build.ISA_LEVELS:
-            raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r} is not a level; known: {', '.join(build.ISA_LEVELS)}")
-        if forced not in levels:
-            raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r}: this CPU cannot run it (it runs: "
-                             f"{', '.join(levels) or 'none'})")
-        return forced
-    return levels[-1] if levels else None
 
 
 def active() -> bool:
@@ -59,6 +37,7 @@ def active() -> bool:
     the library for the ISA level is built and registered (built at the first call)."""
     if jax.default_backend() != "cpu":
         return False
+    check_environment()
     level = isa_level()
     return level is not None and build.load(level)
 
@@ -71,7 +50,14 @@ def _call(kernel: str, out: jax.ShapeDtypeStruct, *args: jax.Array, **attrs) -> 
 
 
 def _activations(x: jax.Array) -> jax.Array:
-    """f32 and bf16 activations go to the kernels as they are (they convert bf16 themselves); others as f32."""
+    """f32 and bf16 activations go to the kernels as they are (they convert bf16 themselves), other real floats as
+    f32.
+
+    Raises:
+      ValueError: activations that are not real floating point.
+    """
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"activations must be floating point, got {x.dtype}")
     return x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(jnp.float32)
 
 
@@ -85,9 +71,20 @@ def _check_rows(x: jax.Array, k: int) -> tuple[int, int]:
 
 def _stacked(layer: jax.Array | int | None, *arrays: jax.Array | None) -> tuple[jax.Array, list]:
     """(int32 [1] layer index, the arrays as [L, ...]): one layer's 2-D arrays get L = 1 and index 0; with a
-    `layer`, the arrays are a scanned model's stacks [L, ...] and the kernel reads layer `layer` in place."""
+    `layer`, the arrays are a scanned model's stacks [L, ...] and the kernel reads layer `layer` in place (an index
+    outside [0, L) is clamped, as XLA clamps a dynamic slice).
+
+    Raises:
+      ValueError: `layer` not an integer scalar (or a Python int outside int32), or stacks of different L.
+    """
     if layer is None:
         return jnp.zeros((1,), jnp.int32), [None if a is None else a[None] for a in arrays]
+    if isinstance(layer, int) and not -2**31 <= layer < 2**31:
+        raise ValueError(f"layer={layer} is outside int32")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar, got {jnp.result_type(layer)}{list(jnp.shape(layer))}")
+    if len({a.shape[0] for a in arrays if a is not None}) > 1:
+        raise ValueError(f"stacked arrays of different layer counts: {[a.shape for a in arrays if a is not None]}")
     return jnp.asarray(layer, jnp.int32).reshape(1), list(arrays)
 
 

@@ -12,7 +12,6 @@ returns None: the callers fall back to XLA's dot.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -24,36 +23,15 @@ from pathlib import Path
 
 import jax
 
+from pallas_kernels.cpu_features import ISA_LEVELS, cpu_flags, supported_levels  # noqa: F401 (re-exported)
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.cc")
 HEADERS = (Path(__file__).with_name("threads.h"),)  # included by SOURCE; part of the cache key
-# The ISA levels the source builds for, lowest first: compiler flags and the /proc/cpuinfo flags each needs.
-ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
-}
 TARGETS = ("float_matmul", "int8_matmul", "i8i8_matmul", "q4_matmul")
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # ISA level -> registered (False: the build failed, do not retry)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def supported_levels() -> list[str]:
-    """The ISA levels this CPU can run, lowest first."""
-    flags = cpu_flags()
-    return [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= flags]
 
 
 def target_name(kernel: str, level: str) -> str:
@@ -66,7 +44,10 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++"):
+    wanted = os.environ.get("CXX")
+    if wanted and not shutil.which(wanted):
+        logger.warning("CXX=%r is not an executable; trying g++ and c++", wanted)
+    for name in (wanted, "g++", "c++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -91,16 +72,21 @@ def library_path(level: str) -> Path | None:
     path = cache_dir() / f"jaxinfer_gemv_{level}_{key}.so"
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
     logger.warning("compiling the native CPU matmul kernels (%s) into %s; once, about 10 s", level, path)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        partial = Path(tmp) / path.name
-        result = subprocess.run(_command(cxx, level, partial), capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning("building the native CPU matmul kernels failed (matmuls run on XLA's dot):\n%s",
-                           result.stderr[-2000:])
-            return None
-        os.replace(partial, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            partial = Path(tmp) / path.name
+            result = subprocess.run(_command(cxx, level, partial), capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("building the native CPU matmul kernels failed (matmuls run on XLA's dot):\n%s",
+                               result.stderr[-2000:])
+                return None
+            os.replace(partial, path)
+    except OSError as e:  # an unwritable or missing cache folder (JAXINFER_NATIVE_CACHE)
+        logger.warning("cannot build the native CPU matmul kernels into %s (%s): matmuls run on XLA's dot; set "
+                       "JAXINFER_NATIVE_CACHE to a writable folder", path.parent, e)
+        return None
     return path
 
 

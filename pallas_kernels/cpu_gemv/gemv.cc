@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -425,9 +426,14 @@ std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool chunk
   if (xsum) xsum->assign(M * G, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[m * K + k]));
-    float inverse = amax > 0.f ? 32767.f / amax : 0.f;
-    xs[m] = amax / 32767.f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      finite = finite && std::isfinite(x[m * K + k]);
+      amax = std::max(amax, std::fabs(x[m * K + k]));
+    }
+    // a row holding NaN or inf gives NaN outputs (its products would not be finite either)
+    float inverse = finite && amax > 0.f ? 32767.f / amax : 0.f;
+    xs[m] = finite ? amax / 32767.f : std::numeric_limits<float>::quiet_NaN();
     for (int64_t k = 0; k < K; ++k) {
       int16_t v = int16_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(x[m * K + k] * inverse))));
       int64_t at = chunked ? (k / 64) * 64 + (k % 2) * 32 + (k % 64) / 2 : k;

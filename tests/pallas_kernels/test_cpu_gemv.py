@@ -34,6 +34,12 @@ def _rel_err(y, ref) -> float:
     return float(np.abs(np.asarray(y, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
+def _assert_sums_close(y, x: np.ndarray, w: np.ndarray) -> None:
+    """y equals x @ w.T up to f32 summation: within 2e-6 of the sum of the terms' magnitudes, per output."""
+    err = np.abs(np.asarray(y, np.float64) - x @ w.T)
+    assert (err <= 2e-6 * (np.abs(x) @ np.abs(w).T) + 1e-30).all(), err.max()
+
+
 def _int16_rows(x: np.ndarray) -> np.ndarray:
     """The int8 kernel's activation rounding: each row to int16 at absmax / 32767, nearest even, as float64."""
     x = x.astype(np.float32)
@@ -71,7 +77,7 @@ def test_int8_weight_only_and_w8a8(k, n, m):
         w = (q.reshape(n, groups, -1) * scale[..., None].astype(np.float64)).reshape(n, k)
         y = jax.jit(cpu_gemv.int8_matmul)(x, q, scale)
         xr = _int16_rows(x)
-        assert _rel_err(y, xr @ w.T) < 1e-6  # the documented math: int16-rounded rows, exact int8 weights
+        _assert_sums_close(y, xr, w)  # the documented math: int16-rounded rows, exact int8 weights
         exact = x.astype(np.float64) @ w.T  # and the unrounded product, within that rounding's bound
         bound = np.abs(xr - x) @ np.abs(w).T
         assert (np.abs(np.asarray(y, np.float64) - exact) <= bound * 1.001 + 1e-6 * np.abs(exact).max()).all()
@@ -103,7 +109,7 @@ def test_int4_equals_the_weight_on_int16_rounded_activations(k, n, m, group, asy
     x, packed, scale, mins, w = _int4_case(rng, m, k, n, group, asymmetric)
     y = jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins)
     xr = _int16_rows(x)
-    assert _rel_err(y, xr @ w.T) < 1e-6  # the documented math: int16-rounded activation rows, exact codes
+    _assert_sums_close(y, xr, w)  # the documented math: int16-rounded activation rows, exact codes
     # and the unrounded product within the rounding's bound sum_k |x^_k - x_k| |w_k|
     exact = x.astype(np.float64) @ w.T
     bound = np.abs(xr - x) @ np.abs(w).T
@@ -116,14 +122,29 @@ def test_int4_equals_the_weight_on_int16_rounded_activations(k, n, m, group, asy
 def test_int4_packing_property(m, chunks, n, seed, asymmetric):
     rng = np.random.default_rng(seed)
     x, packed, scale, mins, w = _int4_case(rng, m, 64 * chunks, n, 32, asymmetric)
-    assert _rel_err(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x) @ w.T) < 1e-6
+    _assert_sums_close(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x), w)
+
+
+def test_rows_holding_nan_or_inf_give_nan_and_leave_the_other_rows_alone():
+    """The weight-only kernels round activation rows to int16: a non-finite row cannot be rounded, so its outputs
+    are NaN (as its float products would not be finite), never made-up finite numbers."""
+    rng = np.random.default_rng(3)
+    x, packed, scale, mins, w4 = _int4_case(rng, 3, 128, 5, 32, False)
+    x[0, 7], x[2, 100] = np.nan, np.inf
+    q = rng.integers(-127, 128, (5, 128)).astype(np.int8)
+    s8 = rng.uniform(0.01, 1.0, (5, 1)).astype(np.float32)
+    for y, w in ((cpu_gemv.int8_matmul(x, q, s8), q * s8.astype(np.float64)),
+                 (cpu_gemv.int4_matmul(x, packed, scale, mins), w4)):
+        y = np.asarray(y)
+        assert np.isnan(y[0]).all() and np.isnan(y[2]).all()
+        _assert_sums_close(y[1:2], _int16_rows(x[1:2]), w)
 
 
 def test_all_zero_activation_blocks():
     rng = np.random.default_rng(0)
     x, packed, scale, mins, w = _int4_case(rng, 2, 128, 5, 32, False)
     x[:, :64] = 0.0
-    assert _rel_err(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x) @ w.T) < 1e-6
+    _assert_sums_close(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x), w)
 
 
 @pytest.mark.parametrize("call,message", [
@@ -136,6 +157,14 @@ def test_all_zero_activation_blocks():
     (lambda: cpu_gemv.i8i8_matmul(jnp.ones((1, 48), jnp.int8), jnp.ones((4, 48), jnp.int8)), "multiple of 32"),
     (lambda: cpu_gemv.int4_matmul(jnp.ones((1, 96)), jnp.ones((4, 48), jnp.uint8), jnp.ones((4, 3))),
      "multiple of 64"),
+    (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8), jnp.complex64), jnp.ones((8, 4)), input_major=True),
+     "floating point"),
+    (lambda: cpu_gemv.int8_matmul(jnp.ones((1, 32)), jnp.ones((3, 4, 32), jnp.int8), jnp.ones((1, 4, 1)), layer=2),
+     "different layer counts"),
+    (lambda: cpu_gemv.int8_matmul(jnp.ones((1, 32)), jnp.ones((3, 4, 32), jnp.int8), jnp.ones((3, 4, 1)),
+                                  layer=2**40), "outside int32"),
+    (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8)), jnp.ones((3, 8, 4)), input_major=True, layer=jnp.array([0, 1])),
+     "integer scalar"),
 ])
 def test_bad_arguments_name_the_problem(call, message):
     with pytest.raises(ValueError, match=message):
@@ -149,6 +178,15 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert not cpu_gemv.active() and cpu_gemv.isa_level() is None
     with pytest.raises(RuntimeError, match="not available"):
         cpu_gemv.float_matmul(jnp.ones((1, 64)), jnp.ones((64, 32)), input_major=True)
+
+
+def test_thread_count_must_be_a_positive_integer(monkeypatch):
+    for bad in ("abc", "0", "-2", "1.5"):
+        monkeypatch.setenv("JAXINFER_NATIVE_THREADS", bad)
+        with pytest.raises(ValueError, match="JAXINFER_NATIVE_THREADS"):
+            cpu_gemv.check_environment()
+    monkeypatch.setenv("JAXINFER_NATIVE_THREADS", "2")
+    cpu_gemv.check_environment()
 
 
 def test_isa_level_choice_is_checked(monkeypatch):
@@ -179,3 +217,16 @@ def test_build_into_a_fresh_cache_and_fallbacks(tmp_path, monkeypatch, caplog, l
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert build.library_path(level) is None
     assert "no C++ compiler" in caplog.text
+
+
+def test_an_unusable_cache_folder_or_compiler_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog, level):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("JAXINFER_NATIVE_CACHE", str(tmp_path / "a_file" / "cache"))  # below a file: mkdir fails
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.library_path(level) is None
+    assert "JAXINFER_NATIVE_CACHE" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build._compiler() is not None  # g++ or c++ instead, said so
+    assert "is not an executable" in caplog.text

@@ -105,3 +105,10 @@ def test_jnp_dtypes_load_on_first_use():
     assert config.KV_CACHE_DTYPES == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
     with pytest.raises(AttributeError, match="no attribute 'DTYPE'"):
         config.DTYPE  # noqa: B018
+
+
+@pytest.mark.parametrize("variable,value", [("JAXINFER_NATIVE_ISA", "bogus"), ("JAXINFER_NATIVE_THREADS", "abc")])
+def test_a_bad_native_kernel_variable_fails_the_config_before_any_weight_loads(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=variable):
+        EngineConfig()

@@ -1,0 +1,72 @@
+"""What the native CPU kernels (`pallas_kernels.cpu_gemv`) can run on this CPU, and their environment switches,
+without importing jax (the engine's config checks them at start-up, before jax loads).
+
+- `JAXINFER_NATIVE_KERNELS=0` (or off / false / no): the kernels are off.
+- `JAXINFER_NATIVE_ISA`: an ISA level of `ISA_LEVELS` this CPU runs (default: its highest).
+- `JAXINFER_NATIVE_THREADS`: a positive integer, the threads per kernel call (default: the CPUs this process may use).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+# The ISA levels the source builds for, lowest first: compiler flags and the /proc/cpuinfo flags each needs.
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+}
+_OFF = ("0", "off", "false", "no")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def supported_levels() -> list[str]:
+    """The ISA levels this CPU can run, lowest first."""
+    flags = cpu_flags()
+    return [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= flags]
+
+
+def check_environment() -> None:
+    """Validates the kernels' environment variables (`isa_level` and `JAXINFER_NATIVE_THREADS`).
+
+    Raises:
+      ValueError: naming the variable: an unknown or unsupported ISA level, or a thread count that is not a
+        positive integer.
+    """
+    threads = os.environ.get("JAXINFER_NATIVE_THREADS", "").strip()
+    if threads and (not threads.isdigit() or int(threads) < 1):
+        raise ValueError(f"JAXINFER_NATIVE_THREADS={threads!r} must be a positive integer")
+    isa_level()
+
+
+def isa_level() -> str | None:
+    """The ISA level the kernels run at: `JAXINFER_NATIVE_ISA`, else the highest this CPU supports; None when
+    `JAXINFER_NATIVE_KERNELS` turns them off or the CPU has no supported level.
+
+    Raises:
+      ValueError: `JAXINFER_NATIVE_ISA` names an unknown level or one this CPU cannot run.
+    """
+    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1").strip().lower() in _OFF:
+        return None
+    levels = supported_levels()
+    forced = os.environ.get("JAXINFER_NATIVE_ISA", "").strip().lower()
+    if forced:
+        if forced not in ISA_LEVELS:
+            raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r} is not a level; known: {', '.join(ISA_LEVELS)}")
+        if forced not in levels:
+            raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r}: this CPU cannot run it (it runs: "
+                             f"{', '.join(levels) or 'none'})")
+        return forced
+    return levels[-1] if levels else None
