@@ -219,7 +219,9 @@ def test_tiny_llama_through_the_engine_equals_the_dequantized_model(tiny_files):
     assert len(q_out.token_ids) == 10 and q_out.token_ids == f_out.token_ids
     q_lp = [next(iter(lp.values())).logprob for lp in q_out.logprobs]
     f_lp = [next(iter(lp.values())).logprob for lp in f_out.logprobs]
-    np.testing.assert_allclose(q_lp, f_lp, rtol=1e-5, atol=1e-5)
+    # decode steps run the native CPU kernels, whose weight-only paths round activation rows to int16
+    # (tests/jaxinfer/engine/test_native_matmuls.py states the same tolerance)
+    np.testing.assert_allclose(q_lp, f_lp, rtol=0, atol=5e-3)
     assert q_bytes["bytes"] < f_bytes["bytes"] / 4 and q_bytes["quantized_share"] > 0.9
 
 
