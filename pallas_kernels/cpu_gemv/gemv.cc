@@ -120,64 +120,50 @@ void float_kn_rows(const float* x, int64_t M, int64_t K, const T* w, int64_t N, 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Row-major weights [N, K] (float_nk, int8_nk): NR weight rows by MG activation rows per register block. Inputs
-// are taken in groups of `group` (a multiple of 8; K for one group): each group's partial sums are multiplied by
-// the group's scale (1 for plain weights) and added to the totals.
+// float_nk: row-major weights [N, K] (K a multiple of 8), NR weight rows by MG activation rows per register block.
 template <typename T, int MG, int NR>
-void nk_block(const float* x, int64_t K, const T* w, const float* scale, int64_t G, float* y, int64_t N, int64_t n,
-              int64_t m0) {
-  const int64_t group = K / G;
-  __m256 total[MG][NR];
+void nk_block(const float* x, int64_t K, const T* w, float* y, int64_t N, int64_t n, int64_t m0) {
+  __m256 acc[MG][NR];
   for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) total[i][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 part[MG][NR];
-    for (int i = 0; i < MG; ++i)
-      for (int r = 0; r < NR; ++r) part[i][r] = _mm256_setzero_ps();
-    for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
-      __m256 wv[NR];
-      for (int r = 0; r < NR; ++r) {
-        const T* row = w + (n + r) * K + k;
-        if ((k & (64 / sizeof(T) - 1)) == 0)  // once per cache line
-          _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-        wv[r] = load8(row);
-      }
-      for (int i = 0; i < MG; ++i) {
-        __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
-        for (int r = 0; r < NR; ++r) part[i][r] = _mm256_fmadd_ps(xv, wv[r], part[i][r]);
-      }
-    }
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NR];
     for (int r = 0; r < NR; ++r) {
-      __m256 s = _mm256_set1_ps(scale ? scale[(n + r) * G + g] : 1.f);
-      for (int i = 0; i < MG; ++i) total[i][r] = _mm256_fmadd_ps(part[i][r], s, total[i][r]);
+      const T* row = w + (n + r) * K + k;
+      if ((k & (64 / sizeof(T) - 1)) == 0)  // once per cache line
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      wv[r] = load8(row);
+    }
+    for (int i = 0; i < MG; ++i) {
+      __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
+      for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);
     }
   }
   for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(total[i][r]);
+    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(acc[i][r]);
 }
 
 template <typename T, int NR>
-void nk_rows_fixed(const float* x, int64_t M, int64_t K, const T* w, const float* scale, int64_t G, float* y,
-                   int64_t N, int64_t n) {
+void nk_rows_fixed(const float* x, int64_t M, int64_t K, const T* w, float* y, int64_t N,
+                   int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) nk_block<T, 4, NR>(x, K, w, scale, G, y, N, n, m);
+  for (; m + 4 <= M; m += 4) nk_block<T, 4, NR>(x, K, w, y, N, n, m);
   switch (M - m) {
-    case 3: nk_block<T, 3, NR>(x, K, w, scale, G, y, N, n, m); break;
-    case 2: nk_block<T, 2, NR>(x, K, w, scale, G, y, N, n, m); break;
-    case 1: nk_block<T, 1, NR>(x, K, w, scale, G, y, N, n, m); break;
+    case 3: nk_block<T, 3, NR>(x, K, w, y, N, n, m); break;
+    case 2: nk_block<T, 2, NR>(x, K, w, y, N, n, m); break;
+    case 1: nk_block<T, 1, NR>(x, K, w, y, N, n, m); break;
     default: break;
   }
 }
 
 template <typename T>
-void nk_rows(const float* x, int64_t M, int64_t K, const T* w, const float* scale, int64_t G, float* y, int64_t N,
-             int64_t n0, int64_t n1) {
+void nk_rows(const float* x, int64_t M, int64_t K, const T* w, float* y, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (M == 1) {
-    for (; n + 4 <= n1; n += 4) nk_block<T, 1, 4>(x, K, w, scale, G, y, N, n, 0);
+    for (; n + 4 <= n1; n += 4) nk_block<T, 1, 4>(x, K, w, y, N, n, 0);
   }
-  for (; n + 2 <= n1; n += 2) nk_rows_fixed<T, 2>(x, M, K, w, scale, G, y, N, n);
-  for (; n < n1; ++n) nk_rows_fixed<T, 1>(x, M, K, w, scale, G, y, N, n);
+  for (; n + 2 <= n1; n += 2) nk_rows_fixed<T, 2>(x, M, K, w, y, N, n);
+  for (; n < n1; ++n) nk_rows_fixed<T, 1>(x, M, K, w, y, N, n);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -362,8 +348,7 @@ const T* at_layer(const ffi::AnyBuffer& b, const ffi::Buffer<ffi::S32>& layer) {
 }
 
 template <typename T>
-void float_call(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y,
-                bool kn, const float* scale, int64_t G) {
+void float_call(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y, bool kn) {
   if (kn) {
     int64_t threads = max_threads();
     int64_t rows = std::max<int64_t>(64, (K / (2 * threads) + 3) / 4 * 4);
@@ -380,7 +365,7 @@ void float_call(const float* x, int64_t M, int64_t K, const T* w, int64_t N, flo
   int64_t rows = rows_per_chunk(N, 8, 16);
   parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
     int64_t n0 = c * rows, n1 = std::min(N, n0 + rows);
-    nk_rows(x, M, K, w, scale, G, y, N, n0, n1);
+    nk_rows(x, M, K, w, y, N, n0, n1);
   });
 }
 
@@ -408,9 +393,9 @@ ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBu
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   int64_t N = kn ? w.dimensions()[2] : w.dimensions()[1];
   if (w.element_type() == ffi::BF16)
-    float_call(xf, M, K, at_layer<uint16_t>(w, layer), N, y->typed_data(), kn, nullptr, 1);
+    float_call(xf, M, K, at_layer<uint16_t>(w, layer), N, y->typed_data(), kn);
   else if (w.element_type() == ffi::F32)
-    float_call(xf, M, K, at_layer<float>(w, layer), N, y->typed_data(), kn, nullptr, 1);
+    float_call(xf, M, K, at_layer<float>(w, layer), N, y->typed_data(), kn);
   else
     return ffi::Error::InvalidArgument("float_matmul: w must be bf16 or f32");
   return ffi::Error::Success();
