@@ -135,14 +135,15 @@ def test_serve_checks_the_host_before_anything_loads(host: str, message: str, ca
     import signal
 
     from jaxinfer import cli
+    from jaxinfer.commands import options
 
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # serve's early stop handlers would exit pytest
-    monkeypatch.setattr(cli.EngineConfig, "create", lambda **_: pytest.fail("got past the host check"))
+    monkeypatch.setattr("jaxinfer.engine.config.EngineConfig.create", lambda **_: pytest.fail("got past the host check"))
     assert cli.main(["serve", "--host", host]) == 2
     err = capsys.readouterr().err
     assert err == f"jaxinfer: error: --host {host!r} {message}" + err.split(message, 1)[1] and err.count("\n") == 1
     for good in ("127.0.0.1", "::1", "[::1]", "localhost", "0.0.0.0"):
-        cli.check_host(good)
+        options.check_host(good)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from jaxinfer import cli
+from jaxinfer.commands import options as cli_options
 from jaxinfer.engine.config import EngineConfig
 
 FIELDS = dataclasses.fields(EngineConfig)
@@ -55,15 +56,15 @@ def test_every_field_has_a_flag_in_some_command():
 
 def test_the_flags_defaults_are_the_engines():
     parser = cli._build_parser()
-    serve = cli._engine_options(parser.parse_args(["serve"]))
+    serve = cli_options.engine_options(parser.parse_args(["serve"]))
     assert EngineConfig.create(**serve) == EngineConfig()
-    generate = cli._engine_options(parser.parse_args(["generate", "--prompt", "x"]))
+    generate = cli_options.engine_options(parser.parse_args(["generate", "--prompt", "x"]))
     assert EngineConfig.create(**generate) == EngineConfig(warmup=False)  # one prompt: no start-up compile
 
 
 @pytest.mark.parametrize("command", list(OLD_FLAGS))
 def test_the_flags_of_earlier_releases_still_set_their_fields(command):
-    options = cli._engine_options(cli._build_parser().parse_args([command, *REQUIRED[command], *OLD_FLAGS[command]]))
+    options = cli_options.engine_options(cli._build_parser().parse_args([command, *REQUIRED[command], *OLD_FLAGS[command]]))
     assert options["model"] == "m.gguf" and options["dtype"] == "bfloat16"
     if command == "generate":
         config = EngineConfig.create(**options)
@@ -100,7 +101,7 @@ def test_llm_takes_every_field_as_a_keyword(fake_engine):
     from jaxinfer import LLM
 
     assert LLM(**{f.name: f.default for f in FIELDS}).engine.config == EngineConfig()
-    options = cli._engine_options(cli._build_parser().parse_args(["generate", *REQUIRED["generate"],
+    options = cli_options.engine_options(cli._build_parser().parse_args(["generate", *REQUIRED["generate"],
                                                                   *OLD_FLAGS["generate"]]))
     assert LLM(**options).engine.config == EngineConfig.create(**options)
 

@@ -77,6 +77,6 @@ def test_an_empty_api_key_is_refused_before_anything_loads(capsys, monkeypatch):
     from jaxinfer import cli
 
     monkeypatch.setattr(signal, "signal", lambda *_: None)  # serve's early stop handlers would exit pytest
-    monkeypatch.setattr(cli.EngineConfig, "create", lambda **_: pytest.fail("got past the key check"))
+    monkeypatch.setattr("jaxinfer.engine.config.EngineConfig.create", lambda **_: pytest.fail("got past the key check"))
     assert cli.main(["serve", "--api-key", ""]) == 2
     assert capsys.readouterr().err.startswith("jaxinfer: error: --api-key must not be empty")

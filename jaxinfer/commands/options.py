@@ -1,0 +1,128 @@
+"""The command line's shared options: the `EngineConfig` fields as flags, the multi-host flags, and the checks of
+values every command that starts an engine takes (`engine_options`, `join_job`, `check_host`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import logging
+import os
+import re
+import socket
+import sys
+
+from jaxinfer.engine.config import EngineConfig  # no jax: the flags are built before jax loads
+
+# Command-line value types of the fields' annotations; fields with a normaliser take their text as typed.
+FLAG_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str, "bool": bool}
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line flag of an `EngineConfig` field: `max_model_len` -> `--max-model-len`."""
+    return "--" + field_name.replace("_", "-")
+
+
+def engine_fields(command: str) -> list[dataclasses.Field]:
+    """The `EngineConfig` fields that `command` takes as flags, in declaration order."""
+    return [f for f in dataclasses.fields(EngineConfig) if command in f.metadata["flag"].commands]
+
+
+def add_engine_options(parser: argparse.ArgumentParser, command: str,
+                        title: str = "engine options (EngineConfig fields; LLM takes the same keywords)") -> None:
+    """Adds a flag per `EngineConfig` field that `command` takes, from the field's metadata (help, `Flag`)."""
+    group = parser.add_argument_group(title)
+    for field in engine_fields(command):
+        flag = field.metadata["flag"]
+        default = flag.command_defaults.get(command, field.default)
+        text = flag.command_help.get(command, field.metadata["help"]).replace("%", "%%")  # argparse %-formats help
+        if default is not None:
+            text += " (default: %(default)s)"
+        names = (flag_name(field.name), *flag.aliases)
+        if field.metadata["normalize"] is not None:  # the text as typed: EngineConfig.normalize parses it
+            kind = str
+        elif field.type in FLAG_TYPES:
+            kind = FLAG_TYPES[field.type]
+        else:
+            raise TypeError(f"EngineConfig.{field.name}: no command-line type for {field.type!r}; add it to "
+                            f"jaxinfer.commands.options.FLAG_TYPES or give the field a normaliser")
+        if kind is bool:
+            group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=text)
+        else:
+            group.add_argument(*names, dest=field.name, type=kind, default=default, choices=flag.choices,
+                               metavar=flag.metavar, help=text)
+
+
+def add_multihost_options(parser: argparse.ArgumentParser) -> None:
+    hosts = parser.add_argument_group("multi-host (one process per host; see jaxinfer.engine.multihost)")
+    hosts.add_argument("--coordinator-address", default=None,
+                       help="host:port of process 0's jax.distributed coordinator (every process gives the same)")
+    hosts.add_argument("--num-processes", type=int, default=1, help="processes in the job (default 1)")
+    hosts.add_argument("--process-id", type=int, default=0,
+                       help="this process's index; 0 takes the requests, the others follow its steps")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The `EngineConfig` fields the command's flags give, normalised, checked before the slow imports.
+
+    Raises:
+      ValueError: "--flag: ..." for a value its field's parser rejects (for --speculative-config and --quantization:
+        JSON that does not parse or is not an object, unknown keys, bad values), or a draft model path that does not
+        exist.
+    """
+    options = {}
+    for field in engine_fields(args.command):
+        try:
+            options[field.name] = EngineConfig.normalize(field.name, getattr(args, field.name))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{flag_name(field.name)}: {e}") from None
+    spec = options.get("speculative_config")
+    if spec is not None and spec.method == "draft_model" and not os.path.exists(spec.model):
+        raise ValueError(f"--speculative-config: draft model {spec.model}: no such file or folder")
+    return options
+
+
+def join_job(args: argparse.Namespace) -> bool:
+    """Joins a multi-process job when --num-processes > 1; returns True on a follower (process id > 0)."""
+    if args.num_processes < 1:
+        raise ValueError(f"--num-processes {args.num_processes} must be >= 1")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id {args.process_id} must be in [0, {args.num_processes}) "
+                         f"(--num-processes {args.num_processes})")
+    if args.num_processes == 1 and args.coordinator_address is None:
+        return False
+    if args.coordinator_address is None:
+        raise ValueError("--num-processes > 1 needs --coordinator-address host:port")
+    from jaxinfer.engine import multihost
+
+    # Gloo's C++ code prints connection lines to stdout: send the process's C-level stdout to stderr and keep
+    # Python's stdout (generated text, --json) on the real one.
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real_stdout, "w", buffering=1)
+    logging.getLogger("jaxinfer").info(
+        "process %d of %d: joining the job at %s (waits until every process has joined)", args.process_id,
+        args.num_processes, args.coordinator_address)
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    return not multihost.is_leader()
+
+
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def check_host(host: str) -> None:
+    """Raises ValueError naming --host unless it is an IP address (IPv6 with or without brackets) or a host name
+    this machine resolves."""
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(name)
+        return
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(name) or name.replace(".", "").isdigit():
+        raise ValueError(f"--host {host!r} is not an IP address or a host name")
+    try:
+        socket.getaddrinfo(name, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e}") from None
