@@ -15,7 +15,7 @@ import sys
 from jaxinfer.engine.config import EngineConfig  # no jax: the flags are built before jax loads
 
 # Command-line value types of the fields' annotations; fields with a normaliser take their text as typed.
-FLAG_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str, "bool": bool}
+FLAG_TYPES = {"int": int, "int | None": int, "float | None": float, "str": str, "str | None": str, "bool": bool}
 
 
 def flag_name(field_name: str) -> str:

@@ -1,4 +1,10 @@
-"""JAX's persistent compilation cache, the engine's and the tests' one switch.
+"""JAX's persistent compilation cache, the engine's and the tests' one switch, and its hit / miss counters.
+
+Every compiled step shape is written to the cache (no minimum compile time), so a restart with the same model
+config, dtype, mesh and jax version compiles nothing: it loads each shape (tens of milliseconds) after tracing and
+lowering it (a few hundred milliseconds for a model step). The cache key is jax's: the lowered module (shapes,
+dtypes, shardings, the model config as traced), the devices, the compile options and the jax / jaxlib versions.
+Weights are arguments of the jitted step, not constants, so other weights of the same config reuse the entries.
 
 This module imports only the standard library at import time (jax when the cache is turned on), so that the command
 line can say where the cache is before jax loads, and processes with a bare jax (the kernel tests under the oldest
@@ -7,32 +13,67 @@ supported jax, `scripts/ci_kernels_min_jax.sh`) can turn the cache on too.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 CACHE_VARIABLE = "JAXINFER_COMPILATION_CACHE"  # the cache folder; an empty value turns the cache off
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "jaxinfer" / "xla"
+_HIT, _MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"  # jax.monitoring events
+
+_lock = threading.Lock()
+_counts = {_HIT: 0, _MISS: 0}
+_listening = False
 
 
-def cache_dir() -> Path | None:
-    """The folder the cache uses (or would use): `$JAXINFER_COMPILATION_CACHE`, else `~/.cache/jaxinfer/xla`; None
-    when the variable is set to the empty string (cache off). A folder the user already gave jax
-    (`jax_compilation_cache_dir`) wins once jax is loaded."""
-    path = os.environ.get(CACHE_VARIABLE, str(DEFAULT_CACHE_DIR))
-    return Path(path) if path else None
+def cache_dir(configured: str | os.PathLike | None = None) -> Path | None:
+    """The folder the cache uses (or would use): `configured` (`EngineConfig.compilation_cache_dir`) when given,
+    else `$JAXINFER_COMPILATION_CACHE`, else `~/.cache/jaxinfer/xla`; None when the one that applies is the empty
+    string (cache off). A folder the user already gave jax (`jax_compilation_cache_dir`) wins once jax is loaded."""
+    path = os.fspath(configured) if configured is not None else os.environ.get(CACHE_VARIABLE, str(DEFAULT_CACHE_DIR))
+    return Path(path).expanduser() if path else None
 
 
-def enable_compilation_cache() -> None:
-    """Turns on JAX's persistent compilation cache, so that restarts skip XLA compiles.
+def _count(event: str, **_) -> None:
+    if event in _counts:
+        with _lock:
+            _counts[event] += 1
 
-    The folder is `cache_dir()`. A cache folder the user already gave jax (`jax_compilation_cache_dir`) wins and is
-    left alone. Compiles shorter than 0.5 s are not stored.
+
+def counts() -> tuple[int, int]:
+    """(persistent cache hits, misses written) of this process so far: shapes loaded from the cache, and shapes
+    compiled and written to it (jax's monitoring events; 0, 0 before `enable_compilation_cache`)."""
+    with _lock:
+        return _counts[_HIT], _counts[_MISS]
+
+
+def enable_compilation_cache(configured: str | os.PathLike | None = None) -> Path | None:
+    """Turns on JAX's persistent compilation cache in `cache_dir(configured)`, so that restarts skip XLA compiles;
+    returns the folder in use (None: off).
+
+    A cache folder already set in this process (by the user through `jax_compilation_cache_dir`, or by an earlier
+    engine) wins: jax opens its cache once per process, so a different folder asked later is logged and ignored.
+    Every compile is stored, however short (`jax_persistent_cache_min_compile_time_secs` = 0).
     """
     import jax
+    from jax import monitoring
 
-    if jax.config.jax_compilation_cache_dir:
-        return
-    path = cache_dir()
-    if path is not None:
-        jax.config.update("jax_compilation_cache_dir", str(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    global _listening
+    with _lock:
+        if not _listening:
+            monitoring.register_event_listener(_count)
+            _listening = True
+    current = jax.config.jax_compilation_cache_dir
+    wanted = cache_dir(configured)
+    if current:
+        if configured is not None and (wanted is None or Path(current) != wanted):
+            logger.warning("compilation cache: this process already uses %s; compilation_cache_dir=%r is ignored "
+                           "(jax opens one cache per process)", current, os.fspath(configured))
+        return Path(current)
+    if wanted is not None:
+        jax.config.update("jax_compilation_cache_dir", str(wanted))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return wanted

@@ -30,8 +30,9 @@ KV_CACHE_DTYPE_NAMES = {"int8": "int8", "fp8": "float8_e4m3fn"}
 # The values of pallas_kernels.dispatch.AttentionBackend, which imports jax (tests/jaxinfer/engine/test_config.py
 # checks that they agree).
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
-DEFAULT_KV_CACHE_HOST_FRACTION = 0.1  # of available host memory, when no budget is given on CPU
-DEFAULT_KV_CACHE_DEVICE_FRACTION = 0.8  # of free accelerator memory after the weights
+# memory_utilization unset, per backend: the share of total host memory (CPU; also at most half of what is
+# available) or of free device memory after the weights (accelerators) the default KV cache may take
+DEFAULT_MEMORY_UTILIZATION = {"cpu": 0.1, "gpu": 0.8, "tpu": 0.8}
 # Shortest run of host-tier pages worth copying back instead of recomputing, per backend (BENCHMARKS.md,
 # "Prefix caching"): on CPU one page back is already cheaper than one page of prefill.
 DEFAULT_OFFLOAD_MIN_PAGES = {"cpu": 1, "gpu": 1, "tpu": 1}
@@ -121,12 +122,25 @@ class EngineConfig:
             "convert": "dtype the weights are stored in (with --quantization, the weights left unquantized); auto: "
                        "the dtype an engine on this machine would run the model in"}))
     page_size: int = _option(16, "tokens per KV page")
-    max_num_seqs: int = _option(32, "most sequences in one step")
+    max_num_seqs: int = _option(32, "most sequences in one step; the default KV cache holds this many of "
+                                    "max_model_len tokens when memory allows (see memory_utilization)",
+                                Flag(command_defaults={"generate": 1}))  # one prompt: one sequence
     max_num_batched_tokens: int = _option(512, "most tokens (decodes + prefill chunks) in one step")
     max_model_len: int | None = _option(None, "context limit in tokens; unset: the model's")
     kv_cache_memory_bytes: int | None = _option(None, (
-        "KV cache budget in bytes; unset: 10% of total host memory (at most half of what is available) on CPU, 80% "
-        "of free device memory after the weights on accelerators"))
+        "KV cache budget in bytes; unset: what max_num_seqs sequences of max_model_len tokens need, capped at "
+        "memory_utilization of the memory (jaxinfer.engine.kv_budget)"))
+    memory_utilization: float | None = _option(None, (
+        "the share of memory the default KV cache may take (as vLLM's gpu_memory_utilization, measured after the "
+        "weights load): of total host memory on CPU (and at most half of what is available), of free device "
+        "memory on accelerators; unset: DEFAULT_MEMORY_UTILIZATION of jaxinfer.engine.config for the backend "
+        "(0.1 on CPU, 0.8 on GPU / TPU). Ignored when kv_cache_memory_bytes is given"),
+        Flag(aliases=("--gpu-memory-utilization",)))
+    compilation_cache_dir: str | None = _option(None, (
+        "folder of JAX's persistent compilation cache, which makes restarts skip XLA compiles (every step shape "
+        "is stored; the key covers the model config, dtypes, mesh and jax version, not the weights); an empty "
+        "string turns it off; unset: $JAXINFER_COMPILATION_CACHE, else ~/.cache/jaxinfer/xla. One folder per "
+        "process: the first engine's wins"), Flag(metavar="DIR"))
     scan_layers: bool = _option(True, "`lax.scan` over the layers (BENCHMARKS.md) instead of an unrolled loop")
     # generate's --seed is its one request's sampling seed, which makes this one moot there.
     seed: int = _option(0, "seeds the per-request seeds drawn for requests that give none",
@@ -247,6 +261,12 @@ class EngineConfig:
         if self.kv_offload_min_pages is not None and (not _is_int(self.kv_offload_min_pages)
                                                       or self.kv_offload_min_pages < 1):
             raise ValueError(f"kv_offload_min_pages={self.kv_offload_min_pages!r} must be None or an integer >= 1")
+        if self.memory_utilization is not None and (isinstance(self.memory_utilization, bool) or not isinstance(
+                self.memory_utilization, (int, float)) or not 0 < self.memory_utilization <= 1):
+            raise ValueError(f"memory_utilization={self.memory_utilization!r} must be None or a number in (0, 1]")
+        if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, (str, os.PathLike)):
+            raise ValueError(f"compilation_cache_dir={self.compilation_cache_dir!r} must be a folder path, '' (off) "
+                             "or None")
         for name in ("max_model_len", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):

@@ -1,11 +1,9 @@
 """Engine start-up: load the model, quantize it, shard it onto the mesh, load a draft model, size the KV cache and
 build the model runner (`start`); the prefix cache (`make_prefix_cache`); JAX's compilation cache.
 
-KV cache sizing: a page costs `models.llama.KVCache.bytes_per_page` (plus the same for a draft model with a cache
-of its own), per device on accelerators with a mesh; the budget is `EngineConfig.kv_cache_memory_bytes` or a share
-of memory (`default_kv_budget`); the cache gets budget // page bytes pages, at most what max_num_seqs sequences of
-max_model_len tokens can use, plus the null page, and every host of a multi-host run takes the leader's count.
-A page must fit the context (page_size <= max_model_len) and the budget; a given budget must fit the free memory.
+KV cache sizing: `jaxinfer.engine.kv_budget` (the work, max_num_seqs sequences of max_model_len tokens, capped by
+memory). A page must fit the context (page_size <= max_model_len) and the budget; a given budget must fit the free
+memory.
 """
 
 from __future__ import annotations
@@ -19,13 +17,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import psutil
 
 from jaxinfer.engine import multihost
 from jaxinfer.engine.auto_dtype import resolve_dtype
 from jaxinfer.engine.compilation_cache import enable_compilation_cache
-from jaxinfer.engine.config import (DEFAULT_KV_CACHE_DEVICE_FRACTION, DEFAULT_KV_CACHE_HOST_FRACTION,
-                                    DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig)
+from jaxinfer.engine.config import DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from jaxinfer.engine.kv_budget import (budget_bytes, check_page_fits, check_page_size, kv_page_bytes, min_page_bytes,
+                                       size_kv_cache)
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.spec_decode import draft as draft_lib
 from jaxinfer.loading import is_gguf, load_model, not_a_gguf_error, read_model_config, stored_quantization
@@ -34,7 +32,7 @@ from jaxinfer.scheduler.prefix_cache import PrefixCache
 from jaxinfer.tokenizer import Tokenizer
 from models import quant
 from models.config import ModelConfig
-from models.llama import KVCache, Weights, unstack_layers
+from models.llama import Weights, unstack_layers
 from models.partition import shard_model
 from models.quant import QuantizationConfig
 from models.quant_sharding import quantize_sharded
@@ -160,86 +158,6 @@ def load_draft(config: EngineConfig, run_cfg: ModelConfig, weights: Weights, qcf
     return draft_lib.DraftModel(cfg=draft_cfg, weights=draft_weights, shares_target_cache=False)
 
 
-def free_memory_bytes() -> int | None:
-    """Memory a KV cache can take now, in bytes: available host memory on CPU, the first device's free memory (its
-    limit minus what is in use) on accelerators; None where the device reports no memory statistics."""
-    if jax.default_backend() == "cpu":
-        return psutil.virtual_memory().available
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
-    return max(stats["bytes_limit"] - stats.get("bytes_in_use", 0), 0)
-
-
-def default_kv_budget() -> int:
-    """The KV cache budget in bytes without `kv_cache_memory_bytes`: a share of host memory on CPU (multiples of
-    64 MiB), of free device memory after the weights on accelerators."""
-    # From total memory (capped by half of what is available), rounded to 64 MiB, so that the cache shape,
-    # and with it the persistent compilation cache's keys, stay the same from one start to the next.
-    if jax.default_backend() == "cpu":
-        mem = psutil.virtual_memory()
-        budget = min(mem.total * DEFAULT_KV_CACHE_HOST_FRACTION, mem.available * 0.5)
-        return max(int(budget) // (64 << 20) * (64 << 20), 64 << 20)
-    return int((free_memory_bytes() or 0) * DEFAULT_KV_CACHE_DEVICE_FRACTION)
-
-
-def check_page_size(config: EngineConfig, max_model_len: int) -> None:
-    """Raises a ValueError naming page_size when one page holds more tokens than the context: a page holds one
-    sequence's tokens, so a larger page is memory no sequence can use."""
-    if config.page_size > max_model_len:
-        whose = "" if config.max_model_len is not None else ", the model's"
-        raise ValueError(f"page_size={config.page_size} is larger than the context, max_model_len={max_model_len} "
-                         f"tokens{whose}: a KV page holds tokens of one sequence, so it must fit the context; use a "
-                         f"page_size in [1, {max_model_len}] (the default is 16)")
-
-
-def check_page_fits(config: EngineConfig, budget: int, page_bytes: int) -> None:
-    """Raises a ValueError naming the budget (`kv_cache_memory_bytes`, or the default share of memory) and
-    page_size when the budget is smaller than one KV page of `page_bytes` bytes."""
-    if budget >= page_bytes:
-        return
-    what = f"kv_cache_memory_bytes={budget}" if config.kv_cache_memory_bytes is not None else \
-        f"the KV cache budget, {budget} bytes (kv_cache_memory_bytes unset: a share of free memory),"
-    raise ValueError(f"{what} is smaller than one KV page of page_size={config.page_size} tokens ({page_bytes} "
-                     "bytes); lower page_size or raise kv_cache_memory_bytes")
-
-
-def kv_page_bytes(config: EngineConfig, run_cfg: ModelConfig, draft: draft_lib.DraftModel | None, mesh) -> int:
-    """Bytes of one KV page: the target's plus a draft's own cache; per device on accelerators with a mesh."""
-    kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, DTYPES[config.dtype])
-    page_bytes = KVCache.bytes_per_page(run_cfg, config.page_size, kv_dtype)  # over all devices
-    if draft is not None and not draft.shares_target_cache:  # the draft's cache has a page for every page
-        page_bytes += KVCache.bytes_per_page(draft.cfg, config.page_size, kv_dtype)
-    if mesh is not None and jax.default_backend() != "cpu":
-        page_bytes //= config.tensor_parallel_size  # the budget is per device there (CPU devices share the host's)
-    return page_bytes
-
-
-def num_kv_pages(config: EngineConfig, page_bytes: int, max_model_len: int) -> int:
-    """Pages of the KV cache, the null page included, the same on every host.
-
-    Raises:
-      ValueError: a budget smaller than one page, or a `kv_cache_memory_bytes` that gives a cache larger than the
-        free memory (`free_memory_bytes`).
-    """
-    budget = config.kv_cache_memory_bytes or default_kv_budget()
-    max_useful_pages = config.max_num_seqs * -(-max_model_len // config.page_size)
-    num_pages = multihost.agree(min(int(budget) // page_bytes, max_useful_pages) + 1)  # same on every host
-    if num_pages < 2:
-        check_page_fits(config, budget, page_bytes)
-        raise ValueError(f"the leader process's KV cache budget is smaller than one KV page of page_size="
-                         f"{config.page_size} tokens ({page_bytes} bytes); lower page_size or raise "
-                         "kv_cache_memory_bytes")
-    cache_bytes, free = (num_pages - 1) * page_bytes, free_memory_bytes()
-    if config.kv_cache_memory_bytes is not None and free is not None and cache_bytes > free:
-        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} gives a KV cache of {num_pages - 1} "
-                         f"pages ({cache_bytes} bytes), more than the free memory ({free} bytes"
-                         f"{'' if jax.default_backend() == 'cpu' else ' on each device'}); lower kv_cache_memory_bytes "
-                         f"or max_num_seqs (the cache holds at most max_num_seqs={config.max_num_seqs} sequences of "
-                         f"max_model_len={max_model_len} tokens)")
-    return num_pages
-
-
 def check_before_load(config: EngineConfig) -> None:
     """The options checked against the model's config alone, before the weights load (seconds to minutes): so
     that a bad option fails at once. `start` checks them again with what only the load tells (the TP-padded
@@ -261,12 +179,8 @@ def check_before_load(config: EngineConfig) -> None:
     spec = config.speculative_config
     if spec is not None and spec.method == "self_draft":
         draft_lib.self_draft_layers(cfg.num_layers, spec.num_draft_layers)
-    # A lower bound of `kv_page_bytes`: padded heads and a draft's cache only add bytes.
-    page_bytes = KVCache.bytes_per_page(cfg, config.page_size, KV_CACHE_DTYPES.get(config.kv_cache_dtype,
-                                                                                   DTYPES[config.dtype]))
-    if config.tensor_parallel_size * config.expert_parallel_size > 1 and jax.default_backend() != "cpu":
-        page_bytes //= config.tensor_parallel_size
-    check_page_fits(config, config.kv_cache_memory_bytes or default_kv_budget(), page_bytes)
+    page_bytes = min_page_bytes(config, cfg)
+    check_page_fits(config, budget_bytes(config), page_bytes)
     if 0 < config.kv_offload_bytes < page_bytes:
         raise ValueError(f"kv_offload_bytes={config.kv_offload_bytes} is smaller than one KV page ({page_bytes} "
                          "bytes)")
@@ -284,7 +198,7 @@ def start(config: EngineConfig) -> Started:
     if spec is not None and spec.method == "draft_model" and not Path(spec.model).exists():
         raise ValueError(f"speculative draft model path {spec.model!r} does not exist")  # before loading the target
     check_before_load(config)
-    enable_compilation_cache()
+    enable_compilation_cache(config.compilation_cache_dir)
     t0 = time.perf_counter()
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
@@ -305,15 +219,17 @@ def start(config: EngineConfig) -> Started:
         weights = unstack_layers(weights)
     draft = load_draft(config, run_cfg, weights, qcfg, tokenizer.vocab_size)
     page_bytes = kv_page_bytes(config, run_cfg, draft, mesh)
-    num_pages = num_kv_pages(config, page_bytes, max_model_len)
+    sizing = size_kv_cache(config, page_bytes, max_model_len)
+    num_pages = sizing.num_pages
     kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, DTYPES[config.dtype])
     runner = ModelRunner(run_cfg, weights, num_pages=num_pages, page_size=config.page_size, kv_dtype=kv_dtype,
                          scan_layers=config.scan_layers, attention=select_attention(config.attention_backend),
                          vocab_limit=min(cfg.vocab_size, tokenizer.vocab_size),
                          max_pages_per_seq=-(-max_model_len // config.page_size), mesh=mesh,
                          output_vocab=cfg.vocab_size, draft=draft)
-    logger.info("KV cache: %d pages of %d tokens, %s (%.1f MiB)", num_pages, config.page_size,
-                jnp.dtype(kv_dtype).name, num_pages * page_bytes / 2**20)
+    logger.info("KV cache: %d tokens (%d pages of %d, %s), %.2f sequences of max_model_len=%d tokens; sized to %s",
+                sizing.tokens, num_pages - 1, config.page_size, jnp.dtype(kv_dtype).name, sizing.sequences,
+                max_model_len, sizing.reason)
     return Started(model_config=cfg, tokenizer=tokenizer, quantization=qcfg, weight_bytes=weight_bytes, mesh=mesh,
                    max_model_len=max_model_len, page_bytes=page_bytes, runner=runner)
 

@@ -59,7 +59,8 @@ def test_the_flags_defaults_are_the_engines():
     serve = cli_options.engine_options(parser.parse_args(["serve"]))
     assert EngineConfig.create(**serve) == EngineConfig()
     generate = cli_options.engine_options(parser.parse_args(["generate", "--prompt", "x"]))
-    assert EngineConfig.create(**generate) == EngineConfig(warmup=False)  # one prompt: no start-up compile
+    # one prompt: no start-up compile, and a KV cache for one sequence
+    assert EngineConfig.create(**generate) == EngineConfig(warmup=False, max_num_seqs=1)
 
 
 @pytest.mark.parametrize("command", list(OLD_FLAGS))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jaxinfer.engine import startup
+from jaxinfer.engine import kv_budget, startup
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from tests.jaxinfer.engine.tiny_model import DATA, make_tiny_model_dir
@@ -53,7 +53,7 @@ def test_a_page_that_fits_the_context_and_the_budget_starts(tiny_dir):
 @pytest.mark.parametrize("budget", [None, 1000])
 def test_a_page_larger_than_the_budget_names_page_size_and_the_budget(tiny_dir, budget, monkeypatch):
     _no_load(monkeypatch)
-    monkeypatch.setattr(startup, "default_kv_budget", lambda: 4096)
+    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: (4096, "a test cap"))
     page_size = 128
     with pytest.raises(ValueError) as e:
         Engine(EngineConfig(model=tiny_dir, warmup=False, page_size=page_size, kv_cache_memory_bytes=budget))
@@ -69,14 +69,14 @@ def test_a_page_larger_than_the_budget_names_page_size_and_the_budget(tiny_dir, 
 
 @pytest.mark.parametrize("budget", [None, 1000])
 def test_the_page_count_after_the_load_names_page_size_and_the_budget_too(budget, monkeypatch):
-    """`num_kv_pages` checks again with the page bytes only the load tells (a draft model's cache, padded heads)."""
-    monkeypatch.setattr(startup, "default_kv_budget", lambda: 4096)
+    """`size_kv_cache` checks again with the page bytes only the load tells (a draft model's cache, padded heads)."""
+    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: (4096, "a test cap"))
     config = EngineConfig(page_size=8, kv_cache_memory_bytes=budget)
     with pytest.raises(ValueError, match=r"is smaller than one KV page of page_size=8 tokens \(5000 bytes\); lower "
                                          "page_size or raise kv_cache_memory_bytes"):
-        startup.num_kv_pages(config, page_bytes=5000, max_model_len=64)
+        kv_budget.size_kv_cache(config, page_bytes=5000, max_model_len=64)
     pages = min((budget or 4096) // 500, config.max_num_seqs * 64 // 8) + 1  # budget // page bytes, + null page
-    assert startup.num_kv_pages(config, page_bytes=500, max_model_len=64) == pages
+    assert kv_budget.size_kv_cache(config, page_bytes=500, max_model_len=64).num_pages == pages
 
 
 def test_a_budget_beyond_the_memory_is_refused_before_it_is_allocated(tiny_dir):
@@ -89,3 +89,43 @@ def test_a_budget_beyond_the_memory_is_refused_before_it_is_allocated(tiny_dir):
     assert message.startswith(f"kv_cache_memory_bytes={10**15} gives a KV cache of {num_pages} pages "
                               f"({num_pages * 16 * TOKEN_BYTES} bytes), more than the free memory ("), message
     assert "lower kv_cache_memory_bytes or max_num_seqs" in message
+
+
+def test_the_default_cache_holds_the_work_when_memory_allows(tiny_dir, caplog):
+    """kv_cache_memory_bytes unset: max_num_seqs sequences of max_model_len tokens, not a share of memory."""
+    with caplog.at_level("INFO", logger="jaxinfer.engine.startup"):
+        engine = Engine(EngineConfig(model=tiny_dir, warmup=False, max_num_seqs=3, max_model_len=40, page_size=8))
+    assert engine.runner.num_pages == 3 * 5 + 1  # 3 sequences of ceil(40 / 8) pages, plus the null page
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
+    assert line.startswith("KV cache: 120 tokens (15 pages of 8, float32), 3.00 sequences of max_model_len=40 "
+                           "tokens; sized to all the work: max_num_seqs=3 sequences of max_model_len=40 tokens"), line
+
+
+def test_a_cache_the_memory_cannot_hold_is_capped_with_a_log_line_saying_so(tiny_dir, caplog, monkeypatch):
+    """Memory short of the work: the cache takes what memory_utilization allows and the log says how to get more."""
+    page_bytes = 8 * TOKEN_BYTES
+    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: (7 * page_bytes + 5, "a test cap"))
+    with caplog.at_level("INFO", logger="jaxinfer.engine.startup"):
+        engine = Engine(EngineConfig(model=tiny_dir, warmup=False, max_num_seqs=3, max_model_len=40, page_size=8))
+    assert engine.runner.num_pages == 7 + 1
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
+    assert line.startswith("KV cache: 56 tokens (7 pages of 8, float32), 1.40 sequences of max_model_len=40 tokens; "
+                           "sized to capped at a test cap"), line
+    assert "short of the work, max_num_seqs=3 sequences of max_model_len=40 tokens" in line
+    assert "raise memory_utilization or give kv_cache_memory_bytes, or lower max_num_seqs or max_model_len" in line
+
+
+def test_memory_utilization_sets_the_cpu_cap_from_total_memory(monkeypatch):
+    """The CPU cap is memory_utilization of total memory (at most half of what is available), in 64 MiB steps."""
+    import psutil
+
+    class Mem:
+        total, available = 64 << 30, 48 << 30
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
+    assert kv_budget.memory_cap(EngineConfig())[0] == int(0.1 * (64 << 30)) // (64 << 20) * (64 << 20)
+    assert kv_budget.memory_cap(EngineConfig(memory_utilization=0.25))[0] == 16 << 30
+    cap, why = kv_budget.memory_cap(EngineConfig(memory_utilization=0.9))
+    assert cap == 24 << 30 and why == "half of the 48.0 GiB available now"
+    with pytest.raises(ValueError, match=r"memory_utilization=1.5 must be None or a number in \(0, 1\]"):
+        EngineConfig(memory_utilization=1.5)
