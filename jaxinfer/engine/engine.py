@@ -45,7 +45,7 @@ from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
 from jaxinfer.engine.spec_decode.proposer import StepProposer
 from jaxinfer.engine.step_results import StepResult, VerifyResult
 from jaxinfer.engine.token_rules import TokenRules
-from jaxinfer.engine.warmup import warmup
+from jaxinfer.engine.warmup import start_warmup
 from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.prompt import Prompt, make_prompt
 from jaxinfer.request_limits import check_against_model, check_text, show
@@ -106,10 +106,8 @@ class Engine:
         self.token_rules = TokenRules(self.tokenizer, self.model_config.vocab_size, self.runner.vocab_limit)
         self._auto_request_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        if config.warmup:
-            warmup(self.runner, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                   num_drafts_for=None if spec is None else self.spec_policy.step_k,
-                   num_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
+        # the start-up compile (None with warmup off); it may still be loading shapes in the background
+        self.warmup = start_warmup(self.runner, config, self.spec_policy)
         self._followers_released = False
         if multihost.is_multi_process() and multihost.is_leader():
             atexit.register(self.shutdown)

@@ -9,15 +9,20 @@ compile on first use). Each of these twice: without penalty inputs (width 1) and
 as the longest context, logit bias MAX_LOGIT_BIAS wide, `SamplingArrays.build`), the only two shapes they take,
 so a request with penalties or a logit bias compiles nothing either (allowed_token_ids and bad_words ride in the
 always-present token bitmask). Other shapes (several prefill chunks at once) compile on first use. With the persistent
-compilation cache a restart loads them all from disk.
+compilation cache a restart loads them all from disk, in the background while serving (`Warmup`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+from jaxinfer.engine import compilation_cache, multihost
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.engine.step_inputs import (MIN_PREFILL_TOKENS, NULL_PAGE, next_power_of_two, page_bucket,
@@ -94,10 +99,24 @@ def _compile_spec(runner: ModelRunner, kind: str, batch: int, drafts: int, num_s
                              with_probs=False)
 
 
-def warmup(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
-           num_drafts_for: Callable[[int], int] | None = None, num_spec_tokens: int = 0) -> float:
+def _compile_shape(runner: ModelRunner, shape: Shape, rows: dict, num_drafts_for, num_spec_tokens: int) -> None:
+    kind, n, width, penalties = shape
+    if kind in ("verify", "propose"):
+        _compile_spec(runner, kind, n, num_drafts_for(n), num_spec_tokens, width, rows[penalties])
+    else:
+        _compile_step(runner, kind, n, width, rows[penalties])
+
+
+class Warmup:
     """Compiles every shape of `warmup_shapes` ahead of time (`lower().compile()`, nothing runs) into the runner's
-    executable table, so its calls run the compiled executables directly; returns the seconds taken.
+    executable table, so its calls run the compiled executables directly.
+
+    `start` compiles the first shape (one-sequence decode at the narrowest page table) and asks the persistent
+    compilation cache whether it held it. A hit means an earlier start of this configuration filled the cache: the
+    rest load from it (tracing and lowering each, a few hundred milliseconds) in a background thread while the
+    engine serves, and a request whose shape is not loaded yet compiles it on the spot, from the cache too. A miss
+    (a cold cache, or none) compiles the rest before `start` returns, on `workers` threads: XLA compiles release
+    the GIL, so they overlap (tracing does not). Multi-process runs always compile in the foreground.
 
     Args:
       runner: the model runner.
@@ -106,18 +125,108 @@ def warmup(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
         (`SpeculationPolicy.step_k`); verify steps are padded to that many + 1 tokens per sequence
         (`ModelRunner.execute_verify`'s verify_len). None without speculative decoding.
       num_spec_tokens: k, the draft width.
+      workers: threads of a foreground warm-up (default: the CPU count, at most 4).
     """
-    from tqdm import tqdm
 
-    rows = {False: SamplingRow(SamplingParams(temperature=0), seed=0),  # greedy rows, with or without a penalty
-            True: SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.1), seed=0)}
-    shapes = warmup_shapes(runner, max_num_seqs, max_num_batched_tokens, num_drafts_for)
-    t0 = time.perf_counter()
-    for kind, n, width, penalties in tqdm(shapes, desc="compiling step shapes", unit="shape", leave=False):
-        if kind in ("verify", "propose"):
-            _compile_spec(runner, kind, n, num_drafts_for(n), num_spec_tokens, width, rows[penalties])
-        else:
-            _compile_step(runner, kind, n, width, rows[penalties])
-    seconds = time.perf_counter() - t0
-    logger.info("compiled %d step shapes in %.1f s", len(shapes), seconds)
-    return seconds
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_drafts_for: Callable[[int], int] | None = None, num_spec_tokens: int = 0,
+                 workers: int | None = None) -> None:
+        self.runner, self.num_drafts_for, self.num_spec_tokens = runner, num_drafts_for, num_spec_tokens
+        self.shapes = warmup_shapes(runner, max_num_seqs, max_num_batched_tokens, num_drafts_for)
+        self.workers = workers or min(os.cpu_count() or 1, 4)
+        self.rows = {False: SamplingRow(SamplingParams(temperature=0), seed=0),  # greedy, with or without a penalty
+                     True: SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.1), seed=0)}
+        self.background = False
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.seconds = 0.0
+        self.cache_hits = self.cache_misses = 0
+
+    def _compile(self, shape: Shape) -> None:
+        _compile_shape(self.runner, shape, self.rows, self.num_drafts_for, self.num_spec_tokens)
+
+    def start(self, allow_background: bool = True) -> None:
+        """Compiles the first shape, then the rest in the foreground or (a warm cache, `allow_background`) in a
+        background thread; see the class docstring."""
+        t0 = time.perf_counter()
+        hits0, misses0 = compilation_cache.counts()
+        self._compile(self.shapes[0])
+        hits, misses = compilation_cache.counts()
+        warm = hits > hits0 and misses == misses0
+        rest = self.shapes[1:]
+        if warm and allow_background and rest:
+            self.background = True
+            context = contextvars.copy_context()  # the caller's trace-time switches (e.g. native kernels)
+            self._thread = threading.Thread(target=context.run, args=(self._run_background, rest, t0, (hits0, misses0)),
+                                            name="jaxinfer-warmup", daemon=True)
+            self._thread.start()
+            logger.info("warm-up: the compilation cache holds this configuration's shapes; loading the other %d of "
+                        "%d in the background while serving", len(rest), len(self.shapes))
+            return
+        from tqdm import tqdm
+
+        with ThreadPoolExecutor(self.workers, initializer=None) as pool, \
+                tqdm(total=len(self.shapes), initial=1, desc="compiling step shapes", unit="shape",
+                     leave=False) as bar:
+            context = contextvars.copy_context()
+            for future in [pool.submit(context.copy().run, self._compile, shape) for shape in rest]:
+                future.result()
+                bar.update()
+        self._finish(t0, (hits0, misses0))
+
+    def _run_background(self, shapes: list[Shape], t0: float, counts0: tuple[int, int]) -> None:
+        try:
+            for shape in shapes:
+                if self._stop.is_set():
+                    return
+                self._compile(shape)
+            self._finish(t0, counts0)
+        except Exception:  # noqa: BLE001 - a failed background compile must not kill the process; steps compile
+            logger.exception("background warm-up failed; the remaining shapes compile when first used")
+            self.done.set()
+
+    def _finish(self, t0: float, counts0: tuple[int, int]) -> None:
+        self.seconds = time.perf_counter() - t0
+        hits, misses = compilation_cache.counts()
+        self.cache_hits, self.cache_misses = hits - counts0[0], misses - counts0[1]
+        logger.info("compiled %d step shapes in %.1f s%s (%d loaded from the persistent compilation cache, %d "
+                    "compiled and stored)", len(self.shapes), self.seconds, " in the background" if self.background
+                    else f" on {self.workers} threads", self.cache_hits, self.cache_misses)
+        self.done.set()
+
+    def stop(self) -> None:
+        """Stops a background warm-up after the shape it is compiling (the rest compile when first used)."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for the warm-up to finish; returns whether it did."""
+        return self.done.wait(timeout)
+
+
+def start_warmup(runner: ModelRunner, config, spec_policy) -> Warmup | None:
+    """The engine's warm-up (None when `config.warmup` is off), started: in the background only in one process
+    (every process of a multi-host run compiles the same shapes in step).
+
+    Args:
+      runner: the model runner.
+      config: the `EngineConfig` (its step limits and speculative config).
+      spec_policy: the engine's `SpeculationPolicy`, or None without speculative decoding.
+    """
+    if not config.warmup:
+        return None
+    spec = config.speculative_config
+    w = Warmup(runner, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+               num_drafts_for=None if spec is None else spec_policy.step_k,
+               num_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
+    w.start(allow_background=not multihost.is_multi_process())
+    return w
+
+
+def warmup(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
+           num_drafts_for: Callable[[int], int] | None = None, num_spec_tokens: int = 0) -> float:
+    """Compiles every shape of `warmup_shapes` in the foreground (`Warmup` with no background phase); returns the
+    seconds taken."""
+    w = Warmup(runner, max_num_seqs, max_num_batched_tokens, num_drafts_for, num_spec_tokens)
+    w.start(allow_background=False)
+    return w.seconds

@@ -24,9 +24,11 @@ PENALISED = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repet
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     """A tiny engine warmed at start-up: 2 sequences, 32 tokens a step, one page-table width (8 pages of 8)."""
-    return Engine(EngineConfig(model=str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))), warmup=True,
+    engine = Engine(EngineConfig(model=str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))), warmup=True,
                                page_size=8, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                max_model_len=64, kv_cache_memory_bytes=1 << 20))
+    assert engine.warmup.wait(timeout=600)  # a warm persistent cache loads the shapes in the background
+    return engine
 
 
 def _executables(engine: Engine) -> tuple[int, int]:
