@@ -15,6 +15,8 @@ DATA = Path(__file__).parent / "data"
 # fills it). `$JAXINFER_COMPILATION_CACHE` set beforehand wins; an empty value turns the cache off.
 TEST_COMPILATION_CACHE = Path.home() / ".cache" / "jaxinfer" / "xla-tests"
 TEST_COMPILATION_CACHE_MAX_BYTES = 4 << 30  # jax evicts least recently used entries past this
+# The tests' own prepared-model cache (`jaxinfer.loading.model_cache`): SmolLM2's GGUF dequantized once per machine.
+TEST_MODEL_CACHE = Path.home() / ".cache" / "jaxinfer" / "models-tests"
 
 
 def pytest_configure(config):
@@ -24,6 +26,7 @@ def pytest_configure(config):
     environment too (`JAXINFER_COMPILATION_CACHE`, which `enable_compilation_cache` reads), so the child processes
     that tests start (CLI runs, servers, the 8-device and multi-host checks, which run this conftest again when
     they are pytest) share it."""
+    os.environ.setdefault("JAXINFER_MODEL_CACHE", str(TEST_MODEL_CACHE))  # children inherit it too
     path = os.environ.setdefault("JAXINFER_COMPILATION_CACHE", str(TEST_COMPILATION_CACHE))
     if not path:
         return

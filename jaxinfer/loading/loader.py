@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxinfer.loading import orbax, orbax_format
+from jaxinfer.loading import model_cache, orbax, orbax_format
 from jaxinfer.loading.gguf import load_gguf_weights, read_gguf, read_gguf_header
 from jaxinfer.loading.hf import load_hf_weights, read_hf_config, stored_hf_quantization
 from jaxinfer.tokenizer import Tokenizer
@@ -78,7 +78,9 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype, mesh: jax.shard
         sizes divide, else replicated; `models.partition.shard_model` then pads and shards the rest on
         device). Ignored for GGUF and HF sources, which always load to numpy.
       gguf_quantized: keep a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors quantized as stored
-        (`jaxinfer.loading.gguf.load_gguf_weights`'s `keep_quantized`); only for a GGUF file.
+        (`jaxinfer.loading.gguf.load_gguf_weights`'s `keep_quantized`); only for a GGUF file. Without it, a GGUF
+        file's load is kept in the prepared-model cache (`jaxinfer.loading.model_cache`) and restored from there
+        next time.
 
     Returns:
       (config, weights, tokenizer): numpy weights, or `jax.Array`s for an orbax checkpoint with a mesh; a quantized
@@ -111,10 +113,17 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype, mesh: jax.shard
     if magic != b"GGUF" and path.suffix.lower() != ".gguf":
         empty = " (it is empty)" if not magic else ""
         raise ValueError(f"{str(path)!r} is not a model{empty}: expected a .gguf file or an HF folder with config.json")
-    reader = read_gguf(path)  # names an empty, foreign or truncated .gguf file
+    read_gguf_header(path)  # names an empty, foreign or truncated .gguf file
+    entry = None if gguf_quantized else model_cache.lookup(path, dtype)
+    if entry is not None:
+        return model_cache.restore(entry)
+    reader = read_gguf(path)
     cfg, weights = load_gguf_weights(reader, dtype, keep_quantized=gguf_quantized)
     cfg = dataclasses.replace(cfg, name=cfg.name or path.stem)
-    return cfg, weights, Tokenizer.from_gguf(reader)
+    tokenizer = Tokenizer.from_gguf(reader)
+    if not gguf_quantized:
+        model_cache.store(path, dtype, cfg, weights, tokenizer)
+    return cfg, weights, tokenizer
 
 
 def read_model_config(model: str | os.PathLike | None) -> ModelConfig:

@@ -1,0 +1,143 @@
+"""The prepared-model cache: a GGUF file's weights, dequantized once, kept as a jaxinfer orbax checkpoint.
+
+Reading a GGUF file is slow where the file is small: the `gguf` package parses every metadata field when it opens a
+file (seconds for a 49k-token vocabulary), and every tensor is dequantized and stacked in numpy (SmolLM2-135M: 8 s
+of a 16 s start). `load_model` keeps the result of the first load of a GGUF file in this cache and restores it on
+later loads: an entry is a folder with `weights.safetensors` (every weight, flattened by its path in the layout of
+`jaxinfer.loading.orbax_format`, uncompressed, so reading it is a copy from the page cache), `config.json` (the
+`ModelConfig`, `jaxinfer.loading.codec`) and `tokenizer/` (`Tokenizer.save_pretrained`). Orbax checkpoints
+(`jaxinfer convert`) compress their arrays and restore several times slower, which a cache has no use for.
+
+The folder is `$JAXINFER_MODEL_CACHE`, else `~/.cache/jaxinfer/models`; an empty value turns the cache off. An
+entry's key hashes the file's resolved path, size and modification time, the dtype, and the source of the code that
+reads GGUF files and tokenizers, so a changed file or a changed loader never reuses an entry; storing an entry
+removes older entries of the same file and dtype. GGUF tensors kept quantized (`--quantization gguf`) are not
+cached (checkpoints do not store that format). Entries are written to a temporary folder and renamed into place,
+so processes loading the same file at once never see half an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+CACHE_VARIABLE = "JAXINFER_MODEL_CACHE"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "jaxinfer" / "models"
+_WEIGHTS, _CONFIG, _TOKENIZER = "weights.safetensors", "config.json", "tokenizer"
+_PACKAGE = Path(__file__).resolve().parents[1]
+# The code whose output an entry holds: a change to any of it makes new keys.
+_LOADER_SOURCES = ("loading/gguf.py", "loading/tensor_names.py", "loading/codec.py", "loading/orbax_format.py",
+                   "loading/model_cache.py", "tokenizer")
+
+
+def cache_dir() -> Path | None:
+    """The cache folder (`$JAXINFER_MODEL_CACHE`, else `~/.cache/jaxinfer/models`), None when turned off."""
+    path = os.environ.get(CACHE_VARIABLE, str(DEFAULT_CACHE_DIR))
+    return Path(path).expanduser() if path else None
+
+
+def _loader_digest() -> bytes:
+    h = hashlib.sha256()
+    for name in _LOADER_SOURCES:
+        path = _PACKAGE / name
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(f.name.encode() + f.read_bytes())
+    h.update((_PACKAGE.parent / "models" / "config.py").read_bytes())
+    return h.digest()
+
+
+def _entry_prefix(path: Path, dtype: np.dtype) -> str:
+    source = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:8]
+    return f"{path.stem}-{source}-{np.dtype(dtype).name}-"
+
+
+def entry_path(path: str | os.PathLike, dtype: np.dtype) -> Path | None:
+    """Where the entry of GGUF file `path` loaded in `dtype` lives (whether or not it exists); None with the cache
+    off."""
+    root = cache_dir()
+    if root is None:
+        return None
+    path = Path(path)
+    st = os.stat(path)
+    h = hashlib.sha256(f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{np.dtype(dtype).name}".encode())
+    h.update(_loader_digest())
+    return root / (_entry_prefix(path, dtype) + h.hexdigest()[:16])
+
+
+def lookup(path: str | os.PathLike, dtype: np.dtype) -> Path | None:
+    """The entry of GGUF file `path` in `dtype` when the cache holds it, else None."""
+    entry = entry_path(path, dtype)
+    return entry if entry is not None and (entry / _CONFIG).is_file() else None
+
+
+def restore(entry: Path) -> tuple:
+    """(config, numpy weights, tokenizer) of a cache entry.
+
+    Raises:
+      ValueError: an entry that does not hold what its config needs (written by other code; delete the folder).
+    """
+    from safetensors.numpy import load_file
+
+    from jaxinfer.loading.codec import config_from_dict
+    from jaxinfer.loading.orbax_format import nest, weights_from_dict
+    from jaxinfer.tokenizer import Tokenizer
+    from models.llama import check_weights
+
+    cfg = config_from_dict(json.loads((entry / _CONFIG).read_text()), where=str(entry / _CONFIG))
+    arrays = load_file(entry / _WEIGHTS)
+    try:
+        weights = weights_from_dict(nest([(tuple(k.split("/")), v) for k, v in arrays.items()]), cfg)
+        check_weights(weights, cfg)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"model cache entry {str(entry)!r} does not fit its config ({e}); delete it") from None
+    return cfg, weights, Tokenizer.from_hf_dir(entry / _TOKENIZER)
+
+
+def store(path: str | os.PathLike, dtype: np.dtype, cfg, weights, tokenizer) -> Path | None:
+    """Writes the entry of GGUF file `path` loaded in `dtype` (config, numpy weights, tokenizer) and removes older
+    entries of the same file and dtype; returns the entry, or None with the cache off or when writing failed (a
+    full disk, a read-only folder: logged, never raised, as the load itself succeeded)."""
+    from safetensors.numpy import save_file
+
+    from jaxinfer.loading.codec import config_to_dict
+    from jaxinfer.loading.orbax_format import flat_keys, get_path, weights_to_dict
+
+    entry = entry_path(path, dtype)
+    if entry is None:
+        return None
+    t0 = time.perf_counter()
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=entry.parent))
+        try:
+            tree = weights_to_dict(weights)
+            save_file({"/".join(k): np.ascontiguousarray(get_path(tree, k)) for k in flat_keys(tree)},
+                      tmp / _WEIGHTS, metadata={"source": os.path.realpath(path)})
+            tokenizer.save_pretrained(tmp / _TOKENIZER)
+            (tmp / _CONFIG).write_text(json.dumps(config_to_dict(cfg)))  # last: it marks a complete entry
+            os.rename(tmp, entry)
+        except OSError:
+            if not entry.exists():  # another process's entry won the rename: keep it
+                raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, ValueError) as e:
+        logger.warning("model cache: could not store %s in %s: %s", path, entry.parent, e)
+        return None
+    for old in entry.parent.glob(_entry_prefix(Path(path), dtype) + "*"):
+        if old != entry:
+            shutil.rmtree(old, ignore_errors=True)
+    logger.info("model cache: stored %s (%s) in %s in %.1f s; later loads restore it from there", Path(path).name,
+                np.dtype(dtype).name, entry, time.perf_counter() - t0)
+    return entry

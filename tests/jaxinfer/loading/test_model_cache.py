@@ -1,0 +1,63 @@
+"""The prepared-model cache (`jaxinfer.loading.model_cache`): a GGUF file's second load restores the first one's
+result exactly (config, every weight bit for bit, tokenizer) without opening the file's tensors; a changed file,
+dtype or loader makes a new key; storing replaces older entries of the same file; an empty folder turns it off."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxinfer.loading import gguf, loader, model_cache
+from jaxinfer.loading.loader import default_model_path, load_model
+from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(model_cache.CACHE_VARIABLE, str(tmp_path / "models"))
+    return tmp_path / "models"
+
+
+def test_a_second_load_restores_the_first_exactly(cache, monkeypatch):
+    first = load_model(None, np.dtype(ml_dtypes.bfloat16))
+    entries = list(cache.iterdir())
+    assert len(entries) == 1 and model_cache.lookup(default_model_path(), np.dtype(ml_dtypes.bfloat16)) == entries[0]
+    monkeypatch.setattr(loader, "read_gguf", lambda *_: pytest.fail("the GGUF file was read again"))
+    cfg, weights, tokenizer = load_model(None, np.dtype(ml_dtypes.bfloat16))
+    assert cfg == first[0]
+    assert jax.tree.structure(weights) == jax.tree.structure(first[1])
+    for got, want in zip(jax.tree.leaves(weights), jax.tree.leaves(first[1]), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got.view(np.uint16),
+                                                                                      want.view(np.uint16))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, wörld <|im_end|> 12"}]
+    assert tokenizer.apply_chat_template(messages) == first[2].apply_chat_template(messages)
+    assert tokenizer.encode(messages[1]["content"]) == first[2].encode(messages[1]["content"])
+    assert tokenizer.eos_ids == first[2].eos_ids and tokenizer.vocab_size == first[2].vocab_size
+
+
+def test_the_key_changes_with_the_file_and_the_dtype_and_old_entries_go(cache, tmp_path):
+    model = tmp_path / "m.gguf"
+    shutil.copy(gguf.__file__, model)  # only its path, size and time enter the key
+    f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
+    key = model_cache.entry_path(model, f32)
+    assert model_cache.entry_path(model, bf16) != key
+    os.utime(model, ns=(1, 2))
+    newer = model_cache.entry_path(model, f32)
+    assert newer != key and newer.parent == key.parent == cache
+    key.mkdir(parents=True)  # an entry of the file as it was
+    (key / "config.json").write_text("{}")
+    assert model_cache.lookup(model, f32) is None  # not the changed file's
+    cfg, weights, tokenizer = load_model(make_tiny_model_dir(tmp_path / "tiny"), f32)  # any model
+    assert model_cache.store(model, f32, cfg, weights, tokenizer) == newer
+    assert not key.exists() and model_cache.lookup(model, f32) == newer
+
+
+def test_an_empty_folder_turns_the_cache_off(monkeypatch, tmp_path):
+    monkeypatch.setenv(model_cache.CACHE_VARIABLE, "")
+    assert model_cache.cache_dir() is None and model_cache.entry_path(default_model_path(), np.float32) is None
+    assert model_cache.store(default_model_path(), np.float32, None, None, None) is None
