@@ -137,9 +137,10 @@ class ChatSession:
             return self._fail(error_line(f"the request failed: {completion.error}"))
         self.history.append({"role": "assistant", "content": completion.text})
         logging.getLogger("jaxinfer").debug(
-            "turn: prompt %d tokens (%d messages), reply %d tokens, finish_reason=%s, TTFT %.2f s, decode %.1f "
-            "tokens/s", len(out.prompt_token_ids), len(self.system) + len(self.history) - 1,
-            len(completion.token_ids), completion.finish_reason, out.metrics.ttft_s, out.metrics.decode_tokens_per_s)
+            "turn: prompt %d tokens (messages: %d; %d tokens from the prefix cache), reply %d tokens, "
+            "finish_reason=%s, TTFT %.2f s, decode %.1f tokens/s", len(out.prompt_token_ids),
+            len(self.system) + len(self.history) - 1, out.num_cached_tokens, len(completion.token_ids),
+            completion.finish_reason, out.metrics.ttft_s, out.metrics.decode_tokens_per_s)
         return out
 
     def _fail(self, line: str) -> None:

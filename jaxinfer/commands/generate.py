@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validates before the slow load
     lines = None if args.input_file is None else batch.read_batch(args.input_file, params, args.chat)
     options = engine_options(args)  # before the jax import: a bad config fails at once
-    out = sys.stdout if args.output_file is None else _open_output(args.output_file)
+    # Process 0 writes the output (a follower of a multi-host job leaves the file alone).
+    out = sys.stdout if args.output_file is None or args.process_id != 0 else _open_output(args.output_file)
     llm = start_llm(args, options)
     if llm is None:  # a follower process: process 0 writes the output
         return 0

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from jaxinfer import SamplingParams
-from tests.jaxinfer.commands.tiny_chat import ENGINE_FLAGS, run_jaxinfer
+from tests.jaxinfer.commands.tiny_chat import ENGINE_FLAGS, REPO, run_jaxinfer
 
 MAX_TOKENS = 8
 
@@ -70,3 +72,40 @@ def test_chat_refuses_an_empty_system_message_before_loading(capsys, monkeypatch
     assert capsys.readouterr().err == "jaxinfer: error: --system must not be empty\n"
     assert cli.main(["chat", "--temperature", "-1"]) == 2
     assert capsys.readouterr().err.startswith("jaxinfer: error: temperature=-1")
+
+
+def test_chat_on_a_terminal_prompts_and_ends_on_ctrl_d(tiny_chat_model, tiny_llm) -> None:
+    pty = pytest.importorskip("pty")
+    import os
+    import select
+    import subprocess
+    import sys
+    import time
+
+    want = tiny_llm.chat([_user("hello")], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "chat", "--model", str(tiny_chat_model),
+                             *ENGINE_FLAGS, "--temperature", "0", "--max-tokens", str(MAX_TOKENS)],
+                            stdin=follower, stdout=follower, stderr=subprocess.PIPE, cwd=REPO,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONIOENCODING": "utf-8"})
+    os.close(follower)
+    seen = b""
+
+    def read_until(end: bytes) -> None:  # the terminal echoes what is typed
+        nonlocal seen
+        start, deadline = len(seen), time.monotonic() + 120
+        while not seen[start:].endswith(end) and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                seen += os.read(leader, 4096)
+
+    try:
+        read_until(b"> ")
+        os.write(leader, b"hello\n")
+        read_until(b"\r\n> ")  # the reply's line, then the next prompt
+        os.write(leader, b"\x04")  # Ctrl-D at an empty prompt: end of input
+        assert proc.wait(60) == 0, proc.stderr.read().decode()
+    finally:
+        proc.kill()
+        os.close(leader)
+    assert seen.decode("utf-8") == f"> hello\r\n{want.outputs[0].text}\r\n> "
+    assert "/reset clears the conversation, /exit or Ctrl-D ends" in proc.stderr.read().decode()
