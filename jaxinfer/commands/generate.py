@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, TextIO
 
 from jaxinfer.cli_parser import error_line
 from jaxinfer.commands import batch
-from jaxinfer.commands.options import add_engine_options, add_multihost_options, engine_options, start_llm
+from jaxinfer.commands.options import add_engine_options, add_multihost_options, engine_options, given, start_llm
 from jaxinfer.commands.sampling import add_sampling_options, sampling_params
+from jaxinfer.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from jaxinfer.engine.compile_time import CompileTimer
@@ -34,7 +35,8 @@ def add_parser(sub) -> None:
     source.add_argument("--input-file", metavar="PATH",
                         help='JSONL, one request per line: {"prompt": TEXT} or {"messages": [...]}, optionally "id" '
                              '/ "custom_id" and SamplingParams fields (max_tokens, temperature, ...) overriding the '
-                             "flags; generated as one batch with a progress bar on stderr")
+                             "flags; generated as one batch (up to 32 sequences at a time unless --max-num-seqs is "
+                             "given) with a progress bar on stderr")
     gen.add_argument("--output-file", metavar="PATH", default=None,
                      help="with --input-file: where the JSON lines go (default: stdout)")
     gen.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
@@ -61,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validates before the slow load
     lines = None if args.input_file is None else batch.read_batch(args.input_file, params, args.chat)
     options = engine_options(args)  # before the jax import: a bad config fails at once
+    if lines is not None and not given(args, "max_num_seqs"):  # generate's default, 1, is for one prompt
+        options["max_num_seqs"] = min(len(lines), EngineConfig.max_num_seqs)
     # Process 0 writes the output (a follower of a multi-host job leaves the file alone).
     out = sys.stdout if args.output_file is None or args.process_id != 0 else _open_output(args.output_file)
     llm = start_llm(args, options)

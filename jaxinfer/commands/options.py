@@ -53,11 +53,38 @@ def add_engine_options(parser: argparse.ArgumentParser, command: str,
             raise TypeError(f"EngineConfig.{field.name}: no command-line type for {field.type!r}; add it to "
                             f"jaxinfer.commands.options.FLAG_TYPES or give the field a normaliser")
         if kind is bool:
-            group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=text)
+            group.add_argument(*names, dest=field.name, action=_Switch, default=default, help=text)
         else:
-            group.add_argument(*names, dest=field.name, type=kind, default=default, choices=flag.choices,
-                               metavar=flag.metavar, help=text)
+            group.add_argument(*names, dest=field.name, action=_Store, type=kind, default=default,
+                               choices=flag.choices, metavar=flag.metavar, help=text)
+
+
+_GIVEN = "engine_flags_given"  # the namespace's set of the fields whose flags the command line gave
+
+
+def given(args: argparse.Namespace, field_name: str) -> bool:
+    """Whether the command line gave the flag of `EngineConfig` field `field_name` (else it holds its default)."""
+    return field_name in getattr(args, _GIVEN, ())
+
+
+def _mark_given(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, _GIVEN, getattr(namespace, _GIVEN, frozenset()) | {dest})
+
+
+class _Store(argparse.Action):
+    """An engine flag's value, recorded as given (`given`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        _mark_given(namespace, self.dest)
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """A bool engine flag (`--x` / `--no-x`), recorded as given (`given`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _mark_given(namespace, self.dest)
 
 
 def add_multihost_options(parser: argparse.ArgumentParser) -> None:

@@ -25,8 +25,8 @@ def version_text() -> str:
     """The lines `jaxinfer --version` prints: jaxinfer's version, jax's and jaxlib's, and the persistent XLA
     compilation cache's folder (`jaxinfer.engine.compilation_cache.cache_dir`, or off)."""
     folder = cache_dir()
-    cache = (f"{folder} (${CACHE_VARIABLE}; empty turns it off)" if folder is not None
-             else f"off (${CACHE_VARIABLE} is empty)")
+    cache = (f"{folder} (${CACHE_VARIABLE} or --compilation-cache-dir move it; empty turns it off)"
+             if folder is not None else f"off (${CACHE_VARIABLE} is empty)")
     return (f"jaxinfer {_version('jaxinfer')}\n"
             f"jax {_version('jax')}, jaxlib {_version('jaxlib')}\n"
             f"XLA compilation cache: {cache}\n")

@@ -113,3 +113,21 @@ def test_bad_batch_flags_exit_2(argv, message, tmp_path, capsys, monkeypatch) ->
         status = e.code
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("jaxinfer: error: " + message.format(**paths)) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags, num_seqs", [([], 3), (["--max-num-seqs", "1"], 1), (["--max-num-seqs", "64"], 64)])
+def test_a_batch_runs_its_lines_together_unless_max_num_seqs_is_given(flags, num_seqs, tmp_path, monkeypatch) -> None:
+    from jaxinfer import cli
+    from jaxinfer.commands import generate
+
+    seen = {}
+
+    def fake_start(args, options):
+        seen.update(options)
+        raise KeyboardInterrupt  # stops before the model loads
+
+    monkeypatch.setattr(generate, "start_llm", fake_start)
+    source = tmp_path / "in.jsonl"
+    source.write_text(f"{GOOD}\n{GOOD}\n{GOOD}\n")
+    assert cli.main(["generate", "--input-file", str(source), *flags]) == 130
+    assert seen["max_num_seqs"] == num_seqs  # generate's default of 1 is for --prompt

@@ -30,7 +30,7 @@ def test_version_prints_versions_and_the_cache_without_jax(cache: str) -> None:
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, cwd=REPO,
                           env=env)
     assert done.returncode == 0 and done.stderr == "", done.stderr
-    folder = (f"{cache} ($JAXINFER_COMPILATION_CACHE; empty turns it off)" if cache
+    folder = (f"{cache} ($JAXINFER_COMPILATION_CACHE or --compilation-cache-dir move it; empty turns it off)" if cache
               else "off ($JAXINFER_COMPILATION_CACHE is empty)")
     assert done.stdout.splitlines() == [
         f"jaxinfer {importlib.metadata.version('jaxinfer')}",
