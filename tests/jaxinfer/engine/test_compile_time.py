@@ -55,3 +55,16 @@ def test_a_compile_is_timed_once_and_a_cached_call_not() -> None:
     assert all(before - 0.05 <= lo <= hi <= between + 0.05 for lo, hi in timer.spans)  # the clocks agree
     step(jnp.arange(9.0)).block_until_ready()  # a new shape compiles, unseen
     assert timer.seconds() == first  # no longer listening
+
+
+def test_compiles_on_other_threads_do_not_count() -> None:
+    import threading
+
+    step = jax.jit(lambda v: jnp.cos(v) - 2)
+    with CompileTimer() as timer:
+        worker = threading.Thread(target=lambda: step(jnp.arange(5.0)).block_until_ready())
+        worker.start()
+        worker.join()
+        assert timer.seconds() == 0.0
+        step(jnp.arange(6.0)).block_until_ready()
+    assert timer.seconds() > 0
