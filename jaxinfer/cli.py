@@ -1,7 +1,12 @@
 """The `jaxinfer` console command.
 
+    jaxinfer --version
+
     jaxinfer generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
                       [--min-p P] [--*-penalty X] [--seed S] [--stop STR ...] [--json] [engine options]
+    jaxinfer generate --input-file PROMPTS.jsonl [--output-file OUT.jsonl] [--chat] [sampling flags] [engine options]
+
+    jaxinfer chat [--system PROMPT] [sampling flags] [engine options]
 
     jaxinfer serve [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-queued-requests N]
                    [--grace-seconds S] [engine options]
@@ -24,14 +29,17 @@ import sys
 
 from jaxinfer.benchmarks import cli as bench_cli
 from jaxinfer.cli_parser import Parser, print_error
-from jaxinfer.commands import convert, generate, serve
+from jaxinfer.commands import chat, convert, generate, serve
+from jaxinfer.commands.version import VersionAction
 
 # The subcommands: each module adds its parser (`add_parser(sub)`) and runs it (`run(args)` -> exit status).
-COMMANDS = {"generate": generate, "serve": serve, "convert": convert}
+COMMANDS = {"generate": generate, "chat": chat, "serve": serve, "convert": convert}
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
+    parser.add_argument("--version", action=VersionAction,
+                        help="print the versions of jaxinfer, jax and jaxlib and the XLA compilation cache's folder")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS.values():
         command.add_parser(sub)

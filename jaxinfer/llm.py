@@ -174,6 +174,24 @@ class LLM:
             message that is not a dict, an unknown key or role, content or name that is not text), checked for
             every conversation before any is rendered; or a template error, plus everything `generate` raises.
         """
+        prompts = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
+        return self.generate(prompts, sampling_params, on_output=on_output, use_tqdm=use_tqdm)
+
+    def render_chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[Prompt]:
+        """The prompts `chat` generates from: each conversation checked, rendered with the chat template and
+        tokenized once (`generate` takes them as they are).
+
+        Args:
+          messages, add_generation_prompt, continue_final_message: as in `chat`.
+
+        Returns:
+          One `Prompt` per conversation (one for a single conversation), its `text` the rendered template.
+
+        Raises:
+          ValueError: as `chat`, for the messages and the template.
+        """
         for flag, value in (("add_generation_prompt", add_generation_prompt),
                             ("continue_final_message", continue_final_message)):
             if not isinstance(value, bool):
@@ -193,7 +211,7 @@ class LLM:
             ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                      continue_final_message=continue_final_message)
             prompts.append(Prompt(tuple(ids), text=self.tokenizer.decode(ids, skip_special_tokens=False)))
-        return self.generate(prompts, sampling_params, on_output=on_output, use_tqdm=use_tqdm)
+        return prompts
 
 
 class _Progress:

@@ -1,5 +1,6 @@
-"""The command line's shared options: the `EngineConfig` fields as flags, the multi-host flags, and the checks of
-values every command that starts an engine takes (`engine_options`, `join_job`, `check_host`)."""
+"""The command line's shared options: the `EngineConfig` fields as flags, the multi-host flags, the checks of values
+every command that starts an engine takes (`engine_options`, `join_job`, `check_host`), and the start of an `LLM`
+(`start_llm`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ import os
 import re
 import socket
 import sys
+import time
+from typing import TYPE_CHECKING
 
 from jaxinfer.engine.config import EngineConfig  # no jax: the flags are built before jax loads
+
+if TYPE_CHECKING:
+    from jaxinfer.llm import LLM
 
 # Command-line value types of the fields' annotations; fields with a normaliser take their text as typed.
 FLAG_TYPES = {"int": int, "int | None": int, "float | None": float, "str": str, "str | None": str, "bool": bool}
@@ -47,11 +53,38 @@ def add_engine_options(parser: argparse.ArgumentParser, command: str,
             raise TypeError(f"EngineConfig.{field.name}: no command-line type for {field.type!r}; add it to "
                             f"jaxinfer.commands.options.FLAG_TYPES or give the field a normaliser")
         if kind is bool:
-            group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=text)
+            group.add_argument(*names, dest=field.name, action=_Switch, default=default, help=text)
         else:
-            group.add_argument(*names, dest=field.name, type=kind, default=default, choices=flag.choices,
-                               metavar=flag.metavar, help=text)
+            group.add_argument(*names, dest=field.name, action=_Store, type=kind, default=default,
+                               choices=flag.choices, metavar=flag.metavar, help=text)
+
+
+_GIVEN = "engine_flags_given"  # the namespace's set of the fields whose flags the command line gave
+
+
+def given(args: argparse.Namespace, field_name: str) -> bool:
+    """Whether the command line gave the flag of `EngineConfig` field `field_name` (else it holds its default)."""
+    return field_name in getattr(args, _GIVEN, ())
+
+
+def _mark_given(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, _GIVEN, getattr(namespace, _GIVEN, frozenset()) | {dest})
+
+
+class _Store(argparse.Action):
+    """An engine flag's value, recorded as given (`given`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        _mark_given(namespace, self.dest)
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """A bool engine flag (`--x` / `--no-x`), recorded as given (`given`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _mark_given(namespace, self.dest)
 
 
 def add_multihost_options(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +139,28 @@ def join_job(args: argparse.Namespace) -> bool:
         args.num_processes, args.coordinator_address)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     return not multihost.is_leader()
+
+
+def start_llm(args: argparse.Namespace, options: dict) -> LLM | None:
+    """Joins the job (multi-host flags) and loads the model into an `LLM` with `options` (`engine_options`),
+    logging the load on stderr. Returns None on a follower process, after it has replayed process 0's steps.
+
+    Raises:
+      ValueError: as `join_job` and `LLM`.
+    """
+    from jaxinfer.llm import LLM
+
+    log = logging.getLogger("jaxinfer")
+    log.info("loading model %s", options.get("model") or "(default SmolLM2-135M-Instruct)")
+    t0 = time.perf_counter()
+    follower = join_job(args)
+    llm = LLM(**options)
+    if follower:  # replays process 0's steps; process 0 prints the text
+        llm.engine.follow_leader()
+        return None
+    log.info("model ready in %.1f s%s", time.perf_counter() - t0,
+             "" if options.get("warmup") else " (the first steps compile; --warmup compiles at start-up instead)")
+    return llm
 
 
 _HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")

@@ -2,8 +2,8 @@
 
 Each field's metadata holds its `help` (what it means, in units: also its flag's `--help` text) and its `Flag`
 (which `jaxinfer` subcommands take it, aliases, choices). `jaxinfer.cli` builds the engine flags of `generate`,
-`serve` and `convert` from these fields, and `LLM(**options)` takes exactly these names, so a new option is one
-field here.
+`chat`, `serve` and `convert` from these fields, and `LLM(**options)` takes exactly these names, so a new option is
+one field here.
 
 `EngineConfig` holds normalised values only; `EngineConfig.create(**options)` turns what users write (a
 quantization format name, a dict or JSON object string) into them. This module imports no jax, so the command
@@ -37,7 +37,7 @@ DEFAULT_MEMORY_UTILIZATION = {"cpu": 0.1, "gpu": 0.8, "tpu": 0.8}
 # "Prefix caching"): on CPU one page back is already cheaper than one page of prefill.
 DEFAULT_OFFLOAD_MIN_PAGES = {"cpu": 1, "gpu": 1, "tpu": 1}
 
-ENGINE_COMMANDS = ("generate", "serve")
+ENGINE_COMMANDS = ("generate", "chat", "serve")
 
 
 def __getattr__(name: str) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class EngineConfig:
     page_size: int = _option(16, "tokens per KV page")
     max_num_seqs: int = _option(32, "most sequences in one step; the default KV cache holds this many of "
                                     "max_model_len tokens when memory allows (see memory_utilization)",
-                                Flag(command_defaults={"generate": 1}))  # one prompt: one sequence
+                                Flag(command_defaults={"generate": 1, "chat": 1}))  # one prompt: one sequence
     max_num_batched_tokens: int = _option(512, "most tokens (decodes + prefill chunks) in one step")
     max_model_len: int | None = _option(None, "context limit in tokens; unset: the model's")
     kv_cache_memory_bytes: int | None = _option(None, (
@@ -148,7 +148,7 @@ class EngineConfig:
     warmup: bool = _option(True, (
         "compile the decode and single-prefill step shapes at start-up (progress bar on stderr), so no request "
         "waits for a compile; tests and one-shot scripts turn it off"),
-        Flag(command_defaults={"generate": False}))  # one prompt needs few shapes
+        Flag(command_defaults={"generate": False, "chat": False}))  # one prompt (or turn) needs few shapes
     attention_backend: str = _option("auto", (
         "auto: Pallas kernels on TPU and GPU, the jnp reference on CPU; reference; or pallas (on CPU: the TPU "
         "kernels in interpret mode, for testing; slow). See pallas_kernels.dispatch"),

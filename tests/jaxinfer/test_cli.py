@@ -122,7 +122,8 @@ def test_usage_errors_and_bad_values_share_one_prefix(capsys) -> None:
     usage = capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--max-tokens", "0"]) == 2  # a value the API refuses
     value = capsys.readouterr().err
-    assert usage.startswith("jaxinfer: error: the following arguments are required: --prompt (see jaxinfer generate")
+    assert usage.startswith("jaxinfer: error: one of the arguments --prompt --input-file is required (see jaxinfer "
+                            "generate")
     assert value.startswith("jaxinfer: error: max_tokens=0 must be an integer >= 1")
 
 

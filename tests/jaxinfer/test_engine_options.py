@@ -13,7 +13,7 @@ from jaxinfer.commands import options as cli_options
 from jaxinfer.engine.config import EngineConfig
 
 FIELDS = dataclasses.fields(EngineConfig)
-REQUIRED = {"generate": ["--prompt", "x"], "serve": [], "convert": ["--output", "out"]}
+REQUIRED = {"generate": ["--prompt", "x"], "chat": [], "serve": [], "convert": ["--output", "out"]}
 # Every flag spelling of earlier releases, with a value, and the field it sets.
 OLD_FLAGS = {
     "generate": ["--model", "m.gguf", "--dtype", "bfloat16", "--max-model-len", "64", "--page-size", "8",
@@ -59,8 +59,10 @@ def test_the_flags_defaults_are_the_engines():
     serve = cli_options.engine_options(parser.parse_args(["serve"]))
     assert EngineConfig.create(**serve) == EngineConfig()
     generate = cli_options.engine_options(parser.parse_args(["generate", "--prompt", "x"]))
-    # one prompt: no start-up compile, and a KV cache for one sequence
+    # one prompt: no start-up compile, and a KV cache for one sequence; chat too (one turn at a time)
     assert EngineConfig.create(**generate) == EngineConfig(warmup=False, max_num_seqs=1)
+    chat = cli_options.engine_options(parser.parse_args(["chat"]))
+    assert EngineConfig.create(**chat) == EngineConfig(warmup=False, max_num_seqs=1)
 
 
 @pytest.mark.parametrize("command", list(OLD_FLAGS))

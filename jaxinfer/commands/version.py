@@ -1,0 +1,43 @@
+"""`jaxinfer --version`: the versions of jaxinfer, jax and jaxlib, and the XLA compilation cache's folder, read from
+the installed packages' metadata without importing jax (it takes milliseconds)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+
+from jaxinfer.engine.compilation_cache import CACHE_VARIABLE, cache_dir
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        if package == "jaxinfer":  # run from a source tree that is not installed
+            import jaxinfer
+
+            return f"{jaxinfer.__version__} (not installed)"
+        return "not installed"
+
+
+def version_text() -> str:
+    """The lines `jaxinfer --version` prints: jaxinfer's version, jax's and jaxlib's, and the persistent XLA
+    compilation cache's folder (`jaxinfer.engine.compilation_cache.cache_dir`, or off)."""
+    folder = cache_dir()
+    cache = (f"{folder} (${CACHE_VARIABLE} or --compilation-cache-dir move it; empty turns it off)"
+             if folder is not None else f"off (${CACHE_VARIABLE} is empty)")
+    return (f"jaxinfer {_version('jaxinfer')}\n"
+            f"jax {_version('jax')}, jaxlib {_version('jaxlib')}\n"
+            f"XLA compilation cache: {cache}\n")
+
+
+class VersionAction(argparse.Action):
+    """`--version`: prints `version_text()` to stdout and exits 0, before any subcommand is required."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        sys.stdout.write(version_text())
+        parser.exit(0)
