@@ -22,11 +22,10 @@ from pathlib import Path
 
 from jaxinfer.benchmarks import WORKLOADS
 from jaxinfer.benchmarks.report import machine, write_section
+from jaxinfer.cache_dirs import COMPILATION_CACHE_VARIABLE as CACHE_VARIABLE  # no jax
 from jaxinfer.cli_parser import Parser
 
 logger = logging.getLogger(__name__)
-
-CACHE_VARIABLE = "JAXINFER_COMPILATION_CACHE"  # read by jaxinfer.engine.compilation_cache (not imported here: it imports jax)
 
 
 def add_parser(subparsers) -> None:

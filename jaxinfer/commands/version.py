@@ -1,5 +1,6 @@
-"""`jaxinfer --version`: the versions of jaxinfer, jax and jaxlib, and the XLA compilation cache's folder, read from
-the installed packages' metadata without importing jax (it takes milliseconds)."""
+"""`jaxinfer --version`: the versions of jaxinfer, jax and jaxlib, and the folders of the XLA compilation cache and
+the prepared-model cache, read from the installed packages' metadata without importing jax (it takes
+milliseconds)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 import importlib.metadata
 import sys
 
-from jaxinfer.engine.compilation_cache import CACHE_VARIABLE, cache_dir
+from jaxinfer.cache_dirs import (COMPILATION_CACHE_VARIABLE, MODEL_CACHE_VARIABLE, compilation_cache_dir,
+                                 model_cache_dir)
 
 
 def _version(package: str) -> str:
@@ -23,13 +25,21 @@ def _version(package: str) -> str:
 
 def version_text() -> str:
     """The lines `jaxinfer --version` prints: jaxinfer's version, jax's and jaxlib's, and the persistent XLA
-    compilation cache's folder (`jaxinfer.engine.compilation_cache.cache_dir`, or off)."""
-    folder = cache_dir()
-    cache = (f"{folder} (${CACHE_VARIABLE} or --compilation-cache-dir move it; empty turns it off)"
-             if folder is not None else f"off (${CACHE_VARIABLE} is empty)")
+    compilation cache's folder (`jaxinfer.cache_dirs`, or off) and the prepared-model cache's."""
+    folder = compilation_cache_dir()
+    cache = (f"{folder} (${COMPILATION_CACHE_VARIABLE} or --compilation-cache-dir move it; empty turns it off)"
+             if folder is not None else f"off (${COMPILATION_CACHE_VARIABLE} is empty)")
     return (f"jaxinfer {_version('jaxinfer')}\n"
             f"jax {_version('jax')}, jaxlib {_version('jaxlib')}\n"
-            f"XLA compilation cache: {cache}\n")
+            f"XLA compilation cache: {cache}\n"
+            f"prepared-model cache: {_model_cache()}\n")
+
+
+def _model_cache() -> str:
+    folder = model_cache_dir()
+    if folder is None:
+        return f"off (${MODEL_CACHE_VARIABLE} is empty)"
+    return f"{folder} (GGUF files dequantized once; ${MODEL_CACHE_VARIABLE} moves it; empty turns it off)"
 
 
 class VersionAction(argparse.Action):

@@ -20,8 +20,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CACHE_VARIABLE = "JAXINFER_COMPILATION_CACHE"  # the cache folder; an empty value turns the cache off
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "jaxinfer" / "xla"
+from jaxinfer.cache_dirs import COMPILATION_CACHE_VARIABLE as CACHE_VARIABLE  # noqa: F401 - this cache's variable
+from jaxinfer.cache_dirs import compilation_cache_dir
+
 _HIT, _MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"  # jax.monitoring events
 
 _lock = threading.Lock()
@@ -30,11 +31,9 @@ _listening = False
 
 
 def cache_dir(configured: str | os.PathLike | None = None) -> Path | None:
-    """The folder the cache uses (or would use): `configured` (`EngineConfig.compilation_cache_dir`) when given,
-    else `$JAXINFER_COMPILATION_CACHE`, else `~/.cache/jaxinfer/xla`; None when the one that applies is the empty
-    string (cache off). A folder the user already gave jax (`jax_compilation_cache_dir`) wins once jax is loaded."""
-    path = os.fspath(configured) if configured is not None else os.environ.get(CACHE_VARIABLE, str(DEFAULT_CACHE_DIR))
-    return Path(path).expanduser() if path else None
+    """The folder the cache uses (or would use): `jaxinfer.cache_dirs.compilation_cache_dir`. A folder the user
+    already gave jax (`jax_compilation_cache_dir`) wins once jax is loaded."""
+    return compilation_cache_dir(configured)
 
 
 def _count(event: str, **_) -> None:

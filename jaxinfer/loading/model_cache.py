@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxinfer.cache_dirs import MODEL_CACHE_VARIABLE as CACHE_VARIABLE  # noqa: F401 - this cache's variable
+from jaxinfer.cache_dirs import model_cache_dir
+
 logger = logging.getLogger(__name__)
 
-CACHE_VARIABLE = "JAXINFER_MODEL_CACHE"
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "jaxinfer" / "models"
 _WEIGHTS, _CONFIG, _TOKENIZER = "weights.safetensors", "config.json", "tokenizer"
 _PACKAGE = Path(__file__).resolve().parents[1]
 # The code whose output an entry holds: a change to any of it makes new keys.
@@ -41,9 +42,8 @@ _LOADER_SOURCES = ("loading/gguf.py", "loading/tensor_names.py", "loading/codec.
 
 
 def cache_dir() -> Path | None:
-    """The cache folder (`$JAXINFER_MODEL_CACHE`, else `~/.cache/jaxinfer/models`), None when turned off."""
-    path = os.environ.get(CACHE_VARIABLE, str(DEFAULT_CACHE_DIR))
-    return Path(path).expanduser() if path else None
+    """The cache folder (`jaxinfer.cache_dirs.model_cache_dir`), None when turned off."""
+    return model_cache_dir()
 
 
 def _loader_digest() -> bytes:

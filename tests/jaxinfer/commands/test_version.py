@@ -26,7 +26,7 @@ print("jax loaded:", "jax" in sys.modules)
 
 @pytest.mark.parametrize("cache", ["/some/where/xla", ""])
 def test_version_prints_versions_and_the_cache_without_jax(cache: str) -> None:
-    env = {**os.environ, "JAXINFER_COMPILATION_CACHE": cache}
+    env = {**os.environ, "JAXINFER_COMPILATION_CACHE": cache, "JAXINFER_MODEL_CACHE": cache and "/some/models"}
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, cwd=REPO,
                           env=env)
     assert done.returncode == 0 and done.stderr == "", done.stderr
@@ -36,6 +36,8 @@ def test_version_prints_versions_and_the_cache_without_jax(cache: str) -> None:
         f"jaxinfer {importlib.metadata.version('jaxinfer')}",
         f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
         f"XLA compilation cache: {folder}",
+        "prepared-model cache: " + ("/some/models (GGUF files dequantized once; $JAXINFER_MODEL_CACHE moves it; empty "
+                                    "turns it off)" if cache else "off ($JAXINFER_MODEL_CACHE is empty)"),
         "exit 0",
         "jax loaded: False",
     ]
