@@ -5,7 +5,9 @@ Each row runs the command as a child process and times, from the moment it is st
 * `generate`: the first byte of generated text on its stdout (process start to first token: imports, model
   load, KV cache, compiles, prefill);
 * `serve`: the first `GET /health` that answers 200 (SERVING), then the first token of one streamed
-  `/v1/completions` request sent right after (what a background warm-up costs the first request).
+  `/v1/completions` request sent right after (what a background warm-up costs the first request), and the
+  warm-up's own log line (shapes, seconds, how many the compilation cache held; a warm start's ends after
+  SERVING).
 
 "cold" gives the child empty cache folders (XLA compilation cache, prepared-model cache); "warm" runs again on the
 folders the cold run filled (`--reps` times; the median is reported). Peak RSS is the child's `ru_maxrss`
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -87,8 +90,9 @@ def _serve(args: argparse.Namespace, env: dict, extra: list[str]) -> dict:
     http = _free_port()
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--http-port", str(http), "--port", str(_free_port()),
            *_model_flags(args), *extra]
+    log = tempfile.TemporaryFile("w+")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         while _get(f"http://127.0.0.1:{http}/health") != 200:
             if proc.poll() is not None or time.perf_counter() - t0 > args.timeout:
@@ -103,9 +107,25 @@ def _serve(args: argparse.Namespace, env: dict, extra: list[str]) -> dict:
             r.readline()  # the first event: the first token
             first = time.perf_counter() - t1
             r.read()
+        while (warmup := _warmup_line(log)) is None:  # a background warm-up ends after SERVING
+            if proc.poll() is not None or time.perf_counter() - t0 > args.timeout:
+                raise RuntimeError(f"{' '.join(cmd)} logged no end of its warm-up")
+            time.sleep(0.2)
     finally:
         proc.terminate()
-    return {"serving_s": serving, "first_token_after_serving_s": first, "peak_rss_bytes": _wait(proc)}
+    return {"serving_s": serving, "first_token_after_serving_s": first, "peak_rss_bytes": _wait(proc), **warmup}
+
+
+_WARMUP = re.compile(r"compiled (\d+) step shapes in ([\d.]+) s(?: in the background| on \d+ threads) \((\d+) loaded")
+
+
+def _warmup_line(log) -> dict | None:
+    """The warm-up's end from the server's log: shapes, seconds, how many the compilation cache held."""
+    log.seek(0)
+    match = _WARMUP.search(log.read())
+    if match is None:
+        return None
+    return {"warmup_shapes": int(match[1]), "warmup_s": float(match[2]), "warmup_cache_hits": int(match[3])}
 
 
 ROWS = [("generate", _generate, []), ("generate --max-num-seqs 32", _generate, ["--max-num-seqs", "32"]),
@@ -129,7 +149,9 @@ def run(args: argparse.Namespace) -> Report:
 
 def _cells(r: dict) -> list[str]:
     if "serving_s" in r:
-        return [f"{r['serving_s']:.1f} s to SERVING, first token {r['first_token_after_serving_s']:.2f} s later",
+        return [f"{r['serving_s']:.1f} s to SERVING, first token {r['first_token_after_serving_s']:.2f} s later; "
+                f"warm-up: {r['warmup_shapes']:g} shapes in {r['warmup_s']:.1f} s, {r['warmup_cache_hits']:g} from the "
+                "cache",
                 f"{r['peak_rss_bytes'] / 2**30:.2f} GiB"]
     return [f"{r['first_token_s']:.1f} s to the first token", f"{r['peak_rss_bytes'] / 2**30:.2f} GiB"]
 
