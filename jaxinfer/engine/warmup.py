@@ -14,11 +14,13 @@ compilation cache a restart loads them all from disk, in the background while se
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -160,6 +162,7 @@ class Warmup:
             context = contextvars.copy_context()  # the caller's trace-time switches (e.g. native kernels)
             self._thread = threading.Thread(target=context.run, args=(self._run_background, rest, t0, (hits0, misses0)),
                                             name="jaxinfer-warmup", daemon=True)
+            _RUNNING.add(self)
             self._thread.start()
             logger.info("warm-up: the compilation cache holds this configuration's shapes; loading the other %d of "
                         "%d in the background while serving", len(rest), len(self.shapes))
@@ -195,13 +198,26 @@ class Warmup:
                     else f" on {self.workers} threads", self.cache_hits, self.cache_misses)
         self.done.set()
 
-    def stop(self) -> None:
-        """Stops a background warm-up after the shape it is compiling (the rest compile when first used)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops a background warm-up after the shape it is compiling (the rest compile when first used), waiting
+        up to `timeout` seconds for that shape."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for the warm-up to finish; returns whether it did."""
         return self.done.wait(timeout)
+
+
+# Background warm-ups still running: stopped at interpreter exit, so that no compile runs while jax shuts down.
+_RUNNING: weakref.WeakSet[Warmup] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running() -> None:
+    for w in list(_RUNNING):
+        w.stop(timeout=60)
 
 
 def start_warmup(runner: ModelRunner, config, spec_policy) -> Warmup | None:
