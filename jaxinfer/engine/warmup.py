@@ -10,6 +10,9 @@ as the longest context, logit bias MAX_LOGIT_BIAS wide, `SamplingArrays.build`),
 so a request with penalties or a logit bias compiles nothing either (allowed_token_ids and bad_words ride in the
 always-present token bitmask). Other shapes (several prefill chunks at once) compile on first use. With the persistent
 compilation cache a restart loads them all from disk, in the background while serving (`Warmup`).
+
+`compile_prompt` compiles only the shapes one long prompt meets when it is prefilled alone (its chunks' token
+buckets times the page-table widths its context passes through): what a long-context benchmark needs before timing.
 """
 
 from __future__ import annotations
@@ -99,6 +102,47 @@ def _compile_spec(runner: ModelRunner, kind: str, batch: int, drafts: int, num_s
         inputs = runner.propose_inputs(chunks, [row] * batch, [drafts] * batch, num_spec_tokens)
         runner.compile_ahead("propose", runner.propose_args(*inputs[:5]), num_tokens=num_spec_tokens,
                              with_probs=False)
+
+
+def prompt_shapes(runner: ModelRunner, num_tokens: int, max_num_batched_tokens: int) -> list[Shape]:
+    """The step shapes a prompt of `num_tokens` tokens meets when the scheduler prefills it alone in chunks of
+    `max_num_batched_tokens` (no cached prefix): per chunk, its token count and the page-table width of the context
+    after it; the first chunk as "fresh" when the attention backend has a flash kernel. Deduplicated by padded
+    bucket, in prefill order, no penalty inputs.
+
+    Raises:
+      ValueError: if num_tokens or max_num_batched_tokens is < 1, or the prompt exceeds the runner's widest page
+        table.
+    """
+    if num_tokens < 1 or max_num_batched_tokens < 1:
+        raise ValueError(f"{num_tokens=} and {max_num_batched_tokens=} must be >= 1")
+    ps = runner.page_size
+    if num_tokens > runner.max_pages_per_seq * ps:
+        raise ValueError(f"a prompt of {num_tokens} tokens exceeds the context of {runner.max_pages_per_seq * ps}")
+    shapes, seen = [], set()
+    for start in range(0, num_tokens, max_num_batched_tokens):
+        n = min(max_num_batched_tokens, num_tokens - start)
+        width = page_bucket(-(-(start + n) // ps), runner.max_pages_per_seq)
+        kind = "fresh" if start == 0 and runner.attention.flash is not None else "prefill"
+        key = (kind, next_power_of_two(n, MIN_PREFILL_TOKENS), width)
+        if key not in seen:
+            seen.add(key)
+            shapes.append((kind, n, width, False))
+    return shapes
+
+
+def compile_prompt(runner: ModelRunner, num_tokens: int, max_num_batched_tokens: int) -> float:
+    """Compiles the shapes of `prompt_shapes` ahead of time (as `Warmup`, greedy rows without penalties), so that
+    prefilling such a prompt compiles nothing; returns the seconds taken.
+
+    Raises:
+      ValueError: as `prompt_shapes`.
+    """
+    row = SamplingRow(SamplingParams(temperature=0), seed=0)
+    t0 = time.perf_counter()
+    for kind, n, width, _ in prompt_shapes(runner, num_tokens, max_num_batched_tokens):
+        _compile_step(runner, kind, n, width, row)
+    return time.perf_counter() - t0
 
 
 def _compile_shape(runner: ModelRunner, shape: Shape, rows: dict, num_drafts_for, num_spec_tokens: int) -> None:

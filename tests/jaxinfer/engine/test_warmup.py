@@ -9,7 +9,7 @@ import pytest
 from jaxinfer import SamplingParams
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.warmup import warmup_shapes
+from jaxinfer.engine.warmup import compile_prompt, prompt_shapes, warmup_shapes
 from tests.jaxinfer.engine.test_engine import Req, assert_idle, run
 from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir, random_prompts
 
@@ -80,3 +80,23 @@ def test_logit_bias_allowed_ids_and_bad_words_compile_nothing_after_warmup(warm:
     ruled_ids = together["ruled"][0]
     assert set(ruled_ids) <= {7, 9, 50} and (7, 9) not in set(zip(ruled_ids, ruled_ids[1:]))
     assert_idle(warm)
+
+
+def test_compile_prompt_compiles_every_step_of_a_long_prompts_chunked_prefill(tmp_path_factory) -> None:
+    """A 200-token prompt alone, 32 tokens a step, pages of 8, at most 32 pages: six chunks of 32 and one of 8. The
+    first two end within 8 pages (page-table width 8), the others need 12 to 25 (width 32); the last one's 8 tokens
+    pad to 16. So three shapes, and the prompt's prefill then compiles nothing."""
+    engine = Engine(EngineConfig(model=str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))), warmup=False,
+                                 page_size=8, max_num_seqs=1, max_num_batched_tokens=32, max_model_len=256,
+                                 kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False))
+    shapes = prompt_shapes(engine.runner, 200, 32)
+    assert [(kind, n, width) for kind, n, width, _ in shapes] == [("prefill", 32, 8), ("prefill", 32, 32),
+                                                                  ("prefill", 8, 32)]
+    compile_prompt(engine.runner, 200, 32)
+    assert _executables(engine) == (0, 3)
+    (prompt,) = random_prompts(1, seed=9, min_len=200, max_len=200)
+    out = run(engine, [Req("long", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))])
+    assert len(out.tokens()["long"][0]) == 1
+    assert _executables(engine) == (0, 3)  # every step ran an executable compiled ahead
+    with pytest.raises(ValueError, match="exceeds the context"):
+        prompt_shapes(engine.runner, 257, 32)
