@@ -139,13 +139,18 @@ def _cells(r: dict) -> list[str]:
             "n/a" if peak is None else f"{peak - r['kv_cache_bytes'] / MIB:.0f}"]
 
 
-def _load_note(load: float | None) -> str:
-    """What the 1-minute load average at the start says about the timings."""
-    if load is None:
+def _load_note(start: float | None, rows: list[dict]) -> str:
+    """What the 1-minute load averages (at the start, after each length) say about the timings."""
+    if start is None and not any(r.get("load_average") is not None for r in rows):
         return "load average unknown"
     cores = os.cpu_count() or 1
-    busy = load > 0.5 * cores
-    return (f"load average {load:.1f} on {cores} cores at the start: "
+    after = [r["load_average"] for r in rows if r.get("load_average") is not None]
+    seen = f"{start:.1f} at the start" if start is not None else ""
+    if after:
+        seen += f"{', ' if seen else ''}{min(after):.1f}-{max(after):.1f} after each length"
+    # Judged at the start, before any child runs (a measuring child itself keeps the cores busy).
+    busy = start is None or start > 0.5 * cores
+    return (f"load average on {cores} cores {seen}: "
             + ("contended (other jobs shared the cores), so times are noisy" if busy else "a quiet machine"))
 
 
@@ -164,17 +169,19 @@ def render(rows: list[dict], args: argparse.Namespace, elapsed: float, plot: str
              "cache, compiled steps); *peak RSS* its peak during them; *peak - KV* what is not the cache. "
              "Command:\n",
              f"```\n{args.command}\n```\n",
-             f"- date: {args.date}; run time {elapsed:.0f} s; {_load_note(args.load_average)}",
+             f"- date: {args.date}; run time {elapsed:.0f} s; {_load_note(args.load_average, rows)}",
              f"- {machine_line()}\n",
              table(["model", "context N", "chunks", "TTFT s (median)", "prefill tok/s", "KV cache MiB",
                     "step temp MiB", "RSS before MiB", "peak RSS MiB", "peak - KV MiB"], [_cells(r) for r in rows])]
     if rows:
-        temps = [r["step_temp_bytes"] for r in rows if r["series"] == rows[-1]["series"]]
-        lines.append(f"\nStep temporaries of the {rows[-1]['series']} rows stay within "
-                     f"{min(temps) / MIB:.2f}-{max(temps) / MIB:.2f} MiB from the shortest to the longest context: "
-                     "the memory that grows is the KV cache (linear in N); no step holds scores over the whole "
-                     "context. TTFT grows faster than N because each chunk attends over all the tokens before it "
-                     "(quadratic attention work in total).")
+        ranges = []
+        for series in dict.fromkeys(r["series"] for r in rows):
+            temps = [r["step_temp_bytes"] / MIB for r in rows if r["series"] == series]
+            ranges.append(f"{min(temps):.2f}-{max(temps):.2f} MiB for {series}")
+        lines.append("\nStep temporaries stay within " + " and ".join(ranges) + " from the shortest to the longest "
+                     "context: the memory that grows is the KV cache (linear in N); no step holds scores over the "
+                     "whole context. TTFT grows faster than N because each chunk attends over all the tokens before "
+                     "it (quadratic attention work in total).")
     if plot:
         lines.append(f"\n![TTFT and peak memory vs context length]({plot})")
     return "\n".join(lines)

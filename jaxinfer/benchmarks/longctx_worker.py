@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 from pathlib import Path
@@ -63,7 +64,8 @@ def measure(model: str | None, length: int, runs: int, dtype: str, chunk: int) -
       "compile_s", "kv_cache_bytes" (the engine's whole cache), "step_temp_bytes" (XLA temporaries of the last
       chunk's compiled step), "rss_before_mib" (resident set before the timed runs, cache and compiled steps
       included), "peak_rss_mib" (peak resident set during them; None without /proc), "peak_reset" (whether the peak
-      could be reset after compiling: if not, it includes the compiles)}.
+      could be reset after compiling: if not, it includes the compiles), "load_average" (the machine's 1-minute load
+      average after the timed runs)}.
 
     Raises:
       ValueError: a length below 2 or past the model's context, or a bad engine option.
@@ -96,7 +98,7 @@ def measure(model: str | None, length: int, runs: int, dtype: str, chunk: int) -
             "chunks": -(-len(prompt) // chunk), "ttft_s": ttft, "ttft_median_s": statistics.median(ttft),
             "compile_s": compile_s, "kv_cache_bytes": int(cache.k.nbytes + cache.v.nbytes),
             "step_temp_bytes": int(step_temp), "rss_before_mib": rss_before, "peak_rss_mib": _status_mib("VmHWM"),
-            "peak_reset": reset}
+            "peak_reset": reset, "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ def test_longctx_smoke(tmp_path):
                                 "--tiny-model", str(TINY_LLAMA), "--max-num-batched-tokens", "256")
     (row,) = report["data"]["rows"]
     assert (row["length"], row["prompt_tokens"], row["chunks"]) == (600, 599, 3)  # 256 + 256 + 87
+    assert row["load_average"] is None or row["load_average"] >= 0
     assert len(row["ttft_s"]) == 2 and row["ttft_median_s"] == pytest.approx(sum(row["ttft_s"]) / 2)
     cfg, _ = load_hf_weights(TINY_LLAMA)
     pages = -(-600 // 16) + 1  # the context's pages and the null page
