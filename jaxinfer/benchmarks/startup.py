@@ -67,14 +67,16 @@ def _wait(proc: subprocess.Popen) -> int:
 def _generate(args: argparse.Namespace, env: dict, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "jaxinfer.cli", "generate", "--prompt", PROMPT, "--max-tokens", "4",
            "--temperature", "0", *_model_flags(args), *extra]
+    log = tempfile.TemporaryFile("w+")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log)
     first = proc.stdout.read(1)
     ttft = time.perf_counter() - t0
     proc.stdout.read()
     rss = _wait(proc)
     if not first:
-        raise RuntimeError(f"{' '.join(cmd)} printed nothing")
+        log.seek(0)
+        raise RuntimeError(f"{' '.join(cmd)} printed nothing; its stderr ends:\n{log.read()[-2000:]}")
     return {"first_token_s": ttft, "peak_rss_bytes": rss}
 
 
