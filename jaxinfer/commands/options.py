@@ -1,6 +1,11 @@
 """The command line's shared options: the `EngineConfig` fields as flags, the multi-host flags, the checks of values
 every command that starts an engine takes (`engine_options`, `join_job`, `check_host`), and the start of an `LLM`
-(`start_llm`)."""
+(`start_llm`).
+
+`--config FILE` (a JSON object of engine options, `jaxinfer.engine.config_file`) gives options the flags did not:
+a flag typed on the command line wins over the file, and the file wins over the flag's default. The engine flags
+record which of them were typed (`given`), since a typed value may equal the default.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,11 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from jaxinfer.engine.config import EngineConfig  # no jax: the flags are built before jax loads
+from jaxinfer.engine.config_file import load_config_file
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
@@ -29,16 +36,28 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def engine_fields(command: str) -> list[dataclasses.Field]:
-    """The `EngineConfig` fields that `command` takes as flags, in declaration order."""
-    return [f for f in dataclasses.fields(EngineConfig) if command in f.metadata["flag"].commands]
+def engine_fields(command: str, exclude: Collection[str] = ()) -> list[dataclasses.Field]:
+    """The `EngineConfig` fields that `command` takes as flags, in declaration order, less those in `exclude`."""
+    return [f for f in dataclasses.fields(EngineConfig)
+            if command in f.metadata["flag"].commands and f.name not in exclude]
 
 
 def add_engine_options(parser: argparse.ArgumentParser, command: str,
-                        title: str = "engine options (EngineConfig fields; LLM takes the same keywords)") -> None:
-    """Adds a flag per `EngineConfig` field that `command` takes, from the field's metadata (help, `Flag`)."""
+                       title: str = "engine options (EngineConfig fields; LLM takes the same keywords)",
+                       exclude: Collection[str] = (), config_file: bool = True) -> None:
+    """Adds a flag per `EngineConfig` field that `command` takes, from the field's metadata (help, `Flag`), and
+    (with `config_file`) `--config FILE`.
+
+    Args:
+      exclude: fields to leave out (a command that takes them its own way, as `tune` takes lists of values).
+    """
     group = parser.add_argument_group(title)
-    for field in engine_fields(command):
+    if config_file:
+        group.add_argument("--config", default=None, metavar="FILE",
+                           help="a JSON object of engine options (EngineConfig field names, as LLM's keywords), e.g. "
+                                "the best configuration `jaxinfer tune` wrote; flags typed on the command line win "
+                                "over it")
+    for field in engine_fields(command, exclude):
         flag = field.metadata["flag"]
         default = flag.command_defaults.get(command, field.default)
         text = flag.command_help.get(command, field.metadata["help"]).replace("%", "%%")  # argparse %-formats help
@@ -60,11 +79,13 @@ def add_engine_options(parser: argparse.ArgumentParser, command: str,
 
 
 _GIVEN = "engine_flags_given"  # the namespace's set of the fields whose flags the command line gave
+_FROM_FILE = "engine_options_from_file"  # the namespace's set of the fields the --config file gave
 
 
 def given(args: argparse.Namespace, field_name: str) -> bool:
-    """Whether the command line gave the flag of `EngineConfig` field `field_name` (else it holds its default)."""
-    return field_name in getattr(args, _GIVEN, ())
+    """Whether the user gave `EngineConfig` field `field_name`: its flag on the command line, or (once
+    `engine_options` has read it) the --config file; else the option holds its flag's default."""
+    return field_name in getattr(args, _GIVEN, ()) or field_name in getattr(args, _FROM_FILE, ())
 
 
 def _mark_given(namespace: argparse.Namespace, dest: str) -> None:
@@ -96,23 +117,40 @@ def add_multihost_options(parser: argparse.ArgumentParser) -> None:
                        help="this process's index; 0 takes the requests, the others follow its steps")
 
 
-def engine_options(args: argparse.Namespace) -> dict:
-    """The `EngineConfig` fields the command's flags give, normalised, checked before the slow imports.
+def engine_options(args: argparse.Namespace, exclude: Collection[str] = ()) -> dict:
+    """The `EngineConfig` fields the command's flags and `--config` file give, normalised, checked before the slow
+    imports.
+
+    A flag typed on the command line wins over the file's value, which wins over the flag's default. The file's
+    options that the command has no flag for (e.g. `seed` for `generate`) are taken as they are.
+
+    Args:
+      exclude: fields the command has no flag for (as in `add_engine_options`): only a config file's value of one
+        is taken.
 
     Raises:
-      ValueError: "--flag: ..." for a value its field's parser rejects (for --speculative-config and --quantization:
-        JSON that does not parse or is not an object, unknown keys, bad values), or a draft model path that does not
-        exist.
+      ValueError: "--flag: ..." (or "config file F: name: ...") for a value its field's parser rejects (for
+        --speculative-config and --quantization: JSON that does not parse or is not an object, unknown keys, bad
+        values), a config file that cannot be read or names an unknown option, or a draft model path that does
+        not exist.
     """
+    path = getattr(args, "config", None)
+    from_file = load_config_file(path) if path is not None else {}
+    setattr(args, _FROM_FILE, frozenset(from_file))
+    typed = getattr(args, _GIVEN, frozenset())
+    raw = {name: (value, f"config file {path}: {name}") for name, value in from_file.items()}
+    for field in engine_fields(args.command, exclude):
+        if field.name in typed or field.name not in raw:
+            raw[field.name] = (getattr(args, field.name), flag_name(field.name))
     options = {}
-    for field in engine_fields(args.command):
+    for name, (value, source) in raw.items():
         try:
-            options[field.name] = EngineConfig.normalize(field.name, getattr(args, field.name))
+            options[name] = EngineConfig.normalize(name, value)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{flag_name(field.name)}: {e}") from None
+            raise ValueError(f"{source}: {e}") from None
     spec = options.get("speculative_config")
     if spec is not None and spec.method == "draft_model" and not os.path.exists(spec.model):
-        raise ValueError(f"--speculative-config: draft model {spec.model}: no such file or folder")
+        raise ValueError(f"{raw['speculative_config'][1]}: draft model {spec.model}: no such file or folder")
     return options
 
 

@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxinfer.serving.serve import run
 
     config = EngineConfig.create(**options)
-    if args.model is not None and not os.path.exists(args.model):
-        raise ValueError(f"--model {args.model}: no such file or folder")
+    if config.model is not None and not os.path.exists(config.model):
+        raise ValueError(f"--model {config.model}: no such file or folder")
     if join_job(args):  # a follower serves no requests: it replays process 0's steps
         from jaxinfer.engine.engine import Engine
 

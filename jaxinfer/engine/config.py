@@ -37,7 +37,7 @@ DEFAULT_MEMORY_UTILIZATION = {"cpu": 0.1, "gpu": 0.8, "tpu": 0.8}
 # "Prefix caching"): on CPU one page back is already cheaper than one page of prefill.
 DEFAULT_OFFLOAD_MIN_PAGES = {"cpu": 1, "gpu": 1, "tpu": 1}
 
-ENGINE_COMMANDS = ("generate", "chat", "serve")
+ENGINE_COMMANDS = ("generate", "chat", "serve", "tune")  # `tune` sweeps some of them (jaxinfer.commands.tune)
 
 
 def __getattr__(name: str) -> dict[str, Any]:

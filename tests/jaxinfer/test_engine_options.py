@@ -114,3 +114,57 @@ def test_llm_names_an_unknown_keyword_and_the_close_fields(fake_engine):
 
     with pytest.raises(ValueError, match=r"unknown engine option\(s\) 'max_num_seq' \(did you mean 'max_num_seqs'"):
         LLM(max_num_seq=4)
+
+
+def _config_file(tmp_path, options: dict) -> str:
+    import json
+
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps({**options, "_note": "skipped"}))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_config_file_gives_what_the_typed_flags_do_not(tmp_path, command):
+    path = _config_file(tmp_path, {"max_num_seqs": 8, "page_size": 32, "enable_prefix_caching": False,
+                                   "quantization": "int8", "seed": 7})
+    parse = cli._build_parser().parse_args
+
+    def config(*flags: str) -> EngineConfig:
+        return EngineConfig.create(**cli_options.engine_options(parse([command, *REQUIRED[command], *flags])))
+
+    base = config()
+    from_file = config("--config", path)
+    assert (from_file.max_num_seqs, from_file.page_size, from_file.enable_prefix_caching) == (8, 32, False)
+    assert from_file.quantization.format == "int8" and from_file.seed == 7  # generate has no --seed flag: taken
+    assert from_file.max_num_batched_tokens == base.max_num_batched_tokens  # not in the file: the flag's default
+    # A typed flag wins over the file, also when it types the default value.
+    typed = config("--config", path, "--max-num-seqs", str(base.max_num_seqs), "--prefix-caching", "--page-size", "16")
+    assert (typed.max_num_seqs, typed.enable_prefix_caching, typed.page_size) == (base.max_num_seqs, True, 16)
+    assert typed.quantization.format == "int8"
+
+
+def test_config_file_errors_name_the_file_or_flag(tmp_path):
+    parse = cli._build_parser().parse_args
+    bad = _config_file(tmp_path, {"max_num_seqs": 8, "quantization": "int3"})
+    with pytest.raises(ValueError, match=r"config file .*engine\.json: quantization: .*int3"):
+        cli_options.engine_options(parse(["serve", "--config", bad]))
+    unknown = _config_file(tmp_path, {"max_num_seq": 8})
+    with pytest.raises(ValueError, match=r"config file .*engine\.json: unknown engine option\(s\) 'max_num_seq'"):
+        cli_options.engine_options(parse(["serve", "--config", unknown]))
+    with pytest.raises(SystemExit):
+        parse(["convert", "--output", "o", "--config", bad])  # convert takes no config file
+
+
+def test_llm_takes_a_config_file_or_dict_and_keywords_win(fake_engine, tmp_path):
+    from jaxinfer import LLM
+
+    path = _config_file(tmp_path, {"max_num_seqs": 8, "model": "m.gguf", "kv_cache_dtype": "int8"})
+    assert LLM(config=path).engine.config == EngineConfig(max_num_seqs=8, model="m.gguf", kv_cache_dtype="int8")
+    llm = LLM("other.gguf", config=path, max_num_seqs=4)
+    assert llm.engine.config == EngineConfig(max_num_seqs=4, model="other.gguf", kv_cache_dtype="int8")
+    assert LLM(config={"page_size": 8}).engine.config == EngineConfig(page_size=8)
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) 'page'"):
+        LLM(config={"page": 8})
+    with pytest.raises(ValueError, match="config must be a config file path, a dict"):
+        LLM(config=3)

@@ -1,0 +1,94 @@
+"""Real runs for `jaxinfer tune`: each configuration gets a fresh `Engine` in this process, and the profile goes
+through it on the wall clock (`jaxinfer.tune.drive`).
+
+1. Start-up: `Engine(config)` loads the weights and (with `warmup`, the default) compiles the decode and
+   single-prefill step shapes. Every engine turns on JAX's persistent compilation cache
+   (`jaxinfer.engine.compilation_cache`), so a shape another configuration already compiled is read from disk:
+   configurations that share shapes start faster than the first.
+2. Warm pass (optional): the profile's requests all at once with outputs cut to `WARM_OUTPUT_LEN` tokens, which
+   compiles the shapes of several prefill chunks in one step that warm-up leaves to first use; the prefix cache is
+   reset after it.
+3. The timed run; step shapes first met in it are counted (`new_shapes`: compiled, or read from the cache):
+   each one stalls a step.
+
+Unless the config sets `max_model_len`, runs use the profile's longest context rounded up to its page-table
+bucket (a text prompt counts as its UTF-8 bytes + 2, more than its tokens), capped at the model's: warm-up then
+compiles only the page-table widths the profile can reach. Prompts given as lengths are consecutive slices of
+real text (`jaxinfer.benchmarks.corpus`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import time
+
+from jaxinfer.benchmarks import corpus
+from jaxinfer.benchmarks.serving_driver import num_executables
+from jaxinfer.benchmarks.serving_scenarios import Request
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.step_inputs import page_bucket
+from jaxinfer.loading.loader import read_model_config
+from jaxinfer.tune.drive import Measurement, Targets, WallClock, drive
+from jaxinfer.tune.profile import Profile, expand
+
+WARM_OUTPUT_LEN = 2
+
+
+def profile_max_model_len(profile: Profile, config: EngineConfig) -> int:
+    """The context limit runs of `profile` use when `config` sets none (module docstring), tokens."""
+    longest = max((r.prompt_len if r.prompt is None else len(r.prompt.encode()) + 2) + r.output_len
+                  for r in profile.requests)
+    pages = -(-longest // config.page_size)
+    limit = read_model_config(config.model).max_position_embeddings
+    return min(page_bucket(pages, 1 << 30) * config.page_size, limit)
+
+
+@dataclasses.dataclass
+class EngineRunner:
+    """Runs a configuration on a real `Engine` (a `jaxinfer.tune.sweep.Runner`; module docstring).
+
+    Attributes:
+      warm_pass: run the warm pass before the timed run.
+    """
+
+    warm_pass: bool = True
+    _requests: list[Request] | None = dataclasses.field(default=None, repr=False)  # the model's: same for all
+
+    def __call__(self, config: EngineConfig, profile: Profile, targets: Targets,
+                 max_run_s: float = math.inf) -> tuple[Measurement, dict[str, float]]:
+        """Returns (the timed run's measurement, timing: startup_s, warm_s, run_s (wall seconds) and
+        new_shapes (step shapes first met in the timed run)).
+
+        Raises:
+          ValueError: from `Engine` (a bad option value, a KV budget too small, a model that does not load) or a
+            profile prompt that does not fit the context.
+        """
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=profile_max_model_len(profile, config))
+        t0 = time.perf_counter()
+        engine = Engine(config)
+        timing = {"startup_s": time.perf_counter() - t0}
+        try:
+            if self._requests is None:
+                encode = engine.tokenizer.encode
+                self._requests = expand(profile, encode, encode(corpus.read_text("tune")))
+            requests = self._requests
+            t0 = time.perf_counter()
+            if self.warm_pass:
+                warm = [dataclasses.replace(r, arrival_s=0.0, output_len=min(r.output_len, WARM_OUTPUT_LEN))
+                        for r in requests]
+                drive(engine, warm, WallClock())
+                engine.reset_prefix_cache()
+            timing["warm_s"] = time.perf_counter() - t0
+            shapes = num_executables(engine.runner)
+            t0 = time.perf_counter()
+            measurement = drive(engine, requests, WallClock(), targets, max_run_s)
+            timing["run_s"] = time.perf_counter() - t0
+            timing["new_shapes"] = num_executables(engine.runner) - shapes
+        finally:
+            del engine
+            gc.collect()  # the next configuration's engine needs the memory
+        return measurement, timing
