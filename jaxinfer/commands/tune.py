@@ -52,9 +52,11 @@ def add_parser(sub) -> None:
     tune.add_argument("--seed", type=int, default=0, help="seeds the sample of the grid and JSONL arrivals")
     tune.add_argument("--max-run-s", type=float, default=300.0,
                       help="a run's time limit in seconds (default 300); a run past it is 'stopped'")
-    tune.add_argument("--no-warm-pass", action="store_true",
-                      help="skip the untimed pass (all requests at once, 2 output tokens) that compiles the "
-                           "multi-chunk prefill shapes before each timed run")
+    tune.add_argument("--warm-pass", choices=("short", "replay", "none"), default="short",
+                      help="the untimed pass before each timed run: short (default: all requests at once, 2 output "
+                           "tokens each: compiles the multi-chunk prefill shapes warm-up leaves out), replay (the "
+                           "whole profile once: with --no-warmup, compiles only the shapes this traffic meets), "
+                           "none")
     tune.add_argument("--out", type=Path, default=Path("tune-out"),
                       help="folder for tune.md, tune.png, trials.json and best.json (default ./tune-out)")
     tune.add_argument("--write", type=Path, default=None,
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    trials = sweep(EngineRunner(warm_pass=not args.no_warm_pass), profile, base, candidates, targets,
+    trials = sweep(EngineRunner(warm_pass=args.warm_pass), profile, base, candidates, targets,
                    args.max_run_s, progress)
     elapsed = time.perf_counter() - t0
     winner = best(trials)
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "trials.json").write_text(json.dumps(
         [{"knobs": {k: json_value(v) for k, v in t.knobs.items()}, "default": t.is_default, "status": t.status,
           "reason": t.reason, "metrics": t.metrics, "timing": t.timing} for t in trials], indent=1, default=str))
-    png = None if args.no_plot else report.plot(trials, targets, out / "tune.png")
+    png = None if args.no_plot else report.plot(trials, targets, out / "tune.png", winner)
     config_path = None
     command = shlex.join(["jaxinfer", "tune", *sys.argv[2:]]) if sys.argv[1:2] == ["tune"] else "jaxinfer tune"
     if winner is not None:

@@ -5,9 +5,11 @@ through it on the wall clock (`jaxinfer.tune.drive`).
    single-prefill step shapes. Every engine turns on JAX's persistent compilation cache
    (`jaxinfer.engine.compilation_cache`), so a shape another configuration already compiled is read from disk:
    configurations that share shapes start faster than the first.
-2. Warm pass (optional): the profile's requests all at once with outputs cut to `WARM_OUTPUT_LEN` tokens, which
-   compiles the shapes of several prefill chunks in one step that warm-up leaves to first use; the prefix cache is
-   reset after it.
+2. Warm pass, untimed (`WARM_PASSES`): "short", the profile's requests all at once with outputs cut to
+   `WARM_OUTPUT_LEN` tokens, compiles the shapes of several prefill chunks in one step that warm-up leaves to
+   first use; "replay" runs the whole profile once as it will be timed, which compiles (nearly) every shape the
+   timed run meets, also without warm-up (`warmup=False`: on a slow compiler, only the shapes this traffic
+   needs); "none" skips it. The prefix cache is reset after it.
 3. The timed run; step shapes first met in it are counted (`new_shapes`: compiled, or read from the cache):
    each one stalls a step.
 
@@ -35,6 +37,7 @@ from jaxinfer.tune.drive import Measurement, Targets, WallClock, drive
 from jaxinfer.tune.profile import Profile, expand
 
 WARM_OUTPUT_LEN = 2
+WARM_PASSES = ("short", "replay", "none")
 
 
 def profile_max_model_len(profile: Profile, config: EngineConfig) -> int:
@@ -51,11 +54,18 @@ class EngineRunner:
     """Runs a configuration on a real `Engine` (a `jaxinfer.tune.sweep.Runner`; module docstring).
 
     Attributes:
-      warm_pass: run the warm pass before the timed run.
+      warm_pass: the untimed pass before the timed run, one of WARM_PASSES.
+
+    Raises:
+      ValueError: an unknown warm_pass.
     """
 
-    warm_pass: bool = True
+    warm_pass: str = "short"
     _requests: list[Request] | None = dataclasses.field(default=None, repr=False)  # the model's: same for all
+
+    def __post_init__(self) -> None:
+        if self.warm_pass not in WARM_PASSES:
+            raise ValueError(f"warm_pass={self.warm_pass!r} is not one of {', '.join(WARM_PASSES)}")
 
     def __call__(self, config: EngineConfig, profile: Profile, targets: Targets,
                  max_run_s: float = math.inf) -> tuple[Measurement, dict[str, float]]:
@@ -77,10 +87,11 @@ class EngineRunner:
                 self._requests = expand(profile, encode, encode(corpus.read_text("tune")))
             requests = self._requests
             t0 = time.perf_counter()
-            if self.warm_pass:
-                warm = [dataclasses.replace(r, arrival_s=0.0, output_len=min(r.output_len, WARM_OUTPUT_LEN))
-                        for r in requests]
-                drive(engine, warm, WallClock())
+            if self.warm_pass != "none":
+                warm = requests if self.warm_pass == "replay" else [
+                    dataclasses.replace(r, arrival_s=0.0, output_len=min(r.output_len, WARM_OUTPUT_LEN))
+                    for r in requests]
+                drive(engine, warm, WallClock(), max_run_s=max_run_s)
                 engine.reset_prefix_cache()
             timing["warm_s"] = time.perf_counter() - t0
             shapes = num_executables(engine.runner)

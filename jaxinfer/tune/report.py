@@ -70,12 +70,16 @@ def trials_table(trials: Sequence[Trial], best: Trial | None) -> str:
                     str(tm.get("new_shapes", "-"))]
         rows.append(row)
     notes = [f"{i} {t.status}: {t.reason}" for i, t in enumerate(trials, 1) if t.reason]
+    if any(t.status in ("pruned", "stopped") for t in trials):
+        notes.append("pruned and stopped rows give the figures of the requests done when the run stopped")
     return table(header, rows) + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
 
 
-def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, title: str = "") -> Path:
+def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, best: Trial | None = None,
+         title: str = "") -> Path:
     """Writes the PNG: output tokens/s against p99 TTFT (left) and p99 TPOT (right) for every complete run,
-    the Pareto front of each panel as a line, the targets as dashed lines, the default and the best marked.
+    the Pareto front of each panel as a line, the targets as dashed lines, the default (a star) and `best` (a
+    ring) marked.
 
     Raises:
       ValueError: matplotlib is not installed (`pip install 'jaxinfer[tune]'`).
@@ -96,6 +100,9 @@ def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, tit
             ax.scatter(x, y, s=160 if t.status == "meets" else 60, marker="*" if t.is_default else "o",
                        c="tab:green" if t.status == "meets" else "tab:red", edgecolors="k", zorder=3)
             ax.annotate(str(i), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            if t is best:
+                ax.scatter(x, y, s=420, facecolors="none", edgecolors="tab:blue", linewidths=2, zorder=4,
+                           label="best")
         front = pareto_front(pts)
         if front:
             ax.plot([pts[j][0] for j in front], [pts[j][1] for j in front], "-", c="tab:blue", zorder=2,
@@ -106,8 +113,8 @@ def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, tit
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     axes[0].set_ylabel("output tokens/s")
-    fig.suptitle(title or "jaxinfer tune: green meets every target, red misses one; * the default; numbers: the "
-                          "table's rows", fontsize=9)
+    fig.suptitle(title or "jaxinfer tune: green meets every target, red misses one; * the default, ring the best; "
+                          "numbers: the table's rows", fontsize=9)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
@@ -129,7 +136,7 @@ def section(trials: Sequence[Trial], best: Trial | None, *, command: str, date: 
     if png:
         lines += [f"![throughput vs p99 latency]({png})", ""]
     if best is not None:
-        knobs = ", ".join(f"{k}={show_value(k, v)}" for k, v in best.knobs.items())
+        knobs = ", ".join(f"{k}={show_value(k, v)}" for k, v in best.knobs.items()) or "the base configuration"
         where = f", written to `{config_path}`" if config_path else ""
         lines.append(f"Best: {knobs}{where} (`jaxinfer serve --config FILE`, `LLM(config=FILE)`).")
     else:

@@ -103,3 +103,10 @@ def test_expand_encodes_text_and_cuts_lengths_from_the_text():
     with pytest.raises(ValueError, match="request 0: its prompt encodes to no tokens"):
         expand(Profile((TrafficRequest(0.0, 1, None, "x"),), ""), lambda text: [], [1])
     assert math.isfinite(out[-1].arrival_s)
+
+
+def test_the_benchmark_profile_parses(data_dir):
+    # tests/data/tune_chat.json: the traffic of BENCHMARKS.md's "Tuning" section.
+    p = load_profile(data_dir / "tune_chat.json")
+    assert len(p.requests) == 16 and {r.prompt_len for r in p.requests} <= {48, 160, 400}
+    assert p.requests[0].arrival_s == 0 and p.requests[-1].arrival_s > 0

@@ -137,6 +137,21 @@ def test_a_failing_configuration_fails_alone():
     assert trials[1].reason == "RuntimeError: out of memory" and trials[1].metrics == {}
 
 
+def test_table_shows_knob_values_briefly():
+    from jaxinfer.tune.report import show_value, trials_table
+    from jaxinfer.tune.sweep import Trial
+
+    assert show_value("speculative_config", '{"method": "ngram", "num_speculative_tokens": 3}') == "ngram k=3"
+    assert show_value("quantization", {"format": "int8", "quantize_activations": True}) == "int8 w8a8"
+    assert show_value("quantization", EngineConfig.create(quantization="fp8").quantization) == "fp8"
+    assert show_value("quantization", None) == "none" and show_value("page_size", 16) == "16"
+    trials = [Trial({"page_size": 16, "max_num_seqs": 8}, True, "meets", metrics={"output_tok_s": 10.0}),
+              Trial({"page_size": 32, "max_num_seqs": 8}, False, "pruned", "p99 TTFT > 1 s")]
+    text = trials_table(trials, trials[0])
+    assert text.splitlines()[0].startswith("| # | page | status |")  # only the knob that varies
+    assert "| 1 (default) | 16 | **best** | 10.0 |" in text and "- 2 pruned: p99 TTFT > 1 s" in text
+
+
 def test_pareto_front():
     pts = [(1.0, 10.0), (2.0, 30.0), (2.0, 20.0), (3.0, 30.0), (0.5, 5.0), (4.0, 40.0)]
     # (2, 20) loses to (2, 30); (3, 30) loses to (2, 30); the rest trade latency for throughput.

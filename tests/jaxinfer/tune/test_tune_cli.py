@@ -28,7 +28,7 @@ def test_tune_runs_two_configurations_and_writes_the_best(tmp_path, capsys):
     bench = tmp_path / "BENCH.md"
     bench.write_text("# Benchmarks\n")
     status = cli.main(["tune", "--profile", _profile(tmp_path), "--model", str(model), "--dtype", "float32",
-                       "--max-num-seqs", "1,32", "--max-num-batched-tokens", "32", "--no-warmup", "--no-warm-pass",
+                       "--max-num-seqs", "1,32", "--max-num-batched-tokens", "32", "--no-warmup", "--warm-pass", "none",
                        "--out", str(out), "--write", str(bench), "--budget", "2"])
     assert status == 0
     trials = json.loads((out / "trials.json").read_text())
