@@ -18,10 +18,10 @@
 
 The engine options are the `EngineConfig` fields (`jaxinfer.engine.config`), as flags of their dashed names
 (`--max-model-len N`, `--warmup` / `--no-warmup`, ...): each field's metadata gives its help text and which
-subcommands take it; `generate`, `serve` and `tune` also take `--config FILE`, a JSON object of them (flags typed
-on the command line win). Generated text streams to stdout; progress (model load, compile) goes to stderr. Bad input
-exits with status 2 and one line on stderr; a request the engine failed (finish_reason "error") exits with status 1
-and one line on stderr giving the engine's reason.
+subcommands take it; `generate`, `chat`, `serve` and `tune` also take `--config FILE`, a JSON object of them
+(flags typed on the command line win). Generated text streams to stdout; progress (model load, compile) goes to
+stderr. Bad input exits with status 2 and one line on stderr; a request the engine failed (finish_reason "error")
+exits with status 1 and one line on stderr giving the engine's reason.
 """
 
 from __future__ import annotations

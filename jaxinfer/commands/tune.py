@@ -118,17 +118,15 @@ def run(args: argparse.Namespace) -> int:
 
     targets = Targets(args.ttft_p99_s, args.tpot_p99_s)
     profile = load_profile(args.profile, args.rate_per_s, args.seed)
+    from jaxinfer.tune import report
+
     if not args.no_plot:
-        try:
-            import matplotlib  # noqa: F401 - fail before the runs, not after them
-        except ImportError:
-            raise ValueError("the tune plot needs matplotlib: pip install 'jaxinfer[tune]' (or pass --no-plot)") from None
+        report.require_matplotlib()  # before the runs, not after them
     args.out.mkdir(parents=True, exist_ok=True)
     import jax
 
     from jaxinfer.benchmarks.report import machine_line, write_section
     from jaxinfer.engine.config_file import json_value, write_config_file
-    from jaxinfer.tune import report
     from jaxinfer.tune.engine_run import EngineRunner
     from jaxinfer.tune.sweep import best, plan, sweep
 

@@ -2,9 +2,10 @@
 through it on the wall clock (`jaxinfer.tune.drive`).
 
 1. Start-up: `Engine(config)` loads the weights and (with `warmup`, the default) compiles the decode and
-   single-prefill step shapes. Every engine turns on JAX's persistent compilation cache
-   (`jaxinfer.engine.compilation_cache`), so a shape another configuration already compiled is read from disk:
-   configurations that share shapes start faster than the first.
+   single-prefill step shapes; a warm-up that loads them in the background is waited for. Every engine turns on
+   JAX's persistent compilation cache (`jaxinfer.engine.compilation_cache`), so a shape another configuration
+   already compiled is read from disk: configurations that share shapes start faster than the first (the timing
+   counts the warm-up's shapes read from the cache and compiled).
 2. Warm pass, untimed (`WARM_PASSES`): "short", the profile's requests all at once with outputs cut to
    `WARM_OUTPUT_LEN` tokens, compiles the shapes of several prefill chunks in one step that warm-up leaves to
    first use; "replay" runs the whole profile once as it will be timed, which compiles (nearly) every shape the
@@ -69,8 +70,9 @@ class EngineRunner:
 
     def __call__(self, config: EngineConfig, profile: Profile, targets: Targets,
                  max_run_s: float = math.inf) -> tuple[Measurement, dict[str, float]]:
-        """Returns (the timed run's measurement, timing: startup_s, warm_s, run_s (wall seconds) and
-        new_shapes (step shapes first met in the timed run)).
+        """Returns (the timed run's measurement, timing: startup_s, warm_s, run_s (wall seconds), new_shapes (step
+        shapes first met in the timed run) and, with warm-up, cache_hits / cache_misses (its shapes read from the
+        persistent compilation cache / compiled)).
 
         Raises:
           ValueError: from `Engine` (a bad option value, a KV budget too small, a model that does not load) or a
@@ -80,7 +82,11 @@ class EngineRunner:
             config = dataclasses.replace(config, max_model_len=profile_max_model_len(profile, config))
         t0 = time.perf_counter()
         engine = Engine(config)
+        if engine.warmup is not None:
+            engine.warmup.wait()  # a warm cache loads the shapes in the background: not during the timed run
         timing = {"startup_s": time.perf_counter() - t0}
+        if engine.warmup is not None:
+            timing["cache_hits"], timing["cache_misses"] = engine.warmup.cache_hits, engine.warmup.cache_misses
         try:
             if self._requests is None:
                 encode = engine.tokenizer.encode

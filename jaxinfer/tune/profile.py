@@ -8,8 +8,8 @@ A JSONL profile has one request per line (blank lines skipped):
 
 with exactly one of `prompt` (text, tokenized by the model's tokenizer) or `prompt_len` (tokens, cut from real
 text), exactly one of `max_tokens` or `output_len` (tokens the request generates: every request runs to it,
-`ignore_eos`), and `arrival_s` (seconds; the first arrival starts the run) on every line or on none. Without arrival times, requests
-arrive as a Poisson process of the given rate, or all at once.
+`ignore_eos`), and `arrival_s` (seconds; the first arrival starts the run) on every line or on none. Without
+arrival times, requests arrive as a Poisson process of the given rate, or all at once.
 
 A histogram profile is one JSON object:
 

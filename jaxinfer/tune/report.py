@@ -51,12 +51,13 @@ def _num(x: float | None, digits: int, scale: float = 1.0) -> str:
 
 def trials_table(trials: Sequence[Trial], best: Trial | None) -> str:
     """The markdown table: one row per trial, the varied knobs, status, throughput, latencies, and (for real
-    runs) start-up, warm pass and run seconds with the step shapes first met in the run."""
+    runs) start-up seconds with the warm-up's shapes read from the compilation cache / compiled, warm pass and run
+    seconds, and the step shapes first met in the run."""
     knobs = varied_knobs(trials)
     timed = any(t.timing for t in trials)
     header = ["#", *[SHORT[k] for k in knobs], "status", "output tok/s", "TTFT p50 / p99 s", "TPOT p50 / p99 ms"]
     if timed:
-        header += ["start-up s", "warm s", "run s", "new shapes"]
+        header += ["start-up s", "cached / compiled", "warm s", "run s", "new shapes"]
     rows = []
     for i, t in enumerate(trials, 1):
         m, tm = t.metrics, t.timing
@@ -66,13 +67,22 @@ def trials_table(trials: Sequence[Trial], best: Trial | None) -> str:
                f"{_num(m.get('ttft_p50_s'), 2)} / {_num(m.get('ttft_p99_s'), 2)}",
                f"{_num(m.get('tpot_p50_s'), 1, 1e3)} / {_num(m.get('tpot_p99_s'), 1, 1e3)}"]
         if timed:
-            row += [_num(tm.get("startup_s"), 1), _num(tm.get("warm_s"), 1), _num(tm.get("run_s"), 1),
+            cache = f"{tm['cache_hits']} / {tm['cache_misses']}" if "cache_hits" in tm else "-"
+            row += [_num(tm.get("startup_s"), 1), cache, _num(tm.get("warm_s"), 1), _num(tm.get("run_s"), 1),
                     str(tm.get("new_shapes", "-"))]
         rows.append(row)
     notes = [f"{i} {t.status}: {t.reason}" for i, t in enumerate(trials, 1) if t.reason]
     if any(t.status in ("pruned", "stopped") for t in trials):
         notes.append("pruned and stopped rows give the figures of the requests done when the run stopped")
     return table(header, rows) + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
+
+
+def require_matplotlib() -> None:
+    """Raises ValueError, saying how to install it, when matplotlib (the plot's) is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("the tune plot needs matplotlib: pip install 'jaxinfer[tune]' (or pass --no-plot)") from None
 
 
 def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, best: Trial | None = None,
@@ -84,10 +94,9 @@ def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, bes
     Raises:
       ValueError: matplotlib is not installed (`pip install 'jaxinfer[tune]'`).
     """
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("the tune plot needs matplotlib: pip install 'jaxinfer[tune]' (or pass --no-plot)") from None
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

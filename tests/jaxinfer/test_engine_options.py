@@ -135,6 +135,9 @@ def test_config_file_gives_what_the_typed_flags_do_not(tmp_path, command):
 
     base = config()
     from_file = config("--config", path)
+    args = parse([command, *REQUIRED[command], "--config", path])
+    cli_options.engine_options(args)
+    assert cli_options.given(args, "page_size") and not cli_options.given(args, "max_model_len")  # the file's
     assert (from_file.max_num_seqs, from_file.page_size, from_file.enable_prefix_caching) == (8, 32, False)
     assert from_file.quantization.format == "int8" and from_file.seed == 7  # generate has no --seed flag: taken
     assert from_file.max_num_batched_tokens == base.max_num_batched_tokens  # not in the file: the flag's default
