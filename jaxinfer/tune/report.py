@@ -120,11 +120,17 @@ def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, bes
             ax.axvline(target * scale, ls="--", c="gray", label="target")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.margins(0.1)
     axes[0].set_ylabel("output tokens/s")
+    labels = {}
+    for ax in axes:  # one legend for both panels, below them, covering no point
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    if labels:
+        fig.legend(list(labels.values()), list(labels), loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(title or "jaxinfer tune: green meets every target, red misses one; * the default, ring the best; "
                           "numbers: the table's rows", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     out = Path(path)
     fig.savefig(out, dpi=110)
     plt.close(fig)
