@@ -21,7 +21,6 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from jaxinfer.cli_parser import error_line
-from jaxinfer.request_limits import check_chat, check_text, name_hint
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
@@ -91,6 +90,8 @@ def read_batch(path: str, params: SamplingParams, chat: bool) -> list[BatchLine]
 
 def _read_line(raw: str, number: int, params: SamplingParams, chat: bool, fields: set[str],
                keys: tuple[str, ...]) -> BatchLine:
+    from jaxinfer.request_limits import check_chat, check_text, name_hint  # numpy: not at the CLI's start-up
+
     item = json.loads(raw)
     if not isinstance(item, dict):
         raise ValueError(f"a line must be a JSON object, got {type(item).__name__}")
