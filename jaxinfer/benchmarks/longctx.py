@@ -27,12 +27,12 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from jaxinfer.benchmarks.peers import run_worker
 from jaxinfer.benchmarks.quality_runs import has_tokenizer, with_char_tokenizer
 from jaxinfer.benchmarks.report import Report, machine_line, table
 
@@ -117,17 +117,7 @@ def measure(model: str | None, length: int, args: argparse.Namespace) -> dict:
     if model is not None:
         cmd += ["--model", str(model)]
     logger.info("longctx: %s at %d tokens", model or "the default model", length)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the longctx worker ({length} tokens) timed out after {args.timeout} s") from None
-    try:
-        if proc.returncode != 0:
-            raise ValueError
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"the longctx worker ({length} tokens) exited with {proc.returncode}:\n{tail}") from None
+    return run_worker(cmd, f"the longctx worker ({length} tokens)", args.timeout)
 
 
 def _cells(r: dict) -> list[str]:

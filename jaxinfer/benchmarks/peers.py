@@ -108,6 +108,27 @@ def run_peer(python: str, script: Path, args: list[str], timeout: int) -> dict:
     return result if isinstance(result, dict) else {"error": "peer's JSON is not an object"}
 
 
+def run_worker(cmd: list[str], what: str, timeout: float, env: dict | None = None) -> dict:
+    """Runs one of our own worker processes (`cmd`); returns the JSON object its stdout ends with.
+
+    Raises:
+      RuntimeError: naming `what` (e.g. "the longctx worker (8192 tokens)"): a timeout, or a non-zero exit or output
+        that is not JSON, with the last lines of its stderr.
+    """
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ) if env is None else env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} timed out after {timeout} s") from None
+    try:
+        if proc.returncode != 0:
+            raise ValueError
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail}") from None
+
+
 def run_llamacpp_peer(python: str, script: Path, args: list[str], timeout: int) -> dict:
     """`run_peer` of the llama.cpp peer; if it dies from a signal, once more with `--no-extra-bufts`.
 

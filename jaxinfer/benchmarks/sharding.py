@@ -15,13 +15,12 @@ the tp=1 baseline, one with 8 devices for every tp. This process only reports.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import subprocess
 import sys
 import time
 
+from jaxinfer.benchmarks.peers import run_worker
 from jaxinfer.benchmarks.report import Report, machine_line
 
 logger = logging.getLogger(__name__)
@@ -68,17 +67,7 @@ def measure(args: argparse.Namespace, tps: list[int], devices: int) -> dict:
     if args.model is not None:
         cmd += ["--model", str(args.model)]
     logger.info("sharding: %d device(s), tp %s", devices, tps)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the sharding worker ({devices} devices) timed out after {args.timeout} s") from None
-    try:
-        if proc.returncode != 0:
-            raise ValueError
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"the sharding worker ({devices} devices) exited with {proc.returncode}:\n{tail}") from None
+    return run_worker(cmd, f"the sharding worker ({devices} devices)", args.timeout, env)
 
 
 def render(rows: list[dict], model: dict, args: argparse.Namespace, elapsed: float) -> str:
