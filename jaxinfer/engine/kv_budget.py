@@ -46,11 +46,14 @@ def memory_cap(config: EngineConfig) -> tuple[int, str]:
     share = config.memory_utilization or DEFAULT_MEMORY_UTILIZATION.get(backend, 0.8)
     if backend == "cpu":
         mem = psutil.virtual_memory()
-        cap = min(mem.total * share, mem.available * 0.5)
-        cap = max(int(cap) // _ROUND * _ROUND, _ROUND)
-        why = (f"memory_utilization={share:g} of {mem.total / 2**30:.1f} GiB host memory" if cap // _ROUND ==
-               int(mem.total * share) // _ROUND else f"half of the {mem.available / 2**30:.1f} GiB available now")
-        return cap, why
+        by_total = max(int(mem.total * share) // _ROUND * _ROUND, _ROUND)
+        # what is available moves from start to start: a power of two of it keeps the cache's shape (and the
+        # compilation cache's keys) from moving with it
+        by_available = max(_ROUND, 1 << (int(mem.available * 0.5).bit_length() - 1))
+        if by_total <= by_available:
+            return by_total, f"memory_utilization={share:g} of {mem.total / 2**30:.1f} GiB host memory"
+        return by_available, (f"half of the {mem.available / 2**30:.1f} GiB available now (rounded down to a power "
+                              "of two)")
     free = free_memory_bytes() or 0
     return int(free * share), f"memory_utilization={share:g} of {free / 2**30:.1f} GiB free device memory"
 

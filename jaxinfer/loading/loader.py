@@ -116,7 +116,9 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype, mesh: jax.shard
     read_gguf_header(path)  # names an empty, foreign or truncated .gguf file
     entry = None if gguf_quantized else model_cache.lookup(path, dtype)
     if entry is not None:
-        return model_cache.restore(entry)
+        restored = model_cache.restore(entry)
+        if restored is not None:
+            return restored
     reader = read_gguf(path)
     cfg, weights = load_gguf_weights(reader, dtype, keep_quantized=gguf_quantized)
     cfg = dataclasses.replace(cfg, name=cfg.name or path.stem)

@@ -80,12 +80,22 @@ def lookup(path: str | os.PathLike, dtype: np.dtype) -> Path | None:
     return entry if entry is not None and (entry / _CONFIG).is_file() else None
 
 
-def restore(entry: Path) -> tuple:
-    """(config, numpy weights, tokenizer) of a cache entry.
+def restore(entry: Path) -> tuple | None:
+    """(config, numpy weights, tokenizer) of a cache entry, or None for an entry that cannot be read or does not
+    fit its config (a truncated file, another writer): it is logged and deleted, and the caller loads the model
+    file again (which stores a new entry)."""
+    try:
+        result = _restore(entry)
+    except Exception as e:  # noqa: BLE001 - any damage (safetensors, JSON, tokenizer errors) means: load afresh
+        logger.warning("model cache: entry %s is damaged (%s: %s); deleting it and loading the model file", entry,
+                       type(e).__name__, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    logger.info("model cache: restored %s", entry)
+    return result
 
-    Raises:
-      ValueError: an entry that does not hold what its config needs (written by other code; delete the folder).
-    """
+
+def _restore(entry: Path) -> tuple:
     from safetensors.numpy import load_file
 
     from jaxinfer.loading.codec import config_from_dict
@@ -99,7 +109,7 @@ def restore(entry: Path) -> tuple:
         weights = weights_from_dict(nest([(tuple(k.split("/")), v) for k, v in arrays.items()]), cfg)
         check_weights(weights, cfg)
     except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"model cache entry {str(entry)!r} does not fit its config ({e}); delete it") from None
+        raise ValueError(f"it does not fit its config ({e})") from None
     return cfg, weights, Tokenizer.from_hf_dir(entry / _TOKENIZER)
 
 

@@ -126,6 +126,8 @@ def test_memory_utilization_sets_the_cpu_cap_from_total_memory(monkeypatch):
     assert kv_budget.memory_cap(EngineConfig())[0] == int(0.1 * (64 << 30)) // (64 << 20) * (64 << 20)
     assert kv_budget.memory_cap(EngineConfig(memory_utilization=0.25))[0] == 16 << 30
     cap, why = kv_budget.memory_cap(EngineConfig(memory_utilization=0.9))
-    assert cap == 24 << 30 and why == "half of the 48.0 GiB available now"
+    assert cap == 16 << 30 and why == "half of the 48.0 GiB available now (rounded down to a power of two)"
+    Mem.available = (48 << 30) - (700 << 20)  # other processes come and go: the cap stays put
+    assert kv_budget.memory_cap(EngineConfig(memory_utilization=0.9))[0] == 16 << 30
     with pytest.raises(ValueError, match=r"memory_utilization=1.5 must be None or a number in \(0, 1\]"):
         EngineConfig(memory_utilization=1.5)

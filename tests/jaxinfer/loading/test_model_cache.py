@@ -61,3 +61,13 @@ def test_an_empty_folder_turns_the_cache_off(monkeypatch, tmp_path):
     monkeypatch.setenv(model_cache.CACHE_VARIABLE, "")
     assert model_cache.cache_dir() is None and model_cache.entry_path(default_model_path(), np.float32) is None
     assert model_cache.store(default_model_path(), np.float32, None, None, None) is None
+
+
+def test_a_damaged_entry_is_deleted_and_the_model_file_loaded_again(cache):
+    first = load_model(None, np.dtype(np.float32))
+    (entry,) = cache.iterdir()
+    weights = entry / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    cfg, _, _ = load_model(None, np.dtype(np.float32))
+    assert cfg == first[0]
+    assert model_cache.lookup(default_model_path(), np.dtype(np.float32)) is not None  # stored anew
