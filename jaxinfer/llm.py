@@ -2,7 +2,7 @@
 
 1. `LLM(model, ...)` builds an `Engine`: model, tokenizer, paged KV cache, scheduler.
 2. `generate` adds every prompt as a request (all are validated first: one bad prompt raises `ValueError` and
-   nothing runs), then steps the engine until all finish; requests are continuously batched and long prompts are
+   nothing runs, unless `refused="output"` makes it a finished error output), then steps the engine until all finish; requests are continuously batched and long prompts are
    prefilled in chunks between decodes. A call that raises, whatever the exception and wherever (a prompt, a
    step, `on_output`), aborts its requests: none stays queued for the next call.
 3. Outputs come back in prompt order; `on_output` streams deltas as steps produce them.
@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.config_file import config_options, load_config_file
 from jaxinfer.engine.engine import Engine
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompt import Prompt
 from jaxinfer.request_limits import check_chat
 from jaxinfer.sampling_params import SamplingParams
@@ -92,6 +92,7 @@ class LLM:
         *,
         on_output: Callable[[int, list[int], str], None] | None = None,
         use_tqdm: bool | Callable[..., object] = True,
+        refused: str = "raise",
     ) -> list[RequestOutput]:
         """Generates completions for the prompts.
 
@@ -104,6 +105,10 @@ class LLM:
           use_tqdm: show a progress bar on stderr (vLLM's): prompts finished out of the call's, with prompt and
             output tokens per second since the call began. True: `tqdm.tqdm`; False: none; a callable: called
             as `tqdm.tqdm` would be (`total=`, `desc=`, `unit=`, ...) to make the bar, e.g. `tqdm.notebook.tqdm`.
+          refused: what a prompt the engine refuses at admission (a `ValueError`: too long for the context with its
+            max_tokens, an id outside the vocabulary, ...) does: "raise" (the default) raises before any request
+            runs; "output" gives that prompt a finished output with finish_reason "error", error_kind "request"
+            and the message as `error`, and runs the others (batch files: one bad line fails only itself).
 
         Returns:
           One finished `RequestOutput` per prompt, in order (`n` completions each).
@@ -126,14 +131,24 @@ class LLM:
         if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
             raise ValueError(f"use_tqdm must be True, False or a callable making a tqdm-like bar, got "
                              f"{type(use_tqdm).__name__}")
+        if refused not in ("raise", "output"):
+            raise ValueError(f"refused must be 'raise' or 'output', got {refused!r}")
         request_ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         progress = _Progress(False, 0)
         try:
-            for prompt, sp in zip(prompt_list, params):
-                request_ids.append(self.engine.add_request(prompt, sp))
+            for i, (prompt, sp) in enumerate(zip(prompt_list, params)):
+                try:
+                    request_ids.append(self.engine.add_request(prompt, sp))
+                except ValueError as e:
+                    if refused == "raise":
+                        raise
+                    request_ids.append(f"refused-{i}")
+                    final[request_ids[-1]] = _refused_output(request_ids[-1], prompt, sp, str(e))
             index = {request_id: i for i, request_id in enumerate(request_ids)}
             progress = _Progress(use_tqdm, len(request_ids))
+            for out in final.values():
+                progress.finished(out)
             while len(final) < len(request_ids):
                 for out in self.engine.step():
                     if out.request_id not in index:
@@ -229,6 +244,17 @@ class LLM:
                                                      continue_final_message=continue_final_message)
             prompts.append(Prompt(tuple(ids), text=self.tokenizer.decode(ids, skip_special_tokens=False)))
         return prompts
+
+
+def _refused_output(request_id: str, prompt, params: SamplingParams, error: str) -> RequestOutput:
+    """The finished output of a prompt `generate(refused="output")` could not admit: `n` error completions."""
+    text = prompt.text if isinstance(prompt, Prompt) else prompt if isinstance(prompt, str) else None
+    ids = list(prompt.token_ids) if isinstance(prompt, Prompt) else []
+    n = params.n if isinstance(params, SamplingParams) else 1
+    completions = [CompletionOutput(index=k, text="", token_ids=[], finish_reason="error", error=error,
+                                    error_kind="request") for k in range(n)]
+    return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids, outputs=completions,
+                         finished=True)
 
 
 class _Progress:

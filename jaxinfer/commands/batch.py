@@ -6,7 +6,8 @@
    output line; and any `SamplingParams` field (max_tokens, temperature, top_p, top_k, seed, stop, ...) but n,
    logprobs and prompt_logprobs, overriding the command's flags for that line. Blank lines are skipped.
 2. `run_batch` renders and tokenizes every request, then generates them all in one `LLM.generate` call, so the
-   engine batches them (progress bar on stderr). A prompt that does not fit the context fails its own line only.
+   engine batches them (progress bar on stderr). A request the engine refuses at admission (a prompt or max_tokens
+   beyond the context, ...) fails its own line only.
 3. One output line per request, in input order: the id key, "text", "prompt_tokens", "completion_tokens",
    "finish_reason", "stop_reason" (the stop string or token id that ended it, or null) and "error" (null unless
    finish_reason is "error").
@@ -130,8 +131,7 @@ def run_batch(llm: LLM, lines: list[BatchLine], out: TextIO) -> int:
       many).
 
     Raises:
-      ValueError: "--input-file line N: ..." for a conversation the chat template refuses, or what `LLM.generate`
-        raises for the batch (e.g. a request that can never fit the KV cache).
+      ValueError: "--input-file line N: ..." for a conversation the chat template refuses.
     """
     prompts: list[Prompt] = []
     for line in lines:
@@ -142,25 +142,15 @@ def run_batch(llm: LLM, lines: list[BatchLine], out: TextIO) -> int:
                 prompts.append(llm.engine.make_prompt(line.prompt))
         except ValueError as e:
             raise ValueError(f"--input-file line {line.number}: {e}") from None
-    # A prompt with no room for one output token would fail the whole call: it fails its own line instead.
-    fits = [len(p.token_ids) < llm.max_model_len for p in prompts]
-    todo = [i for i, ok in enumerate(fits) if ok]
-    outputs = llm.generate([prompts[i] for i in todo], [lines[i].params for i in todo], use_tqdm=True)
-    by_line = dict(zip(todo, outputs))
+    # A request the engine refuses (no room in the context for its max_tokens, ...) fails its own line only.
+    outputs = llm.generate(prompts, [line.params for line in lines], use_tqdm=True, refused="output")
     failed = 0
-    for i, line in enumerate(lines):
+    for line, out_i in zip(lines, outputs):
         record = dict(line.ids)
-        if i in by_line:
-            out_i = by_line[i]
-            completion = out_i.outputs[0]
-            record.update(text=completion.text, prompt_tokens=len(out_i.prompt_token_ids),
-                          completion_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
-                          stop_reason=completion.stop_reason, error=completion.error)
-        else:
-            record.update(text="", prompt_tokens=len(prompts[i].token_ids), completion_tokens=0,
-                          finish_reason="error", stop_reason=None,
-                          error=f"prompt of {len(prompts[i].token_ids)} tokens does not fit the context of "
-                                f"{llm.max_model_len} tokens (at least one token must be generated)")
+        completion = out_i.outputs[0]
+        record.update(text=completion.text, prompt_tokens=len(out_i.prompt_token_ids),
+                      completion_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
+                      stop_reason=completion.stop_reason, error=completion.error)
         failed += record["finish_reason"] == "error"
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
     out.flush()

@@ -178,6 +178,7 @@ def test_bad_prompts_raise_and_engine_keeps_working(smollm2_llm: LLM) -> None:
     (lambda llm: llm.chat(PARIS_CHAT + [{"role": "assistant", "content": "The"}]), "the assistant's"),
     (lambda llm: llm.chat(PARIS_CHAT, add_generation_prompt="yes"), "add_generation_prompt='yes' must be True"),
     (lambda llm: llm.generate("Hi", use_tqdm="yes"), "use_tqdm must be True, False or a callable .* got str"),
+    (lambda llm: llm.generate("Hi", refused="skip"), "refused must be 'raise' or 'output', got 'skip'"),
 ])
 def test_bad_arguments_are_refused_up_front_naming_them(smollm2_llm: LLM, call, match) -> None:
     """Refused with a ValueError before anything runs (the same chat roles and checks as the gRPC server)."""

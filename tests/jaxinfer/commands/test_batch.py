@@ -1,5 +1,5 @@
 """`jaxinfer generate --input-file`: one output line per input line, in order, each equal to a single `LLM` call with
-the line's own sampling fields over the flags; a prompt too long fails its line alone; a bad line exits 2 naming its
+the line's own sampling fields over the flags; a prompt (or its max_tokens) too long fails its line alone; a bad line exits 2 naming its
 number before the model loads."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def test_batch_keeps_order_applies_overrides_and_equals_single_calls(tiny_chat_m
          "custom_id": 7, "max_tokens": 3},
         {"prompt": "third", "temperature": 0.9, "seed": 5, "max_tokens": 12, "stop": ["a"]},
         {"prompt": "y" * 300},  # longer than the context (256): fails alone
+        {"prompt": "fits", "max_tokens": 1000},  # the prompt fits, its max_tokens does not: fails alone
         {"prompt": "last", "id": None},
     ]
     source = tmp_path / "in.jsonl"
@@ -31,7 +32,7 @@ def test_batch_keeps_order_applies_overrides_and_equals_single_calls(tiny_chat_m
     done = run_jaxinfer("generate", "--model", str(tiny_chat_model), *ENGINE_FLAGS, "--input-file", str(source),
                         "--output-file", str(target), "--temperature", "0", "--max-tokens", "6")
     assert done.returncode == 1, done.stderr  # the long prompt failed
-    assert done.stderr.splitlines()[-1] == "jaxinfer: error: 1 of 5 requests failed (their lines give the error)"
+    assert done.stderr.splitlines()[-1] == "jaxinfer: error: 2 of 6 requests failed (their lines give the error)"
     assert "Processed prompts" in done.stderr and done.stdout == ""
     got = [json.loads(line) for line in target.read_text().splitlines()]
     assert len(got) == len(requests)
@@ -43,14 +44,14 @@ def test_batch_keeps_order_applies_overrides_and_equals_single_calls(tiny_chat_m
         params = dataclasses.replace(FLAGS, **{k: v for k, v in request.items() if k in overrides})
         if "messages" in request:
             want = tiny_llm.chat(request["messages"], params, use_tqdm=False)[0]
-        elif len(request["prompt"]) < tiny_llm.max_model_len:
-            want = tiny_llm.generate(request["prompt"], params, use_tqdm=False)[0]
         else:
-            assert line["finish_reason"] == "error" and line["completion_tokens"] == 0
-            assert line["error"] == (f"prompt of {line['prompt_tokens']} tokens does not fit the context of "
-                                     f"{tiny_llm.max_model_len} tokens (at least one token must be generated)")
-            assert line["prompt_tokens"] == len(tiny_llm.get_tokenizer().encode(request["prompt"]))
-            continue
+            try:
+                want = tiny_llm.generate(request["prompt"], params, use_tqdm=False)[0]
+            except ValueError as refused:  # what a single call refuses is its line's error, the others run
+                assert line == {**ids, "text": "", "finish_reason": "error", "completion_tokens": 0,
+                                "prompt_tokens": len(tiny_llm.get_tokenizer().encode(request["prompt"])),
+                                "stop_reason": None, "error": str(refused)}
+                continue
         completion = want.outputs[0]
         if params != FLAGS:  # the line's fields changed what it generates: the comparison can tell them apart
             flags_only = tiny_llm.generate({"prompt_token_ids": want.prompt_token_ids}, FLAGS,
