@@ -101,10 +101,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--write {args.write} is a folder; give a markdown file")
 
 
+# Options that shape how tune's own runs start, not the engine to serve: never written into best.json.
+RUN_ONLY = ("warmup",)
+
+
 def best_config_options(base: dict, knobs: dict) -> dict:
-    """The options of the best configuration's file: the base options that differ from the engine's defaults,
-    then every swept knob's value."""
-    out = {name: value for name, value in base.items() if name not in knobs and value != _FIELDS[name].default}
+    """The options of the best configuration's file: the base options that differ from the engine's defaults
+    (but `RUN_ONLY`'s), then every swept knob's value."""
+    out = {name: value for name, value in base.items()
+           if name not in knobs and name not in RUN_ONLY and value != _FIELDS[name].default}
     return {**out, **knobs}
 
 
@@ -119,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     targets = Targets(args.ttft_p99_s, args.tpot_p99_s)
     profile = load_profile(args.profile, args.rate_per_s, args.seed)
     from jaxinfer.tune import report
+    from jaxinfer.tune.engine_run import check_profile_fits
+
+    check_profile_fits(profile, base.get("model"), base.get("max_model_len"))  # before any slow run
 
     if not args.no_plot:
         report.require_matplotlib()  # before the runs, not after them

@@ -50,6 +50,21 @@ def profile_max_model_len(profile: Profile, config: EngineConfig) -> int:
     return min(page_bucket(pages, 1 << 30) * config.page_size, limit)
 
 
+def check_profile_fits(profile: Profile, model: str | None, max_model_len: int | None = None) -> None:
+    """Refuses a profile with a request of `prompt_len` + `output_len` beyond the context: `max_model_len` if
+    given, else the model's (text prompts are checked when tokenized, at the first run).
+
+    Raises:
+      ValueError: naming the request, its lengths and the context; or from `read_model_config`.
+    """
+    limit = max_model_len or read_model_config(model).max_position_embeddings
+    for i, r in enumerate(profile.requests):
+        if r.prompt_len is not None and r.prompt_len + r.output_len > limit:
+            raise ValueError(f"profile request {i}: prompt_len {r.prompt_len} + output_len {r.output_len} = "
+                             f"{r.prompt_len + r.output_len} tokens do not fit the context of {limit} tokens "
+                             f"({'max_model_len' if max_model_len else 'the model'})")
+
+
 @dataclasses.dataclass
 class EngineRunner:
     """Runs a configuration on a real `Engine` (a `jaxinfer.tune.sweep.Runner`; module docstring).

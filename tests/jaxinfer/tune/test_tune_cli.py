@@ -39,7 +39,8 @@ def test_tune_runs_two_configurations_and_writes_the_best(tmp_path, capsys):
     assert (out / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     best = max(trials, key=lambda t: t["metrics"]["output_tok_s"])
     options = load_config_file(out / "best.json")
-    assert options == {"model": str(model), "dtype": "float32", "max_num_batched_tokens": 32, "warmup": False,
+    # --no-warmup shaped tune's own runs only: a server started from best.json warms up as usual
+    assert options == {"model": str(model), "dtype": "float32", "max_num_batched_tokens": 32,
                        "max_num_seqs": best["knobs"]["max_num_seqs"]}
     assert json.loads((out / "best.json").read_text())["_tuned"]["metrics"]["num_finished"] == 2
     served = engine_options(cli._build_parser().parse_args(["serve", "--config", str(out / "best.json")]))
@@ -62,3 +63,16 @@ def test_bad_tune_flags_exit_2_with_one_line(tmp_path, capsys, flags, match):
     assert cli.main(["tune", "--profile", _profile(tmp_path), "--out", str(tmp_path / "o"), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxinfer: error: ") and err.count("\n") == 1 and re.search(match, err), err
+
+
+@pytest.mark.parametrize("flags, limit, what", [([], 8192, "the model"), (["--max-model-len", "512"], 512, "max_model_len")])
+def test_a_profile_beyond_the_context_exits_2_before_any_run(tmp_path, capsys, flags, limit, what):
+    """SmolLM2's context (8,192 tokens, read from the GGUF header) or the --max-model-len given."""
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt_len": 8, "output_len": 3}) + "\n"
+                    + json.dumps({"prompt_len": 100000, "output_len": 5}) + "\n")
+    assert cli.main(["tune", "--profile", str(path), "--out", str(tmp_path / "o"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxinfer: error: profile request 1: prompt_len 100000 + output_len 5 = 100005 tokens do not fit "
+                   f"the context of {limit} tokens ({what})\n")
+    assert not (tmp_path / "o" / "trials.json").exists()
