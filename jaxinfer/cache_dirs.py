@@ -33,3 +33,17 @@ def model_cache_dir() -> Path | None:
     """The prepared-model cache's folder: `$JAXINFER_MODEL_CACHE`, else `~/.cache/jaxinfer/models`; None when the
     variable is empty (off)."""
     return _folder(None, MODEL_CACHE_VARIABLE, CACHE_ROOT / "models")
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why `path` cannot serve as a cache folder (creating it if missing), or None when it can: "is a file", "cannot
+    be created: ...", or "is not writable"."""
+    if path.exists() and not path.is_dir():
+        return "is a file, not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot be created ({e.strerror or e})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None

@@ -21,7 +21,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 from jaxinfer.cache_dirs import COMPILATION_CACHE_VARIABLE as CACHE_VARIABLE  # noqa: F401 - this cache's variable
-from jaxinfer.cache_dirs import compilation_cache_dir
+from jaxinfer.cache_dirs import compilation_cache_dir, folder_problem
 
 _HIT, _MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"  # jax.monitoring events
 
@@ -55,7 +55,9 @@ def enable_compilation_cache(configured: str | os.PathLike | None = None) -> Pat
 
     A cache folder already set in this process (by the user through `jax_compilation_cache_dir`, or by an earlier
     engine) wins: jax opens its cache once per process, so a different folder asked later is logged and ignored.
-    Every compile is stored, however short (`jax_persistent_cache_min_compile_time_secs` = 0).
+    Every compile is stored, however short (`jax_persistent_cache_min_compile_time_secs` = 0). A folder from
+    `$JAXINFER_COMPILATION_CACHE` or the default that cannot be used (a file, not writable) is logged and the cache
+    stays off; a `configured` one was checked by `EngineConfig` (a `ValueError`).
     """
     import jax
     from jax import monitoring
@@ -72,6 +74,12 @@ def enable_compilation_cache(configured: str | os.PathLike | None = None) -> Pat
             logger.warning("compilation cache: this process already uses %s; compilation_cache_dir=%r is ignored "
                            "(jax opens one cache per process)", current, os.fspath(configured))
         return Path(current)
+    problem = None if wanted is None else folder_problem(wanted)
+    if problem is not None:
+        logger.warning("compilation cache: %s %s; compiling without the persistent cache (set %s or "
+                       "--compilation-cache-dir to a writable folder, or '' to turn it off)", wanted, problem,
+                       CACHE_VARIABLE)
+        return None
     if wanted is not None:
         jax.config.update("jax_compilation_cache_dir", str(wanted))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

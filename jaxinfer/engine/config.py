@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxinfer.cache_dirs import folder_problem
 from pallas_kernels import cpu_features
 
 if TYPE_CHECKING:  # imported where used: the command line imports this module at start-up, before any of them
@@ -263,10 +265,15 @@ class EngineConfig:
             raise ValueError(f"kv_offload_min_pages={self.kv_offload_min_pages!r} must be None or an integer >= 1")
         if self.memory_utilization is not None and (isinstance(self.memory_utilization, bool) or not isinstance(
                 self.memory_utilization, (int, float)) or not 0 < self.memory_utilization <= 1):
-            raise ValueError(f"memory_utilization={self.memory_utilization!r} must be None or a number in (0, 1]")
+            raise ValueError(f"memory_utilization={self.memory_utilization!r} must be a number in (0, 1] (unset: "
+                             "the backend's default)")
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, (str, os.PathLike)):
             raise ValueError(f"compilation_cache_dir={self.compilation_cache_dir!r} must be a folder path, '' (off) "
                              "or None")
+        if self.compilation_cache_dir:
+            problem = folder_problem(Path(self.compilation_cache_dir).expanduser())
+            if problem is not None:
+                raise ValueError(f"compilation_cache_dir={os.fspath(self.compilation_cache_dir)!r} {problem}")
         for name in ("max_model_len", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):

@@ -129,5 +129,16 @@ def test_memory_utilization_sets_the_cpu_cap_from_total_memory(monkeypatch):
     assert cap == 16 << 30 and why == "half of the 48.0 GiB available now (rounded down to a power of two)"
     Mem.available = (48 << 30) - (700 << 20)  # other processes come and go: the cap stays put
     assert kv_budget.memory_cap(EngineConfig(memory_utilization=0.9))[0] == 16 << 30
-    with pytest.raises(ValueError, match=r"memory_utilization=1.5 must be None or a number in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"memory_utilization=1.5 must be a number in \(0, 1\] \(unset: the "):
         EngineConfig(memory_utilization=1.5)
+
+
+def test_a_compilation_cache_dir_that_is_a_file_is_refused_up_front(tmp_path) -> None:
+    from jaxinfer.cache_dirs import folder_problem
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"compilation_cache_dir='.*/file' is a file, not a folder"):
+        EngineConfig(compilation_cache_dir=str(tmp_path / "file"))
+    assert folder_problem(tmp_path / "file" / "sub").startswith("cannot be created")
+    assert EngineConfig(compilation_cache_dir=str(tmp_path / "new" / "xla")).compilation_cache_dir
+    assert (tmp_path / "new" / "xla").is_dir() and folder_problem(tmp_path / "new" / "xla") is None
