@@ -40,13 +40,17 @@ def test_a_second_load_restores_the_first_exactly(cache, monkeypatch):
     assert tokenizer.eos_ids == first[2].eos_ids and tokenizer.vocab_size == first[2].vocab_size
 
 
-def test_the_key_changes_with_the_file_and_the_dtype_and_old_entries_go(cache, tmp_path):
+def test_the_key_follows_the_content_and_the_dtype_and_old_entries_go(cache, tmp_path):
     model = tmp_path / "m.gguf"
-    shutil.copy(gguf.__file__, model)  # only its path, size and time enter the key
+    shutil.copy(gguf.__file__, model)  # only its content and name enter the key
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
     key = model_cache.entry_path(model, f32)
     assert model_cache.entry_path(model, bf16) != key
-    os.utime(model, ns=(1, 2))
+    (tmp_path / "clone").mkdir()
+    shutil.copy(model, tmp_path / "clone" / "m.gguf")  # another checkout's copy of the same file: the same entry
+    os.utime(tmp_path / "clone" / "m.gguf", ns=(1, 2))
+    assert model_cache.entry_path(tmp_path / "clone" / "m.gguf", f32) == key
+    model.write_bytes(model.read_bytes() + b"#")
     newer = model_cache.entry_path(model, f32)
     assert newer != key and newer.parent == key.parent == cache
     key.mkdir(parents=True)  # an entry of the file as it was
@@ -63,11 +67,24 @@ def test_an_empty_folder_turns_the_cache_off(monkeypatch, tmp_path):
     assert model_cache.store(default_model_path(), np.float32, None, None, None) is None
 
 
-def test_a_damaged_entry_is_deleted_and_the_model_file_loaded_again(cache):
-    first = load_model(None, np.dtype(np.float32))
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_damaged_entry_is_deleted_and_the_model_file_loaded_again(cache, monkeypatch, damage):
+    first = load_model(None, np.dtype(ml_dtypes.bfloat16))
     (entry,) = cache.iterdir()
     weights = entry / "weights.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
-    cfg, _, _ = load_model(None, np.dtype(np.float32))
-    assert cfg == first[0]
-    assert model_cache.lookup(default_model_path(), np.dtype(np.float32)) is not None  # stored anew
+    data = weights.read_bytes()
+    if damage == "truncated":
+        weights.write_bytes(data[:1000])
+    else:  # the same size, parseable, one weight's bytes changed: only the checksum can tell
+        middle = len(data) // 2
+        weights.write_bytes(data[:middle] + bytes(b ^ 0x5A for b in data[middle:middle + 64]) + data[middle + 64:])
+    loaded = []
+    monkeypatch.setattr(loader, "read_gguf", lambda *a, **k: loaded.append(1) or real_read_gguf(*a, **k))
+    cfg, weights_again, _ = load_model(None, np.dtype(ml_dtypes.bfloat16))
+    assert loaded and cfg == first[0]  # read from the GGUF file again
+    for got, want in zip(jax.tree.leaves(weights_again), jax.tree.leaves(first[1]), strict=True):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert model_cache.lookup(default_model_path(), np.dtype(ml_dtypes.bfloat16)) is not None  # stored anew
+
+
+real_read_gguf = loader.read_gguf
