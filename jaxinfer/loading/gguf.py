@@ -63,6 +63,27 @@ class _HeaderReader:
     def string(self) -> bytes:
         return self.read(self.unpack("Q"))
 
+    def skip_strings(self, count: int) -> None:
+        """Moves past `count` length-prefixed strings without decoding them (a vocabulary: ~50k strings in
+        milliseconds, where reading each costs half a second)."""
+        pos, length = 0, self.order + "Q"
+        buf = b""
+        for _ in range(count):
+            if pos + 8 > len(buf):
+                buf, pos = buf[pos:] + self.f.read(1 << 20), 0
+                if pos + 8 > len(buf):
+                    raise _EndOfFile
+            pos += 8 + struct.unpack_from(length, buf, pos)[0]
+            while pos > len(buf):  # a string longer than what is buffered
+                more = self.f.read(max(1 << 20, pos - len(buf)))
+                if not more:
+                    raise _EndOfFile
+                buf += more
+        consumed = self.f.tell() - len(buf) + pos
+        if consumed > self.size:
+            raise _EndOfFile
+        self.f.seek(consumed)
+
     def value(self, vtype: int):
         """The next value; for an array, (its entries or None when skipped, its length)."""
         if vtype == _GGUF_STRING:
@@ -72,6 +93,9 @@ class _HeaderReader:
         if vtype != _GGUF_ARRAY:
             return self.unpack(_GGUF_SCALARS[vtype])
         etype, count = self.unpack("I"), self.unpack("Q")
+        if etype == _GGUF_STRING and count > _GGUF_LONG_ARRAY:
+            self.skip_strings(count)
+            return None, count
         if etype in _GGUF_SCALARS and count > _GGUF_LONG_ARRAY:
             skip = count * struct.calcsize(_GGUF_SCALARS[etype])
             if skip > self.size - self.f.tell():

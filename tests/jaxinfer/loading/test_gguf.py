@@ -273,6 +273,21 @@ def test_header_reader_gives_the_metadata_and_config_without_the_tensors(gguf_pa
         read_gguf_header(tmp_path / "cut.gguf")
 
 
+@pytest.mark.parametrize("cut", [100_000, 1_000_000])  # inside the vocabulary's strings, inside the merges'
+def test_header_reader_skips_a_real_vocabulary_and_finds_cuts_inside_it(tmp_path, cut):
+    """SmolLM2's 49,152 tokens and its merges are skipped without decoding (`_HeaderReader.skip_strings`), with
+    the same metadata as the gguf package's reader, and a file cut inside them is named truncated."""
+    from jaxinfer.loading.loader import default_model_path
+
+    path = default_model_path()
+    full = {k: v for k, v in gguf_metadata(read_gguf(path)).items() if not k.startswith("GGUF.")}
+    assert read_gguf_header(path) == full and full["tokenizer.ggml.tokens.count"] == 49152
+    with open(path, "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(cut))
+    with pytest.raises(ValueError, match=f"cut.gguf' is truncated: it ends inside its GGUF header, at {cut} bytes"):
+        read_gguf_header(tmp_path / "cut.gguf")
+
+
 def test_read_gguf_parses_a_file_once_until_it_changes(gguf_parts, tmp_path):
     """A file's parsed reader is shared (the gguf package parses every field on open: seconds for a real
     vocabulary), never past a change to the file, and only the last two files' readers are kept."""
