@@ -15,7 +15,6 @@ setup(
     install_requires=[
         "jax>=0.11.2",
         "jaxlib>=0.11.2",
-        "flax>=0.12",
         "orbax-checkpoint>=0.11",
         "numpy>=2.0",
         "ml_dtypes>=0.5",

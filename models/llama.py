@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-from models import moe
+from models import moe, pytree
 from models.config import ModelConfig
 from models.layer import attention_inputs, attention_output_and_mlp, layer_norm, soft_cap_logits
 from models.quant import QuantizedWeight
@@ -39,7 +38,7 @@ class WeightSpec:
     init_scale: float | None  # std of the normal init; None means ones (norm scales)
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class LayerWeights:
     """Decoder-layer weights, stacked over layers on axis 0 (L). Projections are stored input-dim first.
 
@@ -79,7 +78,7 @@ class LayerWeights:
 DENSE_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the LayerWeights read by qeinsum only
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class Weights:
     """All weights of a decoder. `lm_head` is None when tied to `embed`."""
 
@@ -193,7 +192,7 @@ def check_weights(weights: Weights, cfg: ModelConfig, separate_head: bool = Fals
             raise ValueError(f"weight {name}: shape {tuple(value.shape)} does not match config shape {spec.shape}")
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class KVCache:
     """Paged KV cache of all layers; per-layer layout is defined in `pallas_kernels.paged_attention`.
 
@@ -255,7 +254,7 @@ class KVCache:
         return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * per_token
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class AttentionMetadata:
     """Per-step inputs of a ragged batch of B sequences with T flat tokens.
 
@@ -279,8 +278,8 @@ class AttentionMetadata:
     page_table: jax.Array
     kv_loc: jax.Array
     logits_indices: jax.Array
-    max_q_len: int = flax.struct.field(pytree_node=False, default=1)
-    fresh_prefill: bool = flax.struct.field(pytree_node=False, default=False)
+    max_q_len: int = pytree.field(static=True, default=1)
+    fresh_prefill: bool = pytree.field(static=True, default=False)
 
 
 def unstack_layers(weights: Weights) -> Weights:

@@ -35,12 +35,11 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import mxfp, quant4
+from models import mxfp, pytree, quant4
 from models.quant_config import (DEFAULT_INT4_GROUP_SIZE, FORMATS, GROUP_FALLBACK_FORMATS,  # noqa: F401 (re-exported)
                                  INT4_GROUP_SIZES, QuantizationConfig)
 
@@ -76,7 +75,7 @@ def format_of(dtype: jnp.dtype, scale_dtype: jnp.dtype = jnp.float32) -> str:
                      f"format ({', '.join(FORMATS)})")
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class QuantizedWeight:
     """A weight stored as low-precision values times scales (the format: module docstring table, `format_of`).
 
@@ -103,10 +102,10 @@ class QuantizedWeight:
     scale: jax.Array
     min: jax.Array | None = None
     tensor_scale: jax.Array | None = None
-    contract_axes: tuple[int, ...] = flax.struct.field(pytree_node=False, default=(-2,))
-    group_size: int = flax.struct.field(pytree_node=False, default=0)
-    quantize_activations: bool = flax.struct.field(pytree_node=False, default=False)
-    activation_group_size: int = flax.struct.field(pytree_node=False, default=0)
+    contract_axes: tuple[int, ...] = pytree.field(static=True, default=(-2,))
+    group_size: int = pytree.field(static=True, default=0)
+    quantize_activations: bool = pytree.field(static=True, default=False)
+    activation_group_size: int = pytree.field(static=True, default=0)
 
     @property
     def format(self) -> str:

@@ -143,7 +143,7 @@ class LayerRef:
 
 
 def slice_layer(layers, index: jax.Array, refs: Sequence[str] = ()):
-    """Layer `index` of stacked layer weights (a flax struct of [L, ...] leaves): the fields named in `refs` as
+    """Layer `index` of stacked layer weights (a pytree dataclass of [L, ...] leaves): the fields named in `refs` as
     `LayerRef`s, every other leaf sliced."""
     sliced = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False),
                           layers.replace(**{f: None for f in refs}))

@@ -7,7 +7,7 @@
 # The venv holds only what the kernel tests import: jax/jaxlib at $JAX_VERSION, numpy, ml_dtypes, pytest,
 # hypothesis (other versions from constraints.txt, jax lines dropped), and jaxinfer itself with --no-deps. The
 # Python is the one scripts/setup_env.sh would pick ($PYTHON, else python3.12 / 3.13 / python3 >= 3.12, else pyenv).
-# Tests that need the rest of the package (flax, tokenizers, ...) are not in tests/pallas_kernels or skip
+# Tests that need the rest of the package (tokenizers, ...) are not in tests/pallas_kernels or skip
 # themselves. First run ~1-2 minutes of installs; later runs reuse the venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."

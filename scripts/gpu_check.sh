@@ -23,7 +23,7 @@ if ! "$PY" -c "import jax" 2>/dev/null; then
        "then PYTHON=.venv/bin/python)" >&2
   exit 2
 fi
-DEPS="flax tokenizers sentencepiece safetensors jinja2 psutil tqdm pytest hypothesis"
+DEPS="tokenizers sentencepiece safetensors jinja2 psutil tqdm pytest hypothesis"
 
 if [ "${1:-}" = "--make-wheelhouse" ]; then
   # Binary wheels for CPython 3.12 on manylinux x86_64; jax/jaxlib/numpy/scipy/ml_dtypes come from the machine.

@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +50,7 @@ from jaxinfer.engine.sampling_math import (apply_logit_bias, apply_penalties, li
                                            token_logprobs, token_ranks, unpack_bitmask)
 from jaxinfer.request_limits import MAX_LOGIT_BIAS, SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from models import pytree
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
            "sample", "sample_keys", "top_logprobs"]
@@ -95,7 +95,7 @@ class SamplingRow:
         sampling_host.check_row(self)
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class SamplingArrays:
     """Per-row sampling inputs for a batch of B rows (see the module docstring for the order they apply in).
 
@@ -203,7 +203,7 @@ class SamplingArrays:
         )
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class SampleOutput:
     """What `sample` returns for B rows.
 

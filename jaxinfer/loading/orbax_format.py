@@ -30,7 +30,7 @@ the dtype of the weights left unquantized (norms, biases, routers). The JSON's "
                                               and "asymmetric": true for an int4 weight with mins, "stacked_axes":
                                               n for an nvfp4 weight: `models.quant.quantize`'s arguments)
 
-The on-disk tree is a dict, not the flax dataclass, so the format does not depend on pytree registration.
+The on-disk tree is a dict, not the pytree dataclass, so the format does not depend on pytree registration.
 """
 
 from __future__ import annotations

@@ -51,6 +51,12 @@ def test_engine_and_scheduler_know_no_server(floor):
     assert _broken(floor, "jaxinfer.serving", "jaxinfer.cluster") == []
 
 
+@pytest.mark.parametrize("package", ["jaxinfer", "models", "sharding", "pallas_kernels"])
+def test_flax_is_not_a_dependency(package):
+    """Pytree dataclasses come from `models.pytree` (flax's import cost 0.3 s of every start; setup.py lacks it)."""
+    assert _broken(package, "flax") == []
+
+
 def test_no_module_imports_a_script():
     """scripts/ holds standalone tools: neither library code nor another script imports one."""
     scripts = script_modules() | {"scripts"}

@@ -157,7 +157,6 @@ def test_engine_greedy_tokens_pallas_match_reference(tmp_path) -> None:
     compared up to each request's first divergence, which must be at a step where the reference's top-2
     log-probabilities are within `TIE` (after it the contexts differ); most tokens must be compared.
     """
-    pytest.importorskip("flax")
     pytest.importorskip("tokenizers")
     from jaxinfer.engine.config import EngineConfig
     from jaxinfer.engine.engine import Engine

@@ -40,19 +40,19 @@ sum_x max(0, p(x) - q(x)) and then emits x with probability max(0, p(x) - q(x)) 
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.sampling import SamplingArrays, process_logits, sample_keys, top_logprobs
+from models import pytree
 
 __all__ = ["ACCEPT_STREAM", "VerifyOutput", "verify"]
 
 ACCEPT_STREAM = np.uint32(2**32 - 1)  # fold_in tag of the accept-test keys: no output step (< 2**31) equals it
 
 
-@flax.struct.dataclass
+@pytree.dataclass
 class VerifyOutput:
     """What `verify` returns for B rows with k draft slots each.
 
