@@ -207,6 +207,7 @@ class Warmup:
             self._thread = threading.Thread(target=context.run, args=(self._run_background, rest, t0, (hits0, misses0)),
                                             name="jaxinfer-warmup", daemon=True)
             _RUNNING.add(self)
+            _stop_at_exit()
             self._thread.start()
             logger.info("warm-up: the compilation cache holds this configuration's shapes; loading the other %d of "
                         "%d in the background while serving", len(rest), len(self.shapes))
@@ -256,12 +257,22 @@ class Warmup:
 
 # Background warm-ups still running: stopped at interpreter exit, so that no compile runs while jax shuts down.
 _RUNNING: weakref.WeakSet[Warmup] = weakref.WeakSet()
+_stop_registered = False
 
 
-@atexit.register
 def _stop_running() -> None:
     for w in list(_RUNNING):
         w.stop(timeout=60)
+
+
+def _stop_at_exit() -> None:
+    """Registers `_stop_running` with atexit once, when the first background warm-up starts: after jax registered
+    its own clean-up (at backend start-up), so that ours runs first (atexit runs last-in, first-out); a shape
+    lowering while jax cleans up fails (KeyError inside jax)."""
+    global _stop_registered
+    if not _stop_registered:
+        _stop_registered = True
+        atexit.register(_stop_running)
 
 
 def start_warmup(runner: ModelRunner, config, spec_policy) -> Warmup | None:
