@@ -164,11 +164,27 @@ def test_bad_serve_flags_exit_2():
 
 
 
+def _wait_until_catching(pid: int, sig: int, timeout_s: float = 120.0) -> None:
+    """Waits until process `pid` has a handler for `sig` (its /proc status "SigCgt" mask): under load the
+    interpreter alone may take longer than a fixed delay to reach `serve`, and a signal before any handler
+    terminates a process by default, as it should."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} installed no handler for signal {sig} in {timeout_s} s")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("delay_s", [0.2, 2.0])  # while importing / while the model loads
+@pytest.mark.parametrize("delay_s", [0.05, 2.0])  # while importing jax and the servers / while the model loads
 def test_a_stop_signal_during_start_up_exits_0_quietly(delay_s):
+    """`serve` takes stop signals from the moment it has read its flags, before its slow imports."""
     proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", "--port", "0", "--http-port", "0",
                              "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    _wait_until_catching(proc.pid, signal.SIGTERM)
     time.sleep(delay_s)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
