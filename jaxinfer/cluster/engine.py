@@ -123,6 +123,7 @@ class ClusterEngine:
         self.error: BaseException | None = None
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self._closed = False
+        self._running: dict[str, Replica] = {}  # request id -> its replica, while in flight
 
     # --- AsyncEngine's interface ---------------------------------------------------------------------------------
 
@@ -147,8 +148,11 @@ class ClusterEngine:
         """
         if not isinstance(prompt, Prompt):
             prompt = await asyncio.to_thread(self.engine.make_prompt, prompt)
-        replica, keys = self._route(prompt)
         request_id = request_id or next(self._ids)
+        if request_id in self._running:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        replica, keys = self._route(prompt)
+        self._running[request_id] = replica
         replica.target.index.add(keys)
         replica.target.in_flight += 1
         stream = replica.handle.actor.generate.options(num_returns="streaming").remote(prompt, params, request_id)
@@ -169,13 +173,20 @@ class ClusterEngine:
             raise unwrap(e) from None
         finally:
             replica.target.in_flight -= 1
-            if not finished:
+            del self._running[request_id]
+            if not finished:  # the caller left: stop the Ray task and the request (either alone would do)
                 with contextlib.suppress(Exception):
                     ray.cancel(stream)
+                with contextlib.suppress(Exception):
                     replica.handle.actor.abort.remote(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Not supported by name: a request is aborted when its caller stops iterating `generate`."""
+        """Aborts a request on its replica (a no-op for one not in flight); its stream then ends with finish_reason
+        "abort", as one engine's."""
+        replica = self._running.get(request_id)
+        if replica is not None:
+            with contextlib.suppress(Exception):
+                replica.handle.actor.abort.remote(request_id)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Refuses new requests; stops the pool's replicas when it owns the pool."""

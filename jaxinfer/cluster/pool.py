@@ -5,7 +5,7 @@
 2. `ReplicaPool.start` creates `num_replicas` `EngineReplica` actors. Each asks Ray for `replica_cpus` CPUs and
    `replica_gpus` GPUs (default: one GPU where the cluster has GPUs, none where it has not): Ray places them on
    any node with those resources free, and gives a GPU replica its own device. Nothing else about the cluster
-   is assumed. Every replica's engine is built in parallel; `start` returns once all of them answer `info()`,
+   is assumed. Every replica's engine is built in parallel; `start` returns once all of them answer `start()`,
    and fails (stopping the ones that did start) when one fails or `start_timeout_s` passes.
 3. `shutdown` kills the actors the pool started.
 """
@@ -102,7 +102,7 @@ class ReplicaPool:
         logger.info("starting %d replicas (%s CPUs, %s GPUs each) on Ray", cluster.num_replicas,
                     cluster.replica_cpus, gpus)
         try:
-            infos = await asyncio.wait_for(asyncio.gather(*(a.info.remote() for a in actors)),
+            infos = await asyncio.wait_for(asyncio.gather(*(a.start.remote() for a in actors)),
                                            cluster.start_timeout_s)
         except BaseException as e:
             for actor in actors:

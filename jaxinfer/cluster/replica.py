@@ -1,9 +1,9 @@
 """`EngineReplica`: one engine replica, the body of a Ray actor (`jaxinfer.cluster.pool` makes it one).
 
-1. The actor owns its devices (Ray gives it its CPUs, and on GPUs its own GPU through `CUDA_VISIBLE_DEVICES`) and
-   builds one `Engine` in its constructor, run by today's `AsyncEngine` (its engine thread steps it).
-2. `info()` answers once the engine is up: what the router needs to tokenize, check and route requests itself
-   (`ReplicaInfo`: the tokenizer, the model's config and context, the page size and KV pages).
+1. The actor owns its devices (Ray gives it its CPUs, and on GPUs its own GPU through `CUDA_VISIBLE_DEVICES`).
+2. `start()` builds one `Engine`, run by today's `AsyncEngine` (its engine thread steps it), and answers what the
+   router needs to tokenize, check and route requests itself (`ReplicaInfo`: the tokenizer, the model's config
+   and context, the page size and KV pages).
 3. `generate` is an async generator: Ray streams each `RequestOutput` to the router as the engine produces it
    (`num_returns="streaming"`). A router that stops reading cancels the task (`ray.cancel`): the generator is
    closed and `AsyncEngine` aborts the request, freeing its pages; `abort(request_id)` does the same by name.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from jaxinfer.engine.async_engine import AsyncEngine
 from jaxinfer.engine.config import EngineConfig
@@ -25,7 +26,9 @@ from jaxinfer.outputs import RequestOutput
 from jaxinfer.prompt import Prompt
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
-from models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from models.config import ModelConfig
 
 
 class ReplicaRole(enum.Enum):
@@ -71,17 +74,21 @@ class EngineReplica:
       config: the engine's options (every replica of a pool gets the same).
       name: the replica's name.
       role: what it does with requests.
-
-    Raises:
-      ValueError: as `Engine` (a bad configuration or model); Ray re-raises it in the caller of any method.
     """
 
     def __init__(self, config: EngineConfig, name: str, role: ReplicaRole = ReplicaRole.MIXED) -> None:
-        self.name, self.role = name, role
-        self.async_engine = AsyncEngine(Engine(config))
+        self.name, self.role, self.config = name, role, config
+        self.async_engine: AsyncEngine | None = None
 
-    def info(self) -> ReplicaInfo:
-        """The replica's `ReplicaInfo` (returns once the engine is built)."""
+    def start(self) -> ReplicaInfo:
+        """Builds the engine (once; in a method, not the constructor, so that its errors reach the caller as
+        themselves) and returns the replica's `ReplicaInfo`.
+
+        Raises:
+          ValueError: as `Engine` (a bad configuration or model).
+        """
+        if self.async_engine is None:
+            self.async_engine = AsyncEngine(Engine(self.config))
         engine = self.async_engine.engine
         return ReplicaInfo(name=self.name, role=self.role, tokenizer=engine.tokenizer,
                            model_config=engine.model_config, config=engine.config,
@@ -109,13 +116,15 @@ class EngineReplica:
         """(`Engine.stats()`, a copy of the step histogram `EngineMetrics.steps_by_num_tokens`).
 
         Raises:
-          RuntimeError: the engine loop stopped (the router then counts the replica as down).
+          RuntimeError: the engine loop is not started or stopped (the router then counts the replica as down).
         """
-        if not self.async_engine.is_alive():
-            raise RuntimeError(f"replica {self.name}: the engine loop has stopped: {self.async_engine.error}")
+        if self.async_engine is None or not self.async_engine.is_alive():
+            cause = "not started" if self.async_engine is None else f"stopped: {self.async_engine.error}"
+            raise RuntimeError(f"replica {self.name}: the engine loop has {cause}")
         engine = self.async_engine.engine
         return engine.stats(), engine.metrics.steps_by_num_tokens.copy()
 
     def shutdown(self) -> None:
         """Stops the engine loop (requests in flight get `EngineStoppedError`)."""
-        self.async_engine.shutdown()
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
