@@ -53,7 +53,7 @@ class Replica:
     routed_hit_tokens: int = 0  # prompt tokens its index held when requests were routed to it
     stats: dict[str, float | int] | None = None
     steps_by_num_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
-    down_since: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while down
+    down: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while down
 
     @property
     def name(self) -> str:
@@ -63,7 +63,10 @@ class Replica:
         if up != self.target.up:
             logger.warning("replica %s is %s", self.name, "up again" if up else "down")
         self.target.up = up
-        (self.down_since.clear if up else self.down_since.set)()
+        if up:
+            self.down.clear()
+        else:
+            self.down.set()
 
 
 @dataclasses.dataclass
@@ -259,7 +262,7 @@ class _ReplicaDown(Exception):
 
 async def _until_down(stream, replica: Replica) -> AsyncIterator:
     """The stream's items (object refs) until its replica is marked down: then `_ReplicaDown`."""
-    down = asyncio.ensure_future(replica.down_since.wait())
+    down = asyncio.ensure_future(replica.down.wait())
     try:
         while True:
             item = asyncio.ensure_future(anext(stream))

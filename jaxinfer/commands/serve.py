@@ -127,10 +127,6 @@ def run(args: argparse.Namespace) -> int:
             if (e.name or "").split(".")[0] != "ray":
                 raise
             raise ValueError("--replicas and --ray-address need Ray: pip install 'jaxinfer[cluster]'") from None
-        if args.ray_address is None:  # the replicas run here: one engine's checks apply to each
-            from jaxinfer.engine.startup import check_before_load
-
-            check_before_load(config)
         print("jaxinfer: the router serves the HTTP API only (no gRPC)", flush=True)
         served = ServedCluster(config, *clustered, limits=limits, model_name=args.served_model_name)
         return run(config, host=args.host, port=None, http_port=args.http_port, metrics_port=args.metrics_port,
