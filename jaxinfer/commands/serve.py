@@ -12,6 +12,8 @@ from jaxinfer.commands.options import (add_engine_options, add_multihost_options
                                        join_job)
 from jaxinfer.engine.config import EngineConfig
 
+_RAY_SIGNAL_HANDLER_OFF = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+
 
 def add_parser(sub) -> None:
     """Adds the `serve` subcommand to the subparsers `sub`."""
@@ -87,6 +89,32 @@ def _cluster_configs(args: argparse.Namespace) -> tuple[ClusterConfig, RoutingCo
     return cluster, routing
 
 
+def _import_cluster() -> type:
+    """`jaxinfer.cluster.served.ServedCluster`, importing Ray.
+
+    Ray's C++ failure-signal handler would take this process's SIGTERM (a stack dump, then often an abort at
+    exit, status -6) before `serve`'s own graceful stop: it is turned off here, in the router only (the variable is
+    read when Ray is imported, and removed before Ray starts processes that would inherit it).
+
+    Raises:
+      ValueError: Ray is not installed.
+    """
+    previous = os.environ.get(_RAY_SIGNAL_HANDLER_OFF)
+    os.environ[_RAY_SIGNAL_HANDLER_OFF] = "1"
+    try:
+        from jaxinfer.cluster.served import ServedCluster
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "ray":
+            raise
+        raise ValueError("--replicas and --ray-address need Ray: pip install 'jaxinfer[cluster]'") from None
+    finally:
+        if previous is None:
+            os.environ.pop(_RAY_SIGNAL_HANDLER_OFF, None)
+        else:
+            os.environ[_RAY_SIGNAL_HANDLER_OFF] = previous
+    return ServedCluster
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs `jaxinfer serve` until SIGTERM / SIGINT; returns the exit status."""
     import signal
@@ -121,12 +149,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {config.model}: no such file or folder")
     limits = ServerLimits(max_queued_requests=args.max_queued_requests)
     if clustered is not None:
-        try:
-            from jaxinfer.cluster.served import ServedCluster
-        except ImportError as e:
-            if (e.name or "").split(".")[0] != "ray":
-                raise
-            raise ValueError("--replicas and --ray-address need Ray: pip install 'jaxinfer[cluster]'") from None
+        ServedCluster = _import_cluster()  # noqa: N806 - a class
         print("jaxinfer: the router serves the HTTP API only (no gRPC)", flush=True)
         served = ServedCluster(config, *clustered, limits=limits, model_name=args.served_model_name)
         return run(config, host=args.host, port=None, http_port=args.http_port, metrics_port=args.metrics_port,
