@@ -17,7 +17,9 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.cluster.routing import RoutingConfig
 from jaxinfer.prompt import Prompt
 from tests.jaxinfer.cluster.conftest import MAX_MODEL_LEN, PAGE_SIZE
-from tests.jaxinfer.cluster.router_server import RouterServer
+
+pytest.importorskip("ray")  # the optional extra jaxinfer[cluster]
+from tests.jaxinfer.cluster.router_server import RouterServer  # noqa: E402 - needs Ray
 from tests.jaxinfer.engine.tiny_model import FIRST_WORD_ID, VOCAB_SIZE, random_prompts
 
 PROMPTS = random_prompts(6, seed=3, min_len=4, max_len=30)
