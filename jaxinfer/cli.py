@@ -10,6 +10,8 @@
 
     jaxinfer serve [--host 127.0.0.1] [--port 50051] [--metrics-port N] [--max-queued-requests N]
                    [--grace-seconds S] [engine options]
+    jaxinfer serve --replicas N [--ray-address ADDR] [--replica-cpus C] [--replica-gpus G]
+                   [--routing cache_aware|round_robin|least_load] [--routing-* knobs] [serve options]
 
     jaxinfer convert --output DIR [--model PATH] [--dtype float32|bfloat16] [--quantization FORMAT_OR_JSON]
 

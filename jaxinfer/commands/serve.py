@@ -1,14 +1,18 @@
-"""`jaxinfer serve`: the OpenAI HTTP API and gRPC over one engine."""
+"""`jaxinfer serve`: the OpenAI HTTP API and gRPC over one engine; with `--replicas N` (or `--ray-address`), the
+HTTP API over N engine replicas on Ray (`jaxinfer.cluster`, imported only then)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from jaxinfer.cluster.config import ClusterConfig
+from jaxinfer.cluster.routing import POLICY_NAMES, RoutingConfig
 from jaxinfer.commands.options import (add_engine_options, add_multihost_options, check_host, engine_options,
                                        join_job)
 from jaxinfer.engine.config import EngineConfig
 
+_RAY_SIGNAL_HANDLER_OFF = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
 
 
 def add_parser(sub) -> None:
@@ -39,6 +43,76 @@ def add_parser(sub) -> None:
     srv.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
     add_engine_options(srv, "serve")
     add_multihost_options(srv)
+    _add_cluster_options(srv)
+
+
+def _add_cluster_options(srv) -> None:
+    ray = srv.add_argument_group("replicas on Ray (README \"Replicas on Ray\"; needs jaxinfer[cluster])")
+    ray.add_argument("--replicas", type=int, default=1,
+                     help="engine replicas, each a Ray actor, behind one router serving the HTTP API (default 1: one "
+                          "engine in this process, no Ray)")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster (e.g. auto, or head-node:6379) instead of starting a local Ray "
+                          "instance; implies the router even with --replicas 1")
+    ray.add_argument("--replica-cpus", type=float, default=ClusterConfig.replica_cpus,
+                     help="CPUs Ray reserves per replica (default %(default)s)")
+    ray.add_argument("--replica-gpus", type=float, default=None,
+                     help="GPUs per replica (default: 1 where the Ray cluster has GPUs, else 0)")
+    ray.add_argument("--routing", choices=POLICY_NAMES, default=RoutingConfig.policy.value,
+                     help="how the router picks a replica (default %(default)s)")
+    ray.add_argument("--routing-load-weight", type=float, default=RoutingConfig.load_weight_tokens,
+                     help="cache_aware: cached prompt tokens one request in flight is worth (default %(default)s)")
+    ray.add_argument("--routing-max-imbalance", type=int, default=RoutingConfig.max_imbalance,
+                     help="cache_aware: most requests in flight a replica may have above the least loaded one and "
+                          "still be chosen (default %(default)s)")
+    ray.add_argument("--routing-min-match", type=float, default=RoutingConfig.min_match,
+                     help="cache_aware: share of a prompt a replica must hold for the prompt to follow its cache; "
+                          "below it the prompt goes to the least loaded replica (default %(default)s)")
+
+
+def _cluster_configs(args: argparse.Namespace) -> tuple[ClusterConfig, RoutingConfig] | None:
+    """The replicas' and the router's configs, or None to serve one engine in this process.
+
+    Raises:
+      ValueError: a bad value, or a flag the router does not serve with.
+    """
+    cluster = ClusterConfig(num_replicas=args.replicas, ray_address=args.ray_address,
+                            replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus)
+    routing = RoutingConfig(args.routing, load_weight_tokens=args.routing_load_weight,
+                            max_imbalance=args.routing_max_imbalance, min_match=args.routing_min_match)
+    if args.replicas == 1 and args.ray_address is None:
+        return None
+    if args.no_http:
+        raise ValueError("--no-http: the router of --replicas serves the HTTP API only")
+    if args.num_processes != 1 or args.coordinator_address is not None:
+        raise ValueError("--replicas and --ray-address do not combine with a multi-host job (--num-processes)")
+    return cluster, routing
+
+
+def _import_cluster() -> type:
+    """`jaxinfer.cluster.served.ServedCluster`, importing Ray.
+
+    Ray's C++ failure-signal handler would take this process's SIGTERM (a stack dump, then often an abort at
+    exit, status -6) before `serve`'s own graceful stop: it is turned off here, in the router only (the variable is
+    read when Ray is imported, and removed before Ray starts processes that would inherit it).
+
+    Raises:
+      ValueError: Ray is not installed.
+    """
+    previous = os.environ.get(_RAY_SIGNAL_HANDLER_OFF)
+    os.environ[_RAY_SIGNAL_HANDLER_OFF] = "1"
+    try:
+        from jaxinfer.cluster.served import ServedCluster
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "ray":
+            raise
+        raise ValueError("--replicas and --ray-address need Ray: pip install 'jaxinfer[cluster]'") from None
+    finally:
+        if previous is None:
+            os.environ.pop(_RAY_SIGNAL_HANDLER_OFF, None)
+        else:
+            os.environ[_RAY_SIGNAL_HANDLER_OFF] = previous
+    return ServedCluster
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,12 +140,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--grace-seconds {args.grace_seconds} must be >= 0")
     if args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests {args.max_queued_requests} must be >= 1")
+    clustered = _cluster_configs(args)
     from jaxinfer.serving.served import ServerLimits
     from jaxinfer.serving.serve import run
 
     config = EngineConfig.create(**options)
-    if config.model is not None and not os.path.exists(config.model):
+    if config.model is not None and not os.path.exists(config.model) and args.ray_address is None:
         raise ValueError(f"--model {config.model}: no such file or folder")
+    limits = ServerLimits(max_queued_requests=args.max_queued_requests)
+    if clustered is not None:
+        ServedCluster = _import_cluster()  # noqa: N806 - a class
+        print("jaxinfer: the router serves the HTTP API only (no gRPC)", flush=True)
+        served = ServedCluster(config, *clustered, limits=limits, model_name=args.served_model_name)
+        return run(config, host=args.host, port=None, http_port=args.http_port, metrics_port=args.metrics_port,
+                   grace_s=args.grace_seconds, model_name=args.served_model_name, api_key=api_key, served=served)
     if join_job(args):  # a follower serves no requests: it replays process 0's steps
         from jaxinfer.engine.engine import Engine
 
@@ -82,5 +164,5 @@ def run(args: argparse.Namespace) -> int:
     check_before_load(config)  # before the port is bound and the model loads
     return run(config, host=args.host, port=None if args.no_grpc else args.port,
                http_port=None if args.no_http else args.http_port, metrics_port=args.metrics_port,
-               limits=ServerLimits(max_queued_requests=args.max_queued_requests), grace_s=args.grace_seconds,
+               limits=limits, grace_s=args.grace_seconds,
                model_name=args.served_model_name, api_key=api_key)

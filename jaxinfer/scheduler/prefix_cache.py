@@ -43,6 +43,22 @@ class KVOpKind(enum.Enum):
     DROP = "drop"  # host page `src` is freed
 
 
+def page_key(parent_key: int, token_ids: tuple[int, ...], salt: str | None) -> int:
+    """The chained hash of one full page: `parent_key` (the previous page's key, 0 for a first page), the page's
+    token ids and the request's cache salt. Python's `hash`: stable within one process only."""
+    return hash((parent_key, token_ids, salt))
+
+
+def prefix_page_keys(token_ids: Sequence[int], salt: str | None, page_size: int) -> list[int]:
+    """The chain of `page_key`s of every full page of `token_ids` (len(token_ids) // page_size keys): what the cache
+    indexes those pages by."""
+    keys, key = [], 0
+    for i in range(len(token_ids) // page_size):
+        key = page_key(key, tuple(token_ids[i * page_size : (i + 1) * page_size]), salt)
+        keys.append(key)
+    return keys
+
+
 @dataclasses.dataclass(frozen=True)
 class KVOp:
     """One transfer; `src` and `dst` are device page ids or host page ids, as `kind` says."""
@@ -150,7 +166,7 @@ class PrefixCache:
 
     @staticmethod
     def _key(parent: CachedPage | None, token_ids: tuple[int, ...], salt: str | None) -> int:
-        return hash((0 if parent is None else parent.key, token_ids, salt))
+        return page_key(0 if parent is None else parent.key, token_ids, salt)
 
     def _find(self, parent: CachedPage | None, token_ids: tuple[int, ...], salt: str | None) -> CachedPage | None:
         for entry in self._index.get(self._key(parent, token_ids, salt), ()):

@@ -119,9 +119,10 @@ async def _drain(served: ServedEngine, grace_s: float) -> None:
 async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int | None = 50051,
                 http_port: int | None = 8000, metrics_port: int | None = None,
                 limits: ServerLimits = ServerLimits(), grace_s: float = 10.0, model_name: str | None = None,
-                api_key: str | None = None) -> None:
+                api_key: str | None = None, served: ServedEngine | None = None) -> None:
     """Runs the gRPC server (`port`; None: none) and the HTTP API (`http_port`; None: none) on one engine until
-    SIGTERM or SIGINT, then stops them gracefully (module docstring).
+    SIGTERM or SIGINT, then stops them gracefully (module docstring). `served`: the engine to serve (a
+    `jaxinfer.cluster` one, say); None builds a `ServedEngine` of `config`, `limits` and `model_name`.
 
     Raises:
       ValueError: a port cannot be bound, or the engine cannot start from this configuration.
@@ -134,7 +135,7 @@ async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a signal during the model load stops cleanly too
         loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
-    served = ServedEngine(config, limits, model_name)
+    served = served if served is not None else ServedEngine(config, limits, model_name)
     grpc_server = None if port is None else Server(served, host=host, port=port, api_key=api_key)
     http = None
     exporter = None

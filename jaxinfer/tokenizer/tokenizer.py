@@ -379,6 +379,10 @@ class Tokenizer:
         return _chat_prompt(lambda ms, gen: self._render(ms, gen, kwargs), self._special_re, messages,
                             add_generation_prompt, continue_final_message, locate)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles without the compiled chat template (rebuilt at first use): tokenizers travel between processes."""
+        return {**self.__dict__, "_jinja_template": None}
+
     def _template(self) -> jinja2.Template:
         if self._jinja_template is None:
             self._jinja_template = _compile_template(self.chat_template)

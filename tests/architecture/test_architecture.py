@@ -1,7 +1,7 @@
 """The rules of the tree's layout (README "Layout"), checked on the source with `ast`.
 
-Floors run one way: serving (and a later cluster layer) -> engine -> {scheduler, models, sharding,
-pallas_kernels}. Each test names the rule it guards and lists every import that breaks it.
+Floors run one way: cluster -> serving -> engine -> {scheduler, models, sharding, pallas_kernels}. Each test names
+the rule it guards and lists every import that breaks it.
 """
 
 from __future__ import annotations
@@ -55,6 +55,26 @@ def test_engine_and_scheduler_know_no_server(floor):
 def test_flax_is_not_a_dependency(package):
     """Pytree dataclasses come from `models.pytree` (flax's import cost 0.3 s of every start; setup.py lacks it)."""
     assert _broken(package, "flax") == []
+
+
+def test_serving_knows_no_cluster():
+    """The cluster layer (replicas on Ray, the router) stands on the HTTP front end, never the other way."""
+    assert _broken("jaxinfer.serving", "jaxinfer.cluster") == []
+
+
+def test_the_cluster_drives_engines_not_devices():
+    """The router and the replicas' actors go through the engine: no jax, model, sharding or kernel of their own."""
+    assert _broken("jaxinfer.cluster", *JAX_PACKAGES, "models", "sharding", "pallas_kernels") == []
+
+
+def test_only_the_cluster_imports_ray():
+    """Ray is an optional extra (`jaxinfer[cluster]`): nothing outside `jaxinfer.cluster` imports it, nor the cluster
+    modules the command line reads before it knows it needs Ray (the package, its config and routing)."""
+    outside = [f"{imp.importer}:{imp.line} imports {imp.imported}" for m, imps in GRAPH.items()
+               if not _under(m, "jaxinfer.cluster") for imp in imps if _under(imp.imported, "ray")]
+    assert outside == []
+    for module in ("jaxinfer.cluster", "jaxinfer.cluster.config", "jaxinfer.cluster.routing"):
+        assert [imp.imported for imp in GRAPH[module] if _under(imp.imported, "ray")] == []
 
 
 def test_no_module_imports_a_script():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import PageAllocator, Scheduler, SchedulerConfig, Sequence
-from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind, PrefixCache
+from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind, PrefixCache, prefix_page_keys
 from tests.jaxinfer.scheduler.fake_model import EOS_ID, make_seq, next_token
 
 PS = 4  # page size of the unit tests
@@ -51,6 +51,19 @@ def test_salts_never_share():
     assert len(cache.match(list(range(8)), "a", 2)) == 2
     assert cache.match(list(range(8)), "b", 2) == []
     assert cache.match(list(range(8)), None, 2) == []
+
+
+def test_prefix_page_keys_are_the_keys_the_cache_indexes_pages_by():
+    """The chain a router computes away from the cache (`jaxinfer.cluster`) names the cache's own entries."""
+    alloc, cache = _cache()
+    tokens = [5, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]  # two full pages and three tokens
+    for salt in (None, "tenant"):
+        _fill(alloc, cache, tokens, salt)
+        entries = cache.match(tokens, salt, 3)
+        assert prefix_page_keys(tokens, salt, PS) == [e.key for e in entries] and len(entries) == 2
+    assert prefix_page_keys(tokens, None, PS) != prefix_page_keys(tokens, "tenant", PS)
+    assert prefix_page_keys(tokens[:3], None, PS) == []
+    assert prefix_page_keys([0] * 4 + tokens[4:], None, PS)[1] != prefix_page_keys(tokens, None, PS)[1]  # chained
 
 
 def test_a_hash_collision_is_never_a_hit(monkeypatch):

@@ -1,0 +1,47 @@
+"""`ClusterConfig`: where the replicas of `jaxinfer serve --replicas N` run and how the router watches them (no
+Ray here: the command checks it before Ray is imported)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """Where the replicas run and how long the router waits for them.
+
+    Attributes:
+      num_replicas: engine replicas, >= 1.
+      ray_address: the Ray cluster to join (`ray.init(address=...)`, e.g. "auto" or "10.0.0.1:6379"); None
+        starts a local Ray instance with this machine's resources.
+      replica_cpus: CPUs Ray reserves for each replica (> 0; a fraction shares a core).
+      replica_gpus: GPUs per replica (>= 0); None: 1 where the cluster has GPUs, else 0.
+      start_timeout_s: how long all replicas may take to load their model and compile (seconds, > 0).
+      health_period_s: how often the router asks every replica for its stats (its health check), seconds, > 0.
+      health_timeout_s: a replica that has not answered within this is down (seconds, > 0); so is one whose
+        actor died or whose engine loop stopped.
+
+    Raises:
+      ValueError: a value out of its range.
+    """
+
+    num_replicas: int = 1
+    ray_address: str | None = None
+    replica_cpus: float = 1.0
+    replica_gpus: float | None = None
+    start_timeout_s: float = 1800.0
+    health_period_s: float = 1.0
+    health_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1:
+            raise ValueError(f"--replicas {self.num_replicas!r} must be an integer >= 1")
+        if self.ray_address is not None and not self.ray_address.strip():
+            raise ValueError("--ray-address must not be empty (leave it out to start a local Ray instance)")
+        if not self.replica_cpus > 0:
+            raise ValueError(f"--replica-cpus {self.replica_cpus} must be > 0")
+        if self.replica_gpus is not None and not self.replica_gpus >= 0:
+            raise ValueError(f"--replica-gpus {self.replica_gpus} must be >= 0")
+        for name in ("start_timeout_s", "health_period_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")

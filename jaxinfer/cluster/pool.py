@@ -1,0 +1,127 @@
+"""`ReplicaPool`: engine replicas as Ray actors: where they run, starting them, and stopping them.
+
+1. `connect` joins the Ray cluster at an address, or starts a local Ray instance (`ClusterConfig.ray_address`
+   None), unless this process is connected already.
+2. `ReplicaPool.start` creates `num_replicas` `EngineReplica` actors. Each asks Ray for `replica_cpus` CPUs and
+   `replica_gpus` GPUs (default: one GPU where the cluster has GPUs, none where it has not): Ray places them on
+   any node with those resources free, and gives a GPU replica its own device. Nothing else about the cluster
+   is assumed. Every replica's engine is built in parallel; `start` returns once all of them answer `start()`,
+   and fails (stopping the ones that did start) when one fails or `start_timeout_s` passes.
+3. `shutdown` kills the actors the pool started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import uuid
+
+import ray
+from ray.exceptions import RayTaskError
+
+from jaxinfer.cluster.config import ClusterConfig
+from jaxinfer.cluster.replica import EngineReplica, ReplicaInfo, ReplicaRole
+from jaxinfer.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def connect(cluster: ClusterConfig) -> bool:
+    """Connects this process to Ray (module docstring, item 1); returns True when it did so now, False when it was
+    connected already (then the caller must not shut Ray down).
+
+    Raises:
+      ValueError: no Ray cluster answers at `ray_address`.
+    """
+    if ray.is_initialized():
+        return False
+    try:
+        if cluster.ray_address is None:
+            ray.init(include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=cluster.ray_address, log_to_driver=True)
+    except ConnectionError as e:
+        raise ValueError(f"--ray-address {cluster.ray_address}: no Ray cluster answers there ({e})") from None
+    return True
+
+
+def _gpus_per_replica(cluster: ClusterConfig) -> float:
+    if cluster.replica_gpus is not None:
+        return cluster.replica_gpus
+    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaHandle:
+    """A started replica: its Ray actor and what it told the router."""
+
+    actor: ray.actor.ActorHandle
+    info: ReplicaInfo
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
+def unwrap(error: BaseException) -> BaseException:
+    """The exception a replica raised (a `ValueError` naming the field, say), out of Ray's `RayTaskError`."""
+    cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else error
+
+
+class ReplicaPool:
+    """Started replicas (use `ReplicaPool.start`).
+
+    Args:
+      replicas: the replicas, each answering.
+      owned: whether `shutdown` kills them (the pool started them).
+      ray_started: whether this pool connected the process to Ray (`shutdown` then disconnects).
+    """
+
+    def __init__(self, replicas: list[ReplicaHandle], owned: bool = True, ray_started: bool = False) -> None:
+        if not replicas:
+            raise ValueError("a replica pool needs at least one replica")
+        self.replicas, self.owned, self.ray_started = replicas, owned, ray_started
+
+    @classmethod
+    async def start(cls, config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
+        """Connects to Ray (in a worker thread) and starts `cluster.num_replicas` replicas of `config`.
+
+        Raises:
+          ValueError: as `connect`; a replica refused the configuration or the model (the replica's message).
+          RuntimeError: a replica failed otherwise, died while starting, or did not start in `start_timeout_s`.
+        """
+        ray_started = await asyncio.to_thread(connect, cluster)
+        gpus = _gpus_per_replica(cluster)
+        prefix = f"jaxinfer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        actor_class = ray.remote(EngineReplica)
+        actors = [actor_class.options(name=f"{prefix}-{i}", num_cpus=cluster.replica_cpus, num_gpus=gpus)
+                  .remote(config, f"{prefix}-{i}", ReplicaRole.MIXED) for i in range(cluster.num_replicas)]
+        logger.info("starting %d replicas (%s CPUs, %s GPUs each) on Ray", cluster.num_replicas,
+                    cluster.replica_cpus, gpus)
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*(a.start.remote() for a in actors)),
+                                           cluster.start_timeout_s)
+        except BaseException as e:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            if ray_started:
+                ray.shutdown()
+            cause = unwrap(e)
+            if isinstance(cause, ValueError):
+                raise cause from None
+            if isinstance(e, asyncio.TimeoutError):
+                raise RuntimeError(f"the replicas did not start within {cluster.start_timeout_s:g} s "
+                                   "(does the cluster have the CPUs and GPUs they ask for?)") from None
+            raise RuntimeError(f"a replica failed to start: {type(cause).__name__}: {cause}") from None
+        return cls([ReplicaHandle(a, info) for a, info in zip(actors, infos)], owned=True, ray_started=ray_started)
+
+    def shutdown(self) -> None:
+        """Kills the replicas the pool started (their requests end) and leaves Ray if the pool joined it."""
+        if self.owned:
+            for replica in self.replicas:
+                ray.kill(replica.actor, no_restart=True)
+        if self.ray_started:
+            ray.shutdown()
