@@ -335,6 +335,7 @@ class Engine:
         prefills, prompt_lp = [c for c in rest if not wants(c)], [c for c in rest if wants(c)]  # all rows' logits
         device_time = 0.0
         draft_probs_row = None
+        self._groups.spec_policy = self.spec_policy  # the engine's attribute may be swapped between steps
         self._groups.verify_len = 1 + max(spec_slots.values(), default=0) if spec_slots else 0
         if plan.num_spec_slots:
             t0 = time.perf_counter()

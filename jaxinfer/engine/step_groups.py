@@ -34,6 +34,7 @@ class StepGroups:
     """Runs an engine's chunk groups on its runner; the arguments are the engine's parts.
 
     Attributes:
+      spec_policy: the engine's speculative decoding policy, or None; set per step.
       verify_len: this step's verify window bound (drafts per sequence + 1), 0 without drafts; set per step.
     """
 
