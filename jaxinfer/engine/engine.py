@@ -167,7 +167,7 @@ class Engine:
           cache_salt: requests with different salts never share prefix-cache pages (e.g. one salt per tenant);
             when given, it wins over the prompt's own.
           output_token_ids: tokens an earlier attempt of this request generated and streamed (its engine died):
-            they count as output, not prompt, and the stream goes on after them (`jaxinfer.engine.resume`).
+            they count as output, not prompt, and the stream goes on after them (`jaxinfer.engine.admission`).
           prefill_only: prefill and sample the first token, then finish with finish_reason "handoff", keeping the
             KV pages for `export_kv` (`jaxinfer.engine.kv_handoff`); a first token that ends the request (EOS,
             max_tokens=1) finishes it as usual. Needs n = 1.
@@ -180,7 +180,7 @@ class Engine:
             context, prompt + max_tokens (or min_tokens) beyond the context, a stop, logit_bias or allowed token id
             outside the vocabulary, min_tokens or bad_words banning every token, a request that never fits the KV
             cache, or bad params (`jaxinfer.request_limits.check_against_model`); output_token_ids that are not
-            ids, reach max_tokens or already end the request (`jaxinfer.engine.resume`); n > 1 with
+            ids, reach max_tokens or already end the request (`jaxinfer.engine.admission`); n > 1 with
             output_token_ids or prefill_only. Nothing is queued then, nor when anything else raises (a
             tokenizer's own exception, say: it propagates as it is).
         """

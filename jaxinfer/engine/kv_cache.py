@@ -41,13 +41,15 @@ def _scatter_pages(kv_cache: KVCache, page_ids: jax.Array, pages: KVCache) -> KV
     return jax.tree.map(lambda a, x: a.at[:, page_ids].set(x), kv_cache, pages)
 
 
-def _gather_tokens(kv_cache: KVCache, page_ids: jax.Array, slots: jax.Array, dtype: jnp.dtype) -> KVCache:
-    """The pages' K/V of KV slots `slots` in token order, leaves [L, K, n * page_size, ...], as `dtype` pages."""
+def _gather_tokens(kv_cache: KVCache, page_ids: jax.Array, slots: jax.Array | None, dtype: jnp.dtype) -> KVCache:
+    """The pages' K/V in token order, leaves [L, K, n * page_size, ...], as `dtype` pages; KV slots `slots` only
+    (None: all)."""
 
     def tokens(a: jax.Array | None) -> jax.Array | None:
         if a is None:
             return None
-        x = jnp.moveaxis(jnp.take(a[:, page_ids], slots, axis=2), 1, 2)  # [L, K, n, page_size, ...]
+        x = a[:, page_ids] if slots is None else jnp.take(a[:, page_ids], slots, axis=2)  # [L, n, K, page_size, ...]
+        x = jnp.moveaxis(x, 1, 2)  # [L, K, n, page_size, ...]
         return x.reshape(*x.shape[:2], -1, *x.shape[4:])
 
     k, k_scale = convert(tokens(kv_cache.k), tokens(kv_cache.k_scale), dtype)
@@ -55,11 +57,16 @@ def _gather_tokens(kv_cache: KVCache, page_ids: jax.Array, slots: jax.Array, dty
     return KVCache(k, v, k_scale, v_scale)
 
 
-def _write_pages(kv_cache: KVCache, page_ids: jax.Array, pages: KVCache, dtype: jnp.dtype) -> KVCache:
-    """`_scatter_pages` of pages of any page dtype, converted to the cache's, `dtype`, first."""
-    k, k_scale = convert(pages.k, pages.k_scale, dtype)
-    v, v_scale = convert(pages.v, pages.v_scale, dtype)
-    return _scatter_pages(kv_cache, page_ids, KVCache(k, v, k_scale, v_scale))
+def _write_tokens(kv_cache: KVCache, page_ids: jax.Array, tokens: KVCache, dtype: jnp.dtype) -> KVCache:
+    """`_scatter_pages` of K/V in token order ([L, K, n * page_size, ...], any page dtype), converted to the cache's
+    page dtype `dtype` first."""
+
+    def pages(x: jax.Array | None) -> jax.Array | None:  # [L, K, n * page_size, ...] -> [L, n, K, page_size, ...]
+        return None if x is None else jnp.moveaxis(x.reshape(*x.shape[:2], page_ids.shape[0], -1, *x.shape[3:]), 2, 1)
+
+    k, k_scale = convert(tokens.k, tokens.k_scale, dtype)
+    v, v_scale = convert(tokens.v, tokens.v_scale, dtype)
+    return _scatter_pages(kv_cache, page_ids, KVCache(pages(k), pages(v), pages(k_scale), pages(v_scale)))
 
 
 class PagedKVCache:
@@ -98,13 +105,16 @@ class PagedKVCache:
         self.page_size = page_size
         self.mesh = mesh
         self.kv_dtype = jnp.dtype(kv_dtype)
-        self.sharding = self.replicated = self._leaf_shardings = None
+        self.sharding = self.replicated = self._token_shardings = None
         if mesh is not None:
             from sharding.rules import logical_to_spec
 
-            self._leaf_shardings = (jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES)),
-                                    jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES)))
-            self.sharding = KVCache.per_leaf(*self._leaf_shardings, kv_dtype)
+            self.sharding = KVCache.per_leaf(
+                jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES)),
+                jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES)), kv_dtype)
+            # K/V in token order, [L, K, T, ...] (`scatter_tokens`): split over KV heads like the pages
+            self._token_shardings = tuple(jax.sharding.NamedSharding(mesh, logical_to_spec(
+                [a for a in axes if a != "pages"])) for axes in (KVCache.LOGICAL_AXES, KVCache.SCALE_LOGICAL_AXES))
             self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.cache = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
                              out_shardings=self.sharding)()
@@ -116,7 +126,7 @@ class PagedKVCache:
         self._scatter = jax.jit(_scatter_pages, donate_argnums=0, out_shardings=self.sharding)
         self._gather = jax.jit(_gather_pages, out_shardings=self.replicated)
         self._gather_tokens = jax.jit(_gather_tokens, static_argnames="dtype", out_shardings=self.replicated)
-        self._write = jax.jit(_write_pages, static_argnames="dtype", donate_argnums=0,
+        self._write = jax.jit(_write_tokens, static_argnames="dtype", donate_argnums=0,
                               out_shardings=self.sharding)
         self.host_pages: dict[int, KVCache | tuple[KVCache, int]] = {}
         self._unsettled: list[int] = []  # host pages whose data are still device arrays in flight to the host
@@ -217,31 +227,34 @@ class PagedKVCache:
           f32[L, K, num_tokens] for a quantized dtype, else None.
         """
         (ids,) = padded_page_ids(page_ids)
-        out = jax.device_get(self._gather_tokens(self.cache, ids, np.asarray(slots, np.int32),
-                                                 dtype=jnp.dtype(dtype)))
+        slots = None if np.array_equal(slots, np.arange(self.cache.k.shape[2])) else np.asarray(slots, np.int32)
+        out = jax.device_get(self._gather_tokens(self.cache, ids, slots, dtype=jnp.dtype(dtype)))
         return jax.tree.map(lambda x: x[:, :, :num_tokens], out)
 
     def scatter_tokens(self, page_ids: Sequence[int], slots: np.ndarray, tokens: KVCache) -> None:
         """Writes host K/V in token order (`gather_tokens`' result, maybe another engine's) into device pages,
-        converted to this cache's dtype and placed with its sharding.
+        converted to this cache's dtype; on a mesh each device receives only its KV heads.
 
         Args:
           page_ids: pages for positions [0, T), in order, len = ceil(T / page_size); ids in [1, num_pages).
-          slots: i32[K'], the returned KV head each KV slot of this cache copies (`TPLayout.kv_source`).
+          slots: i32[K'], the given KV head each KV slot of this cache copies (`TPLayout.kv_source`).
           tokens: numpy leaves k, v [L, K, T, H], scales f32[L, K, T] or None (any page dtype).
         """
         (ids,) = padded_page_ids(page_ids)
+        width = len(ids) * self.page_size
+        identity = np.array_equal(slots, np.arange(tokens.k.shape[1]))
 
-        def pages(x: np.ndarray) -> np.ndarray:  # [L, K, T, ...] -> [L, n_pad, K', page_size, ...]
-            x = x[:, slots]  # [L, K', T, ...]
-            out = np.zeros((*x.shape[:2], len(ids) * self.page_size, *x.shape[3:]), x.dtype)
-            out[:, :, : x.shape[2]] = x
-            return np.moveaxis(out.reshape(*x.shape[:2], len(ids), self.page_size, *x.shape[3:]), 2, 1)
+        def padded(x: np.ndarray) -> np.ndarray:  # [L, K, T, ...] -> [L, K', n_pad * page_size, ...]
+            if identity and x.shape[2] == width:
+                return x
+            out = np.zeros((x.shape[0], len(slots), width, *x.shape[3:]), x.dtype)
+            out[:, :, : x.shape[2]] = x if identity else x[:, slots]
+            return out
 
-        batch = jax.tree.map(pages, tokens)
-        if self._leaf_shardings is not None:  # each device gets its own KV heads' slice only
-            kv, scale = self._leaf_shardings
-            batch = jax.device_put(batch, jax.tree.map(lambda x: kv if x.ndim == 5 else scale, batch))
+        batch = jax.tree.map(padded, tokens)
+        if self._token_shardings is not None:
+            kv, scale = self._token_shardings
+            batch = jax.device_put(batch, jax.tree.map(lambda x: kv if x.ndim == 4 else scale, batch))
         self.cache = self._write(self.cache, ids, batch, dtype=self.kv_dtype)
 
     def apply_ops(self, ops: Sequence[KVOp]) -> None:

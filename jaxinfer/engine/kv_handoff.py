@@ -10,10 +10,12 @@
 3. `Engine.import_kv` on a decode engine checks the payload against its model (`check_handoff`), allocates pages of
    its own (its page size may differ: the arrays are in token order), writes the K/V in with its own page dtype
    and KV-head layout (`PagedKVCache.scatter_tokens`: a TP degree of its own, each device receiving its heads'
-   slice), and resumes the request from the generated tokens (`jaxinfer.engine.resume`): the stream goes on as if
-   that engine had prefilled the prompt itself. Full pages join its prefix cache after the first step.
+   slice), and resumes the request from the generated tokens (`jaxinfer.engine.admission`): the stream goes on
+   as if that engine had prefilled the prompt itself. Full pages join its prefix cache after the first step.
 
-The host hop (device -> host numpy -> device) is the only path: on every backend, including GPU and TPU.
+The host hop (device -> host numpy -> device) is the only path, on every backend (no `jax.experimental.transfer`
+yet), in single-process engines. A draft model with a cache of its own (speculative decoding) gets no imported
+K/V: its drafts for such a request are worse, never the output (verification keeps it lossless).
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def check_handoff(handoff: KVHandoff, cfg: ModelConfig) -> None:
     if not isinstance(handoff, KVHandoff):
         raise ValueError(f"handoff must be a KVHandoff, got {type(handoff).__name__}")
     ours = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    theirs = (handoff.num_layers, handoff.num_kv_heads, handoff.head_dim) if handoff.k.ndim == 4 else None
+    theirs = (handoff.num_layers, handoff.num_kv_heads, handoff.head_dim) if np.ndim(handoff.k) == 4 else None
     if theirs != ours:
         raise ValueError(f"the KV handoff's model shape (layers, KV heads, head dim) = {theirs} (k of shape "
                          f"{handoff.k.shape}) differs from this engine's model, {ours}")
@@ -170,13 +172,11 @@ def check_handoff(handoff: KVHandoff, cfg: ModelConfig) -> None:
         raise ValueError(f"the KV handoff's kv_dtype={handoff.kv_dtype!r} is not a page dtype")
     dtype = jnp.dtype(handoff.kv_dtype)
     shape = (*ours[:2], handoff.num_tokens, ours[2])
-    for name, x, want, want_dtype in (("k", handoff.k, shape, storage_dtype(dtype)),
-                                      ("v", handoff.v, shape, storage_dtype(dtype)),
-                                      ("k_scale", handoff.k_scale, shape[:3], np.float32),
-                                      ("v_scale", handoff.v_scale, shape[:3], np.float32)):
-        if name.endswith("scale") and not is_quantized(dtype):
-            want = want_dtype = None
-        got = None if x is None else (x.shape, x.dtype)
-        if got != (None if want is None else (want, jnp.dtype(want_dtype))):
+    values = (shape, storage_dtype(dtype))
+    scales = (shape[:3], jnp.dtype(jnp.float32)) if is_quantized(dtype) else None
+    for name, want in (("k", values), ("v", values), ("k_scale", scales), ("v_scale", scales)):
+        x = getattr(handoff, name)
+        got = None if x is None else (np.shape(x), jnp.dtype(x.dtype))
+        if got != want:
             raise ValueError(f"the KV handoff's {name} is {got}; kv_dtype {dtype.name} with {handoff.num_tokens} "
-                             f"tokens needs {None if want is None else (want, jnp.dtype(want_dtype).name)}")
+                             f"tokens needs {want}")
