@@ -102,3 +102,26 @@ def dequantize(values: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float
 def fake_quantize(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The numbers a quantized cache of `dtype` holds for x [..., H], in x's dtype (dequantize(quantize(x)))."""
     return dequantize(*quantize(x, dtype), dtype=x.dtype)
+
+
+def convert(values: jax.Array, scale: jax.Array | None, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array | None]:
+    """K or V of a cache of one page dtype as those of another (a KV handoff between engines, the wire format).
+
+    Args:
+      values: [..., H], float (f32 / bf16) or quantized (int8, fp8 bits in uint8, float8_e4m3fn).
+      scale: f32[...] with quantized values, None with float values.
+      dtype: the page dtype wanted: float32 / bfloat16, or int8 / float8_e4m3fn (returned as uint8 bits, the
+        storage of fp8 pages, `storage_dtype`).
+
+    Returns:
+      (values [..., H] in `storage_dtype(dtype)`, scale f32[...] or None for a float dtype). Quantized values of
+      the wanted dtype are returned as they are (exact); otherwise quantized values are dequantized first, and
+      float values are cast or quantized (`quantize`).
+    """
+    dtype = jnp.dtype(dtype)
+    if scale is not None and values.dtype == storage_dtype(dtype):
+        return values, scale
+    x = values if scale is None else dequantize(values, scale)
+    if is_quantized(dtype):
+        return quantize(x, storage_dtype(dtype))
+    return x.astype(dtype), None

@@ -7,7 +7,8 @@ batch-1 and batch-32 decode step and a prefill), `serving`, `attention`,
 flips per quantization format: `quality_matrix`, `quality_runs`, `quality_metrics`), `sharding`, `load` (the gRPC load test),
 `soak` (the gRPC soak test that checks every answer), `frontends` (the same load over gRPC and the OpenAI HTTP API), `structured` (what structured output costs per step),
 `startup` (cold and warm starts of generate and serve),
-`longctx` (TTFT and peak memory vs context length up to 128K; its children: `longctx_worker`).
+`longctx` (TTFT and peak memory vs context length up to 128K; its children: `longctx_worker`),
+`kv_handoff` (bytes and milliseconds per token of context of a KV handoff between engines).
 Shared pieces: `report` (the report type, sections of BENCHMARKS.md, the machine line), `probe` (the bandwidth
 probe every roofline divides by, and timing helpers), `peers` (running a peer script in its own interpreter),
 `hlo` (scans of compiled steps), `model_setup` (a model's weights on the host, cast, and their byte counts),
@@ -16,4 +17,4 @@ probe every roofline divides by, and timing helpers), `peers` (running a peer sc
 
 WORKLOADS = ("step", "breakdown", "serving", "attention", "checkpoint", "prefix", "spec", "quant", "quality", "sharding",
              "load", "soak", "frontends", "structured", "startup",
-             "longctx")
+             "longctx", "kv_handoff")

@@ -4,7 +4,7 @@
    its admission: a bad request raises `ValueError` in the caller, and nothing else notices. Any other exception
    of the admission (a tokenizer that raises `TypeError`, say) is the caller's too: it is logged, raised in that
    caller, nothing is queued, and the loop goes on.
-2. The engine thread owns the device. Between steps it drains the command queue (add, abort), then runs
+2. The engine thread owns the device. Between steps it drains the command queue (add, abort, export), then runs
    `Engine.step()` and pushes each request's `RequestOutput` (cumulative text plus `delta_text`) onto that
    request's asyncio queue with `call_soon_threadsafe`; callers never block it.
 3. When a caller stops iterating (it broke out, was cancelled, or its deadline passed), the request is aborted and
@@ -14,6 +14,9 @@
    engine's state can no longer be trusted: every caller still waiting, streaming or queued gets an
    `EngineStoppedError` (a `RuntimeError`) naming the cause at once, the engine's requests are aborted (best
    effort), `is_alive()` turns False, `error` holds the cause, and every later `generate` raises at once.
+5. Disaggregated prefill / decode and resuming (`jaxinfer.engine.kv_handoff`, `jaxinfer.engine.admission`):
+   `prefill` streams a prefill-only request and exports its KV pages on the engine thread; `generate_from_handoff`
+   streams the request on another engine; `generate(..., output_token_ids=...)` resumes with output so far.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.kv_handoff import KVHandoff
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.prompt import Prompt
 from jaxinfer.sampling_params import SamplingParams
@@ -44,12 +49,16 @@ class EngineStoppedError(RuntimeError):
 
 @dataclasses.dataclass
 class _Add:
-    prompt: Prompt | str | dict | Sequence[int]
-    params: SamplingParams | None
-    request_id: str | None
+    submit: Callable[[Engine], str]  # queues the request on the engine (`add_request`, `import_kv`), its id
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     admitted: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Call:
+    call: Callable[[Engine], Any]  # runs on the engine thread between steps (`export_kv`)
+    done: concurrent.futures.Future
 
 
 @dataclasses.dataclass
@@ -76,16 +85,21 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self._thread.start()
 
-    async def generate(
+    def generate(
         self,
         prompt: Prompt | str | dict | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        output_token_ids: Sequence[int] = (),
+        prefill_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request's outputs, each with the new `delta_text` / `delta_token_ids`; the last is finished.
 
         `prompt`: a `Prompt` (e.g. from `Engine.make_prompt`, called off the event loop) is admitted as it is; any
-        other form is tokenized once, on the engine thread, by `Engine.add_request`.
+        other form is tokenized once, on the engine thread, by `Engine.add_request`. `output_token_ids` (resume
+        with output so far) and `prefill_only` (the last output has finish_reason "handoff"; then `export_kv`, or
+        use `prefill`) are `Engine.add_request`'s.
 
         Raises:
           ValueError: the request was rejected (same checks as `Engine.add_request`).
@@ -93,13 +107,61 @@ class AsyncEngine:
             this request ran; the message names the cause.
           Exception: any other exception `Engine.add_request` raised for this request, as it is (logged too).
         """
+        return self._stream(lambda engine: engine.add_request(prompt, params, request_id,
+                                                              output_token_ids=output_token_ids,
+                                                              prefill_only=prefill_only))
+
+    def generate_from_handoff(self, handoff: KVHandoff, params: SamplingParams,
+                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams a request another engine prefilled (`Engine.import_kv`): only tokens after the handoff's output
+        so far; raises as `generate` (a bad payload: ValueError)."""
+        return self._stream(lambda engine: engine.import_kv(handoff, params, request_id))
+
+    async def export_kv(self, request_id: str, wire_dtype: str | None = None) -> KVHandoff:
+        """`Engine.export_kv` on the engine thread (between steps).
+
+        Raises:
+          ValueError: as `Engine.export_kv`.
+          EngineStoppedError: the engine loop no longer runs.
+        """
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or self._stop.is_set():
+                raise self._closed_error()
+            self._commands.put(_Call(lambda engine: engine.export_kv(request_id, wire_dtype), done))
+        return await asyncio.wrap_future(done)
+
+    async def prefill(self, prompt: Prompt | str | dict | Sequence[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, wire_dtype: str | None = None
+                      ) -> tuple[RequestOutput, KVHandoff | None]:
+        """The prefill side of a disaggregated request: `generate(prefill_only=True)`, then `export_kv`.
+
+        Returns:
+          (the last output: its first token, finish_reason "handoff"; the payload), or (a finished output, None)
+          when the first token ended the request (EOS, max_tokens=1, an error): nothing to hand over.
+
+        Raises:
+          as `generate` and `export_kv`.
+        """
+        last = None
+        async for last in self.generate(prompt, params, request_id, prefill_only=True):
+            pass
+        if last.outputs[0].finish_reason != "handoff":
+            return last, None
+        try:
+            return last, await self.export_kv(last.request_id, wire_dtype)
+        except BaseException:
+            self.abort(last.request_id)  # frees the held pages if the export never ran
+            raise
+
+    async def _stream(self, submit: Callable[[Engine], str]) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed or self._stop.is_set():
                 raise self._closed_error()
-            self._commands.put(_Add(prompt, params, request_id, loop, outputs, admitted))
+            self._commands.put(_Add(submit, loop, outputs, admitted))
         try:
             request_id = await asyncio.wrap_future(admitted)  # raises the engine's ValueError here
         except asyncio.CancelledError:
@@ -171,8 +233,10 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add) and command.admitted.set_running_or_notify_cancel():
-                command.admitted.set_exception(self._closed_error())
+            future = command.admitted if isinstance(command, _Add) else (
+                command.done if isinstance(command, _Call) else None)
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(self._closed_error())
         for request_id in list(self._streams):
             self._deliver(request_id, self._closed_error())
             try:
@@ -191,6 +255,8 @@ class AsyncEngine:
                 self._admit(command)
             elif isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
+            elif command.done.set_running_or_notify_cancel():
+                self._run_call(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -202,7 +268,7 @@ class AsyncEngine:
         if not command.admitted.set_running_or_notify_cancel():
             return
         try:
-            request_id = self.engine.add_request(command.prompt, command.params, command.request_id)
+            request_id = command.submit(self.engine)
         except Exception as e:  # noqa: BLE001 - `add_request` queues all or nothing: only this caller is concerned
             if not isinstance(e, ValueError):
                 logger.exception("admission failed with an unexpected exception")
@@ -213,6 +279,13 @@ class AsyncEngine:
             raise
         self._streams[request_id] = (command.loop, command.outputs)
         command.admitted.set_result(request_id)
+
+    def _run_call(self, command: _Call) -> None:
+        """Runs a `_Call`; its exception is its caller's (a ValueError), the loop goes on."""
+        try:
+            command.done.set_result(command.call(self.engine))
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            command.done.set_exception(e)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -17,7 +17,9 @@
    frees the pages of finished sequences and those of rejected drafts; `step` returns a `RequestOutput`
    (cumulative text plus the new delta) for every request that moved.
 
-Start-up is `jaxinfer.engine.startup`, the counters `jaxinfer.engine.metrics`, the page moves `kv_cache`.
+Start-up is `jaxinfer.engine.startup`, the counters `jaxinfer.engine.metrics`, the page moves `kv_cache`, the
+device calls of a step `step_groups`, admission and resuming with output so far `admission`, and the KV handoff of
+disaggregated prefill / decode (`prefill_only`, `export_kv`, `import_kv`) `kv_handoff`.
 """
 
 from __future__ import annotations
@@ -33,28 +35,28 @@ import jax
 import numpy as np
 
 from jaxinfer.engine import multihost, startup
+from jaxinfer.engine.admission import check_output_so_far, new_sequences, request_id_or_new
 from jaxinfer.engine.auto_dtype import resolve_dtype
 from jaxinfer.engine.config import DTYPES, EngineConfig
 from jaxinfer.engine.grammar import Grammars
+from jaxinfer.engine.kv_handoff import KVHandoff, check_handoff, export_handoff, resolve_wire_dtype, write_handoff
 from jaxinfer.engine.metrics import EngineMetrics, engine_stats
 from jaxinfer.engine.output_logprobs import OutputLogprobs
 from jaxinfer.engine.prompt_logprobs import PromptLogprobs, wants
 from jaxinfer.engine.request_outputs import request_output
-from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
 from jaxinfer.engine.spec_decode.proposer import StepProposer
-from jaxinfer.engine.step_results import StepResult, VerifyResult
+from jaxinfer.engine.step_groups import StepGroups
 from jaxinfer.engine.token_rules import TokenRules
 from jaxinfer.engine.warmup import start_warmup
 from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.prompt import Prompt, make_prompt
-from jaxinfer.request_limits import check_against_model, check_text, show
+from jaxinfer.request_limits import check_against_model, show
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.scheduler import Scheduler, SchedulerConfig
-from jaxinfer.scheduler.chunk import ScheduledChunk
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.sequence import Sequence as Seq
-from jaxinfer.tokenizer import IncrementalDetokenizer
+from jaxinfer.scheduler.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +99,15 @@ class Engine:
         spec = self.spec_config = config.speculative_config
         self.spec_policy = None if spec is None else SpeculationPolicy(spec, jax.default_backend())
         self._proposer = None if spec is None else StepProposer(spec, self.runner)
-        self._verify_len = 0  # this step's verify window bound (drafts per sequence + 1), 0 without drafts
         self._requests: dict[str, _Request] = {}
+        self._handoffs: dict[str, tuple[str | None, Seq]] = {}  # prefill-only requests' (prompt text, sequence)
         self._seq_ids = itertools.count()
         self._logprobs = OutputLogprobs(self.tokenizer)
         self._prompt_logprobs = PromptLogprobs(self._logprobs.decode)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.token_rules = TokenRules(self.tokenizer, self.model_config.vocab_size, self.runner.vocab_limit)
+        self._groups = StepGroups(self.runner, self.scheduler, self.metrics, self.grammars, self.token_rules,
+                                  self._logprobs.decode, self._prompt_logprobs, self.spec_policy, self.prefix_cache)
         self._auto_request_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         # the start-up compile (None with warmup off); it may still be loading shapes in the background
@@ -148,6 +152,9 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        *,
+        output_token_ids: Sequence[int] = (),
+        prefill_only: bool = False,
     ) -> str:
         """Queues a request; it joins the running batch at the next step.
 
@@ -159,6 +166,11 @@ class Engine:
           request_id: unique id; one is assigned when None.
           cache_salt: requests with different salts never share prefix-cache pages (e.g. one salt per tenant);
             when given, it wins over the prompt's own.
+          output_token_ids: tokens an earlier attempt of this request generated and streamed (its engine died):
+            they count as output, not prompt, and the stream goes on after them (`jaxinfer.engine.admission`).
+          prefill_only: prefill and sample the first token, then finish with finish_reason "handoff", keeping the
+            KV pages for `export_kv` (`jaxinfer.engine.kv_handoff`); a first token that ends the request (EOS,
+            max_tokens=1) finishes it as usual. Needs n = 1.
 
         Returns:
           The request id.
@@ -167,56 +179,120 @@ class Engine:
           ValueError: naming the field: duplicate request id, empty prompt, a prompt that leaves no room in the
             context, prompt + max_tokens (or min_tokens) beyond the context, a stop, logit_bias or allowed token id
             outside the vocabulary, min_tokens or bad_words banning every token, a request that never fits the KV
-            cache, or bad params (`jaxinfer.request_limits.check_against_model`). Nothing is queued then, nor when
-            anything else raises (a tokenizer's own exception, say: it propagates as it is).
+            cache, or bad params (`jaxinfer.request_limits.check_against_model`); output_token_ids that are not
+            ids, reach max_tokens or already end the request (`jaxinfer.engine.admission`); n > 1 with
+            output_token_ids or prefill_only. Nothing is queued then, nor when anything else raises (a
+            tokenizer's own exception, say: it propagates as it is).
         """
+        params = self._check_params(params)
+        request_id = request_id_or_new(request_id, self._in_use, self._auto_request_ids)
+        return self._admit(self.make_prompt(prompt, cache_salt), params, request_id, output_token_ids, prefill_only)
+
+    def export_kv(self, request_id: str, wire_dtype: str | None = None) -> KVHandoff:
+        """Reads the KV pages of a request that finished with "handoff" (`add_request(prefill_only=True)`) to the
+        host as a `kv_handoff.KVHandoff` and frees them (full pages stay in the prefix cache).
+
+        Args:
+          request_id: the request.
+          wire_dtype: page dtype of the payload, a `kv_handoff.WIRE_DTYPES` name ("float32", "bfloat16", "int8",
+            "fp8": int8 / fp8 quantized per token, `pallas_kernels.kv_quant`), or None for the cache's own.
+
+        Raises:
+          ValueError: no request of that id holds pages for a handoff, an unknown wire_dtype, or a multi-process
+            engine (the handoff runs in one process).
+        """
+        dtype = resolve_wire_dtype(wire_dtype, self.runner.kv.kv_dtype)
+        if request_id not in self._handoffs or multihost.is_multi_process():
+            raise ValueError("KV handoff runs in one process" if request_id in self._handoffs else
+                             f"request_id={show(request_id)} holds no KV pages for a handoff (not a prefill_only "
+                             "request that finished with 'handoff', or exported or aborted already)")
+        text, seq = self._handoffs.pop(request_id)
+        try:
+            return export_handoff(self.runner.kv, self.model_config, self.mesh, seq, text, dtype)
+        finally:
+            self.scheduler.pages.release(seq)
+
+    def import_kv(self, handoff: KVHandoff, params: SamplingParams, request_id: str | None = None) -> str:
+        """Queues a request another engine prefilled (`export_kv`'s payload): its K/V goes into pages of this engine
+        (converted to this engine's KV dtype, page size and TP layout), and it goes on from its output so far as if
+        prefilled here (`jaxinfer.engine.kv_handoff`). With too few free pages, it is recomputed.
+
+        Args:
+          handoff: the payload.
+          params: the request's sampling parameters (as given to the prefill engine).
+          request_id: as `add_request`.
+
+        Returns:
+          The request id.
+
+        Raises:
+          ValueError: a payload for another model shape (layers, KV heads, head dim) or inconsistent in itself
+            (`kv_handoff.check_handoff`), a multi-process engine, or as `add_request` with output_token_ids.
+        """
+        params = self._check_params(params)
+        request_id = request_id_or_new(request_id, self._in_use, self._auto_request_ids)
+        check_handoff(handoff, self.model_config)
+        if multihost.is_multi_process():
+            raise ValueError("KV handoff runs in one process")
+        return self._admit(self.make_prompt(handoff.prompt), params, request_id, handoff.output_token_ids,
+                           seed=handoff.seed, handoff=handoff)
+
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self._requests or request_id in self._handoffs
+
+    @staticmethod
+    def _check_params(params: SamplingParams | None) -> SamplingParams:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if request_id is None:
-            request_id = f"req-{next(self._auto_request_ids)}"
-            while request_id in self._requests:
-                request_id = f"req-{next(self._auto_request_ids)}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={show(request_id)} must be a non-empty string")
-        else:
-            check_text("request_id", request_id)
-        if request_id in self._requests:
-            raise ValueError(f"request_id={show(request_id)} is already in use")
-        prompt = self.make_prompt(prompt, cache_salt)
-        text, ids, cache_salt = prompt.text, list(prompt.token_ids), prompt.cache_salt
+        return params
+
+    def _admit(self, prompt: Prompt, params: SamplingParams, request_id: str, output_token_ids: Sequence[int],
+               prefill_only: bool = False, seed: int | None = None, handoff: KVHandoff | None = None) -> str:
+        ids = prompt.token_ids
         check_against_model(params, len(ids), self.model_config.vocab_size, self.tokenizer.eos_ids,
                             self.max_model_len, sampled_vocab_size=self.runner.vocab_limit)
+        output = check_output_so_far(output_token_ids, params, self.runner.vocab_limit)
         rules = self.token_rules.compile(params)  # bad words that ban everything: ValueError, nothing queued
         now = time.perf_counter()
-        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**32))
-        seqs = []
-        for index in range(params.n):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
-                                           skip_special_tokens=params.skip_special_tokens)
-            seqs.append(Seq(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=list(ids),
-                            params=params, seed=base_seed, detokenizer=detok, arrival_time=now,
-                            sample_index=index, cache_salt=cache_salt))
+        seed = seed if seed is not None else params.seed if params.seed is not None else int(
+            self._seed_rng.integers(0, 2**32))
+        seqs = new_sequences(self.tokenizer, prompt, params, request_id, self._seq_ids, seed, now, output,
+                             prefill_only, self.scheduler.eos_ids, self.max_model_len)
         self.grammars.add([s.seq_id for s in seqs], params)  # a grammar it cannot build: ValueError, nothing queued
+        if output and (refused := self.grammars.consume(seqs[0].seq_id, output)) is not None:
+            self.grammars.forget(seqs[0].seq_id)
+            raise ValueError(f"output_token_ids: {refused}")
         added = []
         try:
+            if handoff is not None and not write_handoff(self.runner.kv, self.model_config, self.mesh,
+                                                         self.page_allocator, self.prefix_cache, seqs[0], handoff):
+                logger.warning("KV handoff of request %s: too few free pages, its %d tokens are recomputed",
+                               request_id, handoff.num_tokens)
             for seq in seqs:
                 self.scheduler.add(seq)
                 added.append(seq)
         except BaseException:  # whatever the exception, the request is queued whole or not at all
             if added:
                 self.scheduler.abort(request_id)
+            elif seqs[0].page_ids:
+                self.scheduler.pages.release(seqs[0])
             raise
         self.token_rules.add([s.seq_id for s in seqs], rules)
+        if output and params.logprobs is not None:  # the earlier tokens' entries are the earlier attempt's
+            self._logprobs.extend(seqs[0].seq_id, [{}] * len(output))
         if params.prompt_logprobs is not None:
             self._prompt_logprobs.start(request_id, len(ids))
-        self._requests[request_id] = _Request(request_id, text, ids, params, seqs, now)
+        self._requests[request_id] = _Request(request_id, prompt.text, list(ids), params, seqs, now)
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Stops a request now and frees its pages; its next output (from `step`) has finish_reason "abort"."""
+        """Stops a request now and frees its pages (also those held for a handoff); its next output (from `step`)
+        has finish_reason "abort"."""
         if request_id in self._requests:
             self.scheduler.abort(request_id)
+        if (held := self._handoffs.pop(request_id, None)) is not None:
+            self.scheduler.pages.release(held[1])
 
     def stats(self) -> dict[str, float | int]:
         """A snapshot of the engine's gauges and counters (for logs and the metrics exporter).
@@ -259,10 +335,11 @@ class Engine:
         prefills, prompt_lp = [c for c in rest if not wants(c)], [c for c in rest if wants(c)]  # all rows' logits
         device_time = 0.0
         draft_probs_row = None
-        self._verify_len = 1 + max(spec_slots.values(), default=0) if spec_slots else 0
+        self._groups.spec_policy = self.spec_policy  # the engine's attribute may be swapped between steps
+        self._groups.verify_len = 1 + max(spec_slots.values(), default=0) if spec_slots else 0
         if plan.num_spec_slots:
             t0 = time.perf_counter()
-            decodes, draft_probs_row = self._proposer.propose(decodes, self._sampling_rows)
+            decodes, draft_probs_row = self._proposer.propose(decodes, self._groups.sampling_rows)
             device_time += time.perf_counter() - t0
             if any(c.num_draft_tokens for c in decodes):
                 self.spec_policy.stats.num_verify_steps += 1
@@ -271,7 +348,7 @@ class Engine:
         for group, probs_row in ((decodes, draft_probs_row), (prefills, None), (prompt_lp, None)):
             if group:
                 t0 = time.perf_counter()
-                self._run_group(group, sampled, logprobs, probs_row)
+                self._groups.run(group, sampled, logprobs, probs_row)
                 device_time += time.perf_counter() - t0
         self.scheduler.update(plan, sampled)  # skips sequences that failed or were aborted meanwhile
         if self.prefix_cache is not None:  # registering pages can free host-tier copies
@@ -284,86 +361,6 @@ class Engine:
         self.metrics.record_step(sum(len(c.token_ids) for c in plan.chunks) - decode_tokens, decode_tokens,
                                  time.perf_counter() - t_start, device_time)
         return self._collect_outputs()
-
-    def _run_group(self, chunks: list[ScheduledChunk], sampled: dict[int, int | list[int]],
-                   logprobs: dict[int, list[dict[int, Logprob]]], draft_probs_row: int | None = None) -> None:
-        """Runs chunks in one device call; on an exception retries them one by one and fails only the culprit.
-
-        draft_probs_row: where these chunks' draft probabilities start among the runner's last proposal's rows
-        (`ModelRunner.execute_verify`), or None.
-        """
-        try:
-            result = self._execute(chunks, draft_probs_row)
-        except Exception as e:  # noqa: BLE001 - isolate any failure of the step to the sequences that cause it
-            if len(chunks) == 1:  # a ValueError is the request's own values (no traceback for a client's error)
-                (logger.warning if isinstance(e, ValueError) else logger.exception)(
-                    "step failed for request %s: %s", chunks[0].seq.request_id, e)
-                self.scheduler.fail(chunks[0].seq, *((str(e), "request") if isinstance(e, ValueError) else (
-                    f"engine step failed: {type(e).__name__}: {e}", "engine")))
-                self.metrics.num_errors += 1
-                return
-            for i, chunk in enumerate(chunks):
-                self._run_group([chunk], sampled, logprobs,
-                                None if draft_probs_row is None else draft_probs_row + i)
-            return
-        self.metrics.num_padded_tokens += result.num_padded_tokens
-        if isinstance(result, StepResult) and result.prompt_rows is not None:
-            self._prompt_logprobs.record(chunks, result.prompt_rows)
-        for i, chunk in enumerate(chunks):
-            seq = chunk.seq
-            if not result.finite[i]:
-                self._discard_pages(chunk)
-                self.scheduler.fail(seq, "the model produced non-finite logits (NaN or inf)")
-                self.metrics.num_errors += 1
-                continue
-            if not chunk.samples:
-                continue
-            if isinstance(result, VerifyResult):
-                sampled[seq.seq_id] = result.emitted(i)
-                if seq.params.logprobs is not None:
-                    logprobs[seq.seq_id] = result.row_logprobs(i, seq.params.logprobs, self._logprobs.decode)
-            else:
-                sampled[seq.seq_id] = int(result.token_ids[i])
-                if seq.params.logprobs is not None:
-                    logprobs[seq.seq_id] = [result.row_logprobs(i, seq.params.logprobs, self._logprobs.decode)]
-            # after a verify step too: a constrained row (never drafted) rides in it when other rows speculate
-            if (refused := self.grammars.consume(seq.seq_id, sampled[seq.seq_id])) is not None:
-                del sampled[seq.seq_id]
-                self.scheduler.fail(seq, refused)
-                continue
-            if self.spec_policy is not None and seq.is_decoding:
-                emitted = sampled[seq.seq_id]
-                self.spec_policy.record(seq.seq_id, chunk.num_draft_tokens,
-                                        len(emitted) - 1 if isinstance(emitted, list) else 0,
-                                        len(emitted) if isinstance(emitted, list) else 1)
-
-    def _discard_pages(self, chunk: ScheduledChunk) -> None:
-        """A sequence's own pages may hold NaN K/V: no later request may find them in the prefix cache, and those
-        nobody else holds are zeroed before reuse (a masked 0 * NaN is still NaN). Pages it read from the cache
-        or from its sample 0 were computed by others from the same tokens and stay as they are."""
-        own = chunk.page_ids[chunk.seq.num_shared_pages:]
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget_pages(own)
-        self.runner.kv.clear_pages([p for p in own if self.page_allocator.refcount(p) == 1])
-
-    def _sampling_rows(self, chunks: list[ScheduledChunk]) -> list[SamplingRow]:
-        masks = self.grammars.allowed_many([c.seq.seq_id for c in chunks if c.samples])  # in parallel
-        return [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,
-                            step=len(c.seq.output_token_ids), prompt_token_ids=c.seq.prompt_token_ids,
-                            output_token_ids=c.seq.output_token_ids,
-                            suppress=(banned := self.scheduler.suppressed_token_ids(c.seq)),
-                            allowed=self.token_rules.allowed(c.seq.seq_id, c.seq.output_token_ids,
-                                                             masks.get(c.seq.seq_id), banned)
-                            if c.samples else None) for c in chunks]
-
-    def _execute(self, chunks: list[ScheduledChunk], draft_probs_row: int | None = None) -> StepResult | VerifyResult:
-        rows = self._sampling_rows(chunks)
-        self.metrics.num_device_calls += 1
-        if any(c.num_draft_tokens for c in chunks):
-            return self.runner.execute_verify(chunks, rows, [c.token_ids[1:] for c in chunks],
-                                              self.spec_config.num_speculative_tokens, draft_probs_row,
-                                              verify_len=self._verify_len)
-        return self.runner.execute(chunks, rows, prompt_logprobs=any(wants(c) for c in chunks))
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []
@@ -380,6 +377,8 @@ class Engine:
                 self.metrics.num_finished += 1
                 self._prompt_logprobs.forget(request_id)
                 for seq in req.seqs:
+                    if seq.status is SequenceStatus.FINISHED_HANDOFF:  # its pages wait for `export_kv`
+                        self._handoffs[request_id] = (req.prompt, seq)
                     self._logprobs.forget(seq.seq_id)
                     self.grammars.forget(seq.seq_id)
                     self.token_rules.forget(seq.seq_id)

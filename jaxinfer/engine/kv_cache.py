@@ -1,4 +1,5 @@
-"""`PagedKVCache`: the device KV cache of a model runner, its host tier, and every move of a page between them.
+"""`PagedKVCache`: the device KV cache of a model runner, its host tier, and every move of a page between them
+(and out of or into another engine: `gather_tokens`, `scatter_tokens`).
 
 Every cache leaf (K, V and, for int8 / fp8 caches, their scales) leads with [L, P] (layers, pages), so each page
 operation is the same indexing on every leaf and a page's scales always travel with it. On a mesh the cache is
@@ -21,6 +22,7 @@ from jaxinfer.engine.step_inputs import padded_page_ids
 from jaxinfer.scheduler.prefix_cache import KVOp, KVOpKind
 from models.config import ModelConfig
 from models.llama import KVCache
+from pallas_kernels.kv_quant import convert
 
 
 def _clear_pages(kv_cache: KVCache, page_ids: jax.Array) -> KVCache:
@@ -39,6 +41,34 @@ def _scatter_pages(kv_cache: KVCache, page_ids: jax.Array, pages: KVCache) -> KV
     return jax.tree.map(lambda a, x: a.at[:, page_ids].set(x), kv_cache, pages)
 
 
+def _gather_tokens(kv_cache: KVCache, page_ids: jax.Array, slots: jax.Array | None, dtype: jnp.dtype) -> KVCache:
+    """The pages' K/V in token order, leaves [L, K, n * page_size, ...], as `dtype` pages; KV slots `slots` only
+    (None: all)."""
+
+    def tokens(a: jax.Array | None) -> jax.Array | None:
+        if a is None:
+            return None
+        x = a[:, page_ids] if slots is None else jnp.take(a[:, page_ids], slots, axis=2)  # [L, n, K, page_size, ...]
+        x = jnp.moveaxis(x, 1, 2)  # [L, K, n, page_size, ...]
+        return x.reshape(*x.shape[:2], -1, *x.shape[4:])
+
+    k, k_scale = convert(tokens(kv_cache.k), tokens(kv_cache.k_scale), dtype)
+    v, v_scale = convert(tokens(kv_cache.v), tokens(kv_cache.v_scale), dtype)
+    return KVCache(k, v, k_scale, v_scale)
+
+
+def _write_tokens(kv_cache: KVCache, page_ids: jax.Array, tokens: KVCache, dtype: jnp.dtype) -> KVCache:
+    """`_scatter_pages` of K/V in token order ([L, K, n * page_size, ...], any page dtype), converted to the cache's
+    page dtype `dtype` first."""
+
+    def pages(x: jax.Array | None) -> jax.Array | None:  # [L, K, n * page_size, ...] -> [L, n, K, page_size, ...]
+        return None if x is None else jnp.moveaxis(x.reshape(*x.shape[:2], page_ids.shape[0], -1, *x.shape[3:]), 2, 1)
+
+    k, k_scale = convert(tokens.k, tokens.k_scale, dtype)
+    v, v_scale = convert(tokens.v, tokens.v_scale, dtype)
+    return _scatter_pages(kv_cache, page_ids, KVCache(pages(k), pages(v), pages(k_scale), pages(v_scale)))
+
+
 class PagedKVCache:
     """Owns the paged KV cache on device (and a draft model's own cache) and the prefix cache's host tier.
 
@@ -54,6 +84,7 @@ class PagedKVCache:
         which only lowers acceptance).
 
     Attributes:
+      kv_dtype: the cache's page dtype (`kv_dtype` above).
       cache: the target's `KVCache`, leaves [L, num_pages, ...]; device calls donate it and store the new one.
       draft_cache: the draft model's own `KVCache`, or None.
       sharding: per-leaf `NamedSharding` of `cache` on the mesh, or None without a mesh.
@@ -73,13 +104,17 @@ class PagedKVCache:
         self.num_pages = num_pages
         self.page_size = page_size
         self.mesh = mesh
-        self.sharding = self.replicated = None
+        self.kv_dtype = jnp.dtype(kv_dtype)
+        self.sharding = self.replicated = self._token_shardings = None
         if mesh is not None:
             from sharding.rules import logical_to_spec
 
             self.sharding = KVCache.per_leaf(
                 jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES)),
                 jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES)), kv_dtype)
+            # K/V in token order, [L, K, T, ...] (`scatter_tokens`): split over KV heads like the pages
+            self._token_shardings = tuple(jax.sharding.NamedSharding(mesh, logical_to_spec(
+                [a for a in axes if a != "pages"])) for axes in (KVCache.LOGICAL_AXES, KVCache.SCALE_LOGICAL_AXES))
             self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.cache = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
                              out_shardings=self.sharding)()
@@ -90,6 +125,9 @@ class PagedKVCache:
         self._copy = jax.jit(_copy_pages, donate_argnums=0, out_shardings=self.sharding)
         self._scatter = jax.jit(_scatter_pages, donate_argnums=0, out_shardings=self.sharding)
         self._gather = jax.jit(_gather_pages, out_shardings=self.replicated)
+        self._gather_tokens = jax.jit(_gather_tokens, static_argnames="dtype", out_shardings=self.replicated)
+        self._write = jax.jit(_write_tokens, static_argnames="dtype", donate_argnums=0,
+                              out_shardings=self.sharding)
         self.host_pages: dict[int, KVCache | tuple[KVCache, int]] = {}
         self._unsettled: list[int] = []  # host pages whose data are still device arrays in flight to the host
 
@@ -170,6 +208,54 @@ class PagedKVCache:
             multihost.send(multihost.Op.DROP_PAGES, list(host_page_ids))
         for host_page_id in host_page_ids:
             self.host_pages.pop(host_page_id, None)
+
+    def gather_tokens(self, page_ids: Sequence[int], num_tokens: int, slots: np.ndarray,
+                      dtype: jnp.dtype) -> KVCache:
+        """Copies the K/V of positions [0, num_tokens) held in `page_ids` to the host, in token order (one engine's
+        pages to another's, `jaxinfer.engine.kv_handoff`).
+
+        Args:
+          page_ids: the pages holding positions [0, num_tokens), in order; ids in [1, num_pages).
+          num_tokens: positions wanted, <= len(page_ids) * page_size.
+          slots: i32[K], the KV slot (head axis of the cache) each returned KV head is read from: on a mesh whose
+            KV heads were replicated for TP (`models.partition.tp_layout`), one slot per original head.
+          dtype: page dtype of the result (`pallas_kernels.kv_quant.convert`): float32 / bfloat16, or int8 /
+            float8_e4m3fn with per-token scales.
+
+        Returns:
+          A `KVCache` of numpy leaves: k, v [L, K, num_tokens, H] (fp8 as uint8 bits), k_scale, v_scale
+          f32[L, K, num_tokens] for a quantized dtype, else None.
+        """
+        (ids,) = padded_page_ids(page_ids)
+        slots = None if np.array_equal(slots, np.arange(self.cache.k.shape[2])) else np.asarray(slots, np.int32)
+        out = jax.device_get(self._gather_tokens(self.cache, ids, slots, dtype=jnp.dtype(dtype)))
+        return jax.tree.map(lambda x: x[:, :, :num_tokens], out)
+
+    def scatter_tokens(self, page_ids: Sequence[int], slots: np.ndarray, tokens: KVCache) -> None:
+        """Writes host K/V in token order (`gather_tokens`' result, maybe another engine's) into device pages,
+        converted to this cache's dtype; on a mesh each device receives only its KV heads.
+
+        Args:
+          page_ids: pages for positions [0, T), in order, len = ceil(T / page_size); ids in [1, num_pages).
+          slots: i32[K'], the given KV head each KV slot of this cache copies (`TPLayout.kv_source`).
+          tokens: numpy leaves k, v [L, K, T, H], scales f32[L, K, T] or None (any page dtype).
+        """
+        (ids,) = padded_page_ids(page_ids)
+        width = len(ids) * self.page_size
+        identity = np.array_equal(slots, np.arange(tokens.k.shape[1]))
+
+        def padded(x: np.ndarray) -> np.ndarray:  # [L, K, T, ...] -> [L, K', n_pad * page_size, ...]
+            if identity and x.shape[2] == width:
+                return x
+            out = np.zeros((x.shape[0], len(slots), width, *x.shape[3:]), x.dtype)
+            out[:, :, : x.shape[2]] = x if identity else x[:, slots]
+            return out
+
+        batch = jax.tree.map(padded, tokens)
+        if self._token_shardings is not None:
+            kv, scale = self._token_shardings
+            batch = jax.device_put(batch, jax.tree.map(lambda x: kv if x.ndim == 4 else scale, batch))
+        self.cache = self._write(self.cache, ids, batch, dtype=self.kv_dtype)
 
     def apply_ops(self, ops: Sequence[KVOp]) -> None:
         """Runs the prefix cache's page moves in order (`jaxinfer.scheduler.prefix_cache.KVOp`), a run of one kind

@@ -47,7 +47,7 @@ class OutputLogprobs:
         sums = self._sums.setdefault(seq_id, [])
         total = sums[-1] if sums else 0.0
         for entry in entries:
-            total += next(iter(entry.values())).logprob
+            total += next(iter(entry.values())).logprob if entry else 0.0  # {}: a resumed request's earlier token
             sums.append(total)
         stored.extend(entries)
 

@@ -114,13 +114,16 @@ class Scheduler:
         """Queues a new sequence at the back of the waiting queue.
 
         Raises:
-          ValueError: if the sequence is not fresh (status WAITING, no pages, nothing computed), its prompt is
-            empty or does not leave room for one output token in `max_model_len`, it could never fit the page
-            pool even alone (pages for min(prompt + max_tokens, max_model_len) tokens), or its seq_id is live.
+          ValueError: if the sequence is not fresh (status WAITING, nothing computed and no pages, or imported K/V:
+            the pages of its first 0 < c < num_tokens positions), its prompt is empty or leaves no room for an
+            output token in `max_model_len`, it could never fit the page pool even alone (pages for min(prompt +
+            max_tokens, max_model_len) tokens), or its seq_id is live.
         """
         cfg = self.config
         n = len(seq.prompt_token_ids)
-        if seq.status is not SequenceStatus.WAITING or seq.page_ids or seq.num_computed_tokens:
+        imported = 0 < seq.num_computed_tokens < seq.num_tokens and len(seq.page_ids) == cfg.pages_for(
+            seq.num_computed_tokens)  # pages holding its first num_computed_tokens K/V (`Engine.import_kv`)
+        if seq.status is not SequenceStatus.WAITING or (seq.page_ids or seq.num_computed_tokens) and not imported:
             raise ValueError(f"sequence {seq.seq_id} is not fresh: status {seq.status.name}, "
                              f"{len(seq.page_ids)} pages, {seq.num_computed_tokens} computed tokens")
         if n == 0:
@@ -262,7 +265,7 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                 break
             self._waiting.popleft()
-            if self.prefix_cache is not None and sibling is None:
+            if self.prefix_cache is not None and sibling is None and (seq.cached_entries or not seq.page_ids):
                 self.prefix_cache.stats.queried_tokens += seq.num_tokens
                 self.prefix_cache.stats.hit_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
@@ -327,6 +330,7 @@ class Scheduler:
                     if reason is not None:
                         break
                 seq.last_token_time = now
+                reason = reason or ("handoff" if seq.prefill_only else None)
                 # a stop inside a block drops the drafts after it, whose K/V then holds no token of the sequence
                 seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             if self.prefix_cache is not None:  # after the tokens: pages completed by accepted drafts have them
@@ -384,7 +388,7 @@ class Scheduler:
             self._running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq.seq_id in self._live:
             self._waiting.remove(seq)
-        if seq.page_ids:
+        if seq.page_ids and reason != "handoff":  # a handoff's pages wait for the engine's export
             self.pages.release(seq)
         seq.status = FINISH_STATUS[reason]
         seq.finish_reason = reason

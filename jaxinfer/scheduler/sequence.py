@@ -18,6 +18,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()  # max_tokens or the context limit
     FINISHED_ABORTED = enum.auto()  # the client gave up on the request
     FINISHED_ERROR = enum.auto()  # the engine failed this sequence alone
+    FINISHED_HANDOFF = enum.auto()  # prefill only: it holds its KV pages for another engine (`Engine.export_kv`)
 
     @property
     def is_finished(self) -> bool:
@@ -30,6 +31,7 @@ FINISH_STATUS = {
     "length": SequenceStatus.FINISHED_LENGTH,
     "abort": SequenceStatus.FINISHED_ABORTED,
     "error": SequenceStatus.FINISHED_ERROR,
+    "handoff": SequenceStatus.FINISHED_HANDOFF,
 }
 
 
@@ -65,7 +67,7 @@ class Sequence:
       text: detokenized output, truncated at a matched stop string.
       emitted_text_len: characters of `text` already returned by `stream_delta`.
       emitted_token_count: ids of `output_token_ids` already returned by `stream_delta`.
-      finish_reason: "stop" | "length" | "abort" | "error", or None while live.
+      finish_reason: "stop" | "length" | "abort" | "error" | "handoff", or None while live.
       stop_reason: the stop string or `stop_token_ids` id that ended it with "stop" (vLLM's); None otherwise.
       error: the message of a FINISHED_ERROR.
       error_kind: with `error`: "request" (its own values made it fail, as a ValueError would) or "engine".
@@ -77,6 +79,8 @@ class Sequence:
       num_cached_tokens: prompt tokens taken from the prefix cache at first admission (vLLM's name).
       num_shared_pages: leading pages of `page_ids` taken read-only at admission (prefix cache hits, or sample
         0's prompt pages); the pages after them are this sequence's own.
+      prefill_only: after its first sampled token, unless that ends it, it finishes with "handoff" and keeps its
+        pages (`page_ids`, `cached_entries`) for the engine to export (disaggregated prefill).
     """
 
     seq_id: int
@@ -107,6 +111,7 @@ class Sequence:
     cached_entries: list = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
     num_shared_pages: int = 0
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
