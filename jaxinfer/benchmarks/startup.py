@@ -15,6 +15,9 @@ folders the cold run filled (`--reps` times; the median is reported). Peak RSS i
 memory as every start's was before the KV cache was sized to the work. About 4 minutes for SmolLM2 on 2 cores:
 
     .venv/bin/jaxinfer bench startup --write BENCHMARKS.md
+
+`--warm-from DIR` skips the cold starts and times warm starts on the caches in DIR (e.g. `~/.cache/jaxinfer`, after
+a start of the same configuration filled it); `--rows` picks rows.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--reps", type=int, default=3, help="warm starts per row (the median is reported)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take before it fails")
+    parser.add_argument("--rows", default=None, metavar="NAME[,NAME]",
+                        help=f"run only these rows (of {', '.join(repr(r[0]) for r in ROWS)}; default all)")
+    parser.add_argument("--warm-from", default=None, metavar="DIR",
+                        help="skip the cold starts: warm starts on the caches in DIR/xla and DIR/models (e.g. "
+                             "~/.cache/jaxinfer after a first start; a minute instead of ten on a quiet machine)")
 
 
 def _free_port() -> int:
@@ -138,18 +146,28 @@ def run(args: argparse.Namespace) -> Report:
     """Runs every row cold once and warm `--reps` times (module docstring)."""
     if args.reps < 1:
         raise ValueError(f"--reps {args.reps} must be >= 1")
+    names = [r[0] for r in ROWS] if args.rows is None else [n.strip() for n in args.rows.split(",")]
+    unknown = [n for n in names if n not in {r[0] for r in ROWS}]
+    if unknown or not names:
+        raise ValueError(f"--rows {args.rows!r}: the rows are {', '.join(repr(r[0]) for r in ROWS)}")
+    warm_from = None if args.warm_from is None else Path(args.warm_from).expanduser()
+    if warm_from is not None and not (warm_from / "xla").is_dir():
+        raise ValueError(f"--warm-from {args.warm_from}: no xla/ folder of compiled shapes there (start once first)")
     results = {}
-    for name, fn, extra in ROWS:
+    for name, fn, extra in (r for r in ROWS if r[0] in names):
         with tempfile.TemporaryDirectory(prefix="jaxinfer-startup-") as tmp:
-            env = {**os.environ, COMPILATION_CACHE_VARIABLE: str(Path(tmp) / "xla"),
-                   MODEL_CACHE_VARIABLE: str(Path(tmp) / "models")}
-            cold = fn(args, env, extra)
+            caches = Path(tmp) if warm_from is None else warm_from
+            env = {**os.environ, COMPILATION_CACHE_VARIABLE: str(caches / "xla"),
+                   MODEL_CACHE_VARIABLE: str(caches / "models")}
+            cold = None if warm_from is not None else fn(args, env, extra)
             warm = [fn(args, env, extra) for _ in range(args.reps)]
         results[name] = {"cold": cold, "warm": {k: statistics.median(w[k] for w in warm) for k in warm[0]}}
     return Report("startup", _markdown(args, results), {"rows": results})
 
 
-def _cells(r: dict) -> list[str]:
+def _cells(r: dict | None) -> list[str]:
+    if r is None:
+        return ["not run (--warm-from)", ""]
     if "serving_s" in r:
         return [f"{r['serving_s']:.1f} s to SERVING, first token {r['first_token_after_serving_s']:.2f} s later; "
                 f"warm-up: {r['warmup_shapes']:g} shapes in {r['warmup_s']:.1f} s, {r['warmup_cache_hits']:g} from the "
@@ -162,11 +180,14 @@ def _markdown(args: argparse.Namespace, results: dict) -> str:
     rows = [[f"`{name}`", *_cells(r["cold"]), *_cells(r["warm"])] for name, r in results.items()]
     return "\n".join([
         "## Start-up: cold and warm", "",
-        f"`jaxinfer bench startup --dtype {args.dtype} --reps {args.reps}`"
+        f"`jaxinfer bench startup --dtype {args.dtype} --reps {args.reps}"
+        + ("" if args.rows is None else f" --rows '{args.rows}'")
+        + ("" if args.warm_from is None else f" --warm-from {args.warm_from}") + "`"
         + ("" if args.model is None else f" `--model {args.model}`") + f", {time.strftime('%Y-%m-%d')}; "
         + machine_line() + ".", "",
         "Each start is a fresh process, timed from its launch. Cold: empty XLA compilation and prepared-model caches "
         "(the GGUF file is read and dequantized, every step shape compiled); warm: the caches the cold start filled "
-        f"(median of {args.reps}). Peak RSS is the process's maximum resident memory.", "",
+        + ("" if args.warm_from is None else f"(here: those in {args.warm_from}, filled by earlier starts) ")
+        + f"(median of {args.reps}). Peak RSS is the process's maximum resident memory.", "",
         table(["command", "cold", "cold peak RSS", "warm", "warm peak RSS"], rows),
     ])

@@ -32,3 +32,29 @@ def test_the_warmup_line_is_read_from_the_log(tmp_path):
         log.write("12:00:00 INFO jaxinfer.engine.warmup: compiled 28 step shapes in 4.5 s in the background (28 loaded "
                   "from the persistent compilation cache, 0 compiled and stored)\n")
         assert startup._warmup_line(log) == {"warmup_shapes": 28, "warmup_s": 4.5, "warmup_cache_hits": 28}
+
+
+def test_warm_from_runs_only_warm_starts_of_the_rows_asked(tmp_path, monkeypatch):
+    """`--warm-from DIR` skips the cold start and points both caches at DIR; `--rows` picks rows; bad values name
+    themselves."""
+    import pytest
+
+    calls = []
+
+    def fake(args, env, extra):
+        calls.append((env[COMPILATION_CACHE_VARIABLE], env[MODEL_CACHE_VARIABLE], extra))
+        return {"first_token_s": 1.0 + len(calls), "peak_rss_bytes": 1 << 30}
+
+    monkeypatch.setattr(startup, "ROWS", [("generate", fake, []), ("serve --warmup", fake, ["--x"])])
+    (tmp_path / "xla").mkdir()
+    args = argparse.Namespace(model=None, dtype="float32", reps=2, timeout=1.0, rows="generate",
+                              warm_from=str(tmp_path))
+    report = startup.run(args)
+    assert calls == [(str(tmp_path / "xla"), str(tmp_path / "models"), [])] * 2  # two warm starts, no cold one
+    assert report.data["rows"] == {"generate": {"cold": None, "warm": {"first_token_s": 2.5,
+                                                                       "peak_rss_bytes": 1 << 30}}}
+    assert "not run (--warm-from)" in report.markdown and f"--warm-from {tmp_path}" in report.markdown
+    with pytest.raises(ValueError, match="--rows 'serve': the rows are 'generate', 'serve --warmup'"):
+        startup.run(argparse.Namespace(**{**vars(args), "rows": "serve"}))
+    with pytest.raises(ValueError, match="no xla/ folder of compiled shapes there"):
+        startup.run(argparse.Namespace(**{**vars(args), "warm_from": str(tmp_path / "empty")}))
