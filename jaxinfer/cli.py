@@ -56,6 +56,10 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxinfer` command; returns the exit status (2 for bad input, 1 for a failed request)."""
     parser = _build_parser()
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given and given[0].startswith("-") and given[0] not in ("-h", "--help", "--version"):
+        names = ", ".join([*COMMANDS, "bench"])
+        parser.error(f"unknown option {given[0]}: the command comes first ({names}), then its options")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -53,7 +53,7 @@ class BatchLine:
 
 
 def read_batch(path: str, params: SamplingParams, chat: bool) -> list[BatchLine]:
-    """Reads and checks a batch file (module docstring, step 1); no jax.
+    """Reads and checks a batch file (module docstring, step 1); no jax. A UTF-8 byte-order mark is skipped.
 
     Args:
       path: the JSONL file, UTF-8.
@@ -69,7 +69,7 @@ def read_batch(path: str, params: SamplingParams, chat: bool) -> list[BatchLine]
     fields = {f.name for f in dataclasses.fields(params)} - set(UNSUPPORTED_FIELDS)
     keys = ("prompt", "messages", *ID_KEYS, *sorted(fields))
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is not JSON
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--input-file {path}: {e}") from None

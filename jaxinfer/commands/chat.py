@@ -2,7 +2,8 @@
 
 1. Each line read from stdin (after a `> ` prompt, with line editing, when stdin is a terminal) is a user message.
    An empty line is ignored; `/reset` clears the conversation (a --system message stays); `/exit` or the end of
-   input (Ctrl-D) ends it with status 0.
+   input (Ctrl-D) ends it with status 0. Any other line whose first word is `/` and letters (`/help`, `/bogus`) is
+   an unknown command, refused with a line on stderr; `//text` sends `/text` as a message.
 2. Each turn renders the whole conversation with the model's chat template (`LLM.render_chat`) and streams the
    reply to stdout; the reply joins the conversation. With prefix caching (on by default) a turn mostly computes
    only its new tokens.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -85,7 +87,11 @@ def run(args: argparse.Namespace) -> int:
             session.reset()
             sys.stderr.write("(conversation cleared)\n")
             continue
-        session.turn(text, write)
+        if re.fullmatch(r"/[A-Za-z]+", text.split()[0]):
+            sys.stderr.write(f"(unknown command {text.split()[0]}: {RESET} clears the conversation, {EXIT} ends; "
+                             "start a line with // to send it as a message)\n")
+            continue
+        session.turn(text[1:] if text.startswith("//") else text, write)
     return 0
 
 

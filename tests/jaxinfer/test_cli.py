@@ -104,6 +104,16 @@ def test_abbreviated_options_are_refused(argv: list[str], unrecognized: str, cap
     assert e.value.code == 2 and err.startswith("jaxinfer: error: unrecognized arguments: " + unrecognized), err
 
 
+def test_an_option_before_the_command_is_named(capsys) -> None:
+    from jaxinfer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--bogus", "generate"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == ("jaxinfer: error: unknown option --bogus: the command comes first (generate, "
+                                         "chat, serve, convert, tune, bench), then its options (see jaxinfer --help)\n")
+
+
 def test_bench_without_a_workload_lists_them(capsys) -> None:
     from jaxinfer.benchmarks import WORKLOADS
     from jaxinfer.cli import main

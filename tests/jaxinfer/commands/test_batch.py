@@ -90,6 +90,16 @@ def test_a_bad_line_exits_2_naming_it_before_the_model_loads(line, message, tmp_
     assert err.startswith(f"jaxinfer: error: --input-file {source} line 2: {message}") and err.count("\n") == 1, err
 
 
+def test_a_byte_order_mark_is_skipped(tmp_path) -> None:
+    from jaxinfer.commands.batch import read_batch
+
+    source = tmp_path / "bom.jsonl"
+    source.write_text(f"{GOOD}\n{GOOD}\n", encoding="utf-8-sig")  # as Windows editors save
+    assert source.read_bytes()[:3] == b"\xef\xbb\xbf"
+    assert [(line.number, line.prompt) for line in read_batch(str(source), FLAGS, chat=False)] == [(1, "fine"),
+                                                                                                  (2, "fine")]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--input-file", "{empty}"], "--input-file {empty} holds no request (one JSON object per line)"),
     (["--input-file", "{missing}"], "--input-file {missing}: [Errno 2] No such file or directory"),

@@ -47,7 +47,7 @@ def test_chat_carries_history_trims_resets_and_exits(tiny_chat_model, tiny_llm) 
         len(fourth.prompt_token_ids)  # the same message with and without history: the test can tell them apart
 
     too_long = "x" * max_model_len
-    script = f"hello\n\nworld\nok\n/reset\n{too_long}\nworld\n/exit\nnever sent\n"
+    script = f"hello\n\n/bogus\nworld\nok\n/reset\n{too_long}\nworld\n/exit\nnever sent\n"
     done = run_jaxinfer("chat", "--model", str(tiny_chat_model), *ENGINE_FLAGS, "--max-model-len",
                         str(max_model_len), "--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--verbose",
                         stdin=script)
@@ -58,6 +58,7 @@ def test_chat_carries_history_trims_resets_and_exits(tiny_chat_model, tiny_llm) 
     dropped = (len(second_history) + 2 - len(third_history)) // 2
     assert f"(dropped the {dropped} oldest turn" in done.stderr
     assert "(conversation cleared)" in done.stderr
+    assert "(unknown command /bogus: /reset clears the conversation, /exit ends" in done.stderr  # and not sent
     errors = [line for line in done.stderr.splitlines() if line.startswith("jaxinfer: error:")]
     assert errors == [f"jaxinfer: error: the message makes a prompt of {prompt_len([_user(too_long)])} tokens, "
                       f"which does not fit the context of {max_model_len} tokens: send a shorter one"]
