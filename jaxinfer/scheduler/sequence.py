@@ -160,14 +160,17 @@ class Sequence:
 
         While the sequence is live, the last `len(longest stop string) - 1` characters are held back, since they
         could still be the start of a stop string that would be cut from the text; once finished, everything
-        left is returned. Joining every delta's text gives `text`.
+        left is returned. Joining every delta's text gives `text`. A sequence finished for a handoff goes on
+        elsewhere and holds them back too: the receiving engine's first delta starts with them
+        (`jaxinfer.engine.admission.replay_output`).
 
         Returns:
           (output ids added since the last call, text added since the last call).
         """
         ids = self.output_token_ids[self.emitted_token_count :]
         self.emitted_token_count = len(self.output_token_ids)
-        hold = 0 if self.is_finished else max((len(s) for s in self.params.stop), default=1) - 1
+        live = not self.is_finished or self.status is SequenceStatus.FINISHED_HANDOFF
+        hold = max((len(s) for s in self.params.stop), default=1) - 1 if live else 0
         upto = max(self.emitted_text_len, len(self.text) - hold)
         delta = self.text[self.emitted_text_len : upto]
         self.emitted_text_len = upto
