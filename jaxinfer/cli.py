@@ -12,6 +12,8 @@
                    [--grace-seconds S] [engine options]
     jaxinfer serve --replicas N [--ray-address ADDR] [--replica-cpus C] [--replica-gpus G]
                    [--routing cache_aware|round_robin|least_load] [--routing-* knobs] [serve options]
+    jaxinfer serve --prefill-replicas X --decode-replicas Y [--prefill-config F] [--decode-config F]
+                   [--kv-wire-dtype float32|bfloat16|int8|fp8] [--disagg-* knobs] [replica options]
 
     jaxinfer convert --output DIR [--model PATH] [--dtype float32|bfloat16] [--quantization FORMAT_OR_JSON]
 

@@ -2,12 +2,17 @@
 
 1. `connect` joins the Ray cluster at an address, or starts a local Ray instance (`ClusterConfig.ray_address`
    None), unless this process is connected already.
-2. `ReplicaPool.start` creates `num_replicas` `EngineReplica` actors. Each asks Ray for `replica_cpus` CPUs and
-   `replica_gpus` GPUs (default: one GPU where the cluster has GPUs, none where it has not): Ray places them on
-   any node with those resources free, and gives a GPU replica its own device. Nothing else about the cluster
-   is assumed. Every replica's engine is built in parallel; `start` returns once all of them answer `start()`,
-   and fails (stopping the ones that did start) when one fails or `start_timeout_s` passes.
-3. `shutdown` kills the actors the pool started.
+2. `ReplicaPool.start` creates `num_replicas` mixed `EngineReplica` actors, then `prefill_replicas` and
+   `decode_replicas` ones (each role may get engine options of its own: a TP degree, batch limits). Each asks Ray
+   for `replica_cpus` CPUs and `replica_gpus` GPUs (default: one GPU where the cluster has GPUs, none where it
+   has not): Ray places them on any node with those resources free, and gives a GPU replica its own device. A CPU
+   replica whose engine needs several devices (`tensor_parallel_size` x `expert_parallel_size`) gets that many
+   host devices (`XLA_FLAGS=--xla_force_host_platform_device_count`, in its actor's environment). Nothing else
+   about the cluster is assumed. Every replica's engine is built in parallel; `start` returns once all of them
+   answer `start()` and agree on the model and page size (`check_compatible`), and fails (stopping the ones that
+   did start) when one fails or `start_timeout_s` passes.
+3. Ray restarts an actor that dies, up to `max_restarts` times (its engine is built again when the router calls
+   `start()`: `jaxinfer.cluster.engine`). `shutdown` kills the actors the pool started, for good.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import dataclasses
 import logging
 import os
 import uuid
+from collections.abc import Mapping
 
 import ray
 from ray.exceptions import RayTaskError
 
 from jaxinfer.cluster.config import ClusterConfig
-from jaxinfer.cluster.replica import EngineReplica, ReplicaInfo, ReplicaRole
+from jaxinfer.cluster.replica import EngineReplica, ReplicaInfo, ReplicaRole, check_compatible
 from jaxinfer.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,17 @@ def _gpus_per_replica(cluster: ClusterConfig) -> float:
     if cluster.replica_gpus is not None:
         return cluster.replica_gpus
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+def _runtime_env(config: EngineConfig, gpus: float) -> dict | None:
+    """A CPU replica's environment when its engine needs several devices (module docstring, item 2), else None."""
+    num_devices = config.tensor_parallel_size * config.expert_parallel_size
+    if gpus > 0 or num_devices <= 1:
+        return None
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append(f"--xla_force_host_platform_device_count={num_devices}")
+    return {"env_vars": {"XLA_FLAGS": " ".join(flags)}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,24 +103,39 @@ class ReplicaPool:
         self.replicas, self.owned, self.ray_started = replicas, owned, ray_started
 
     @classmethod
-    async def start(cls, config: EngineConfig, cluster: ClusterConfig) -> ReplicaPool:
-        """Connects to Ray (in a worker thread) and starts `cluster.num_replicas` replicas of `config`.
+    async def start(cls, config: EngineConfig, cluster: ClusterConfig,
+                    role_configs: Mapping[ReplicaRole, EngineConfig] | None = None) -> ReplicaPool:
+        """Connects to Ray (in a worker thread) and starts the replicas `cluster` asks for.
+
+        Args:
+          config: every replica's engine options.
+          cluster: how many replicas of each role, and where.
+          role_configs: engine options of a role's replicas instead of `config`.
 
         Raises:
-          ValueError: as `connect`; a replica refused the configuration or the model (the replica's message).
+          ValueError: as `connect`; a replica refused the configuration or the model (the replica's message);
+            replicas that one router cannot serve together (`check_compatible`).
           RuntimeError: a replica failed otherwise, died while starting, or did not start in `start_timeout_s`.
         """
         ray_started = await asyncio.to_thread(connect, cluster)
         gpus = _gpus_per_replica(cluster)
         prefix = f"jaxinfer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        roles = [(ReplicaRole.MIXED, f"{prefix}-{i}") for i in range(cluster.num_replicas)]
+        roles += [(ReplicaRole.PREFILL, f"{prefix}-p{i}") for i in range(cluster.prefill_replicas)]
+        roles += [(ReplicaRole.DECODE, f"{prefix}-d{i}") for i in range(cluster.decode_replicas)]
         actor_class = ray.remote(EngineReplica)
-        actors = [actor_class.options(name=f"{prefix}-{i}", num_cpus=cluster.replica_cpus, num_gpus=gpus)
-                  .remote(config, f"{prefix}-{i}", ReplicaRole.MIXED) for i in range(cluster.num_replicas)]
-        logger.info("starting %d replicas (%s CPUs, %s GPUs each) on Ray", cluster.num_replicas,
-                    cluster.replica_cpus, gpus)
+        actors = []
+        for role, name in roles:
+            role_config = (role_configs or {}).get(role, config)
+            actors.append(actor_class.options(name=name, num_cpus=cluster.replica_cpus, num_gpus=gpus,
+                                              max_restarts=cluster.max_restarts,
+                                              runtime_env=_runtime_env(role_config, gpus))
+                          .remote(role_config, name, role))
+        logger.info("starting %d replicas (%s CPUs, %s GPUs each) on Ray", len(actors), cluster.replica_cpus, gpus)
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(a.start.remote() for a in actors)),
                                            cluster.start_timeout_s)
+            check_compatible(infos)
         except BaseException as e:
             for actor in actors:
                 ray.kill(actor, no_restart=True)

@@ -11,7 +11,11 @@
    `jaxinfer:router_prefix_hit_tokens_total` (prompt tokens the router's index said the replica held when it
    routed there), `jaxinfer:router_requests_in_flight`, `jaxinfer:router_replica_up`, and the replica's own
    prefix-cache counters `jaxinfer:replica_prefix_cache_queries_total` / `_hits_total` (from its last health
-   check).
+   check). Disaggregation and faults (`jaxinfer.cluster.disagg.HandoffCounters`), over the cluster:
+   `jaxinfer:router_prefill_queue_length` (requests waiting for their first token from a prefill replica),
+   `jaxinfer:router_kv_handoffs_total`, `jaxinfer:router_kv_handoff_bytes_total`,
+   `jaxinfer:router_kv_handoff_seconds` (histogram), `jaxinfer:router_local_prefills_total{reason}` and
+   `jaxinfer:router_resubmissions_total{replica}` (requests sent again after that replica went down).
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import logging
 import time
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from jaxinfer.cluster.engine import ClusterEngine
 from jaxinfer.cluster.config import ClusterConfig
+from jaxinfer.cluster.disagg import DisaggConfig
 from jaxinfer.cluster.pool import ReplicaPool
+from jaxinfer.cluster.replica import ReplicaRole
 from jaxinfer.cluster.routing import RoutingConfig
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.serving.metrics import LABEL, P
@@ -70,6 +76,33 @@ class RouterCollector(Collector):
                 families["queries"].add_metric(key, r.stats["prefix_cache_queried_tokens"])
                 families["cached"].add_metric(key, r.stats["prefix_cache_hit_tokens"])
         yield from families.values()
+        yield from self._handoffs(cluster, name)
+
+    @staticmethod
+    def _handoffs(cluster: ClusterEngine, name: str) -> Iterator:
+        counts = cluster.counters
+        queue = GaugeMetricFamily(P + "router_prefill_queue_length", "requests waiting for their first token from "
+                                  "a prefill replica", labels=[LABEL])
+        queue.add_metric([name], counts.prefill_queue)
+        handoffs = CounterMetricFamily(P + "router_kv_handoffs", "requests whose K/V moved from a prefill replica "
+                                       "to a decode replica", labels=[LABEL])
+        handoffs.add_metric([name], counts.handoffs)
+        moved = CounterMetricFamily(P + "router_kv_handoff_bytes", "bytes of K/V moved by those handoffs",
+                                    labels=[LABEL])
+        moved.add_metric([name], counts.handoff_bytes)
+        seconds = HistogramMetricFamily(P + "router_kv_handoff_seconds", "from the router's export call to the "
+                                        "decode replica holding the K/V (export, object store, fetch)",
+                                        labels=[LABEL])
+        seconds.add_metric([name], counts.handoff_seconds.cumulative(), counts.handoff_seconds.sum)
+        local = CounterMetricFamily(P + "router_local_prefills", "prompts a decode replica prefilled itself in a "
+                                    "cluster with prefill replicas, by reason", labels=[LABEL, "reason"])
+        for reason, n in counts.local_prefills.items():
+            local.add_metric([name, reason.value], n)
+        resubmitted = CounterMetricFamily(P + "router_resubmissions", "requests sent again, with their output so "
+                                          "far, after the replica they ran on went down", labels=[LABEL, "replica"])
+        for replica, n in counts.resubmissions.items():
+            resubmitted.add_metric([name, replica], n)
+        yield from (queue, handoffs, moved, seconds, local, resubmitted)
 
 
 class ServedCluster(ServedEngine):
@@ -82,20 +115,26 @@ class ServedCluster(ServedEngine):
       routing: the routing policy and its knobs.
       limits: the server's limits (request bytes, requests in flight over the whole cluster).
       model_name: the served model name; None derives it from `config.model`.
+      disagg: when prompts cross to prefill replicas, and the K/V's wire dtype.
+      role_configs: engine options of one role's replicas instead of `config` (with a `ClusterConfig`).
+      health: with a `ReplicaPool`, the health check's and restarts' settings (default `ClusterConfig()`'s).
     """
 
     def __init__(self, config: EngineConfig, cluster: ClusterConfig | ReplicaPool, routing: RoutingConfig,
-                 limits: ServerLimits = ServerLimits(), model_name: str | None = None) -> None:
+                 limits: ServerLimits = ServerLimits(), model_name: str | None = None,
+                 disagg: DisaggConfig = DisaggConfig(),
+                 role_configs: dict[ReplicaRole, EngineConfig] | None = None,
+                 health: ClusterConfig | None = None) -> None:
         super().__init__(config, limits, model_name)
-        self.cluster, self.routing = cluster, routing
-        self.health = cluster if isinstance(cluster, ClusterConfig) else ClusterConfig()
+        self.cluster, self.routing, self.disagg, self.role_configs = cluster, routing, disagg, role_configs
+        self.health = cluster if isinstance(cluster, ClusterConfig) else health or ClusterConfig()
         self.metrics.registry.register(RouterCollector(self))
 
     async def _load(self) -> None:
         t0 = time.perf_counter()
         try:
             pool = (self.cluster if isinstance(self.cluster, ReplicaPool)
-                    else await ReplicaPool.start(self.config, self.cluster))
+                    else await ReplicaPool.start(self.config, self.cluster, self.role_configs))
         except asyncio.CancelledError:
             logger.info("start-up cancelled")
             raise
@@ -105,10 +144,12 @@ class ServedCluster(ServedEngine):
             self.engine_error = e
             return
         self.async_engine = ClusterEngine(pool, self.routing, self.health,
-                                          owns_pool=not isinstance(self.cluster, ReplicaPool))
+                                          owns_pool=not isinstance(self.cluster, ReplicaPool), disagg=self.disagg)
         await self._notify(True)
-        logger.info("serving %s on %d replicas, routing %s (ready in %.1f s)", pool.replicas[0].info.model_config.name,
-                    len(pool.replicas), self.routing.policy.value, time.perf_counter() - t0)
+        roles = ", ".join(f"{sum(h.info.role is role for h in pool.replicas)} {role.value}" for role in ReplicaRole
+                          if any(h.info.role is role for h in pool.replicas))
+        logger.info("serving %s on %s replicas, routing %s (ready in %.1f s)", pool.replicas[0].info.model_config.name,
+                    roles, self.routing.policy.value, time.perf_counter() - t0)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:

@@ -1,5 +1,6 @@
-"""`jaxinfer serve`: the OpenAI HTTP API and gRPC over one engine; with `--replicas N` (or `--ray-address`), the
-HTTP API over N engine replicas on Ray (`jaxinfer.cluster`, imported only then)."""
+"""`jaxinfer serve`: the OpenAI HTTP API and gRPC over one engine; with `--replicas N` (or `--ray-address`, or
+`--prefill-replicas X --decode-replicas Y`), the HTTP API over engine replicas on Ray (`jaxinfer.cluster`, imported
+only then)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import argparse
 import os
 
 from jaxinfer.cluster.config import ClusterConfig
+from jaxinfer.cluster.disagg import WIRE_DTYPE_NAMES, DisaggConfig
 from jaxinfer.cluster.routing import POLICY_NAMES, RoutingConfig
 from jaxinfer.commands.options import (add_engine_options, add_multihost_options, check_host, engine_options,
                                        join_job)
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.config_file import load_config_file
 
 _RAY_SIGNAL_HANDLER_OFF = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
 
@@ -48,9 +51,9 @@ def add_parser(sub) -> None:
 
 def _add_cluster_options(srv) -> None:
     ray = srv.add_argument_group("replicas on Ray (README \"Replicas on Ray\"; needs jaxinfer[cluster])")
-    ray.add_argument("--replicas", type=int, default=1,
+    ray.add_argument("--replicas", type=int, default=None,
                      help="engine replicas, each a Ray actor, behind one router serving the HTTP API (default 1: one "
-                          "engine in this process, no Ray)")
+                          "engine in this process, no Ray; 0 with --prefill-replicas)")
     ray.add_argument("--ray-address", default=None,
                      help="join this Ray cluster (e.g. auto, or head-node:6379) instead of starting a local Ray "
                           "instance; implies the router even with --replicas 1")
@@ -58,6 +61,8 @@ def _add_cluster_options(srv) -> None:
                      help="CPUs Ray reserves per replica (default %(default)s)")
     ray.add_argument("--replica-gpus", type=float, default=None,
                      help="GPUs per replica (default: 1 where the Ray cluster has GPUs, else 0)")
+    ray.add_argument("--replica-max-restarts", type=int, default=ClusterConfig.max_restarts,
+                     help="how many times Ray restarts a replica that died (default %(default)s; -1: no limit)")
     ray.add_argument("--routing", choices=POLICY_NAMES, default=RoutingConfig.policy.value,
                      help="how the router picks a replica (default %(default)s)")
     ray.add_argument("--routing-load-weight", type=float, default=RoutingConfig.load_weight_tokens,
@@ -68,25 +73,69 @@ def _add_cluster_options(srv) -> None:
     ray.add_argument("--routing-min-match", type=float, default=RoutingConfig.min_match,
                      help="cache_aware: share of a prompt a replica must hold for the prompt to follow its cache; "
                           "below it the prompt goes to the least loaded replica (default %(default)s)")
+    pd = srv.add_argument_group("disaggregated prefill/decode on Ray (README \"Replicas on Ray\", xPyD)")
+    pd.add_argument("--prefill-replicas", type=int, default=0,
+                    help="replicas that prefill prompts and hand their K/V to decode replicas (default 0)")
+    pd.add_argument("--decode-replicas", type=int, default=0,
+                    help="replicas that continue requests from handed-over K/V (default 0)")
+    for role in ("prefill", "decode"):
+        pd.add_argument(f"--{role}-config", default=None, metavar="FILE",
+                        help=f"a JSON object of engine options for the {role} replicas only, over the others "
+                             "(e.g. {\"tensor_parallel_size\": 2})")
+    pd.add_argument("--kv-wire-dtype", choices=WIRE_DTYPE_NAMES, default=None,
+                    help="page dtype of handed-over K/V (int8 / fp8: quantized per token; default: the prefill "
+                         "replica's KV cache dtype)")
+    pd.add_argument("--disagg-min-prefill-tokens", type=int, default=DisaggConfig.min_prefill_tokens,
+                    help="prompt tokens the decode replica does not hold below which it prefills locally "
+                         "(default %(default)s)")
+    pd.add_argument("--disagg-local-cached-share", type=float, default=DisaggConfig.local_cached_share,
+                    help="share of the prompt the decode replica's prefix cache must hold for it to prefill the "
+                         "rest locally (default %(default)s)")
 
 
-def _cluster_configs(args: argparse.Namespace) -> tuple[ClusterConfig, RoutingConfig] | None:
-    """The replicas' and the router's configs, or None to serve one engine in this process.
+def _cluster_configs(args: argparse.Namespace) -> tuple[ClusterConfig, RoutingConfig, DisaggConfig] | None:
+    """The replicas', the router's and disaggregation's configs, or None to serve one engine in this process.
 
     Raises:
       ValueError: a bad value, or a flag the router does not serve with.
     """
-    cluster = ClusterConfig(num_replicas=args.replicas, ray_address=args.ray_address,
-                            replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus)
+    disaggregated = args.prefill_replicas != 0 or args.decode_replicas != 0
+    replicas = args.replicas if args.replicas is not None else 0 if disaggregated else 1
+    cluster = ClusterConfig(num_replicas=replicas, prefill_replicas=args.prefill_replicas,
+                            decode_replicas=args.decode_replicas, ray_address=args.ray_address,
+                            replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+                            max_restarts=args.replica_max_restarts)
     routing = RoutingConfig(args.routing, load_weight_tokens=args.routing_load_weight,
                             max_imbalance=args.routing_max_imbalance, min_match=args.routing_min_match)
-    if args.replicas == 1 and args.ray_address is None:
+    disagg = DisaggConfig(min_prefill_tokens=args.disagg_min_prefill_tokens,
+                          local_cached_share=args.disagg_local_cached_share, wire_dtype=args.kv_wire_dtype)
+    for role, count in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
+        if getattr(args, f"{role}_config") is not None and not count:
+            raise ValueError(f"--{role}-config needs --{role}-replicas >= 1")
+    if replicas == 1 and not disaggregated and args.ray_address is None:
         return None
     if args.no_http:
         raise ValueError("--no-http: the router of --replicas serves the HTTP API only")
     if args.num_processes != 1 or args.coordinator_address is not None:
         raise ValueError("--replicas and --ray-address do not combine with a multi-host job (--num-processes)")
-    return cluster, routing
+    return cluster, routing, disagg
+
+
+def _role_configs(args: argparse.Namespace, options: dict) -> dict[str, EngineConfig]:
+    """{role name: its replicas' engine options} from --prefill-config / --decode-config (over `options`).
+
+    Raises:
+      ValueError: a file that cannot be read or names an unknown option; a bad value (naming the file).
+    """
+    configs = {}
+    for role in ("prefill", "decode"):
+        path = getattr(args, f"{role}_config")
+        if path is not None:
+            try:
+                configs[role] = EngineConfig.create(**{**options, **load_config_file(path)})
+            except ValueError as e:
+                raise ValueError(f"--{role}-config {path}: {e}") from None
+    return configs
 
 
 def _import_cluster() -> type:
@@ -145,13 +194,18 @@ def run(args: argparse.Namespace) -> int:
     from jaxinfer.serving.serve import run
 
     config = EngineConfig.create(**options)
+    role_configs = _role_configs(args, options) if clustered is not None else {}
     if config.model is not None and not os.path.exists(config.model) and args.ray_address is None:
         raise ValueError(f"--model {config.model}: no such file or folder")
     limits = ServerLimits(max_queued_requests=args.max_queued_requests)
     if clustered is not None:
         ServedCluster = _import_cluster()  # noqa: N806 - a class
+        from jaxinfer.cluster.replica import ReplicaRole
+
         print("jaxinfer: the router serves the HTTP API only (no gRPC)", flush=True)
-        served = ServedCluster(config, *clustered, limits=limits, model_name=args.served_model_name)
+        cluster, routing, disagg = clustered
+        served = ServedCluster(config, cluster, routing, limits=limits, model_name=args.served_model_name,
+                               disagg=disagg, role_configs={ReplicaRole(k): v for k, v in role_configs.items()})
         return run(config, host=args.host, port=None, http_port=args.http_port, metrics_port=args.metrics_port,
                    grace_s=args.grace_seconds, model_name=args.served_model_name, api_key=api_key, served=served)
     if join_job(args):  # a follower serves no requests: it replays process 0's steps

@@ -54,3 +54,28 @@ def pool(ray_address, tiny_config):
                                                                       start_timeout_s=300)))
     yield started
     started.shutdown()
+
+
+@pytest.fixture(scope="session")
+def disagg_pool(ray_address, tiny_config):
+    """One prefill and one decode replica (tp 1), and a decode replica with tensor_parallel_size 2 on two fake CPU
+    devices (its actor's XLA_FLAGS), a quarter CPU each: the routers of the disaggregation tests pick among them."""
+    import dataclasses
+
+    from jaxinfer.cluster.config import ClusterConfig
+    from jaxinfer.cluster.pool import ReplicaHandle, ReplicaPool
+    from jaxinfer.cluster.replica import ReplicaRole
+
+    async def start():
+        return await asyncio.gather(
+            ReplicaPool.start(tiny_config, ClusterConfig(num_replicas=0, prefill_replicas=1, decode_replicas=1,
+                                                         replica_cpus=0.25, start_timeout_s=300)),
+            ReplicaPool.start(tiny_config, ClusterConfig(num_replicas=1, replica_cpus=0.25, start_timeout_s=300),
+                              {ReplicaRole.MIXED: dataclasses.replace(tiny_config, tensor_parallel_size=2)}))
+
+    pd, tp2 = asyncio.run(start())
+    (handle,) = tp2.replicas
+    tp2_decode = ReplicaHandle(handle.actor, dataclasses.replace(handle.info, role=ReplicaRole.DECODE))
+    yield {"prefill": pd.replicas[0], "decode": pd.replicas[1], "decode_tp2": tp2_decode}
+    pd.shutdown()
+    tp2.shutdown()

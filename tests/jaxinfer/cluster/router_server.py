@@ -17,10 +17,11 @@ from jaxinfer.serving.serve import HTTPServer
 
 
 class RouterServer:
-    """The HTTP API on `base_url`, routing over `pool`'s replicas (left running when the router stops)."""
+    """The HTTP API on `base_url`, routing over `pool`'s replicas (left running when the router stops); `served`
+    takes ServedCluster's other keywords (`disagg`, `health`)."""
 
-    def __init__(self, config: EngineConfig, pool: ReplicaPool, routing: RoutingConfig) -> None:
-        self.served = ServedCluster(config, pool, routing)
+    def __init__(self, config: EngineConfig, pool: ReplicaPool, routing: RoutingConfig, **served) -> None:
+        self.served = ServedCluster(config, pool, routing, **served)
         self.http = HTTPServer(self.served, port=0, grace_s=1.0)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -38,6 +38,17 @@ def no_ray(monkeypatch):
     (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus 0.0 must be > 0"),
     (["--replicas", "2", "--routing-min-match", "2"], "min_match=2.0 must be in [0, 1]"),
     (["--replicas", "2", "--no-http"], "--no-http: the router of --replicas serves the HTTP API only"),
+    (["--prefill-replicas", "1"], "--prefill-replicas 1 needs --decode-replicas (or --replicas) >= 1: prefill "
+                                  "replicas hand every request on"),
+    (["--decode-replicas", "2"], "--decode-replicas 2 needs --prefill-replicas >= 1 (without prefill replicas, use "
+                                 "--replicas)"),
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--disagg-min-prefill-tokens", "-1"],
+     "--disagg-min-prefill-tokens -1 must be an integer >= 0"),
+    (["--decode-config", "d.json"], "--decode-config needs --decode-replicas >= 1"),
+    (["--replicas", "2", "--replica-max-restarts", "-2"], "--replica-max-restarts -2 must be an integer >= -1"),
+    (["--prefill-replicas", "1", "--replicas", "1", "--prefill-config", "/nonexistent.json"],
+     "--prefill-config /nonexistent.json: config file /nonexistent.json: cannot be read: [Errno 2] No such file or "
+     "directory: '/nonexistent.json'"),
     (["--replicas", "2"], "--replicas and --ray-address need Ray: pip install 'jaxinfer[cluster]'"),
 ])
 def test_bad_cluster_flags_exit_2_with_one_line(flags, message, no_ray, capsys):
@@ -51,6 +62,34 @@ def test_bad_cluster_flags_exit_2_with_one_line(flags, message, no_ray, capsys):
     for name in ("cache_aware", "round_robin", "least_load"):
         err = err.replace(f"'{name}'", name)
     assert status == 2 and err == f"jaxinfer: error: {message}\n", err
+
+
+def test_role_config_files_give_one_role_its_own_engine_options(tmp_path, monkeypatch, tiny_chat_dir):
+    """--decode-config FILE: the decode replicas get the file's options over the others; the router the flags'."""
+    from jaxinfer import cli
+    from jaxinfer.cluster.config import ClusterConfig
+    from jaxinfer.cluster.replica import ReplicaRole
+    from jaxinfer.commands import serve
+
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
+    seen = {}
+
+    class Served:
+        def __init__(self, config, cluster, routing, **kwargs):
+            seen.update(config=config, cluster=cluster, **kwargs)
+
+    monkeypatch.setattr(serve, "_import_cluster", lambda: Served)
+    monkeypatch.setattr("jaxinfer.serving.serve.run", lambda config, **kw: 0)
+    (tmp_path / "d.json").write_text('{"tensor_parallel_size": 2, "max_num_seqs": 4}')
+    assert cli.main(["serve", "--prefill-replicas", "1", "--decode-replicas", "2", "--decode-config",
+                     str(tmp_path / "d.json"), "--kv-wire-dtype", "int8", "--model", str(tiny_chat_dir),
+                     "--max-num-seqs", "8", "--replica-max-restarts", "5"]) == 0
+    assert seen["cluster"] == ClusterConfig(num_replicas=0, prefill_replicas=1, decode_replicas=2, max_restarts=5)
+    decode = seen["role_configs"][ReplicaRole.DECODE]
+    assert (decode.tensor_parallel_size, decode.max_num_seqs) == (2, 4) and list(seen["role_configs"]) == [
+        ReplicaRole.DECODE]
+    assert (seen["config"].tensor_parallel_size, seen["config"].max_num_seqs) == (1, 8)
+    assert seen["disagg"].wire_dtype == "int8" and seen["disagg"].min_prefill_tokens == 128
 
 
 def test_one_engine_serves_without_ray(no_ray, monkeypatch):
