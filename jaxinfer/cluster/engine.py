@@ -5,7 +5,7 @@
    `Engine` (the tokenizer, the model's config and context, `make_prompt`, `stats()`). A request without a seed
    gets one here, so that any replica that continues it draws the keys the first would have.
 2. `_route` picks the replica that will decode the request among the decode and mixed replicas that are up
-   (`jaxinfer.cluster.routing`), then, when the cluster has prefill replicas, whether a prefill replica computes
+   (`jaxinfer.cluster.routing`; with none up, among the prefill replicas), then, when the cluster has prefill replicas, whether a prefill replica computes
    the prompt's K/V first (`jaxinfer.cluster.disagg.local_prefill_reason`) and which (routed the same way over
    the prefill replicas). The prompt's pages go into the index of every replica it is sent to, and prompt +
    output into the decoding one's when it finishes.
@@ -42,12 +42,12 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import ray
-from ray.exceptions import ObjectLostError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from jaxinfer.cluster.config import ClusterConfig
 from jaxinfer.cluster.disagg import DisaggConfig, HandoffCounters, local_prefill_reason
 from jaxinfer.cluster.pool import ReplicaPool, unwrap
-from jaxinfer.cluster.replica import Fetched, ReplicaNotStarted, ReplicaRole
+from jaxinfer.cluster.replica import Fetched, HandoffLost, ReplicaNotStarted, ReplicaRole
 from jaxinfer.cluster.routing import PageIndex, RouteTarget, Router, RoutingConfig
 from jaxinfer.cluster.splice import StreamSplice
 from jaxinfer.cluster.view import Replica, ReplicaDown, ReplicaView, items_until_down, until_down
@@ -183,7 +183,7 @@ class ClusterEngine:
         """The decode replica of a new request and, if the prompt crosses, its prefill replica (item 2).
 
         Raises:
-          Unavailable: no replica that decodes is up.
+          Unavailable: no replica is up.
         """
         if self._closed:
             raise self.unavailable()
@@ -191,10 +191,10 @@ class ClusterEngine:
         decoding = [r for r in self.replicas if r.role is not ReplicaRole.PREFILL]
         prefilling = [r for r in self.replicas if r.role is ReplicaRole.PREFILL]
         held = {id(r): r.target.index.leading_hits(keys) * self.engine.page_size for r in decoding}
-        decode = self._choose(decoding, keys, n)
+        decode = self._choose(decoding, keys, n) or self._choose(prefilling, keys, n)  # a prefill one decodes too
         if decode is None:
             raise self.unavailable()
-        if not prefilling:
+        if decode.role is ReplicaRole.PREFILL or not prefilling:
             return _Plan(decode)
         reason = local_prefill_reason(self.disagg, n, held[id(decode)], params,
                                       any(r.target.up for r in prefilling))
@@ -250,7 +250,7 @@ class ClusterEngine:
         ref = prefill.handle.actor.prefill.remote(prompt, params, request_id)
         self.counters.prefill_queue += 1
         prefill.target.in_flight += 1
-        exported = False
+        fetched = False
         try:
             try:
                 first = await until_down(prefill, ref)
@@ -267,12 +267,12 @@ class ClusterEngine:
                 return
             t0 = time.perf_counter()
             payload = [prefill.handle.actor.export_kv.remote(request_id, self.disagg.wire_dtype)]
-            exported = True
             splice.next_attempt()
             stream = decode.handle.actor.generate_from_handoff.options(num_returns="streaming").remote(
                 payload, params, request_id)
-            async for item in self._follow(decode, stream, request_id, handoff=True):
+            async for item in self._follow(decode, stream, request_id):
                 if isinstance(item, Fetched):
+                    fetched = True
                     payload.clear()  # the object store may drop the payload once the decode replica has it
                     self.counters.handoffs += 1
                     self.counters.handoff_bytes += item.nbytes
@@ -280,28 +280,22 @@ class ClusterEngine:
                     continue
                 yield self._deliver(decode, prompt, splice, item)
         finally:
-            if not exported:  # the caller left, or the prefill failed: free K/V held for the handoff
+            if not fetched:  # the caller left, the prefill or the export failed: free K/V held for the handoff
                 with contextlib.suppress(Exception):
                     prefill.handle.actor.abort.remote(request_id)
             running.remove(prefill)
 
-    async def _follow(self, replica: Replica, stream, request_id: str,
-                      handoff: bool = False) -> AsyncIterator[object]:
-        """A streaming Ray task's items on `replica`, up to a finished output; a lost replica is `_Lost`; a caller
-        that leaves cancels the task and aborts the request there.
-
-        Args:
-          handoff: the task fetches a handoff first: until its `Fetched`, an error of Ray's means the payload was
-            lost with its prefill replica (the decode replica is not to blame).
-        """
+    async def _follow(self, replica: Replica, stream, request_id: str) -> AsyncIterator[object]:
+        """A streaming Ray task's items on `replica`, up to a finished output; a lost replica is `_Lost`, and so is
+        a handoff that did not arrive (`HandoffLost`: no replica to blame); a caller that leaves cancels the task
+        and aborts the request there."""
         running = self._running[request_id]
         running.append(replica)
-        finished = fetched = False
+        finished = False
         try:
             async with contextlib.aclosing(items_until_down(stream, replica)) as refs:
                 async for ref in refs:
                     item = await ref
-                    fetched = fetched or isinstance(item, Fetched)
                     finished = isinstance(item, RequestOutput) and item.finished
                     yield item
                     if finished:
@@ -310,9 +304,7 @@ class ClusterEngine:
             raise _Lost(replica, e) from None
         except RayTaskError as e:
             cause = unwrap(e)
-            if handoff and not fetched and isinstance(cause, (RayError, ObjectLostError)):
-                raise _Lost(None, cause) from None
-            raise self._task_error(replica, e) from None
+            raise (_Lost(None, cause) if isinstance(cause, HandoffLost) else self._task_error(replica, e)) from None
         finally:
             running.remove(replica)
             if not finished:  # stop the Ray task and the request (either alone would do)

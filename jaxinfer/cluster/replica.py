@@ -55,6 +55,11 @@ class ReplicaNotStarted(RuntimeError):
     """The replica's engine is not built: `start()` has not run in this actor (Ray restarted it)."""
 
 
+class HandoffLost(RuntimeError):
+    """A decode replica could not fetch a handoff's payload (its export failed, or the prefill replica died with
+    it); the request can go on from its output so far."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Fetched:
     """The first item of `EngineReplica.generate_from_handoff`: the payload arrived (its K/V bytes)."""
@@ -192,10 +197,14 @@ class EngineReplica:
           `Fetched` once the payload is here, then the request's outputs after its first token.
 
         Raises:
-          ValueError: a payload this engine cannot take (`Engine.import_kv`); whatever fetching it raised.
+          HandoffLost: fetching the payload failed (naming why).
+          ValueError: a payload this engine cannot take (`Engine.import_kv`).
         """
         (ref,) = payload
-        handoff = await ref
+        try:
+            handoff = await ref
+        except Exception as e:  # noqa: BLE001 - whatever failed upstream, this replica can go on without it
+            raise HandoffLost(f"the K/V handoff did not arrive: {type(e).__name__}: {e}") from None
         yield Fetched(handoff.nbytes)
         async for out in self._engine().generate_from_handoff(handoff, params, request_id):
             yield out

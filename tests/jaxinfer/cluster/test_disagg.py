@@ -97,6 +97,30 @@ def test_a_quantized_wire_moves_fewer_bytes(disagg_pool, tiny_config):
         server.stop()
 
 
+def test_a_handoff_that_does_not_arrive_goes_on_from_the_first_token(disagg_pool, tiny_config, reference):
+    """The prefill replica's export fails (a wire dtype past the flag's check): the decode replica resumes the
+    request from its first token, and the client's stream is still one engine's."""
+    import ray
+
+    broken = DisaggConfig(min_prefill_tokens=0, local_cached_share=1.0)
+    object.__setattr__(broken, "wire_dtype", "float16")
+    prefill = disagg_pool["prefill"]
+    server = _router(tiny_config, [prefill, disagg_pool["decode"]], broken)
+    try:
+        want = reference.generate([Prompt(tuple(PROMPTS[2]))], SEEDED, use_tqdm=False)[0].outputs[0]
+        text, logprobs = _complete(server, PROMPTS[2], SEEDED, stream=True)
+        assert text == want.text
+        np.testing.assert_allclose(logprobs, [e[t].logprob for e, t in zip(want.logprobs, want.token_ids)],
+                                   rtol=1e-4, atol=1e-4)
+        counters = server.cluster.counters
+        assert (counters.handoffs, counters.resubmissions) == (0, {"handoff": 1})
+        assert all(r.target.up for r in server.cluster.replicas)
+        stats = ray.get(prefill.actor.stats.remote())[0]
+        assert stats["kv_pages_used"] == 0  # the K/V held for the handoff was freed (cached pages count as free)
+    finally:
+        server.stop()
+
+
 def _metric(text: str, name: str, labels: str = "") -> float:
     return float(re.search(rf'^jaxinfer:{name}\{{model_name="tiny"{labels}}} (\S+)$', text, re.M).group(1))
 
