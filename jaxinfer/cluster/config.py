@@ -19,7 +19,8 @@ class ClusterConfig:
       ray_address: the Ray cluster to join (`ray.init(address=...)`, e.g. "auto" or "10.0.0.1:6379"); None
         starts a local Ray instance with this machine's resources.
       replica_cpus: CPUs Ray reserves for each replica (> 0; a fraction shares a core).
-      replica_gpus: GPUs per replica (>= 0); None: 1 where the cluster has GPUs, else 0.
+      replica_gpus: GPUs per replica (>= 0); None: where the cluster has GPUs, as many as the replica's engine uses
+        devices (tensor x expert parallel size), else 0.
       start_timeout_s: how long all replicas may take to load their model and compile (seconds, > 0).
       health_period_s: how often the router asks every replica for its stats (its health check), seconds, > 0.
       health_timeout_s: a replica that has not answered within this is down (seconds, > 0); so is one whose

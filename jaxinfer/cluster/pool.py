@@ -4,8 +4,8 @@
    None), unless this process is connected already.
 2. `ReplicaPool.start` creates `num_replicas` mixed `EngineReplica` actors, then `prefill_replicas` and
    `decode_replicas` ones (each role may get engine options of its own: a TP degree, batch limits). Each asks Ray
-   for `replica_cpus` CPUs and `replica_gpus` GPUs (default: one GPU where the cluster has GPUs, none where it
-   has not): Ray places them on any node with those resources free, and gives a GPU replica its own device. A CPU
+   for `replica_cpus` CPUs and `replica_gpus` GPUs (default: as many GPUs as its engine uses devices where the
+   cluster has GPUs, none where it has not): Ray places them on any node with those resources free, and gives a GPU replica its own device. A CPU
    replica whose engine needs several devices (`tensor_parallel_size` x `expert_parallel_size`) gets that many
    host devices (`XLA_FLAGS=--xla_force_host_platform_device_count`, in its actor's environment). Nothing else
    about the cluster is assumed. Every replica's engine is built in parallel; `start` returns once all of them
@@ -53,15 +53,21 @@ def connect(cluster: ClusterConfig) -> bool:
     return True
 
 
-def _gpus_per_replica(cluster: ClusterConfig) -> float:
+def _num_devices(config: EngineConfig) -> int:
+    return config.tensor_parallel_size * config.expert_parallel_size
+
+
+def _gpus_per_replica(cluster: ClusterConfig, config: EngineConfig) -> float:
+    """`replica_gpus`, or where unset, as many GPUs as the replica's engine uses devices when the cluster has
+    GPUs, else 0."""
     if cluster.replica_gpus is not None:
         return cluster.replica_gpus
-    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    return float(_num_devices(config)) if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
 def _runtime_env(config: EngineConfig, gpus: float) -> dict | None:
     """A CPU replica's environment when its engine needs several devices (module docstring, item 2), else None."""
-    num_devices = config.tensor_parallel_size * config.expert_parallel_size
+    num_devices = _num_devices(config)
     if gpus > 0 or num_devices <= 1:
         return None
     flags = os.environ.get("XLA_FLAGS", "").split()
@@ -118,7 +124,6 @@ class ReplicaPool:
           RuntimeError: a replica failed otherwise, died while starting, or did not start in `start_timeout_s`.
         """
         ray_started = await asyncio.to_thread(connect, cluster)
-        gpus = _gpus_per_replica(cluster)
         prefix = f"jaxinfer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         roles = [(ReplicaRole.MIXED, f"{prefix}-{i}") for i in range(cluster.num_replicas)]
         roles += [(ReplicaRole.PREFILL, f"{prefix}-p{i}") for i in range(cluster.prefill_replicas)]
@@ -127,11 +132,12 @@ class ReplicaPool:
         actors = []
         for role, name in roles:
             role_config = (role_configs or {}).get(role, config)
+            gpus = _gpus_per_replica(cluster, role_config)
             actors.append(actor_class.options(name=name, num_cpus=cluster.replica_cpus, num_gpus=gpus,
                                               max_restarts=cluster.max_restarts,
                                               runtime_env=_runtime_env(role_config, gpus))
                           .remote(role_config, name, role))
-        logger.info("starting %d replicas (%s CPUs, %s GPUs each) on Ray", len(actors), cluster.replica_cpus, gpus)
+        logger.info("starting %d replicas (%s CPUs each) on Ray", len(actors), cluster.replica_cpus)
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(a.start.remote() for a in actors)),
                                            cluster.start_timeout_s)

@@ -60,7 +60,8 @@ def _add_cluster_options(srv) -> None:
     ray.add_argument("--replica-cpus", type=float, default=ClusterConfig.replica_cpus,
                      help="CPUs Ray reserves per replica (default %(default)s)")
     ray.add_argument("--replica-gpus", type=float, default=None,
-                     help="GPUs per replica (default: 1 where the Ray cluster has GPUs, else 0)")
+                     help="GPUs per replica (default: where the Ray cluster has GPUs, as many as the replica's engine "
+                          "uses devices (--tp x --ep), else 0)")
     ray.add_argument("--replica-max-restarts", type=int, default=ClusterConfig.max_restarts,
                      help="how many times Ray restarts a replica that died (default %(default)s; -1: no limit)")
     ray.add_argument("--routing", choices=POLICY_NAMES, default=RoutingConfig.policy.value,
