@@ -5,10 +5,11 @@
    `Engine` (the tokenizer, the model's config and context, `make_prompt`, `stats()`). A request without a seed
    gets one here, so that any replica that continues it draws the keys the first would have.
 2. `_route` picks the replica that will decode the request among the decode and mixed replicas that are up
-   (`jaxinfer.cluster.routing`; with none up, among the prefill replicas), then, when the cluster has prefill replicas, whether a prefill replica computes
-   the prompt's K/V first (`jaxinfer.cluster.disagg.local_prefill_reason`) and which (routed the same way over
-   the prefill replicas). The prompt's pages go into the index of every replica it is sent to, and prompt +
-   output into the decoding one's when it finishes.
+   (`jaxinfer.cluster.routing`; with none up, among the prefill replicas), then, when the cluster has prefill
+   replicas, whether a prefill replica computes the prompt's K/V first
+   (`jaxinfer.cluster.disagg.local_prefill_reason`) and which (routed the same way over the prefill replicas).
+   The prompt's pages go into the index of every replica it is sent to, and prompt + output into the decoding
+   one's when it finishes.
 3. Locally: the decode replica streams the request (`EngineReplica.generate`). Disaggregated
    (`_disaggregated`): the prefill replica's first token is streamed to the client at once; then the router asks
    it to export the K/V (`export_kv`) and hands the export's Ray object reference, unfetched, to the decode

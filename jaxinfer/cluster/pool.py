@@ -5,9 +5,10 @@
 2. `ReplicaPool.start` creates `num_replicas` mixed `EngineReplica` actors, then `prefill_replicas` and
    `decode_replicas` ones (each role may get engine options of its own: a TP degree, batch limits). Each asks Ray
    for `replica_cpus` CPUs and `replica_gpus` GPUs (default: as many GPUs as its engine uses devices where the
-   cluster has GPUs, none where it has not): Ray places them on any node with those resources free, and gives a GPU replica its own device. A CPU
-   replica whose engine needs several devices (`tensor_parallel_size` x `expert_parallel_size`) gets that many
-   host devices (`XLA_FLAGS=--xla_force_host_platform_device_count`, in its actor's environment). Nothing else
+   cluster has GPUs, none where it has not): Ray places them on any node with those resources free, and gives a
+   GPU replica its own devices. A CPU replica whose engine needs several devices (`tensor_parallel_size` x
+   `expert_parallel_size`) gets that many host devices (`XLA_FLAGS=--xla_force_host_platform_device_count`, in its
+   actor's environment). Nothing else
    about the cluster is assumed. Every replica's engine is built in parallel; `start` returns once all of them
    answer `start()` and agree on the model and page size (`check_compatible`), and fails (stopping the ones that
    did start) when one fails or `start_timeout_s` passes.

@@ -69,11 +69,12 @@ def test_the_cluster_drives_engines_not_devices():
 
 def test_only_the_cluster_imports_ray():
     """Ray is an optional extra (`jaxinfer[cluster]`): nothing outside `jaxinfer.cluster` imports it, nor the cluster
-    modules the command line reads before it knows it needs Ray (the package, its config and routing)."""
+    modules the command line reads before it knows it needs Ray (the package, its config, routing and disagg)."""
     outside = [f"{imp.importer}:{imp.line} imports {imp.imported}" for m, imps in GRAPH.items()
                if not _under(m, "jaxinfer.cluster") for imp in imps if _under(imp.imported, "ray")]
     assert outside == []
-    for module in ("jaxinfer.cluster", "jaxinfer.cluster.config", "jaxinfer.cluster.routing"):
+    for module in ("jaxinfer.cluster", "jaxinfer.cluster.config", "jaxinfer.cluster.routing",
+                   "jaxinfer.cluster.disagg"):
         assert [imp.imported for imp in GRAPH[module] if _under(imp.imported, "ray")] == []
 
 
