@@ -55,7 +55,8 @@ async def _first_and_second(cluster: ClusterEngine, prompt: Prompt, params: Samp
 
 
 async def _multi_turn(pool: ReplicaPool, policy: str, salt: str, args, vocab: int) -> dict:
-    cluster = ClusterEngine(ReplicaPool(pool.replicas, owned=False), RoutingConfig(policy), owns_pool=False)
+    cluster = ClusterEngine(ReplicaPool(pool.replicas, owned=False),
+                            RoutingConfig(policy, max_imbalance=args.max_imbalance), owns_pool=False)
     rng = np.random.default_rng(1)
     system = rng.integers(100, vocab, args.system_tokens).tolist()
     users = [[rng.integers(100, vocab, args.user_tokens).tolist() for _ in range(args.turns)]
@@ -155,6 +156,8 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=64)
     parser.add_argument("--user-tokens", type=int, default=48)
     parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--max-imbalance", type=int, default=RoutingConfig.max_imbalance,
+                        help="cache_aware's guard (--routing-max-imbalance)")
     parser.add_argument("--lengths", default="128,512,1024", help="handoff context lengths; empty: skip")
     parser.add_argument("--wire", default="float32,bfloat16,int8")
     parser.add_argument("--reps", type=int, default=3)
