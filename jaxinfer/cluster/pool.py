@@ -148,6 +148,8 @@ class ReplicaPool:
                 ray.kill(actor, no_restart=True)
             if ray_started:
                 ray.shutdown()
+            if isinstance(e, asyncio.CancelledError):  # a stop signal during start-up: not a failure
+                raise
             cause = unwrap(e)
             if isinstance(cause, ValueError):
                 raise cause from None

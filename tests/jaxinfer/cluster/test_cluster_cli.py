@@ -155,6 +155,27 @@ def test_serve_replicas_joins_a_ray_cluster_answers_503_without_replicas_and_sto
             proc.wait()
 
 
+def test_a_stop_signal_while_the_replicas_start_exits_0_and_leaves_no_replica(ray_address, tiny_chat_dir):
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--replicas", "2", "--ray-address", ray_address,
+           "--replica-cpus", "0.25", "--http-port", "0", "--model", str(tiny_chat_dir), "--page-size", str(PAGE_SIZE),
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(1 << 20)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        err = []
+        while not err or "starting 2 replicas" not in err[-1]:  # the router now waits for the replicas' start
+            err.append(proc.stderr.readline())
+            assert err[-1], "".join(err)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(err) + proc.stderr.read()
+        rest = "".join(err) + proc.stderr.read()
+        assert "Traceback" not in rest and " ERROR " not in rest, rest
+        assert _replica_actors(proc.pid) == []  # the pool killed what it had started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_replica_that_refuses_its_options_exits_2_with_its_message(ray_address, tiny_chat_dir):
     """On a Ray cluster the options are checked where the replicas run: the replica's ValueError is the command's."""
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--replicas", "2", "--ray-address", ray_address,
