@@ -1,4 +1,4 @@
-"""A replica killed mid-stream loses no request: 30 concurrent streamed requests (greedy, and seeded with penalties
+"""A replica killed mid-stream loses no request: 50 concurrent streamed requests (greedy, and seeded with penalties
 and a two-word stop string) over a prefill replica and two mixed replicas; one mixed replica's actor is killed
 (`ray.kill`, Ray restarts it) while it streams. Every client sees one unbroken stream equal to one in-process
 engine's output, the router counts the resubmissions, builds the restarted replica's engine again and routes to it
@@ -24,7 +24,7 @@ from jaxinfer.cluster.pool import ReplicaPool  # noqa: E402 - needs Ray
 from tests.jaxinfer.cluster.router_server import RouterServer  # noqa: E402
 from tests.jaxinfer.engine.tiny_model import random_prompts  # noqa: E402
 
-NUM_REQUESTS = 30
+NUM_REQUESTS = 50  # as issue 25 asks
 MAX_TOKENS = 24
 PROMPTS = random_prompts(NUM_REQUESTS, seed=31, min_len=6, max_len=40)
 
