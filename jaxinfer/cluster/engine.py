@@ -211,6 +211,8 @@ class ClusterEngine:
         Raises:
           EngineStoppedError: it cannot go on (no replica up, too many attempts, n > 1 after tokens streamed).
         """
+        if self._closed:  # the server is stopping and killed the replicas: nothing is sent again
+            raise EngineStoppedError("the server is shutting down")
         what = "its K/V handoff was lost" if lost.replica is None else f"replica {lost.replica.name} went down"
         if lost.replica is not None:
             lost.replica.set_up(False)

@@ -158,7 +158,7 @@ class ServedCluster(ServedEngine):
         try:
             while not self.stopping:
                 await asyncio.sleep(self.health.health_period_s / 2)
-                if self.serving != serving:
+                if self.serving != serving and not self.stopping:  # a stop is not an outage
                     serving = self.serving
                     logger.log(logging.INFO if serving else logging.ERROR,
                                "serving again" if serving else "no replica is reachable; reporting not serving")

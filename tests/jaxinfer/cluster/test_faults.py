@@ -107,3 +107,15 @@ def test_killing_a_replica_mid_stream_loses_no_request(ray_address, tiny_config,
         assert reply.usage.completion_tokens == 3 and victim.requests_routed == routed + 1  # its index is empty
     finally:
         server.stop()
+
+
+def test_nothing_is_sent_again_once_the_server_stops():
+    """A stopping server kills its replicas: the streams they held end with a plain shutdown message, not a
+    resubmission to a replica being killed, nor Ray's exception text."""
+    from jaxinfer.cluster.engine import ClusterEngine
+    from jaxinfer.engine.async_engine import EngineStoppedError
+
+    engine = ClusterEngine.__new__(ClusterEngine)  # only the flag `shutdown` sets matters here
+    engine._closed = True
+    with pytest.raises(EngineStoppedError, match="^the server is shutting down$"):
+        engine._resubmit(None, None, [], 0, "req-1", 1)
