@@ -113,6 +113,13 @@ def _cluster_configs(args: argparse.Namespace) -> tuple[ClusterConfig, RoutingCo
     for role, count in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
         if getattr(args, f"{role}_config") is not None and not count:
             raise ValueError(f"--{role}-config needs --{role}-replicas >= 1")
+    given = [flag for flag, value, default in (
+        ("--kv-wire-dtype", args.kv_wire_dtype, None),
+        ("--disagg-min-prefill-tokens", args.disagg_min_prefill_tokens, DisaggConfig.min_prefill_tokens),
+        ("--disagg-local-cached-share", args.disagg_local_cached_share, DisaggConfig.local_cached_share))
+        if value != default]
+    if given and not args.prefill_replicas:
+        raise ValueError(f"{', '.join(given)}: only for handoffs from prefill replicas; give --prefill-replicas >= 1")
     if replicas == 1 and not disaggregated and args.ray_address is None:
         return None
     if args.no_http:

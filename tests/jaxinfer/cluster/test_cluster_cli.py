@@ -45,6 +45,9 @@ def no_ray(monkeypatch):
     (["--prefill-replicas", "1", "--decode-replicas", "1", "--disagg-min-prefill-tokens", "-1"],
      "--disagg-min-prefill-tokens -1 must be an integer >= 0"),
     (["--decode-config", "d.json"], "--decode-config needs --decode-replicas >= 1"),
+    (["--kv-wire-dtype", "int8", "--disagg-min-prefill-tokens", "5"],
+     "--kv-wire-dtype, --disagg-min-prefill-tokens: only for handoffs from prefill replicas; give --prefill-replicas "
+     ">= 1"),
     (["--replicas", "2", "--replica-max-restarts", "-2"], "--replica-max-restarts -2 must be an integer >= -1"),
     (["--prefill-replicas", "1", "--replicas", "1", "--prefill-config", "/nonexistent.json"],
      "--prefill-config /nonexistent.json: config file /nonexistent.json: cannot be read: [Errno 2] No such file or "
