@@ -2,8 +2,8 @@
 
 1. `LLM(model, ...)` builds an `Engine`: model, tokenizer, paged KV cache, scheduler.
 2. `generate` adds every prompt as a request (all are validated first: one bad prompt raises `ValueError` and
-   nothing runs, unless `refused="output"` makes it a finished error output), then steps the engine until all finish; requests are continuously batched and long prompts are
-   prefilled in chunks between decodes. A call that raises, whatever the exception and wherever (a prompt, a
+   nothing runs, unless `refused="output"` makes it a finished error output), then steps the engine until all
+   finish; requests are continuously batched and long prompts are prefilled in chunks between decodes. A call that raises, whatever the exception and wherever (a prompt, a
    step, `on_output`), aborts its requests: none stays queued for the next call.
 3. Outputs come back in prompt order; `on_output` streams deltas as steps produce them.
 """
