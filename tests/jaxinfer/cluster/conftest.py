@@ -1,5 +1,9 @@
 """Fixtures of the cluster tests: ONE local Ray instance (2 CPUs) for the whole session, the tiny random Llama-3 with
-a chat template, and one pool of two tiny replicas that every router of the tests routes over."""
+a chat template, and one pool of two tiny replicas that every router of the tests routes over.
+
+Ray's CPU budget (2 logical CPUs per pytest worker): the session pools hold 2 x 0.5 + 3 x 0.25 = 1.75 until the
+session ends, so a test that starts replicas of its own asks for at most 0.25 in all (the CLI tests' replicas and
+the SmolLM2 ones take 0.1 each), or it waits for CPUs that never free."""
 
 from __future__ import annotations
 

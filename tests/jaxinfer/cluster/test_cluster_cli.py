@@ -118,7 +118,7 @@ def test_serve_replicas_joins_a_ray_cluster_answers_503_without_replicas_and_sto
     import openai
 
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--replicas", "2", "--ray-address", ray_address,
-           "--replica-cpus", "0.25", "--routing", "least_load", "--http-port", "0", "--served-model-name", "tiny-2",
+           "--replica-cpus", "0.1", "--routing", "least_load", "--http-port", "0", "--served-model-name", "tiny-2",
            "--grace-seconds", "1", "--model", str(tiny_chat_dir), "--no-warmup", "--page-size", str(PAGE_SIZE),
            "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(1 << 20)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -160,7 +160,7 @@ def test_serve_replicas_joins_a_ray_cluster_answers_503_without_replicas_and_sto
 
 def test_a_stop_signal_while_the_replicas_start_exits_0_and_leaves_no_replica(ray_address, tiny_chat_dir):
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--replicas", "2", "--ray-address", ray_address,
-           "--replica-cpus", "0.25", "--http-port", "0", "--model", str(tiny_chat_dir), "--page-size", str(PAGE_SIZE),
+           "--replica-cpus", "0.1", "--http-port", "0", "--model", str(tiny_chat_dir), "--page-size", str(PAGE_SIZE),
            "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(1 << 20)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -182,7 +182,7 @@ def test_a_stop_signal_while_the_replicas_start_exits_0_and_leaves_no_replica(ra
 def test_a_replica_that_refuses_its_options_exits_2_with_its_message(ray_address, tiny_chat_dir):
     """On a Ray cluster the options are checked where the replicas run: the replica's ValueError is the command's."""
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--replicas", "2", "--ray-address", ray_address,
-           "--replica-cpus", "0.25", "--http-port", "0", "--model", str(tiny_chat_dir), "--no-warmup",
+           "--replica-cpus", "0.1", "--http-port", "0", "--model", str(tiny_chat_dir), "--no-warmup",
            "--page-size", str(PAGE_SIZE), "--kv-cache-memory-bytes", "100"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert done.returncode == 2, done.stderr
