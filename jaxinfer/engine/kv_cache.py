@@ -129,6 +129,7 @@ class PagedKVCache:
             if self.sharding is not None:
                 self._spec = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                           self._spec, self.sharding)
+            zeros = zeros.lower().compile()  # here, so that no compile of it lands inside a warm-up's counts
             fill = concurrent.futures.ThreadPoolExecutor(1, "jaxinfer-kv-fill")
             self._filling = fill.submit(lambda: jax.block_until_ready(zeros()))
             fill.shutdown(wait=False)
