@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 import jax
 
-from pallas_kernels.flash_attention import flash_attention_gpu, flash_attention_tpu
-from pallas_kernels.paged_attention import paged_attention_gpu, paged_attention_reference, paged_attention_tpu
+from pallas_kernels.paged_attention import paged_attention_reference
 
 
 class AttentionBackend(enum.Enum):
@@ -72,7 +71,13 @@ def select_attention(backend: str | AttentionBackend = "auto", platform: str | N
     if choice is AttentionBackend.REFERENCE or (choice is AttentionBackend.AUTO and platform == "cpu"):
         return REFERENCE_OPS
     if platform == "gpu":
+        from pallas_kernels.flash_attention.gpu import flash_attention_gpu  # TPU / GPU kernels: imported when chosen
+        from pallas_kernels.paged_attention.gpu import paged_attention_gpu
+
         return AttentionOps("pallas-gpu", paged_attention_gpu, flash_attention_gpu)
+    from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+    from pallas_kernels.paged_attention.tpu import paged_attention_tpu
+
     if platform == "tpu":
         return AttentionOps("pallas-tpu", paged_attention_tpu, flash_attention_tpu)
     return AttentionOps("pallas-tpu-interpret", functools.partial(paged_attention_tpu, interpret=True),

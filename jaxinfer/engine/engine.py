@@ -112,6 +112,7 @@ class Engine:
         self._seed_rng = np.random.default_rng(config.seed)
         # the start-up compile (None with warmup off); it may still be loading shapes in the background
         self.warmup = start_warmup(self.runner, config, self.spec_policy)
+        self.runner.kv.wait_filled()  # overlapped with the above; a failed fill fails the start
         self._followers_released = False
         if multihost.is_multi_process() and multihost.is_leader():
             atexit.register(self.shutdown)

@@ -9,6 +9,7 @@ split over KV heads. In a multi-host run each move is broadcast to the followers
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 from collections.abc import Sequence
@@ -85,7 +86,8 @@ class PagedKVCache:
 
     Attributes:
       kv_dtype: the cache's page dtype (`kv_dtype` above).
-      cache: the target's `KVCache`, leaves [L, num_pages, ...]; device calls donate it and store the new one.
+      cache: the target's `KVCache`, leaves [L, num_pages, ...]; device calls donate it and store the new one. In
+        one process it is zero-filled in a background thread from construction on, and the first read waits.
       draft_cache: the draft model's own `KVCache`, or None.
       sharding: per-leaf `NamedSharding` of `cache` on the mesh, or None without a mesh.
       replicated: the mesh's fully replicated sharding, or None without a mesh.
@@ -116,8 +118,21 @@ class PagedKVCache:
             self._token_shardings = tuple(jax.sharding.NamedSharding(mesh, logical_to_spec(
                 [a for a in axes if a != "pages"])) for axes in (KVCache.LOGICAL_AXES, KVCache.SCALE_LOGICAL_AXES))
             self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.cache = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
-                             out_shardings=self.sharding)()
+        zeros = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
+                        out_shardings=self.sharding)
+        self._cache: KVCache | None = None
+        self._filling: concurrent.futures.Future | None = None
+        if multihost.is_multi_process():  # every process launches the same computations in the same order
+            self._cache = zeros()
+        else:  # zero-filling GiBs of fresh memory takes seconds: the rest of the start-up runs meanwhile
+            self._spec = jax.eval_shape(zeros)  # one device: uncommitted, as the fill's arrays are (no sharding)
+            if self.sharding is not None:
+                self._spec = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                          self._spec, self.sharding)
+            zeros = zeros.lower().compile()  # here, so that no compile of it lands inside a warm-up's counts
+            fill = concurrent.futures.ThreadPoolExecutor(1, "jaxinfer-kv-fill")
+            self._filling = fill.submit(lambda: jax.block_until_ready(zeros()))
+            fill.shutdown(wait=False)
         self.draft_cache = None
         if draft_cfg is not None:
             self.draft_cache = jax.jit(functools.partial(KVCache.zeros, draft_cfg, num_pages, page_size, kv_dtype))()
@@ -130,6 +145,30 @@ class PagedKVCache:
                               out_shardings=self.sharding)
         self.host_pages: dict[int, KVCache | tuple[KVCache, int]] = {}
         self._unsettled: list[int] = []  # host pages whose data are still device arrays in flight to the host
+
+    @property
+    def cache(self) -> KVCache:
+        """The target's device cache; the first read waits for its zero fill (raising what the fill raised)."""
+        if self._cache is None:
+            self._cache, self._filling = self._filling.result(), None
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: KVCache) -> None:
+        self._cache, self._filling = cache, None
+
+    def wait_filled(self) -> None:
+        """Waits for the zero fill of the cache (no-op once done).
+
+        Raises:
+          what the fill raised (e.g. XLA's out-of-memory error).
+        """
+        self.cache  # noqa: B018 - the property waits
+
+    def cache_for_lowering(self) -> KVCache:
+        """The cache, or while its zero fill runs its shapes and shardings (`jax.ShapeDtypeStruct` leaves): enough
+        for `jit(...).lower`, so a warm-up compile need not wait for the fill."""
+        return self._spec if self._cache is None and not self._filling.done() else self.cache
 
     def _global(self, tree):
         return multihost.global_inputs(tree, self.mesh)

@@ -78,6 +78,8 @@ class ModelRunner:
       output_vocab: logits columns `compute_logits` returns; default V. A model padded for TP has a larger V.
       draft: speculative decoding's draft model (`jaxinfer.engine.spec_decode.draft`), or None. One with a cache
         of its own gets one in `kv` (same pages), and every step also runs it over the step's tokens.
+      kv: a `PagedKVCache` built beforehand for these arguments (start-up allocates it before the weights load,
+        `jaxinfer.engine.startup`), or None to build one here.
 
     Attributes:
       kv: the `PagedKVCache`: device caches (`kv_cache`, `draft_cache` are its), host tier, page moves.
@@ -89,7 +91,8 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, *, num_pages: int, page_size: int, kv_dtype: jnp.dtype,
                  scan_layers: bool = False, attention: AttentionOps = REFERENCE_OPS, vocab_limit: int | None = None,
                  max_pages_per_seq: int | None = None, mesh: jax.sharding.Mesh | None = None,
-                 output_vocab: int | None = None, draft: draft_lib.DraftModel | None = None) -> None:
+                 output_vocab: int | None = None, draft: draft_lib.DraftModel | None = None,
+                 kv: PagedKVCache | None = None) -> None:
         self.cfg = cfg
         # Unrolled: one array per layer weight, so no layer's weights are sliced (copied) out of a stack per step.
         self.weights = weights if scan_layers else unstack_layers(weights)
@@ -106,8 +109,8 @@ class ModelRunner:
         self.attention = attention
         self.draft = draft
         own_draft_cache = draft is not None and not draft.shares_target_cache
-        self.kv = PagedKVCache(cfg, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
-                               draft_cfg=draft.cfg if own_draft_cache else None)
+        self.kv = kv or PagedKVCache(cfg, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
+                                     draft_cfg=draft.cfg if own_draft_cache else None)
         self._compiled: dict[tuple, Callable] = {}  # ahead-of-time compiled calls by `_compiled_key`
         self._draft_probs = None  # the last proposal's draft probabilities, on device, for the verify step
         self._jit_calls(scan_layers)
@@ -199,10 +202,12 @@ class ModelRunner:
         return tokens, metadata, self._sampling_arrays(rows, rows_pad), prompt
 
     def step_args(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays,
-                  prompt: tuple | None = None) -> tuple:
-        """The jitted step's arguments for these host arrays."""
+                  prompt: tuple | None = None, lowering: bool = False) -> tuple:
+        """The jitted step's arguments for these host arrays (`lowering`: for `compile_ahead`, which does not wait
+        for the KV cache's zero fill, `PagedKVCache.cache_for_lowering`)."""
         tokens, metadata, sampling, prompt = multihost.global_inputs((tokens, metadata, sampling, prompt), self.mesh)
-        return self.weights, tokens, metadata, self.kv_cache, sampling, prompt, *self._draft_args()
+        cache = self.kv.cache_for_lowering() if lowering else self.kv_cache
+        return self.weights, tokens, metadata, cache, sampling, prompt, *self._draft_args()
 
     def run_step(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays,
                  prompt: tuple | None = None) -> tuple[SampleOutput, jax.Array, PromptLogprobRows | None]:

@@ -83,7 +83,7 @@ def _compile_step(runner: ModelRunner, kind: str, n: int, width: int, row: Sampl
         chunks = [ScheduledChunk([0] * n, context - n, [NULL_PAGE] * width)]
     else:
         chunks = [ScheduledChunk([0] * n, 0, [NULL_PAGE] * width)]
-    runner.compile_ahead("step", runner.step_args(*runner.step_inputs(chunks, [row] * len(chunks))))
+    runner.compile_ahead("step", runner.step_args(*runner.step_inputs(chunks, [row] * len(chunks)), lowering=True))
 
 
 def _compile_spec(runner: ModelRunner, kind: str, batch: int, drafts: int, num_spec_tokens: int, width: int,

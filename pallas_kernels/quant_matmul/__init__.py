@@ -13,12 +13,20 @@ Formats (plain arrays, `models.quant`'s layout with one kept and one contracted 
 
 from __future__ import annotations
 
-import jax
-from jax.experimental.pallas import tpu as pltpu
+from typing import TYPE_CHECKING
 
-from pallas_kernels.quant_matmul.gpu import GpuBlocks, weight_only_matmul_gpu
+import jax
+
+from pallas_kernels.lazy import lazy_exports
 from pallas_kernels.quant_matmul.reference import MAX_ROWS, check_args, dequantize, weight_only_matmul_reference
-from pallas_kernels.quant_matmul.tpu import TpuBlocks, weight_only_matmul_tpu
+
+if TYPE_CHECKING:
+    from jax.experimental.pallas import tpu as pltpu
+
+__getattr__ = lazy_exports(__name__, {"GpuBlocks": "pallas_kernels.quant_matmul.gpu",
+                                      "weight_only_matmul_gpu": "pallas_kernels.quant_matmul.gpu",
+                                      "TpuBlocks": "pallas_kernels.quant_matmul.tpu",
+                                      "weight_only_matmul_tpu": "pallas_kernels.quant_matmul.tpu"})
 
 BACKENDS = ("auto", "tpu", "gpu", "reference")
 
@@ -53,8 +61,12 @@ def weight_only_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: j
         platform = jax.default_backend()
         backend = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "reference")
     if backend == "tpu":
+        from pallas_kernels.quant_matmul.tpu import weight_only_matmul_tpu
+
         return weight_only_matmul_tpu(x, values, scale, min, group_size=group_size, interpret=interpret)
     if backend == "gpu":
+        from pallas_kernels.quant_matmul.gpu import weight_only_matmul_gpu
+
         return weight_only_matmul_gpu(x, values, scale, min, group_size=group_size, interpret=bool(interpret))
     return weight_only_matmul_reference(x, values, scale, min, group_size=group_size)
 

@@ -113,3 +113,17 @@ def test_library_modules_stay_small():
         if lines > limit:
             too_long.append(f"{rel}: {lines} lines > {limit}")
     assert too_long == []
+
+
+def test_an_engine_start_imports_no_tpu_or_gpu_kernel():
+    """The Pallas TPU / GPU kernels are imported when chosen (`pallas_kernels.lazy`): `jax.experimental.pallas.tpu`
+    and `.triton` cost about 0.25 s of every CPU start, where they never run."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxinfer.engine.engine, jaxinfer.serving.serve; "
+            "print(sorted(m for m in sys.modules if m.startswith('jax.experimental.pallas') "
+            "or m.endswith(('.tpu', '.gpu')) and m.startswith('pallas_kernels')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -88,3 +88,28 @@ def test_a_damaged_entry_is_deleted_and_the_model_file_loaded_again(cache, monke
 
 
 real_read_gguf = loader.read_gguf
+
+
+def test_the_mapped_reader_reads_what_safetensors_wrote(tmp_path):
+    """`read_mapped` (the restore's zero-copy reader) against the safetensors library's own reader, every dtype the
+    cache may hold and odd shapes; a cut file is a ValueError (a damaged entry, reloaded), not a crash."""
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(0)
+    arrays = {"a/f32": rng.standard_normal((3, 5)).astype(np.float32),
+              "b/bf16": rng.standard_normal((7,)).astype(ml_dtypes.bfloat16),
+              "c/f16": rng.standard_normal((2, 1, 3)).astype(np.float16),
+              "d/i32": rng.integers(-9, 9, (4, 4)).astype(np.int32), "e/u8": rng.integers(0, 255, (5,)).astype(np.uint8),
+              "f/scalar": np.array(2.5, np.float32), "g/empty": np.zeros((0, 3), np.float32)}
+    save_file(arrays, tmp_path / "w.safetensors", metadata={"source": "test"})
+    got, want = model_cache.read_mapped(tmp_path / "w.safetensors"), load_file(tmp_path / "w.safetensors")
+    assert sorted(got) == sorted(want) == sorted(arrays)
+    for name in arrays:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        assert got[name].tobytes() == want[name].tobytes() == arrays[name].tobytes()
+        assert not got[name].flags.writeable
+    data = (tmp_path / "w.safetensors").read_bytes()
+    for cut in (4, len(data) - 3):
+        (tmp_path / "cut.safetensors").write_bytes(data[:cut])
+        with pytest.raises(ValueError):
+            model_cache.read_mapped(tmp_path / "cut.safetensors")
