@@ -24,12 +24,10 @@ Matmul paths (`qeinsum`):
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,25 +35,15 @@ import jax.numpy as jnp
 from models.quant import QuantizedWeight, quantize_rows
 from pallas_kernels import cpu_gemv, quant_matmul
 
-_native_allowed = contextvars.ContextVar("native_matmuls", default=True)
-
-
-@contextlib.contextmanager
-def native_matmuls(allowed: bool) -> Iterator[None]:
-    """Allows (the default) or forbids the native CPU kernels for the matmuls traced inside the block."""
-    token = _native_allowed.set(allowed)
-    try:
-        yield
-    finally:
-        _native_allowed.reset(token)
+native_matmuls = cpu_gemv.native_kernels  # allows or forbids the native kernels (matmuls and paged attention)
 
 
 def native_unless_sharded(fn: Callable) -> Callable:
-    """Decorates a function with a keyword `mesh`: its matmuls may use the native kernels only without a mesh
-    of more than one device."""
+    """Decorates a function with a keyword `mesh`: its matmuls and attention may use the native kernels only
+    without a mesh of more than one device."""
     @functools.wraps(fn)
     def wrapper(*args, mesh: jax.sharding.Mesh | None = None, **kwargs):
-        with native_matmuls(_native_allowed.get() and (mesh is None or mesh.size == 1)):
+        with native_matmuls(cpu_gemv.native_allowed() and (mesh is None or mesh.size == 1)):
             return fn(*args, mesh=mesh, **kwargs)
     return wrapper
 
@@ -153,7 +141,7 @@ def slice_layer(layers, index: jax.Array, refs: Sequence[str] = ()):
 def layer_refs_apply(rows: int) -> bool:
     """Whether `LayerRef`s pay off for a step of `rows` token rows traced now: the native CPU kernels may run its
     matmuls (else XLA's dots take a slice anyway, and the usual scan over sliced layers is as good)."""
-    return (rows <= cpu_gemv.MAX_ROWS and _native_allowed.get() and jax.default_backend() == "cpu"
+    return (rows <= cpu_gemv.MAX_ROWS and cpu_gemv.native_allowed() and jax.default_backend() == "cpu"
             and cpu_gemv.active())
 
 
@@ -162,7 +150,7 @@ def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) ->
     applies: not on CPU, turned off, more than `MAX_ROWS` activation rows, an equation that is not
     "batch axes + contracted axes, weight -> batch axes + weight's kept axes", or a format or size the kernels
     do not take (they fall back to XLA)."""
-    if not _native_allowed.get():
+    if not cpu_gemv.native_allowed():
         return None
     ref = w if isinstance(w, LayerRef) else None
     if ref is not None:

@@ -22,6 +22,10 @@ CPUs this process may use; read once per process). The library is compiled at fi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +34,23 @@ from pallas_kernels.cpu_features import check_environment, isa_level  # noqa: F4
 from pallas_kernels.cpu_gemv import build
 
 MAX_ROWS = 8  # activation rows up to which the kernels beat XLA's dot (BENCHMARKS.md, "native kernels")
+_native_allowed = contextvars.ContextVar("native_kernels", default=True)
+
+
+@contextlib.contextmanager
+def native_kernels(allowed: bool) -> Iterator[None]:
+    """Allows (the default) or forbids the native kernels (matmuls and attention) for what is traced inside the
+    block (`models.quant_matmul.native_unless_sharded` forbids them on a multi-device mesh)."""
+    token = _native_allowed.set(allowed)
+    try:
+        yield
+    finally:
+        _native_allowed.reset(token)
+
+
+def native_allowed() -> bool:
+    """Whether code traced now may call the native kernels (`native_kernels`; `active` tells if they run here)."""
+    return _native_allowed.get()
 
 
 def active() -> bool:

@@ -1,9 +1,10 @@
-"""Builds and loads the native CPU matmul kernels (`gemv.cc`) once per ISA level, into a cache folder.
+"""Builds and loads the native CPU kernels (`gemv.cc`: matmuls; `paged_attention.cc`: decode attention) once per
+ISA level, into one library in a cache folder.
 
-The C++ source ships with the package and is compiled at first use with the machine's C++ compiler (`$CXX`, else
+The C++ sources ship with the package and are compiled at first use with the machine's C++ compiler (`$CXX`, else
 `g++`, else `c++`) against jaxlib's FFI headers (`jax.ffi.include_dir()`), then registered with
 `jax.ffi.register_ffi_target` for the CPU platform. The library lands in `$JAXINFER_NATIVE_CACHE` (default
-`~/.cache/jaxinfer/native`) under a name that hashes the source, the flags, the compiler and the headers, so a
+`~/.cache/jaxinfer/native`) under a name that hashes the sources, the flags, the compiler and the headers, so a
 changed source or jaxlib builds anew and concurrent processes never load a half-written file (each compiles to a
 temporary name and renames it into place). Without a compiler, or when the build fails, `load` logs one line and
 returns None: the callers fall back to XLA's dot.
@@ -27,9 +28,9 @@ from pallas_kernels.cpu_features import ISA_LEVELS, cpu_flags, supported_levels 
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("gemv.cc")
-HEADERS = (Path(__file__).with_name("threads.h"),)  # included by SOURCE; part of the cache key
-TARGETS = ("float_matmul", "int8_matmul", "i8i8_matmul", "q4_matmul")
+SOURCES = (Path(__file__).with_name("gemv.cc"), Path(__file__).with_name("paged_attention.cc"))
+HEADERS = (Path(__file__).with_name("threads.h"), Path(__file__).with_name("common.h"))  # part of the cache key
+TARGETS = ("float_matmul", "int8_matmul", "i8i8_matmul", "q4_matmul", "paged_attention")
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # ISA level -> registered (False: the build failed, do not retry)
 
@@ -55,7 +56,7 @@ def _compiler() -> str | None:
 
 def _command(cxx: str, level: str, output: Path) -> list[str]:
     return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-attributes", "-Wno-return-type",
-            *ISA_LEVELS[level][0], "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(output)]
+            *ISA_LEVELS[level][0], "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(output)]
 
 
 def library_path(level: str) -> Path | None:
@@ -66,7 +67,7 @@ def library_path(level: str) -> Path | None:
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "ffi.h"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *(h.read_text() for h in HEADERS),
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *(h.read_text() for h in HEADERS),
                                     " ".join(_command("cxx", level, Path("o"))), version,
                                     header.read_text() if header.exists() else ""]).encode()).hexdigest()[:16]
     path = cache_dir() / f"jaxinfer_gemv_{level}_{key}.so"

@@ -33,49 +33,27 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "common.h"
 #include "threads.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxinfer_gemv::at_layer;
+using jaxinfer_gemv::hsum;
+using jaxinfer_gemv::hsum_i32;
+using jaxinfer_gemv::load8;
 using jaxinfer_gemv::max_threads;
 using jaxinfer_gemv::parallel_chunks;
 using jaxinfer_gemv::rows_per_chunk;
+using jaxinfer_gemv::to_f32;
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "gemv.cc needs AVX2 and FMA (build.py passes -mavx2 -mfma)"
 #endif
 
 constexpr int kPrefetchBytes = 512;  // how far ahead of each weight stream to prefetch
-
-// ---------------------------------------------------------------------------------------------------------------
-// Loads of 8 weights as f32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // bf16: the upper half of an f32
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float to_f32(float v) { return v; }
-inline float to_f32(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // float_kn: y = x @ w for w [K, N] (K a multiple of 4). The work is split along K: each chunk reads a contiguous
@@ -333,18 +311,6 @@ void i16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const flo
 ffi::Error rank3(const ffi::AnyBuffer& b, const char* name) {
   if (b.dimensions().size() != 3) return ffi::Error::InvalidArgument(std::string(name) + " must be [L, rows, cols]");
   return ffi::Error::Success();
-}
-
-// The element offset of layer `layer` (clamped into [0, L), as XLA clamps dynamic slices) in a stacked buffer.
-int64_t layer_offset(const ffi::AnyBuffer& b, const ffi::Buffer<ffi::S32>& layer) {
-  int64_t num_layers = std::max<int64_t>(1, b.dimensions()[0]);
-  int64_t l = std::min<int64_t>(std::max<int64_t>(0, layer.typed_data()[0]), num_layers - 1);
-  return l * (b.element_count() / num_layers);
-}
-
-template <typename T>
-const T* at_layer(const ffi::AnyBuffer& b, const ffi::Buffer<ffi::S32>& layer) {
-  return reinterpret_cast<const T*>(b.untyped_data()) + layer_offset(b, layer);
 }
 
 template <typename T>

@@ -208,7 +208,7 @@ def test_build_into_a_fresh_cache_and_fallbacks(tmp_path, monkeypatch, caplog, l
     caplog.clear()
     assert build.library_path(level) == path and "compiling" not in caplog.text  # cached: no second build
     monkeypatch.setenv("CXX", "false")  # a compiler that fails: logged, no library, the callers use XLA
-    monkeypatch.setattr(build, "SOURCE", tmp_path / "changed.cc")
+    monkeypatch.setattr(build, "SOURCES", (tmp_path / "changed.cc",))
     (tmp_path / "changed.cc").write_text("int broken(")
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert build.library_path(level) is None

@@ -1,0 +1,64 @@
+// Helpers shared by the native CPU kernels (gemv.cc, paged_attention.cc): loads of bf16 / f32 as f32 vectors,
+// horizontal sums, and the layer of a stacked [L, ...] FFI buffer.
+#ifndef JAXINFER_CPU_GEMV_COMMON_H_
+#define JAXINFER_CPU_GEMV_COMMON_H_
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxinfer_gemv {
+
+// Loads of 8 values as f32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16: the upper half of an f32
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+// f32 -> bf16, rounding to nearest even (NaN stays a quiet NaN).
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+  return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The element offset of layer `layer` (clamped into [0, L), as XLA clamps dynamic slices) in a stacked buffer.
+inline int64_t layer_offset(const xla::ffi::AnyBuffer& b, const xla::ffi::Buffer<xla::ffi::S32>& layer) {
+  int64_t num_layers = std::max<int64_t>(1, b.dimensions()[0]);
+  int64_t l = std::min<int64_t>(std::max<int64_t>(0, layer.typed_data()[0]), num_layers - 1);
+  return l * (b.element_count() / num_layers);
+}
+
+template <typename T>
+const T* at_layer(const xla::ffi::AnyBuffer& b, const xla::ffi::Buffer<xla::ffi::S32>& layer) {
+  return reinterpret_cast<const T*>(b.untyped_data()) + layer_offset(b, layer);
+}
+
+}  // namespace jaxinfer_gemv
+
+#endif  // JAXINFER_CPU_GEMV_COMMON_H_
