@@ -2,9 +2,14 @@
 
 | backend       | TPU                   | GPU                   | CPU                                          |
 |---------------|-----------------------|-----------------------|----------------------------------------------|
-| `"auto"`      | TPU (Mosaic) kernels  | GPU (Triton) kernels  | references                                   |
+| `"auto"`      | TPU (Mosaic) kernels  | GPU (Triton) kernels  | native decode attention, else references (*) |
 | `"pallas"`    | TPU (Mosaic) kernels  | GPU (Triton) kernels  | TPU kernels in generic interpret mode (slow) |
 | `"reference"` | references            | references            | references                                   |
+
+(*) `pallas_kernels.cpu_gemv.paged_attention.paged_attention_cpu`: steps with at most `MAX_Q_LEN` query rows per
+sequence (decodes, verify windows) run the native CPU kernel when the native kernels are on, built and allowed
+(not on a multi-device mesh); prefill steps, and every step with `JAXINFER_NATIVE_KERNELS=0` or no compiler, run
+the reference.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 
 import jax
 
+from pallas_kernels.cpu_gemv.paged_attention import paged_attention_cpu
 from pallas_kernels.paged_attention import paged_attention_reference
 
 
@@ -30,7 +36,8 @@ class AttentionOps:
     """The attention functions of one backend.
 
     Attributes:
-      name: what runs, e.g. "reference", "pallas-tpu", "pallas-gpu", "pallas-tpu-interpret".
+      name: what runs, e.g. "reference", "cpu" (native decode attention, reference otherwise), "pallas-tpu",
+        "pallas-gpu", "pallas-tpu-interpret".
       paged: ragged paged attention, signature of `paged_attention_reference`.
       flash: causal attention over fresh tokens only (no cached context), signature of
         `flash_attention_reference`; None when `paged` serves those steps too (the reference path, where one
@@ -43,6 +50,7 @@ class AttentionOps:
 
 
 REFERENCE_OPS = AttentionOps("reference", paged_attention_reference, None)
+CPU_OPS = AttentionOps("cpu", paged_attention_cpu, None)  # native decode attention where it applies, else reference
 
 
 def select_attention(backend: str | AttentionBackend = "auto", platform: str | None = None) -> AttentionOps:
@@ -68,8 +76,10 @@ def select_attention(backend: str | AttentionBackend = "auto", platform: str | N
         platform = "gpu"
     if platform not in ("cpu", "gpu", "tpu"):
         raise ValueError(f"platform={platform!r} is not one of 'cpu', 'gpu', 'tpu'")
-    if choice is AttentionBackend.REFERENCE or (choice is AttentionBackend.AUTO and platform == "cpu"):
+    if choice is AttentionBackend.REFERENCE:
         return REFERENCE_OPS
+    if choice is AttentionBackend.AUTO and platform == "cpu":
+        return CPU_OPS
     if platform == "gpu":
         from pallas_kernels.flash_attention.gpu import flash_attention_gpu  # TPU / GPU kernels: imported when chosen
         from pallas_kernels.paged_attention.gpu import paged_attention_gpu
