@@ -152,7 +152,8 @@ class EngineConfig:
         "waits for a compile; tests and one-shot scripts turn it off"),
         Flag(command_defaults={"generate": False, "chat": False}))  # one prompt (or turn) needs few shapes
     attention_backend: str = _option("auto", (
-        "auto: Pallas kernels on TPU and GPU, the jnp reference on CPU; reference; or pallas (on CPU: the TPU "
+        "auto: Pallas kernels on TPU and GPU; on CPU the native decode attention for decode steps, the jnp "
+        "reference otherwise; reference; or pallas (on CPU: the TPU "
         "kernels in interpret mode, for testing; slow). See pallas_kernels.dispatch"),
         Flag(choices=ATTENTION_BACKENDS))
     tensor_parallel_size: int = _option(1, (

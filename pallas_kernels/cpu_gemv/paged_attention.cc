@@ -118,6 +118,14 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
+// Non-negative finite f32 lanes rounded to the nearest bf16 (ties to even), kept as f32.
+inline __m256 round_bf16(__m256 x) {
+  __m256i bits = _mm256_castps_si256(x);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+
 // q . k_i for eight keys k_0..7 (rows of `k`, H apart): eight independent FMA chains, then their sums reduced
 // together into one vector.
 inline __m256 dot8(const float* q, const float* k, int64_t H) {
@@ -149,6 +157,7 @@ struct Problem {
   int64_t T, N, H, K, G, P, page_size, W;  // q rows, q heads, head dim, kv heads, q heads per kv head, pages, ...
   int64_t B, max_q_len, window;           // window 0: none
   float sm_scale, soft_cap;               // soft_cap 0: none
+  bool bf16_probs;                        // probabilities rounded to bf16 before they weight the values
   const int32_t *kv_lens, *page_table, *cu_q_lens;
 };
 
@@ -289,6 +298,8 @@ void attend_span(const Problem& pr, const Item& it, const TQ* q, const TP* k_pag
         l[r] = alpha * l[r] + jaxinfer_gemv::hsum(sum);
         if (v_scale)
           for (int64_t i = a; i < e; ++i) sr[i] *= v_scale[base + i];  // sum_s p_s v_scale_s v_int_s
+        if (pr.bf16_probs)
+          for (int64_t i = 0; i < n8; i += 8) _mm256_storeu_ps(sr + i, round_bf16(_mm256_loadu_ps(sr + i)));
         if (alpha != 1.f)
           for (int64_t h = 0; h < H; ++h) acc[r * H + h] *= alpha;
       }
@@ -430,6 +441,8 @@ ffi::Error PagedAttention(ffi::AnyBuffer q, ffi::Buffer<ffi::S32> layer, ffi::An
   pr.T = qd[0], pr.N = qd[1], pr.H = qd[2], pr.K = kd[2], pr.G = pr.N / pr.K, pr.P = kd[1], pr.page_size = kd[3];
   pr.B = page_table.dimensions()[0], pr.W = page_table.dimensions()[1];
   pr.max_q_len = max_q_len, pr.window = sliding_window, pr.sm_scale = sm_scale, pr.soft_cap = soft_cap;
+  // as the reference: the probabilities take the values' dtype (quantized values: q's) before the value sum
+  pr.bf16_probs = k_pages.element_type() == ffi::BF16 || (quantized && q.element_type() == ffi::BF16);
   pr.kv_lens = kv_lens.typed_data(), pr.page_table = page_table.typed_data(), pr.cu_q_lens = cu_q_lens.typed_data();
   const float* ks = quantized ? at_layer<float>(k_scale, layer) : nullptr;
   const float* vs = quantized ? at_layer<float>(v_scale, layer) : nullptr;
