@@ -209,7 +209,23 @@ struct Item {
 // Per-thread scratch (reused across calls).
 struct Scratch {
   std::vector<float> q, keys, values, scores;
+  std::vector<float> key_scales = std::vector<float>(kTile), value_scales = std::vector<float>(kTile);
 };
+
+// The values of kv head kh at context positions [pos, pos + n) (n <= kTile; across pages) as f32 rows of `out`
+// [n, H], and their scales (quantized pages) in `scales`.
+template <typename TP>
+inline void gather(const Problem& pr, const int32_t* table, int64_t kh, const TP* pages, const float* scale,
+                   int64_t pos, int64_t n, float* out, float* scales) {
+  for (int64_t end = pos + n; pos < end;) {
+    const int64_t offset = pos % pr.page_size, count = std::min(pr.page_size - offset, end - pos);
+    const int64_t page = std::clamp<int64_t>(table[pos / pr.page_size], 0, pr.P - 1);
+    const int64_t token = (page * pr.K + kh) * pr.page_size + offset;
+    to_f32_row(pages + token * pr.H, out, count * pr.H);
+    if (scale) std::memcpy(scales, scale + token, count * sizeof(float));
+    out += count * pr.H, scales += count, pos += count;
+  }
+}
 
 // One work item: the rows (j, g) of sequence b's kv head kh over context positions [begin, end), into
 // m [R], l [R], acc [R, H] (R = rows x G, row j * G + g); unnormalized (acc / l is the output).
@@ -235,20 +251,11 @@ void attend_span(const Problem& pr, const Item& it, const TQ* q, const TP* k_pag
   const int32_t* table = pr.page_table + int64_t(it.b) * pr.W;
   prefetch(pr, table, it.kh, k_pages, v_pages, it.begin, std::min(it.begin + kPrefetchTokens, it.end));
   for (int64_t pos = it.begin; pos < it.end;) {
-    const int64_t page_index = pos / pr.page_size, offset = pos % pr.page_size;
-    const int64_t n = std::min({pr.page_size - offset, it.end - pos, kTile});
-    const int64_t page = std::clamp<int64_t>(table[page_index], 0, pr.P - 1);
-    const int64_t base = ((page * pr.K + it.kh) * pr.page_size + offset);  // first key's token index
-    const TP* kp = k_pages + base * H;
-    const TP* vp = v_pages + base * H;
+    const int64_t n = std::min(it.end - pos, kTile);
     prefetch(pr, table, it.kh, k_pages, v_pages, pos + kPrefetchTokens, std::min(pos + kPrefetchTokens + n, it.end));
-    const float* kf;
-    if constexpr (std::is_same_v<TP, float>) {
-      kf = kp;
-    } else {
-      to_f32_row(kp, sc.keys.data(), n * H);
-      kf = sc.keys.data();
-    }
+    gather(pr, table, it.kh, k_pages, k_scale, pos, n, sc.keys.data(), sc.key_scales.data());
+    gather(pr, table, it.kh, v_pages, v_scale, pos, n, sc.values.data(), sc.value_scales.data());
+    const float* kf = sc.keys.data();
     bool any = false;
     const int64_t n8 = (n + 7) / 8 * 8;
     for (int64_t j = 0; j < s.rows; ++j) {
@@ -274,7 +281,7 @@ void attend_span(const Problem& pr, const Item& it, const TQ* q, const TP* k_pag
           sr[i] = jaxinfer_gemv::hsum(d);
         }
         if (k_scale)
-          for (i = a; i < e; ++i) sr[i] *= k_scale[base + i];  // q . (k_int * k_scale)
+          for (i = a; i < e; ++i) sr[i] *= sc.key_scales[i];  // q . (k_int * k_scale)
         const __m256 scale = _mm256_set1_ps(pr.sm_scale);
         for (i = 0; i < n8; i += 8) _mm256_storeu_ps(sr + i, _mm256_mul_ps(_mm256_loadu_ps(sr + i), scale));
         if (pr.soft_cap > 0.f)
@@ -297,7 +304,7 @@ void attend_span(const Problem& pr, const Item& it, const TQ* q, const TP* k_pag
         }
         l[r] = alpha * l[r] + jaxinfer_gemv::hsum(sum);
         if (v_scale)
-          for (int64_t i = a; i < e; ++i) sr[i] *= v_scale[base + i];  // sum_s p_s v_scale_s v_int_s
+          for (int64_t i = a; i < e; ++i) sr[i] *= sc.value_scales[i];  // sum_s p_s v_scale_s v_int_s
         if (pr.bf16_probs)
           for (int64_t i = 0; i < n8; i += 8) _mm256_storeu_ps(sr + i, round_bf16(_mm256_loadu_ps(sr + i)));
         if (alpha != 1.f)
@@ -308,13 +315,7 @@ void attend_span(const Problem& pr, const Item& it, const TQ* q, const TP* k_pag
       pos += n;
       continue;
     }
-    const float* vf;
-    if constexpr (std::is_same_v<TP, float>) {
-      vf = vp;
-    } else {
-      to_f32_row(vp, sc.values.data(), n * H);
-      vf = sc.values.data();
-    }
+    const float* vf = sc.values.data();
     // acc += p @ v, 32 outputs of a row at a time in registers
     for (int64_t j = 0; j < s.rows; ++j) {
       int64_t lo, hi;
