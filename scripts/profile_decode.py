@@ -1,9 +1,10 @@
 """Where a decode step's time goes, by XLA op kind: a `jax.profiler` trace of a few `ModelRunner.execute` calls of
 one weight format (a `jaxinfer bench quant` format name), aggregated from the trace's XLA thread events.
 
-    .venv/bin/python scripts/profile_decode.py "int8 (w8a8)" --batch 1 [--unrolled]
+    .venv/bin/python scripts/profile_decode.py "int8 (w8a8)" --batch 1 [--unrolled] [--attention-backend reference]
 
-Prints the median step time untraced, then ms per step of each op kind (ffi_call = the native matmul kernels,
+Prints the median step time untraced, then ms per step of each op kind (ffi_call = the native matmul kernels and,
+with the attention backend "auto", the native decode attention,
 while = loops, including the layer scan itself, so nested times add up to more than the step; copy / ynn fusions
 inside the attention loop are its page gathers and dots). Tracing slows the step; compare kinds, not totals.
 """
@@ -34,11 +35,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--unrolled", action="store_true", help="scan_layers=False")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "reference"),
+                        help="auto: on CPU the native decode attention (an ffi_call per layer); reference: jnp")
     args = parser.parse_args()
     dtype, quantization = FORMATS[args.format]
     engine = Engine(EngineConfig.create(model=None, dtype=dtype, quantization=quantization, warmup=False,
                                         max_model_len=512, kv_cache_memory_bytes=KV_BYTES,
-                                        enable_prefix_caching=False, scan_layers=not args.unrolled))
+                                        enable_prefix_caching=False, scan_layers=not args.unrolled,
+                                        attention_backend=args.attention_backend))
     pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
     pages = engine.page_allocator.allocate(args.batch * pages_per_seq)
     chunks = _chunks(args.batch, pages, pages_per_seq, engine.runner.cfg.vocab_size)
