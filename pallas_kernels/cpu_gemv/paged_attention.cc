@@ -5,10 +5,12 @@
 // pallas_kernels/cpu_gemv/paged_attention.py.
 //
 // Decode attention reads each sequence's context once and does ~2 FMAs per query row per cached value, so the
-// kernel is built to read the context at memory speed: keys and values are visited one tile of at most kTile
-// positions (inside one page) at a time, converted to f32 once into a per-thread scratch that stays in L1, and
-// every query row of the kv head (G heads x q_len tokens, GQA) works on that tile while it is hot. The softmax is
-// FlashAttention's online one, in f32 (Dao et al. 2022): per row a running max m, sum l and output acc.
+// kernel is built to read the context once: keys and values are visited one tile of at most kTile positions at a
+// time (gathered across page boundaries, prefetched kPrefetchTokens ahead), converted to f32 once into a per-thread
+// scratch that stays in L1, and every query row of the kv head (G heads x q_len tokens, GQA) works on that tile
+// while it is hot. The softmax is FlashAttention's online one, in f32 (Dao et al. 2022): per row a running max m,
+// sum l and output acc. As in the reference, the probabilities are rounded to the values' dtype (bf16 pages, or
+// quantized ones with bf16 queries) before they weight the values.
 //
 // Work split (flash-decoding, Dao et al. 2023): one work item per (sequence, kv head, span of kSplitTokens
 // context positions). Spans sit at fixed multiples of kSplitTokens, so the partial results, and their combine in

@@ -54,9 +54,9 @@ def paged_attention_native(
     """Ragged paged attention of a few new query rows per sequence, by the native kernel.
 
     Same arguments, semantics and result as `paged_attention_reference` (causal, GQA, sliding window, soft cap,
-    quantized pages with their scales; padding rows and rows past `max_q_len` are 0). Differences: the
-    probabilities multiply the values in f32 (the reference rounds them to the values' dtype first) and the sums
-    run in another order, so results agree to f32 rounding for f32 pages and to about bf16 rounding otherwise.
+    quantized pages with their scales; padding rows and rows past `max_q_len` are 0), the probabilities rounded
+    to the values' dtype as there; the sums run in another order (spans of the context combined at the end), so
+    results agree to f32 rounding in f32 and to about bf16 rounding with bf16 pages or queries.
 
     Args:
       q: f32 or bf16 [T, N, H], H a multiple of 8.
