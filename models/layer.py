@@ -15,11 +15,11 @@ import numpy as np
 
 from models import moe
 from models.config import Activation, ModelConfig
-from models.quant_matmul import qeinsum
+from models.quant_matmul import embed_lookup, qeinsum
 from models.rope import apply_rope, rope_attention_factor
 
 if TYPE_CHECKING:
-    from models.llama import LayerWeights
+    from models.llama import LayerWeights, Weights
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -95,3 +95,26 @@ def soft_cap_logits(logits: jax.Array, cfg: ModelConfig) -> jax.Array:
     dtype, f32 from the LM head); the logits themselves when it is None. logits: [R, V]."""
     cap = cfg.final_logit_softcapping
     return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def embed_tokens(params: Weights, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The token embeddings x[T, D] of tokens i32[T] (in [0, V)), in `params.final_norm`'s dtype; Gemma scales them
+    by `cfg.embed_scale` (sqrt(D), rounded to the activation dtype first, as transformers does)."""
+    with jax.named_scope("embed"):
+        x = embed_lookup(params.embed, tokens, params.final_norm.dtype)  # [T, D]
+        if cfg.embed_scale != 1.0:
+            x = x * jnp.asarray(cfg.embed_scale, jnp.float32).astype(x.dtype)
+        return x
+
+
+def final_logits(params: Weights, x: jax.Array, logits_indices: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The final norm and LM head (the embedding, when tied) of the rows `logits_indices` (i32[R], in [0, T)) of
+    x[T, D]: logits f32[R, V], soft-capped (`soft_cap_logits`)."""
+    with jax.named_scope("lm_head"):
+        x = jnp.take(x, logits_indices, axis=0)  # [R, D]
+        x = layer_norm(x, params.final_norm, cfg)
+        if params.lm_head is None:
+            logits = qeinsum("rd,vd->rv", x, params.embed, preferred_element_type=jnp.float32)
+        else:
+            logits = qeinsum("rd,dv->rv", x, params.lm_head, preferred_element_type=jnp.float32)
+    return soft_cap_logits(logits, cfg)

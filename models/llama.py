@@ -19,9 +19,9 @@ import jax.numpy as jnp
 
 from models import moe, pytree
 from models.config import ModelConfig
-from models.layer import attention_inputs, attention_output_and_mlp, layer_norm, soft_cap_logits
+from models.layer import attention_inputs, attention_output_and_mlp, embed_tokens, final_logits
 from models.quant import QuantizedWeight
-from models.quant_matmul import embed_lookup, layer_refs_apply, native_unless_sharded, qeinsum, slice_layer
+from models.quant_matmul import layer_refs_apply, native_unless_sharded, slice_layer
 from models.rope import rope_frequencies
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from pallas_kernels.paged_attention import fake_quantize, write_kv
@@ -335,11 +335,20 @@ def forward(
     Returns:
       (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).
     """
-    with jax.named_scope("embed"):
-        x = embed_lookup(params.embed, tokens, params.final_norm.dtype)  # [T, D]
-        if cfg.embed_scale != 1.0:  # Gemma: sqrt(D), rounded to the activation dtype first as transformers does
-            x = x * jnp.asarray(cfg.embed_scale, jnp.float32).astype(x.dtype)
+    x = embed_tokens(params, tokens, cfg)  # [T, D]
+    x, kv_cache = run_layers(x, params.layers, metadata, kv_cache, cfg, num_layers=cfg.num_layers,
+                             scan_layers=scan_layers, attention=attention, mesh=mesh)
+    return final_logits(params, x, metadata.logits_indices, cfg), kv_cache
 
+
+def run_layers(x: jax.Array, layers: LayerWeights | tuple[LayerWeights, ...], metadata: AttentionMetadata,
+               kv_cache: KVCache, cfg: ModelConfig, *, num_layers: int, scan_layers: bool,
+               attention: AttentionOps = REFERENCE_OPS,
+               mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, KVCache]:
+    """The decoder layers 0 .. num_layers - 1 of `forward` on the activations x[T, D] -> [T, D], writing their
+    K/V into the stacked cache (cache layer i for layer i). Arguments as `forward`; `layers` is stacked [L, ...]
+    with L >= num_layers, or a tuple of per-layer weights (`unstack_layers`), and `cfg` need not have
+    num_layers layers (a pipeline stage runs its own slice of the stack, `models.pipeline`)."""
     def layer_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array) -> tuple[jax.Array, KVCache]:
         # Layer i writes into and reads from the stacked cache in place (no per-layer slice copies).
         with jax.named_scope("attention"):
@@ -357,39 +366,31 @@ def forward(
                                        i, max_q_len=metadata.max_q_len, **kw, **kv.scale_args())  # [T, N, H]
         return attention_output_and_mlp(x, attn, w, cfg, mesh), kv
 
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    if isinstance(params.layers, tuple) or not cfg.uniform_windows:
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
+    if isinstance(layers, tuple) or not cfg.uniform_windows:
         scan_layers = False  # per-layer arrays, or layers with differing windows (static args), run unrolled
     # on CPU the native matmul kernels read each dense projection inside its stack (no slice copied per layer)
-    refs = DENSE_PROJECTIONS if scan_layers and layer_refs_apply(tokens.shape[0]) else ()
-    if scan_layers and params.layers.attn_norm.shape[0] == cfg.num_layers and not refs:
+    refs = DENSE_PROJECTIONS if scan_layers and layer_refs_apply(x.shape[0]) else ()
+    if scan_layers and layers.attn_norm.shape[0] == num_layers and not refs:
         def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
             x, kv = carry
             w, i = xs
             return layer_step(x, w, kv, i), None
 
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params.layers, layer_ids))
-    elif scan_layers:  # index the stacks in the loop: LayerRefs, or the first cfg.num_layers of deeper stacked
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layers, layer_ids))
+    elif scan_layers:  # index the stacks in the loop: LayerRefs, or the first num_layers of deeper stacked
         # weights (self-drafting)
         def indexed_body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
             x, kv = carry
-            return layer_step(x, slice_layer(params.layers, i, refs), kv, i), None
+            return layer_step(x, slice_layer(layers, i, refs), kv, i), None
 
         (x, kv_cache), _ = jax.lax.scan(indexed_body, (x, kv_cache), layer_ids)
     else:
-        for i in range(cfg.num_layers):
-            if isinstance(params.layers, tuple):  # one array per layer weight (`unstack_layers`): no slicing
-                w = params.layers[i]
+        for i in range(num_layers):
+            if isinstance(layers, tuple):  # one array per layer weight (`unstack_layers`): no slicing
+                w = layers[i]
             else:
-                w = jax.tree.map(lambda a, i=i: a[i], params.layers)
+                w = jax.tree.map(lambda a, i=i: a[i], layers)
             with jax.named_scope(f"layer_{i}"):
                 x, kv_cache = layer_step(x, w, kv_cache, i)
-
-    with jax.named_scope("lm_head"):
-        x = jnp.take(x, metadata.logits_indices, axis=0)  # [R, D]
-        x = layer_norm(x, params.final_norm, cfg)
-        if params.lm_head is None:
-            logits = qeinsum("rd,vd->rv", x, params.embed, preferred_element_type=jnp.float32)
-        else:
-            logits = qeinsum("rd,dv->rv", x, params.lm_head, preferred_element_type=jnp.float32)
-    return soft_cap_logits(logits, cfg), kv_cache
+    return x, kv_cache
