@@ -46,7 +46,7 @@ from models.quant import PACKED_FORMATS, QuantizedWeight
 from models.quant_sharding import quantized_sharding
 from sharding.mesh import EP_AXIS, TP_AXIS
 from sharding.placement import put_sharded
-from sharding.rules import HEADS, KV_HEADS, MLP, VOCAB, logical_to_spec
+from sharding.rules import HEADS, KV_HEADS, MLP, VOCAB, logical_to_spec, mesh_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +300,7 @@ class ShardedModel:
 
     def kv_cache_sharding(self) -> NamedSharding:
         """The KV cache's sharding: split over (padded) KV heads."""
-        return NamedSharding(self.mesh, logical_to_spec(KVCache.LOGICAL_AXES))
+        return NamedSharding(self.mesh, logical_to_spec(KVCache.LOGICAL_AXES, mesh_rules(self.mesh)))
 
 
 def shard_model(cfg: ModelConfig, weights: Any, mesh: jax.sharding.Mesh) -> ShardedModel:
@@ -324,7 +324,7 @@ def shard_model(cfg: ModelConfig, weights: Any, mesh: jax.sharding.Mesh) -> Shar
     separate_head = cfg.tie_word_embeddings and weights.lm_head is not None
     specs = Weights.abstract(cfg, separate_head)
     is_spec = lambda x: hasattr(x, "logical_axes")  # noqa: E731
-    own = jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.logical_axes)),
+    own = jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.logical_axes, mesh_rules(mesh))),
                        Weights.abstract(padded_cfg, separate_head), is_leaf=is_spec)
     pad = lambda w: pad_weights(w, specs, layout)  # noqa: E731
     target = jax.tree.map(lambda sharding, a: quantized_sharding(sharding, a) if isinstance(a, QuantizedWeight)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding.mesh import EP_AXIS, TP_AXIS
+from sharding.mesh import EP_AXIS, PP_AXIS, TP_AXIS, pipeline_stages
 
 # Logical axis names, declared by weights and activations.
 LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERTS, BATCH = (
@@ -35,6 +35,14 @@ DEFAULT_RULES: Rules = (
     (VOCAB, TP_AXIS),
     (EXPERTS, EP_AXIS),
 )
+# With pipeline stages (`sharding.mesh.make_mesh(pp=...)`), stacked layers (weights and KV pages) split over them
+# too: stage s holds the s-th block of the stack (`models.pipeline`).
+PIPELINE_RULES: Rules = (*DEFAULT_RULES, (LAYERS, PP_AXIS))
+
+
+def mesh_rules(mesh: jax.sharding.Mesh | None) -> Rules:
+    """The rules of a mesh: `PIPELINE_RULES` where it has a stage axis of size > 1, else `DEFAULT_RULES`."""
+    return PIPELINE_RULES if pipeline_stages(mesh) > 1 else DEFAULT_RULES
 
 
 def logical_to_spec(axes: Sequence[str], rules: Rules = DEFAULT_RULES) -> PartitionSpec:

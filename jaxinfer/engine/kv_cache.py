@@ -109,14 +109,16 @@ class PagedKVCache:
         self.kv_dtype = jnp.dtype(kv_dtype)
         self.sharding = self.replicated = self._token_shardings = None
         if mesh is not None:
-            from sharding.rules import logical_to_spec
+            from sharding.rules import logical_to_spec, mesh_rules
 
+            rules = mesh_rules(mesh)  # with pipeline stages, each stage holds its own layers' pages
             self.sharding = KVCache.per_leaf(
-                jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES)),
-                jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES)), kv_dtype)
+                jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.LOGICAL_AXES, rules)),
+                jax.sharding.NamedSharding(mesh, logical_to_spec(KVCache.SCALE_LOGICAL_AXES, rules)), kv_dtype)
             # K/V in token order, [L, K, T, ...] (`scatter_tokens`): split over KV heads like the pages
-            self._token_shardings = tuple(jax.sharding.NamedSharding(mesh, logical_to_spec(
-                [a for a in axes if a != "pages"])) for axes in (KVCache.LOGICAL_AXES, KVCache.SCALE_LOGICAL_AXES))
+            self._token_shardings = tuple(
+                jax.sharding.NamedSharding(mesh, logical_to_spec([a for a in axes if a != "pages"], rules))
+                for axes in (KVCache.LOGICAL_AXES, KVCache.SCALE_LOGICAL_AXES))
             self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         zeros = jax.jit(functools.partial(KVCache.zeros, cfg, num_pages, page_size, kv_dtype),
                         out_shardings=self.sharding)

@@ -1,0 +1,241 @@
+"""Pipeline parallelism: the decoder's layer stack split into stages of consecutive layers, each on its own group
+of devices, with the step's token rows flowing through the stages as micro-batches (GPipe, Huang et al. 2019;
+laid out as MaxText's pipeline: one SPMD program over a mesh with a stage axis, activations moved by `ppermute`).
+
+Layout (`stage_layout`, `pad_layers`):
+
+- The mesh is `(pp, dp, ep, tp)` (`sharding.mesh.make_mesh(pp=...)`): stage s is the s-th block of dp * ep * tp
+  devices, and tensor parallelism runs inside each stage as without stages (XLA partitions the stage's matmuls
+  over its `tp` devices).
+- The L layers split into pp stages as evenly as possible, earlier stages taking the extra ones (10 over 4:
+  3, 3, 2, 2). Every stage holds S = ceil(L / pp) slots of the stacked [pp * S, ...] weights; a stage with fewer
+  real layers is padded at its end with zero-weight layers, which are exact no-ops (every block of a layer adds
+  its output to the residual stream through a zero projection, wo = w_down = 0, so x + 0 = x; their K/V are zeros
+  written to their own cache layer). The padded stack is an ordinary deeper model (`staged_config`): run without
+  stages it gives the same logits. Padding costs the padded layers' compute and KV pages on uneven splits only.
+- The stacked layer weights and the KV cache [pp * S, P, K, page_size, H] split over the stage axis on their
+  layer axis (`sharding.rules.PIPELINE_RULES`): each stage's devices hold only its layers' weights and KV pages.
+  The page table is shared (one host scheduler): a page id names the same page in every stage's slice.
+- The embedding, final norm and LM head are replicated over the stages (every stage holds them; the embedding
+  gather and the LM head run outside the stage loop, on every stage, for the rows the last stage hands back).
+
+One step (`pipeline_forward`, inside the runner's one jitted step; shapes stay the step's buckets):
+
+1. The step's T token rows (already padded to a power of two) are cut into M' = the largest divisor of T that is
+   <= M (`num_microbatches`) micro-batches of T / M' consecutive rows. A sequence may straddle two micro-batches:
+   each micro-batch carries its own view of the batch (`microbatch_metadata`: cu_q_lens clipped to its rows,
+   kv_lens cut to its last row), exactly as two chunks of a chunked prefill. Every stage runs micro-batch m before
+   m + 1, so the K/V a later row attends to is already written at every layer.
+2. In a `jax.shard_map` that is manual over the stage axis only, M' + pp - 1 ticks run: at tick t stage s works on
+   micro-batch t - s when that is in [0, M') (a `lax.cond`: idle stages compute and write nothing), stage 0 reading
+   the micro-batch's embeddings, the others the activations `ppermute`d from stage s - 1 at the end of tick t - 1.
+   With M' >= pp, every stage works on a different micro-batch in the steady state; the pp - 1 ticks at either end
+   are the pipeline bubble.
+3. The last stage collects its outputs; the logits rows are broadcast to every stage (a `psum` in which the other
+   stages add zeros, exact) and the final norm and LM head run on them.
+
+Limits: dense models with one attention window for all layers (MoE blocks run their own `shard_map` over ep / tp,
+and per-layer windows need static layer indices); attention always reads the paged cache (no flash path for
+fresh prompts, since a micro-batch may need the K/V of an earlier one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from models.config import ModelConfig
+from models.layer import embed_tokens, final_logits
+from models.llama import AttentionMetadata, KVCache, Weights, run_layers
+from models.quant_matmul import native_unless_sharded
+from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
+from sharding.mesh import PP_AXIS, pipeline_stages
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """How L layers split over pp stages.
+
+    Attributes:
+      num_layers: L, the model's layers.
+      counts: real layers of each stage (len pp, each >= 1, summing to L).
+    """
+
+    num_layers: int
+    counts: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.counts)
+
+    @property
+    def layers_per_stage(self) -> int:
+        """S: the slots every stage holds (its real layers, then zero-weight padding layers)."""
+        return max(self.counts)
+
+    @property
+    def padded_layers(self) -> int:
+        return self.num_stages * self.layers_per_stage
+
+    def source(self) -> np.ndarray:
+        """i32[pp * S]: the model layer each slot of the padded stack holds, -1 for a padding layer."""
+        out, first = np.full(self.padded_layers, -1, np.int32), 0
+        for s, n in enumerate(self.counts):
+            out[s * self.layers_per_stage : s * self.layers_per_stage + n] = np.arange(first, first + n)
+            first += n
+        return out
+
+
+def stage_layout(num_layers: int, num_stages: int) -> StageLayout:
+    """The split of `num_layers` layers over `num_stages` stages (earlier stages take the extra layers).
+
+    Raises:
+      ValueError: num_stages < 1, or more stages than layers (a stage would hold no layer).
+    """
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"pipeline_parallel_size={num_stages!r} must be a positive integer")
+    if num_stages > num_layers:
+        raise ValueError(f"pipeline_parallel_size={num_stages} is more than the model's {num_layers} layers: a "
+                         f"stage would hold no layer; use pipeline_parallel_size <= {num_layers}")
+    base, extra = divmod(num_layers, num_stages)
+    return StageLayout(num_layers, tuple(base + (s < extra) for s in range(num_stages)))
+
+
+def check_pipeline(cfg: ModelConfig, num_stages: int) -> StageLayout:
+    """The stage layout of `cfg` over `num_stages` stages, refusing models the pipeline does not run yet.
+
+    Raises:
+      ValueError: from `stage_layout`, or (with num_stages > 1) an MoE model or one whose layers differ in
+        attention window (Gemma 2 / 3).
+    """
+    layout = stage_layout(cfg.num_layers, num_stages)
+    if num_stages > 1 and cfg.is_moe:
+        raise ValueError(f"pipeline_parallel_size={num_stages} does not support MoE models yet ({cfg.architecture}"
+                         f" has {cfg.num_experts} experts); use pipeline_parallel_size=1")
+    if num_stages > 1 and not cfg.uniform_windows:
+        raise ValueError(f"pipeline_parallel_size={num_stages} does not support models whose layers differ in "
+                         f"attention window yet ({cfg.architecture}); use pipeline_parallel_size=1")
+    return layout
+
+
+def staged_config(cfg: ModelConfig, layout: StageLayout) -> ModelConfig:
+    """The config of the padded stack: `layout.padded_layers` layers (per-layer windows, all equal, widened)."""
+    windows = cfg.layer_sliding_windows
+    if windows is not None:
+        windows = (windows[0],) * layout.padded_layers
+    return dataclasses.replace(cfg, num_layers=layout.padded_layers, layer_sliding_windows=windows)
+
+
+def pad_layers(weights: Weights, layout: StageLayout) -> Weights:
+    """The weights with their stacked layers laid out for the stages: slot i of every layer leaf (axis 0, also the
+    values and scales of a `models.quant.QuantizedWeight`) holds layer `layout.source()[i]`, zeros for padding
+    slots (a zero-weight layer is a no-op, module docstring). numpy in, numpy out; jax arrays in, jax out."""
+    source = layout.source()
+    if layout.padded_layers == layout.num_layers:
+        return weights
+
+    def one(a):
+        xp = np if isinstance(a, np.ndarray) else jnp
+        taken = xp.take(a, np.maximum(source, 0), axis=0)
+        keep = (source >= 0).reshape(-1, *[1] * (a.ndim - 1))
+        return xp.where(keep, taken, xp.zeros((), a.dtype))
+
+    return weights.replace(layers=jax.tree.map(one, weights.layers))
+
+
+def microbatch_metadata(metadata: AttentionMetadata, m: jax.Array, size: int) -> AttentionMetadata:
+    """The batch as seen by micro-batch m: token rows [m * size, (m + 1) * size) of the step.
+
+    Each sequence keeps its row of the page table; its new tokens are those of its rows inside the micro-batch
+    (cu_q_lens clipped to them, possibly none) and its context ends at the last of them (kv_lens less the sequence's
+    tokens after the micro-batch), as for a chunk of a chunked prefill. `fresh_prefill` is off: a micro-batch may
+    attend to K/V an earlier one wrote.
+
+    Args:
+      metadata: the step's metadata over T rows.
+      m: i32 scalar, in [0, T / size).
+      size: rows per micro-batch (static).
+    """
+    start = m * size
+    cu = metadata.cu_q_lens  # [B + 1]
+    after = jnp.maximum(cu[1:] - jnp.maximum(cu[:-1], start + size), 0)  # [B], tokens past the micro-batch
+    rows = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size)  # noqa: E731
+    return metadata.replace(positions=rows(metadata.positions), kv_loc=rows(metadata.kv_loc),
+                            cu_q_lens=jnp.clip(cu - start, 0, size), kv_lens=metadata.kv_lens - after,
+                            max_q_len=min(metadata.max_q_len, size), fresh_prefill=False)
+
+
+def num_microbatches_for(num_tokens: int, num_microbatches: int) -> int:
+    """M': the largest divisor of the step's token rows that is <= the wanted micro-batches (>= 1)."""
+    m = max(1, min(num_microbatches, num_tokens))
+    while num_tokens % m:
+        m -= 1
+    return m
+
+
+@native_unless_sharded
+def pipeline_forward(params: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
+                     cfg: ModelConfig, *, mesh: jax.sharding.Mesh, num_microbatches: int, scan_layers: bool = True,
+                     attention: AttentionOps = REFERENCE_OPS) -> tuple[jax.Array, KVCache]:
+    """`models.llama.forward` over pipeline stages (module docstring): same arguments, same results.
+
+    Args:
+      params: weights laid out by `pad_layers`, their layer axis split over the mesh's stage axis.
+      tokens, metadata: as `forward` (T rows).
+      kv_cache: [pp * S, P, ...] leaves split over the stage axis; donate it in the caller's `jit`.
+      cfg: the padded stack's config (`staged_config`).
+      mesh: static; a mesh with the stage axis `sharding.mesh.PP_AXIS`.
+      num_microbatches: static; M, micro-batches per step (M' of the module docstring are used).
+      scan_layers: must be True (stages scan over their stacked slots).
+      attention: as `forward`; its flash path is not used.
+
+    Returns:
+      (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).
+
+    Raises:
+      ValueError: scan_layers False, or a mesh without pipeline stages.
+    """
+    num_stages = pipeline_stages(mesh)
+    if not scan_layers or isinstance(params.layers, tuple) or num_stages < 2:
+        raise ValueError(f"pipeline_forward needs stacked layers (scan_layers=True) and a mesh with a stage axis "
+                         f"of size > 1; got scan_layers={scan_layers}, {num_stages} stage(s)")
+    num_slots = cfg.num_layers // num_stages
+    total = tokens.shape[0]
+    num_micro = num_microbatches_for(total, num_microbatches)
+    size = total // num_micro
+    x = embed_tokens(params, tokens, cfg)  # [T, D]
+
+    def stages(x: jax.Array, layers, metadata: AttentionMetadata, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        stage = jax.lax.axis_index(PP_AXIS)
+        last = stage == num_stages - 1
+
+        def work(inputs: jax.Array, kv: KVCache, m: jax.Array) -> tuple[jax.Array, KVCache]:
+            return run_layers(inputs, layers, microbatch_metadata(metadata, m, size), kv, cfg, num_layers=num_slots,
+                              scan_layers=True, attention=attention)
+
+        def tick(t: jax.Array, carry: tuple) -> tuple:
+            received, out, kv = carry  # [size, D], [T, D]
+            m = t - stage
+            active = (m >= 0) & (m < num_micro)
+            m = jnp.clip(m, 0, num_micro - 1)
+            inputs = jnp.where(stage == 0, jax.lax.dynamic_slice_in_dim(x, m * size, size), received)
+            y, kv = jax.lax.cond(active, work, lambda inputs, kv, m: (inputs, kv), inputs, kv, m)
+            kept = jax.lax.dynamic_slice_in_dim(out, m * size, size)
+            out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(active & last, y, kept), m * size, 0)
+            received = jax.lax.ppermute(y, PP_AXIS, [(s, s + 1) for s in range(num_stages - 1)])
+            return received, out, kv
+
+        carry = (jnp.zeros((size, x.shape[1]), x.dtype), jnp.zeros_like(x), kv)
+        _, out, kv = jax.lax.fori_loop(0, num_micro + num_stages - 1, tick, carry)
+        rows = jnp.take(out, metadata.logits_indices, axis=0)  # [R, D]
+        return jax.lax.psum(jnp.where(last, rows, jnp.zeros((), rows.dtype)), PP_AXIS), kv
+
+    stacked, whole = PartitionSpec(PP_AXIS), PartitionSpec()
+    rows, kv_cache = jax.shard_map(stages, mesh=mesh, in_specs=(whole, stacked, whole, stacked),
+                                   out_specs=(whole, stacked), axis_names={PP_AXIS}, check_vma=False)(
+        x, params.layers, metadata, kv_cache)
+    return final_logits(params, rows, jnp.arange(rows.shape[0]), cfg), kv_cache
