@@ -55,7 +55,7 @@ def connect(cluster: ClusterConfig) -> bool:
 
 
 def _num_devices(config: EngineConfig) -> int:
-    return config.tensor_parallel_size * config.expert_parallel_size
+    return config.num_devices
 
 
 def _gpus_per_replica(cluster: ClusterConfig, config: EngineConfig) -> float:

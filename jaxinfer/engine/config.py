@@ -163,6 +163,15 @@ class EngineConfig:
     expert_parallel_size: int = _option(1, (
         "EP ranks: an MoE model's experts split over this many devices (MoE models only); the mesh is "
         "tensor_parallel_size x expert_parallel_size devices (sharding.mesh.make_mesh)"), Flag(aliases=("--ep",)))
+    pipeline_parallel_size: int = _option(1, (
+        "pipeline stages: the layers split into this many stages of consecutive layers, each on its own "
+        "tensor_parallel_size x expert_parallel_size devices, holding only its layers' weights and KV pages; a "
+        "step's token rows flow through the stages as micro-batches (models.pipeline; dense models with one "
+        'attention window, scan_layers on, no draft model; README "Pipeline parallelism")'), Flag(aliases=("--pp",)))
+    pipeline_microbatches: int | None = _option(None, (
+        "micro-batches a step's token rows are cut into with pipeline_parallel_size > 1 (at most the step's "
+        "padded rows; with at least as many as stages, every stage works at once in the steady state); unset: "
+        "pipeline_parallel_size"), Flag(aliases=("--pp-microbatches",)))
     enable_prefix_caching: bool = _option(True, (
         "reuse the KV pages of earlier requests' identical prefixes (full pages, exact token match, per cache_salt; "
         "see jaxinfer.scheduler.prefix_cache)"), Flag(aliases=("--prefix-caching",)))
@@ -242,15 +251,15 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of auto, "
                              f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "expert_parallel_size"):
+                     "expert_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         spec = self.speculative_config
-        num_devices = self.tensor_parallel_size * self.expert_parallel_size
-        if spec is not None and spec.method == "draft_model" and num_devices > 1:
+        if spec is not None and spec.method == "draft_model" and self.num_devices > 1:
             raise ValueError("speculative method 'draft_model' runs on one device; use tensor_parallel_size = "
-                             "expert_parallel_size = 1, or method 'ngram' / 'self_draft'")
+                             "expert_parallel_size = pipeline_parallel_size = 1, or method 'ngram' / 'self_draft'")
+        self._check_pipeline()
         for name in ("scan_layers", "warmup", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -283,6 +292,26 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model={self.model!r} must be a path (str or os.PathLike) or None")
+
+    @property
+    def num_devices(self) -> int:
+        """Devices one engine runs on: pipeline_parallel_size x tensor_parallel_size x expert_parallel_size."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size * self.expert_parallel_size
+
+    def _check_pipeline(self) -> None:
+        """Raises a ValueError naming the numbers for pipeline options the pipeline does not run (yet)."""
+        pp, micro = self.pipeline_parallel_size, self.pipeline_microbatches
+        if micro is not None and (not _is_int(micro) or micro < 1):
+            raise ValueError(f"pipeline_microbatches={micro!r} must be None or a positive integer")
+        if pp == 1:
+            return
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"pipeline_parallel_size={pp} does not support speculative method {spec.method!r} "
+                             "(a draft model) yet; use method 'ngram' or pipeline_parallel_size=1")
+        if not self.scan_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} runs each stage's layers with lax.scan; scan_layers="
+                             "False is not supported with it")
 
     def _check_normalised(self) -> None:
         """Raises a ValueError naming a `speculative_config` / `quantization` given as text or a dict, which only

@@ -5,6 +5,8 @@ then `sample`) and one verify step (speculative decoding: the forward over every
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -26,13 +28,15 @@ def _mirror(draft_weights: Weights | None, tokens: jax.Array, metadata: Attentio
 def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
           sampling: SamplingArrays, prompt: tuple[jax.Array, jax.Array] | None = None,
           draft_weights: Weights | None = None, draft_cache: KVCache | None = None, *, draft_kwargs: dict | None = None,
+          model: Callable = forward,
           **model_kwargs) -> tuple[SampleOutput, jax.Array, PromptLogprobRows | None, KVCache, KVCache | None]:
     """One step: the forward over the ragged batch, a sampled token per sequence, which rows were finite.
 
+    model: the target's forward, `models.llama.forward` or `models.pipeline.pipeline_forward` (same signature).
     prompt: None, or for a step whose forward returns every token row's logits (prompt logprobs): (each row's
     target token i32[T_pad], the rows sampled from i32[R]); the step then also returns `PromptLogprobRows`.
     """
-    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)
+    logits, kv_cache = model(weights, tokens, metadata, kv_cache, **model_kwargs)
     rows = None
     if prompt is not None:
         rows = prompt_logprob_rows(logits, prompt[0], sampling.vocab_limit)
@@ -45,10 +49,11 @@ def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_ca
 def verify_step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
                  sampling: SamplingArrays, draft_ids: jax.Array, draft_probs: jax.Array | None, num_drafts: jax.Array,
                  draft_weights: Weights | None = None, draft_cache: KVCache | None = None, *,
-                 draft_kwargs: dict | None = None,
+                 draft_kwargs: dict | None = None, model: Callable = forward,
                  **model_kwargs) -> tuple[VerifyOutput, jax.Array, KVCache, KVCache | None]:
-    """One verify step: the forward over every sequence's verify window, then `verify` on its k + 1 rows."""
-    logits, kv_cache = forward(weights, tokens, metadata, kv_cache, **model_kwargs)  # [B * (k+1), V]
+    """One verify step: the forward (`model`, as `step`) over every sequence's verify window, then `verify` on
+    its k + 1 rows."""
+    logits, kv_cache = model(weights, tokens, metadata, kv_cache, **model_kwargs)  # [B * (k+1), V]
     b, k = draft_ids.shape
     logits = logits.reshape(b, k + 1, -1)
     finite = jnp.all(jnp.isfinite(logits), axis=(1, 2))

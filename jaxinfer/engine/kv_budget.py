@@ -84,8 +84,8 @@ def min_page_bytes(config: EngineConfig, cfg: ModelConfig) -> int:
     draft's cache only add bytes."""
     page_bytes = KVCache.bytes_per_page(cfg, config.page_size, KV_CACHE_DTYPES.get(config.kv_cache_dtype,
                                                                                    DTYPES[config.dtype]))
-    if config.tensor_parallel_size * config.expert_parallel_size > 1 and jax.default_backend() != "cpu":
-        page_bytes //= config.tensor_parallel_size
+    if config.num_devices > 1 and jax.default_backend() != "cpu":
+        page_bytes //= config.tensor_parallel_size * config.pipeline_parallel_size
     return page_bytes
 
 
@@ -97,7 +97,8 @@ def kv_page_bytes(config: EngineConfig, run_cfg: ModelConfig, draft, mesh) -> in
     if draft is not None and not draft.shares_target_cache:  # the draft's cache has a page for every page
         page_bytes += KVCache.bytes_per_page(draft.cfg, config.page_size, kv_dtype)
     if mesh is not None and jax.default_backend() != "cpu":
-        page_bytes //= config.tensor_parallel_size  # the budget is per device there (CPU devices share the host's)
+        # the budget is per device there (CPU devices share the host's); a stage holds its layers' share
+        page_bytes //= config.tensor_parallel_size * config.pipeline_parallel_size
     return page_bytes
 
 

@@ -42,7 +42,9 @@ from jaxinfer.engine.step_results import StepResult, VerifyResult
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward, unstack_layers
+from models.pipeline import pipeline_forward
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
+from sharding.mesh import pipeline_stages
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ class ModelRunner:
         of its own gets one in `kv` (same pages), and every step also runs it over the step's tokens.
       kv: a `PagedKVCache` built beforehand for these arguments (start-up allocates it before the weights load,
         `jaxinfer.engine.startup`), or None to build one here.
+      pipeline_microbatches: micro-batches per step when the mesh has pipeline stages (`models.pipeline`; the
+        weights then laid out by `models.pipeline.pad_layers`); unused without stages.
 
     Attributes:
       kv: the `PagedKVCache`: device caches (`kv_cache`, `draft_cache` are its), host tier, page moves.
@@ -92,8 +96,11 @@ class ModelRunner:
                  scan_layers: bool = False, attention: AttentionOps = REFERENCE_OPS, vocab_limit: int | None = None,
                  max_pages_per_seq: int | None = None, mesh: jax.sharding.Mesh | None = None,
                  output_vocab: int | None = None, draft: draft_lib.DraftModel | None = None,
-                 kv: PagedKVCache | None = None) -> None:
+                 kv: PagedKVCache | None = None, pipeline_microbatches: int = 1) -> None:
         self.cfg = cfg
+        self.model = forward
+        if pipeline_stages(mesh) > 1:  # the target's forward runs over the stages
+            self.model = functools.partial(pipeline_forward, num_microbatches=pipeline_microbatches)
         # Unrolled: one array per layer weight, so no layer's weights are sliced (copied) out of a stack per step.
         self.weights = weights if scan_layers else unstack_layers(weights)
         self.vocab_limit = cfg.vocab_size if vocab_limit is None else vocab_limit
@@ -130,12 +137,13 @@ class ModelRunner:
                                     static_argnames=("num_tokens", "with_probs"), donate_argnames=("kv_cache",),
                                     out_shardings=(replicated, replicated, propose_cache_out) if on_mesh else None)
         step_out = (replicated, replicated, replicated, cache_out, None) if on_mesh else None
-        self._step = jax.jit(functools.partial(_step, draft_kwargs=draft_kwargs, **model_kwargs),
+        self._step = jax.jit(functools.partial(_step, draft_kwargs=draft_kwargs, model=self.model, **model_kwargs),
                              donate_argnames=("kv_cache", "draft_cache"), out_shardings=step_out)
-        self._verify_step = jax.jit(functools.partial(_verify_step, draft_kwargs=draft_kwargs, **model_kwargs),
+        self._verify_step = jax.jit(functools.partial(_verify_step, draft_kwargs=draft_kwargs, model=self.model,
+                                                      **model_kwargs),
                                     donate_argnames=("kv_cache", "draft_cache"),
                                     out_shardings=step_out and step_out[:1] + step_out[2:])
-        self._forward_all = jax.jit(functools.partial(forward, **model_kwargs), donate_argnames=("kv_cache",),
+        self._forward_all = jax.jit(functools.partial(self.model, **model_kwargs), donate_argnames=("kv_cache",),
                                     out_shardings=(replicated, cache_out) if on_mesh else None)
 
     @property

@@ -35,6 +35,7 @@ from models import quant
 from models.config import ModelConfig
 from models.llama import Weights, unstack_layers
 from models.partition import shard_model
+from models.pipeline import check_pipeline, pad_layers, staged_config
 from models.quant import QuantizationConfig
 from models.quant_sharding import quantize_sharded
 from pallas_kernels.dispatch import select_attention
@@ -111,7 +112,11 @@ def _load_target(config: EngineConfig, mesh, qcfg: QuantizationConfig | None, qu
         if quantize_at_load:
             weights = _quantize(weights, cfg, qcfg, dtype)
         return cfg, run_cfg, weights, tokenizer
-    sharded = shard_model(cfg, np_weights, mesh)  # a quantized checkpoint's weights padded as stored
+    pp = config.pipeline_parallel_size
+    layout = check_pipeline(cfg, pp)
+    staged = staged_config(cfg, layout) if pp > 1 else cfg  # the layer stack padded to whole stages
+    # a quantized checkpoint's weights padded as stored
+    sharded = shard_model(staged, pad_layers(np_weights, layout) if pp > 1 else np_weights, mesh)
     run_cfg, weights = sharded.cfg, sharded.weights
     if quantize_at_load:
         weights = quantize_sharded(weights, run_cfg, qcfg, dtype)
@@ -120,6 +125,9 @@ def _load_target(config: EngineConfig, mesh, qcfg: QuantizationConfig | None, qu
         f"{run_cfg.num_kv_heads / cfg.num_kv_heads:.2g}x the bytes)"
     logger.info("sharded over tp=%d x ep=%d devices: %d query heads, %d KV heads%s", config.tensor_parallel_size,
                 config.expert_parallel_size, run_cfg.num_heads, run_cfg.num_kv_heads, padded)
+    if pp > 1:
+        logger.info("pipeline: %d stages of %s layers (%d slots each, padded with no-op layers)", pp,
+                    "/".join(map(str, layout.counts)), layout.layers_per_stage)
     return cfg, run_cfg, weights, tokenizer
 
 
@@ -167,7 +175,7 @@ def _early_kv_cache(config: EngineConfig) -> tuple[tuple, KVSizing, PagedKVCache
     cannot be read before the load.
     """
     spec = config.speculative_config
-    if (config.tensor_parallel_size * config.expert_parallel_size > 1 or multihost.is_multi_process()
+    if (config.num_devices > 1 or multihost.is_multi_process()
             or (spec is not None and spec.method == "draft_model")):
         return None
     try:
@@ -188,7 +196,8 @@ def check_before_load(config: EngineConfig) -> None:
     heads, a draft model's cache). A config that cannot be read here is left to the load to report.
 
     Raises:
-      ValueError: a max_model_len beyond the model's context, a page_size beyond the context, a self-draft's
+      ValueError: more pipeline stages than layers or a model the pipeline does not run (`check_pipeline`), a
+        max_model_len beyond the model's context, a page_size beyond the context, a self-draft's
         num_draft_layers out of range, or a KV budget / nonzero kv_offload_bytes smaller than one KV page.
     """
     try:
@@ -200,6 +209,7 @@ def check_before_load(config: EngineConfig) -> None:
     if config.max_model_len is not None and not 1 <= config.max_model_len <= cfg.max_position_embeddings:
         raise ValueError(f"max_model_len={config.max_model_len} must be in [1, {cfg.max_position_embeddings}]")
     check_page_size(config, config.max_model_len or cfg.max_position_embeddings)
+    check_pipeline(cfg, config.pipeline_parallel_size)
     spec = config.speculative_config
     if spec is not None and spec.method == "self_draft":
         draft_lib.self_draft_layers(cfg.num_layers, spec.num_draft_layers)
@@ -224,8 +234,8 @@ def start(config: EngineConfig) -> Started:
     check_before_load(config)
     enable_compilation_cache(config.compilation_cache_dir)
     t0 = time.perf_counter()
-    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
-    mesh = make_mesh(tp=tp, ep=ep) if tp * ep > 1 else None
+    tp, ep, pp = config.tensor_parallel_size, config.expert_parallel_size, config.pipeline_parallel_size
+    mesh = make_mesh(tp=tp, ep=ep, pp=pp) if config.num_devices > 1 else None
     qcfg, quantize_at_load = resolve_quantization(config)
     early = _early_kv_cache(config)  # its zero fill (seconds for GiBs of fresh memory) overlaps the load
     cfg, run_cfg, weights, tokenizer = _load_target(config, mesh, qcfg, quantize_at_load)
@@ -257,7 +267,8 @@ def start(config: EngineConfig) -> Started:
                          scan_layers=config.scan_layers, attention=select_attention(config.attention_backend),
                          vocab_limit=min(cfg.vocab_size, tokenizer.vocab_size),
                          max_pages_per_seq=-(-max_model_len // config.page_size), mesh=mesh,
-                         output_vocab=cfg.vocab_size, draft=draft, kv=kv)
+                         output_vocab=cfg.vocab_size, draft=draft, kv=kv,
+                         pipeline_microbatches=config.pipeline_microbatches or pp)
     logger.info("KV cache: %d tokens (%d pages of %d, %s), %.2f sequences of max_model_len=%d tokens; sized to %s",
                 sizing.tokens, num_pages - 1, config.page_size, jnp.dtype(kv_dtype).name, sizing.sequences,
                 max_model_len, sizing.reason)
