@@ -21,7 +21,8 @@ def test_logical_to_spec_maps_and_refuses_a_mesh_axis_twice():
 
 
 @pytest.mark.parametrize("checks", ["multi_device_checks.py", "multi_device_moe_checks.py",
-                                    "multi_device_quant_checks.py", "multi_device_family_checks.py"])
+                                    "multi_device_quant_checks.py", "multi_device_family_checks.py",
+                                    "multi_device_pipeline_checks.py"])
 def test_on_eight_fake_devices(checks):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

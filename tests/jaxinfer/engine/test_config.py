@@ -84,6 +84,21 @@ def test_every_field_is_checked_before_anything_loads(options, message):
         EngineConfig(**options)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size=0 must be a positive integer"),
+    ({"pipeline_microbatches": 0}, r"pipeline_microbatches=0 must be None or a positive integer"),
+    ({"pipeline_parallel_size": 2, "scan_layers": False}, r"pipeline_parallel_size=2 .* scan_layers=False"),
+    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "self_draft"}},
+     r"pipeline_parallel_size=2 does not support speculative method 'self_draft'"),
+    ({"pipeline_parallel_size": 2, "speculative_config": {"method": "draft_model", "model": "m"}},
+     r"method 'draft_model' runs on one device"),
+])
+def test_unsupported_pipeline_options_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(**options)
+    assert EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2).num_devices == 4
+
+
 def test_attention_backends_are_the_dispatchers():
     from pallas_kernels.dispatch import AttentionBackend
 

@@ -1,0 +1,137 @@
+"""Pipeline-parallel checks that need 8 devices (run by `test_sharding.py` in a child process, see
+multi_device_checks.py): `pipeline_forward` against the one-device `forward`, where each stage's weights and KV
+pages live, and whole engines at pp = 2, 4 and pp = 2 x tp = 2 against pp = 1 token for token."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxinfer.llm import LLM
+from jaxinfer.sampling_params import SamplingParams
+from models.llama import KVCache, forward, init_weights
+from models.partition import shard_model
+from models.pipeline import pad_layers, pipeline_forward, stage_layout, staged_config
+from sharding.mesh import PP_AXIS, make_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jaxinfer" / "engine"))
+from multi_device_checks import NUM_PAGES, PAGE_SIZE, TINY, _batch  # noqa: E402  (two prefills of 6 and 5 tokens)
+from tiny_model import make_tiny_model_dir, random_prompts  # noqa: E402
+
+
+def _padded_batch(extra: int = 5):
+    """`_batch` plus `extra` padding rows (16 rows: micro-batches of 4 cut the 6-token sequence at row 4)."""
+    tokens, meta = _batch()
+    pad = lambda a: np.concatenate([a, np.zeros(extra, np.int32)])  # noqa: E731  (padding writes the null page)
+    return pad(tokens), meta.replace(positions=pad(meta.positions), kv_loc=pad(meta.kv_loc))
+
+
+# 3 layers over 2 stages (2 + 1) in 4 micro-batches of 4 rows (the 6-token sequence straddles two); 5 layers over
+# 4 stages (2 + 1 + 1 + 1) of tp = 2 devices each, in 2 micro-batches (fewer than stages: bubbles, still exact).
+@pytest.mark.parametrize("num_layers,pp,tp,micro", [(3, 2, 1, 4), (5, 4, 2, 2)])
+def test_pipeline_forward_equals_forward_and_stages_hold_their_layers(num_layers, pp, tp, micro):
+    cfg = dataclasses.replace(TINY, num_layers=num_layers)
+    weights = init_weights(cfg, jax.random.key(num_layers))
+    tokens, meta = _padded_batch()
+    want, want_cache = jax.jit(forward, static_argnames="cfg")(
+        weights, tokens, meta, KVCache.zeros(cfg, NUM_PAGES, PAGE_SIZE), cfg=cfg)
+
+    layout = stage_layout(num_layers, pp)
+    mesh = make_mesh(tp=tp, pp=pp)
+    model = shard_model(staged_config(cfg, layout), jax.tree.map(np.asarray, pad_layers(weights, layout)), mesh)
+    sharding = model.kv_cache_sharding()
+    cache = jax.device_put(KVCache.zeros(model.cfg, NUM_PAGES, PAGE_SIZE), KVCache(sharding, sharding))
+    step = jax.jit(functools.partial(pipeline_forward, cfg=model.cfg, mesh=mesh, num_microbatches=micro))
+    got, got_cache = step(model.weights, tokens, meta, cache)
+    # another order of the same f32 sums (micro-batches of other row counts, tp partial sums): rounding only
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    source = layout.source()
+    for slot, layer in enumerate(source):  # every real layer's K/V where its slot is; padding slots stay zero
+        expected = np.asarray(want_cache.k[layer]) if layer >= 0 else 0
+        np.testing.assert_allclose(np.asarray(got_cache.k[slot]), expected, rtol=1e-5, atol=1e-5)
+
+    slots = layout.layers_per_stage
+    for s in range(pp):  # stage s's devices hold slots [s * S, (s + 1) * S) of every layer leaf and of the cache
+        devices = set(mesh.devices[s].flat)
+        for leaf in (*jax.tree.leaves(model.weights.layers), got_cache.k, got_cache.v):
+            shards = [x for x in leaf.addressable_shards if x.device in devices]
+            assert len(shards) == tp and all(x.index[0] == slice(s * slots, (s + 1) * slots) for x in shards)
+    assert got_cache.k.sharding.spec[0] == PP_AXIS
+
+
+def test_pipeline_mesh_errors_name_the_numbers():
+    with pytest.raises(ValueError, match=r"pp=4 x dp=1 x ep=1 x tp=4 = 16 devices needs more than the 8"):
+        make_mesh(tp=4, pp=4)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 is more than the model's 2 layers"):
+        stage_layout(2, 3)
+
+
+# --- engines: a 5-layer tiny Llama (uneven stages) ---------------------------------------------------------------
+
+NUM_LAYERS = 5
+SHARED = random_prompts(1, seed=3, min_len=20, max_len=20)[0]  # a shared 20-token prefix: two full pages of 8
+TAILS = random_prompts(5, seed=4, min_len=3, max_len=24)
+PROMPTS = [{"prompt_token_ids": SHARED + t} for t in TAILS]
+PARAMS = ([SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)] * 3
+          + [SamplingParams(temperature=0.9, top_p=0.9, seed=11 + i, max_tokens=6, ignore_eos=True) for i in range(2)])
+
+
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory) -> Path:
+    """tiny_llama3 with 5 layers: layer i is its layer 0 plus noise (norms kept), so no two layers are equal."""
+    root = make_tiny_model_dir(tmp_path_factory.mktemp("tiny5"))
+    tensors, cfg = load_file(str(root / "model.safetensors")), json.loads((root / "config.json").read_text())
+    rng, out = np.random.default_rng(0), {}
+    for name, w in tensors.items():
+        if not name.startswith("model.layers."):
+            out[name] = w
+        elif name.startswith("model.layers.0."):
+            for i in range(NUM_LAYERS):
+                noisy = w if "norm" in name else w + 0.5 * w.std() * rng.standard_normal(w.shape)
+                out[name.replace("layers.0.", f"layers.{i}.")] = np.ascontiguousarray(noisy, np.float32)
+    save_file(out, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": NUM_LAYERS}))
+    return root
+
+
+@functools.cache
+def _run(root: Path, pp: int, tp: int) -> tuple[list[list[int]], list[int], int]:
+    """(token ids of every request, cached prompt tokens per request, preemptions) of one engine: the first two
+    prompts alone (they fill the prefix cache), then all five in 16-token steps (chunked prefill beside decodes)
+    with 10 free pages of 8 tokens, too few for all at their longest (preemption)."""
+    llm = LLM(str(root), pipeline_parallel_size=pp, tensor_parallel_size=tp, dtype="float32", warmup=False,
+              max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory_bytes=2 << 20)
+    assert llm.runner.cfg.num_layers == pp * -(-NUM_LAYERS // pp)
+    first = llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
+    alloc = llm.page_allocator
+    held = alloc.allocate(alloc.num_free_pages - 10)
+    try:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        alloc.free(held)
+    tokens = [o.outputs[0].token_ids for o in first + outs]
+    return tokens, [o.num_cached_tokens for o in outs], llm.engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (4, 1), (2, 2)])
+def test_engine_tokens_equal_one_stage(five_layers, pp, tp):
+    want = _run(five_layers, 1, 1)
+    assert max(want[1]) >= 16 and want[2] > 0  # the prefix cache hit and a sequence was preempted
+    assert _run(five_layers, pp, tp) == want
+
+
+def test_engine_refuses_more_stages_than_layers(five_layers):
+    with pytest.raises(ValueError, match=f"pipeline_parallel_size=8 is more than the model's {NUM_LAYERS} layers"):
+        LLM(str(five_layers), pipeline_parallel_size=8, warmup=False)
+    with pytest.raises(ValueError, match="pp=4 x dp=1 x ep=1 x tp=4 = 16 devices"):
+        LLM(str(five_layers), pipeline_parallel_size=4, tensor_parallel_size=4, warmup=False)
