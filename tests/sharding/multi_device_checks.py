@@ -178,6 +178,15 @@ def test_smollm2_tp_logits_and_greedy_tokens_equal_single_device(tp):
     assert [len(t) for t in got_tokens] == MAX_TOKENS
 
 
+def test_smollm2_pipeline_stages_give_the_single_device_tokens():
+    # pp = 2: layers 0-14 and 15-29 on two devices, 2 micro-batches per step, chunked prefill beside decodes
+    llm = LLM(pipeline_parallel_size=2, dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=64 << 20)
+    assert llm.runner.weights.layers.wq.addressable_shards[0].data.shape[0] == 15
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS])
+    assert [o.outputs[0].token_ids for o in outs] == _smollm2_run(1)[1]
+
+
 # --- the collectives the partitioner inserts ---------------------------------------------------------------------
 
 def _collectives(hlo: str, op: str) -> list[str]:
