@@ -1,9 +1,9 @@
-"""One process of the two-process test in `test_multihost.py`: `python multihost_worker.py PROCESS_ID PORT OUT`.
+"""One process of the two-process tests in `test_multihost.py`: `python multihost_worker.py PROCESS_ID PORT OUT [pp]`.
 
 Each process exposes 2 CPU devices; the engine's tp=4 mesh spans both. Process 0 generates and writes the tokens
 and the mesh's process indices to OUT (JSON); process 1 follows the leader's steps. Then both build engines with
 speculative decoding (self-drafting, whose drafting calls run on both processes, then n-gram drafts with seeded
-sampling) and generate `SPEC_PROMPTS` with each.
+sampling) and generate `SPEC_PROMPTS` with each. With `pp`, one pipeline engine instead (`main_pipeline`).
 """
 
 import json
@@ -35,20 +35,42 @@ def generate_spec(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for p in params for o in llm.generate(SPEC_PROMPTS, p)]
 
 
-def generate_all(llm) -> list[list[int]]:
-    """The token ids of every generation of the test, in order (the same calls in one or two processes)."""
+def generate_all(llm, host_tier: bool = True) -> list[list[int]]:
+    """The token ids of every generation of the test, in order (the same calls in one or two processes); without
+    `host_tier`, PROMPTS' only."""
     from jaxinfer.sampling_params import SamplingParams
 
     greedy = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
-    for batch in ([LONG], OTHERS, [LONG]):
+    for batch in ([LONG], OTHERS, [LONG]) if host_tier else ():
         out += [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0, max_tokens=6))]
     return out
+
+
+def main_pipeline(process_id: int, out: str) -> None:
+    """pp = 2 x tp = 2: stage 0 on process 0's 2 devices, stage 1 on process 1's; process 0 writes the tokens of
+    PROMPTS (`generate_all` without the host tier) and, per stage, the processes holding its layers' weights and KV
+    pages."""
+    from jaxinfer.llm import LLM
+
+    llm = LLM(pipeline_parallel_size=2, tensor_parallel_size=2, **ENGINE_OPTIONS)
+    if process_id != 0:
+        llm.engine.follow_leader()
+        return
+    tokens = generate_all(llm, host_tier=False)
+    slots = llm.runner.cfg.num_layers // 2
+    stages = [sorted({s.device.process_index for a in (llm.runner.weights.layers.wq, llm.runner.kv_cache.k)
+                      for s in a.global_shards if s.index[0].start == stage * slots}) for stage in range(2)]
+    llm.engine.shutdown()
+    with open(out, "w") as f:
+        json.dump({"tokens": tokens, "stage_processes": stages}, f)
 
 
 def main() -> None:
     process_id, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     multihost.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id, local_device_count=2)
+    if sys.argv[4:] == ["pp"]:
+        return main_pipeline(process_id, out)
     from jaxinfer.llm import LLM
 
     # A 16-token step budget: prompts are prefilled in chunks beside the other sequences' decodes.

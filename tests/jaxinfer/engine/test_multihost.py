@@ -1,4 +1,5 @@
-"""Two local processes with `jax.distributed` (2 CPU devices each, gloo collectives) run one tp=4 engine."""
+"""Two local processes with `jax.distributed` (2 CPU devices each, gloo collectives) run one tp=4 engine, and one
+pp=2 x tp=2 engine (a pipeline stage per process)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_generate_the_single_process_tokens(tmp_path):
-    from jaxinfer.llm import LLM
-
-    port, out = _free_port(), tmp_path / "out.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def _run_workers(out: Path, *mode: str) -> dict:
+    """Runs the two worker processes (`multihost_worker.py`) and returns what process 0 wrote to `out`."""
+    port = _free_port()
+    root = str(HERE.parents[2])  # this checkout's code, also where the venv's package points at another one
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(i), str(port), str(out)],
+    procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(i), str(port), str(out), *mode],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              cwd=HERE.parents[2]) for i in range(2)]
+                              cwd=root) for i in range(2)]
     logs = []
     try:
         for p in procs:
@@ -42,7 +43,14 @@ def test_two_processes_generate_the_single_process_tokens(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(log[-3000:] for log in logs)
-    got = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_two_processes_generate_the_single_process_tokens(tmp_path):
+    from jaxinfer.llm import LLM
+
+    got = _run_workers(tmp_path / "out.json")
     assert got["num_devices"] == 4 and got["mesh_processes"] == [0, 1]  # one mesh over both processes' devices
     assert got["host_hits"] > 0  # prefix-cache pages went to the host tier and came back, on both processes
 
@@ -55,6 +63,16 @@ def test_two_processes_generate_the_single_process_tokens(tmp_path):
     for spec, tokens in zip(SPEC_CONFIGS, got["spec_tokens"]):
         compared = len(tokens) if spec["method"] == "ngram" else len(tokens) // 2
         assert tokens[:compared] == reference[:compared], spec
+
+
+@pytest.mark.slow
+def test_pipeline_stages_on_two_processes_generate_the_single_process_tokens(tmp_path):
+    # pp = 2 x tp = 2: each process holds one stage; activations cross processes by ppermute (gloo)
+    from jaxinfer.llm import LLM
+
+    got = _run_workers(tmp_path / "out.json", "pp")
+    assert got["stage_processes"] == [[0], [1]]  # stage s's weights and KV pages live on process s only
+    assert got["tokens"] == generate_all(LLM(**ENGINE_OPTIONS), host_tier=False)
 
 
 def test_initialize_checks_its_arguments():
