@@ -40,8 +40,21 @@ def free_memory_bytes() -> int | None:
     return max(stats["bytes_limit"] - stats.get("bytes_in_use", 0), 0)
 
 
-def memory_cap(config: EngineConfig) -> tuple[int, str]:
-    """(the most bytes the default KV cache may take, what that is, in words, for the start-up log)."""
+def weight_bytes_bound(cfg: ModelConfig) -> int:
+    """An upper bound of the bytes a model's weights take while they load (every parameter in f32, the embedding
+    and LM head counted twice), from its config alone: what start-up sets aside before it sizes a KV cache ahead
+    of the load (`jaxinfer.engine.startup`)."""
+    d, attn = cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    mlp = 3 * d * (cfg.intermediate_size + cfg.num_experts * cfg.moe_intermediate_size
+                   + cfg.shared_expert_intermediate_size)
+    return 4 * (2 * cfg.vocab_size * d + cfg.num_layers * (d * attn + cfg.num_heads * cfg.head_dim * d + mlp))
+
+
+def memory_cap(config: EngineConfig, reserved_bytes: int = 0) -> tuple[int, str]:
+    """(the most bytes the default KV cache may take, what that is, in words, for the start-up log).
+
+    `reserved_bytes`: memory that will be taken before the cache is (weights not loaded yet), counted out of what
+    is available on CPU."""
     backend = jax.default_backend()
     share = config.memory_utilization or DEFAULT_MEMORY_UTILIZATION.get(backend, 0.8)
     if backend == "cpu":
@@ -49,7 +62,7 @@ def memory_cap(config: EngineConfig) -> tuple[int, str]:
         by_total = max(int(mem.total * share) // _ROUND * _ROUND, _ROUND)
         # what is available moves from start to start: a power of two of it keeps the cache's shape (and the
         # compilation cache's keys) from moving with it
-        by_available = max(_ROUND, 1 << (int(mem.available * 0.5).bit_length() - 1))
+        by_available = max(_ROUND, 1 << (max(int((mem.available - reserved_bytes) * 0.5), 1).bit_length() - 1))
         if by_total <= by_available:
             return by_total, f"memory_utilization={share:g} of {mem.total / 2**30:.1f} GiB host memory"
         return by_available, (f"half of the {mem.available / 2**30:.1f} GiB available now (rounded down to a power "

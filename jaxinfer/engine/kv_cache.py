@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -68,6 +69,14 @@ def _write_tokens(kv_cache: KVCache, page_ids: jax.Array, tokens: KVCache, dtype
     k, k_scale = convert(tokens.k, tokens.k_scale, dtype)
     v, v_scale = convert(tokens.v, tokens.v_scale, dtype)
     return _scatter_pages(kv_cache, page_ids, KVCache(pages(k), pages(v), pages(k_scale), pages(v_scale)))
+
+
+def _fill(zeros, future: concurrent.futures.Future) -> None:
+    """Runs the compiled zero fill `zeros` and hands its cache (or its error) to `future`."""
+    try:
+        future.set_result(jax.block_until_ready(zeros()))
+    except BaseException as e:  # noqa: BLE001 - the reader of `PagedKVCache.cache` raises it
+        future.set_exception(e)
 
 
 class PagedKVCache:
@@ -132,9 +141,9 @@ class PagedKVCache:
                 self._spec = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                           self._spec, self.sharding)
             zeros = zeros.lower().compile()  # here, so that no compile of it lands inside a warm-up's counts
-            fill = concurrent.futures.ThreadPoolExecutor(1, "jaxinfer-kv-fill")
-            self._filling = fill.submit(lambda: jax.block_until_ready(zeros()))
-            fill.shutdown(wait=False)
+            self._filling = concurrent.futures.Future()
+            # a daemon thread: a process stopped (Ctrl-C) during the start-up exits without waiting for the fill
+            threading.Thread(target=_fill, args=(zeros, self._filling), name="jaxinfer-kv-fill", daemon=True).start()
         self.draft_cache = None
         if draft_cfg is not None:
             self.draft_cache = jax.jit(functools.partial(KVCache.zeros, draft_cfg, num_pages, page_size, kv_dtype))()

@@ -23,7 +23,7 @@ from jaxinfer.engine.auto_dtype import resolve_dtype
 from jaxinfer.engine.compilation_cache import enable_compilation_cache
 from jaxinfer.engine.config import DEFAULT_OFFLOAD_MIN_PAGES, DTYPES, KV_CACHE_DTYPES, EngineConfig
 from jaxinfer.engine.kv_budget import (KVSizing, budget_bytes, check_page_fits, check_page_size, kv_page_bytes,
-                                       min_page_bytes, size_kv_cache)
+                                       memory_cap, min_page_bytes, size_kv_cache, weight_bytes_bound)
 from jaxinfer.engine.kv_cache import PagedKVCache
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.spec_decode import draft as draft_lib
@@ -170,18 +170,24 @@ def load_draft(config: EngineConfig, run_cfg: ModelConfig, weights: Weights, qcf
 def _early_kv_cache(config: EngineConfig) -> tuple[tuple, KVSizing, PagedKVCache] | None:
     """The KV cache sized from the model's config file and allocated before the weights load (its zero fill runs in
     a background thread meanwhile: `PagedKVCache`), with the facts it was sized on (layers, KV heads, head dim,
-    max_model_len, page bytes: a draft's own cache would add to them) for `start` to check against the loaded model. None (sized after
-    the load, as always) on a mesh, in a multi-process run, with a draft model of its own, or when the config
-    cannot be read before the load.
+    max_model_len, page bytes: a draft's own cache would add to them) for `start` to check against the loaded
+    model. Only where the size cannot depend on memory the weights will take: on CPU, without
+    `kv_cache_memory_bytes` (checked against the free memory after the load), and when the default cap is the
+    share of total memory even with the weights' memory (`kv_budget.weight_bytes_bound`) counted out of what is
+    available. None otherwise (sized after the load, as always): on accelerators (a share of the free memory after
+    the weights), on a mesh, in a multi-process run, with a draft model of its own, or when the config cannot be
+    read before the load.
     """
     spec = config.speculative_config
-    if (config.num_devices > 1 or multihost.is_multi_process()
-            or (spec is not None and spec.method == "draft_model")):
+    if (jax.default_backend() != "cpu" or config.kv_cache_memory_bytes is not None or config.num_devices > 1
+            or multihost.is_multi_process() or (spec is not None and spec.method == "draft_model")):
         return None
     try:
         cfg = read_model_config(config.model)
     except ValueError:
         return None
+    if "available" in memory_cap(config, reserved_bytes=weight_bytes_bound(cfg))[1]:
+        return None  # memory is short: size the cache once the weights are in
     max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
     page_bytes = kv_page_bytes(config, cfg, None, None)
     sizing = size_kv_cache(config, page_bytes, max_model_len)

@@ -142,3 +142,43 @@ def test_a_compilation_cache_dir_that_is_a_file_is_refused_up_front(tmp_path) ->
     assert folder_problem(tmp_path / "file" / "sub").startswith("cannot be created")
     assert EngineConfig(compilation_cache_dir=str(tmp_path / "new" / "xla")).compilation_cache_dir
     assert (tmp_path / "new" / "xla").is_dir() and folder_problem(tmp_path / "new" / "xla") is None
+
+
+def test_the_cache_is_sized_ahead_of_the_load_only_where_the_weights_cannot_change_its_size(tiny_dir, monkeypatch):
+    """Found by a fresh-user trial: sized before the weights load, a cache capped by free memory would count the
+    weights' memory as free (accelerators: a share of the free memory after the weights)."""
+    import dataclasses
+
+    import jax
+
+    config = EngineConfig(model=tiny_dir, warmup=False, max_num_seqs=3, max_model_len=40, page_size=8,
+                          dtype="float32")  # as `Engine` resolves it
+    early = startup._early_kv_cache(config)
+    assert early is not None and early[1].num_pages == 3 * 5 + 1
+    early[2].wait_filled()
+    assert startup._early_kv_cache(dataclasses.replace(config, kv_cache_memory_bytes=1 << 20)) is None
+    monkeypatch.setattr(startup, "memory_cap", lambda config, reserved_bytes=0: (
+        1 << 30, "half of the 2.0 GiB available now (rounded down to a power of two)"))
+    assert startup._early_kv_cache(config) is None  # memory is short: sized after the load
+    monkeypatch.undo()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert startup._early_kv_cache(config) is None
+
+
+def test_the_zero_fill_runs_in_a_daemon_thread(monkeypatch):
+    """Found by a fresh-user trial: Ctrl-C during start-up waited for a GiB-sized fill to finish before exiting."""
+    from jaxinfer.engine import kv_cache
+    from models.config import ModelConfig
+
+    started = []
+
+    class Recording(kv_cache.threading.Thread):
+        def start(self):
+            started.append(self.daemon)
+            super().start()
+
+    monkeypatch.setattr(kv_cache.threading, "Thread", Recording)
+    cfg = ModelConfig(architecture="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=8)
+    cache = kv_cache.PagedKVCache(cfg, num_pages=4, page_size=4, kv_dtype="float32")
+    assert started == [True] and float(cache.cache.k.sum()) == 0.0

@@ -4,6 +4,7 @@ dtype or loader makes a new key; storing replaces older entries of the same file
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -67,17 +68,25 @@ def test_an_empty_folder_turns_the_cache_off(monkeypatch, tmp_path):
     assert model_cache.store(default_model_path(), np.float32, None, None, None) is None
 
 
-@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+@pytest.mark.parametrize("damage", ["truncated", "overwritten", "swapped", "config edited"])
 def test_a_damaged_entry_is_deleted_and_the_model_file_loaded_again(cache, monkeypatch, damage):
     first = load_model(None, np.dtype(ml_dtypes.bfloat16))
     (entry,) = cache.iterdir()
     weights = entry / "weights.safetensors"
     data = weights.read_bytes()
+    middle = len(data) // 2
     if damage == "truncated":
         weights.write_bytes(data[:1000])
-    else:  # the same size, parseable, one weight's bytes changed: only the checksum can tell
-        middle = len(data) // 2
+    elif damage == "overwritten":  # the same size, parseable, one weight's bytes changed: only the checksum can tell
         weights.write_bytes(data[:middle] + bytes(b ^ 0x5A for b in data[middle:middle + 64]) + data[middle + 64:])
+    elif damage == "swapped":  # two blocks of words trade places (rows swapped): the same words, other positions
+        a, b = data[middle:middle + 64], data[middle + 4096:middle + 4160]
+        assert a != b
+        weights.write_bytes(data[:middle] + b + data[middle + 64:middle + 4096] + a + data[middle + 4160:])
+    else:  # valid JSON, another RoPE base: only the config's digest can tell
+        config = json.loads((entry / "config.json").read_text())
+        config["rope_theta"] = config["rope_theta"] / 20
+        (entry / "config.json").write_text(json.dumps(config))
     loaded = []
     monkeypatch.setattr(loader, "read_gguf", lambda *a, **k: loaded.append(1) or real_read_gguf(*a, **k))
     cfg, weights_again, _ = load_model(None, np.dtype(ml_dtypes.bfloat16))
