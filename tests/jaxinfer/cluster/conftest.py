@@ -27,7 +27,12 @@ def ray_address() -> str:
     """Starts the session's local Ray instance (2 CPUs, no dashboard); its GCS address, for processes that join."""
     ray = pytest.importorskip("ray")
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    except Exception:  # noqa: BLE001 - "the current node timed out during startup" on a loaded machine: once more
+        logging.getLogger(__name__).warning("Ray did not start; trying once more", exc_info=True)
+        ray.shutdown()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     logging.getLogger(__name__).info("Ray started in %.1f s", time.perf_counter() - t0)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()

@@ -407,7 +407,8 @@ def test_tokenize_detokenize_and_model_info(served, smollm2_llm: LLM):
     assert served.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "Hello world"
     info = served.stub.ModelInfo(pb.ModelInfoRequest())
     assert info.vocab_size == smollm2_llm.tokenizer.vocab_size and info.max_model_len == 8192
-    assert info.dtype == "float32" and info.page_size == 16 and info.mesh and info.attention_backend == "reference"
+    # CPU "auto": the native decode attention kernel beside the jnp reference (`pallas_kernels.dispatch`)
+    assert info.dtype == "float32" and info.page_size == 16 and info.mesh and info.attention_backend == "cpu"
     assert info.model_name == "SmolLM2-135M-Instruct"  # the served name, as HTTP's /v1/models (not the GGUF's)
     with pytest.raises(grpc.RpcError) as e:
         served.stub.Detokenize(pb.DetokenizeRequest(token_ids=[-5]))
