@@ -151,10 +151,12 @@ def pad_layers(weights: Weights, layout: StageLayout) -> Weights:
 def microbatch_metadata(metadata: AttentionMetadata, m: jax.Array, size: int) -> AttentionMetadata:
     """The batch as seen by micro-batch m: token rows [m * size, (m + 1) * size) of the step.
 
-    Each sequence keeps its row of the page table; its new tokens are those of its rows inside the micro-batch
-    (cu_q_lens clipped to them, possibly none) and its context ends at the last of them (kv_lens less the sequence's
-    tokens after the micro-batch), as for a chunk of a chunked prefill. `fresh_prefill` is off: a micro-batch may
-    attend to K/V an earlier one wrote.
+    It holds the W = min(B, size + 1) consecutive sequences that can own its rows (the first with a row at or past
+    the micro-batch's start, or the last W), each with its row of the page table; a sequence's new tokens are those
+    of its rows inside the micro-batch (cu_q_lens clipped to them, possibly none) and its context ends at the last
+    of them (kv_lens less the sequence's tokens after the micro-batch), as for a chunk of a chunked prefill.
+    `fresh_prefill` is off: a micro-batch may attend to K/V an earlier one wrote. Every sequence of the step must
+    own at least one row (padding sequences, with none, come last), as the engine's steps do.
 
     Args:
       metadata: the step's metadata over T rows.
@@ -162,12 +164,20 @@ def microbatch_metadata(metadata: AttentionMetadata, m: jax.Array, size: int) ->
       size: rows per micro-batch (static).
     """
     start = m * size
-    cu = metadata.cu_q_lens  # [B + 1]
-    after = jnp.maximum(cu[1:] - jnp.maximum(cu[:-1], start + size), 0)  # [B], tokens past the micro-batch
+    num_seqs = metadata.kv_lens.shape[0]
+    # Only the W sequences from the first one with a row at or past `start` can own rows of the micro-batch (one
+    # that began before it, then at most one a row: every sequence of a step has a row), so attention runs over W,
+    # not B (a decode step of 128 sequences in 8 micro-batches: 17 a micro-batch instead of 128).
+    window = min(num_seqs, size + 1)
+    first = jnp.minimum(jnp.sum(metadata.cu_q_lens[1:] <= start), num_seqs - window)
+    seqs = lambda a: jax.lax.dynamic_slice_in_dim(a, first, window)  # noqa: E731
+    cu = jax.lax.dynamic_slice_in_dim(metadata.cu_q_lens, first, window + 1)  # [W + 1]
+    after = jnp.maximum(cu[1:] - jnp.maximum(cu[:-1], start + size), 0)  # [W], tokens past the micro-batch
     rows = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size)  # noqa: E731
     return metadata.replace(positions=rows(metadata.positions), kv_loc=rows(metadata.kv_loc),
-                            cu_q_lens=jnp.clip(cu - start, 0, size), kv_lens=metadata.kv_lens - after,
-                            max_q_len=min(metadata.max_q_len, size), fresh_prefill=False)
+                            cu_q_lens=jnp.clip(cu - start, 0, size), kv_lens=seqs(metadata.kv_lens) - after,
+                            page_table=seqs(metadata.page_table), max_q_len=min(metadata.max_q_len, size),
+                            fresh_prefill=False)
 
 
 def num_microbatches_for(num_tokens: int, num_microbatches: int) -> int:
