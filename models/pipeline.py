@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec
 from models.config import ModelConfig
 from models.layer import embed_tokens, final_logits
 from models.llama import AttentionMetadata, KVCache, Weights, run_layers
+from models.pipeline_events import EventLog
 from models.quant_matmul import native_unless_sharded
 from pallas_kernels.dispatch import REFERENCE_OPS, AttentionOps
 from sharding.mesh import PP_AXIS, pipeline_stages
@@ -150,10 +151,12 @@ def pad_layers(weights: Weights, layout: StageLayout) -> Weights:
 def microbatch_metadata(metadata: AttentionMetadata, m: jax.Array, size: int) -> AttentionMetadata:
     """The batch as seen by micro-batch m: token rows [m * size, (m + 1) * size) of the step.
 
-    Each sequence keeps its row of the page table; its new tokens are those of its rows inside the micro-batch
-    (cu_q_lens clipped to them, possibly none) and its context ends at the last of them (kv_lens less the sequence's
-    tokens after the micro-batch), as for a chunk of a chunked prefill. `fresh_prefill` is off: a micro-batch may
-    attend to K/V an earlier one wrote.
+    It holds the W = min(B, size + 1) consecutive sequences that can own its rows (the first with a row at or past
+    the micro-batch's start, or the last W), each with its row of the page table; a sequence's new tokens are those
+    of its rows inside the micro-batch (cu_q_lens clipped to them, possibly none) and its context ends at the last
+    of them (kv_lens less the sequence's tokens after the micro-batch), as for a chunk of a chunked prefill.
+    `fresh_prefill` is off: a micro-batch may attend to K/V an earlier one wrote. Every sequence of the step must
+    own at least one row (padding sequences, with none, come last), as the engine's steps do.
 
     Args:
       metadata: the step's metadata over T rows.
@@ -161,12 +164,20 @@ def microbatch_metadata(metadata: AttentionMetadata, m: jax.Array, size: int) ->
       size: rows per micro-batch (static).
     """
     start = m * size
-    cu = metadata.cu_q_lens  # [B + 1]
-    after = jnp.maximum(cu[1:] - jnp.maximum(cu[:-1], start + size), 0)  # [B], tokens past the micro-batch
+    num_seqs = metadata.kv_lens.shape[0]
+    # Only the W sequences from the first one with a row at or past `start` can own rows of the micro-batch (one
+    # that began before it, then at most one a row: every sequence of a step has a row), so attention runs over W,
+    # not B (a decode step of 128 sequences in 8 micro-batches: 17 a micro-batch instead of 128).
+    window = min(num_seqs, size + 1)
+    first = jnp.minimum(jnp.sum(metadata.cu_q_lens[1:] <= start), num_seqs - window)
+    seqs = lambda a: jax.lax.dynamic_slice_in_dim(a, first, window)  # noqa: E731
+    cu = jax.lax.dynamic_slice_in_dim(metadata.cu_q_lens, first, window + 1)  # [W + 1]
+    after = jnp.maximum(cu[1:] - jnp.maximum(cu[:-1], start + size), 0)  # [W], tokens past the micro-batch
     rows = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size)  # noqa: E731
     return metadata.replace(positions=rows(metadata.positions), kv_loc=rows(metadata.kv_loc),
-                            cu_q_lens=jnp.clip(cu - start, 0, size), kv_lens=metadata.kv_lens - after,
-                            max_q_len=min(metadata.max_q_len, size), fresh_prefill=False)
+                            cu_q_lens=jnp.clip(cu - start, 0, size), kv_lens=seqs(metadata.kv_lens) - after,
+                            page_table=seqs(metadata.page_table), max_q_len=min(metadata.max_q_len, size),
+                            fresh_prefill=False)
 
 
 def num_microbatches_for(num_tokens: int, num_microbatches: int) -> int:
@@ -180,7 +191,8 @@ def num_microbatches_for(num_tokens: int, num_microbatches: int) -> int:
 @native_unless_sharded
 def pipeline_forward(params: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
                      cfg: ModelConfig, *, mesh: jax.sharding.Mesh, num_microbatches: int, scan_layers: bool = True,
-                     attention: AttentionOps = REFERENCE_OPS) -> tuple[jax.Array, KVCache]:
+                     attention: AttentionOps = REFERENCE_OPS,
+                     events: EventLog | None = None) -> tuple[jax.Array, KVCache]:
     """`models.llama.forward` over pipeline stages (module docstring): same arguments, same results.
 
     Args:
@@ -192,14 +204,19 @@ def pipeline_forward(params: Weights, tokens: jax.Array, metadata: AttentionMeta
       num_microbatches: static; M, micro-batches per step (M' of the module docstring are used).
       scan_layers: must be True (stages scan over their stacked slots).
       attention: as `forward`; its flash path is not used.
+      events: static; None (default: nothing recorded, no cost), or a log that receives each stage's wall-clock
+        interval of work per micro-batch (`models.pipeline_events`: what the stamps bracket, their overhead).
 
     Returns:
       (logits f32[R, V] for the rows `metadata.logits_indices`, the updated cache).
 
     Raises:
-      ValueError: scan_layers False, or a mesh without pipeline stages.
+      ValueError: scan_layers False, a mesh without pipeline stages, or events with dp, ep or tp > 1.
     """
     num_stages = pipeline_stages(mesh)
+    if events is not None and mesh.size != num_stages:
+        raise ValueError(f"pipeline_forward records events only on a mesh of stages alone (dp = ep = tp = 1); got "
+                         f"{dict(mesh.shape)}")
     if not scan_layers or isinstance(params.layers, tuple) or num_stages < 2:
         raise ValueError(f"pipeline_forward needs stacked layers (scan_layers=True) and a mesh with a stage axis "
                          f"of size > 1; got scan_layers={scan_layers}, {num_stages} stage(s)")
@@ -214,8 +231,11 @@ def pipeline_forward(params: Weights, tokens: jax.Array, metadata: AttentionMeta
         last = stage == num_stages - 1
 
         def work(inputs: jax.Array, kv: KVCache, m: jax.Array) -> tuple[jax.Array, KVCache]:
-            return run_layers(inputs, layers, microbatch_metadata(metadata, m, size), kv, cfg, num_layers=num_slots,
-                              scan_layers=True, attention=attention)
+            if events is not None:
+                inputs = events.bracket(0, stage, m, inputs)
+            y, kv = run_layers(inputs, layers, microbatch_metadata(metadata, m, size), kv, cfg, num_layers=num_slots,
+                               scan_layers=True, attention=attention)
+            return (y, kv) if events is None else (events.bracket(1, stage, m, y), kv)
 
         def tick(t: jax.Array, carry: tuple) -> tuple:
             received, out, kv = carry  # [size, D], [T, D]
@@ -234,8 +254,10 @@ def pipeline_forward(params: Weights, tokens: jax.Array, metadata: AttentionMeta
         rows = jnp.take(out, metadata.logits_indices, axis=0)  # [R, D]
         return jax.lax.psum(jnp.where(last, rows, jnp.zeros((), rows.dtype)), PP_AXIS), kv
 
+    # host callbacks need every mesh axis manual: recording runs only where the stage axis is the whole mesh
+    manual = set(mesh.axis_names) if events is not None else {PP_AXIS}
     stacked, whole = PartitionSpec(PP_AXIS), PartitionSpec()
     rows, kv_cache = jax.shard_map(stages, mesh=mesh, in_specs=(whole, stacked, whole, stacked),
-                                   out_specs=(whole, stacked), axis_names={PP_AXIS}, check_vma=False)(
+                                   out_specs=(whole, stacked), axis_names=manual, check_vma=False)(
         x, params.layers, metadata, kv_cache)
     return final_logits(params, rows, jnp.arange(rows.shape[0]), cfg), kv_cache

@@ -8,7 +8,8 @@ flips per quantization format: `quality_matrix`, `quality_runs`, `quality_metric
 `soak` (the gRPC soak test that checks every answer), `frontends` (the same load over gRPC and the OpenAI HTTP API), `structured` (what structured output costs per step),
 `startup` (cold and warm starts of generate and serve),
 `longctx` (TTFT and peak memory vs context length up to 128K; its children: `longctx_worker`),
-`kv_handoff` (bytes and milliseconds per token of context of a KV handoff between engines).
+`kv_handoff` (bytes and milliseconds per token of context of a KV handoff between engines),
+`pipeline` (the pipeline bubble per stage from recorded execution events; its child: `pipeline_worker`).
 Shared pieces: `report` (the report type, sections of BENCHMARKS.md, the machine line), `probe` (the bandwidth
 probe every roofline divides by, and timing helpers), `peers` (running a peer script in its own interpreter),
 `hlo` (scans of compiled steps), `model_setup` (a model's weights on the host, cast, and their byte counts),
@@ -17,4 +18,4 @@ probe every roofline divides by, and timing helpers), `peers` (running a peer sc
 
 WORKLOADS = ("step", "breakdown", "serving", "attention", "checkpoint", "prefix", "spec", "quant", "quality", "sharding",
              "load", "soak", "frontends", "structured", "startup",
-             "longctx", "kv_handoff")
+             "longctx", "kv_handoff", "pipeline")

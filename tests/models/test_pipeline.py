@@ -85,6 +85,26 @@ def test_microbatches_see_their_rows_as_chunks():
     assert all(v.max_q_len == 4 and not v.fresh_prefill for v in views)
 
 
+def test_microbatches_of_a_decode_batch_hold_only_the_sequences_that_can_own_their_rows():
+    # 7 decodes (one row each, contexts 10..16) and a padding sequence, 8 rows: micro-batches of 2 rows hold a
+    # window of 3 sequences (one that began before, then one a row), cut from the last 3 at the end
+    meta = AttentionMetadata(positions=np.arange(8, dtype=np.int32), cu_q_lens=np.array([0, 1, 2, 3, 4, 5, 6, 7, 7,
+                                                                                          7], np.int32),
+                             kv_lens=np.array([10, 11, 12, 13, 14, 15, 16, 0, 0], np.int32),
+                             page_table=np.arange(9, dtype=np.int32)[:, None] * np.ones((1, 2), np.int32),
+                             kv_loc=np.arange(8, dtype=np.int32), logits_indices=np.arange(7, dtype=np.int32))
+    views = [microbatch_metadata(meta, np.int32(m), 2) for m in range(4)]
+    firsts = [0, 2, 4, 6]  # the first sequence at or past each micro-batch's start row
+    for v, first in zip(views, firsts):
+        assert np.asarray(v.page_table)[:, 0].tolist() == list(range(first, first + 3))
+    # each micro-batch's rows belong to the sequences the full-batch view gives them: its own 2 decodes
+    assert [np.asarray(v.cu_q_lens).tolist() for v in views] == [[0, 1, 2, 2], [0, 1, 2, 2], [0, 1, 2, 2],
+                                                                 [0, 1, 1, 1]]
+    # contexts end at each sequence's last row inside the micro-batch: the window's third decode has none yet
+    assert [np.asarray(v.kv_lens).tolist() for v in views] == [[10, 11, 11], [12, 13, 13], [14, 15, 15],
+                                                               [16, 0, 0]]
+
+
 @pytest.mark.parametrize("rows,wanted,got", [(16, 4, 4), (2, 4, 2), (16, 3, 2), (12, 8, 6), (1, 4, 1)])
 def test_microbatch_count_divides_the_rows(rows, wanted, got):
     assert num_microbatches_for(rows, wanted) == got
