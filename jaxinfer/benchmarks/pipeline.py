@@ -92,16 +92,17 @@ def render(result: dict, args: argparse.Namespace, elapsed: float) -> str:
         "Expectation, written before measuring: uniform micro-batches idle (N - 1) / (M + N - 1); uneven ones more "
         "(a stage waits for its neighbour's slowest micro-batch).\n",
         "```", args.command, "```\n",
-        f"- date: {args.date}; run time {elapsed:.0f} s; {machine_line()}; contended (other jobs share the 2 "
-        f"cores), and the {result['devices']} fake devices share them too: stages busy at once slow each other\n",
+        f"- date: {args.date}; run time {elapsed:.0f} s; {machine_line()}; load average {os.getloadavg()[0]:.1f} at "
+        f"the end; the {result['devices']} fake devices share the cores: stages busy at once slow each other\n",
         table(["pp", "step", "M (used)", "textbook idle", "measured idle per stage", "ms / micro-batch / stage",
                "micro-batch ms min-max", "span ms", "step ms"], cells), "",
         f"Measured minus textbook idle share, mean over stages and M: {excess}.\n",
-        "Reading the columns: (1) a micro-batch does not cost 1/M of the step (ms / micro-batch / stage stays "
-        "near its M = 1 value): its matmuls shrink with its rows, but each micro-batch carries the whole batch's "
-        "attention metadata (`microbatch_metadata`), so the batched decode attention pass over every sequence runs "
-        "once per micro-batch, and every tick pays its `lax.cond`, `ppermute` and slicing; the step time grows with M "
-        "on this CPU. (2) The fake devices share the cores, so a stage alone in a fill tick runs "
+        "Reading the columns: (1) a micro-batch does not cost 1/M of the step (ms / micro-batch / stage falls "
+        "much more slowly than 1/M): every micro-batch reads its stage's weights again (what a decode step is bound "
+        "by) and every tick pays its `lax.cond`, `ppermute` and slicing, while its attention runs over its own "
+        "sequences only (`microbatch_metadata`: at most its rows + 1); so on one CPU the step time grows with M, and "
+        "more micro-batches pay only where stages run on separate chips. (2) The fake devices share the cores, so a "
+        "stage alone in a fill tick runs "
         "its micro-batch faster than in the steady state beside the others (the min-max column): the bubble is "
         "measured in stretched time, and on separate chips it would be the tick count's share, the textbook one.\n",
     ])
