@@ -27,7 +27,7 @@ import sys
 import time
 
 from jaxinfer.benchmarks.peers import run_worker
-from jaxinfer.benchmarks.report import Report, machine_line, table
+from jaxinfer.benchmarks.report import Report, int_list, machine_line, table
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed steps per row (medians)")
     parser.add_argument("--hidden", type=int, default=512, help="the random model's hidden size (MLP 3x)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds before the measuring child is given up")
-
-
-def _ints(option: str, text: str, lo: int, hi: int) -> list[int]:
-    """Comma-separated ints in [lo, hi]. Raises ValueError naming the option."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(lo <= v <= hi for v in values):
-        raise ValueError(f"{option} {text!r}: expected comma-separated integers in [{lo}, {hi}]")
-    return values
 
 
 def _excess(rows: list[dict], pp: int, kind: str) -> float:
@@ -118,8 +107,8 @@ def run(args: argparse.Namespace) -> Report:
     Raises:
       ValueError: a bad option. RuntimeError: the measuring child failed.
     """
-    pps = _ints("--pps", args.pps, 2, FAKE_DEVICES)
-    _ints("--micro", args.micro, 1, 1 << 12)
+    pps = int_list("--pps", args.pps, 2, FAKE_DEVICES)
+    int_list("--micro", args.micro, 1, 1 << 12)
     if args.rows < 2 or args.rows & (args.rows - 1) or min(args.context, args.reps) < 1 or args.hidden % 64:
         raise ValueError(f"--rows {args.rows} must be a power of two >= 2, --context and --reps >= 1, --hidden "
                          f"{args.hidden} a multiple of 64")

@@ -99,3 +99,18 @@ def machine_line(m: dict | None = None) -> str:
     flags = ", ".join(m["cpu_flags"]) or "no AVX2 / AVX-512 / AMX"
     return (f"machine: nproc {m['nproc']}, CPU `{m['cpu']}` (family {m['cpu_family']}, model {m['cpu_model']}; "
             f"{flags}), {m['mem_gib']:g} GiB, jax {m['jax']}")
+
+
+def int_list(option: str, text: str, lo: int, hi: int) -> list[int]:
+    """A workload option's comma-separated ints, each in [lo, hi].
+
+    Raises:
+      ValueError: naming the option, for an empty list, a non-integer or a value out of range.
+    """
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(lo <= v <= hi for v in values):
+        raise ValueError(f"{option} {text!r}: expected comma-separated integers in [{lo}, {hi}]")
+    return values

@@ -21,7 +21,7 @@ import sys
 import time
 
 from jaxinfer.benchmarks.peers import run_worker
-from jaxinfer.benchmarks.report import Report, machine_line
+from jaxinfer.benchmarks.report import Report, int_list, machine_line
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="each engine's KV cache budget")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds before a measuring child is given up")
-
-
-def _int_list(option: str, text: str, lo: int, hi: int) -> list[int]:
-    """Comma-separated ints in [lo, hi]. Raises ValueError naming the option."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(lo <= v <= hi for v in values):
-        raise ValueError(f"{option} {text!r}: expected comma-separated integers in [{lo}, {hi}]")
-    return values
 
 
 def measure(args: argparse.Namespace, tps: list[int], devices: int) -> dict:
@@ -106,8 +95,8 @@ def run(args: argparse.Namespace) -> Report:
     Raises:
       ValueError: a bad option. RuntimeError: a measuring child failed.
     """
-    tps = _int_list("--tps", args.tps, 1, FAKE_DEVICES)
-    _int_list("--batches", args.batches, 1, 1 << 16)
+    tps = int_list("--tps", args.tps, 1, FAKE_DEVICES)
+    int_list("--batches", args.batches, 1, 1 << 16)
     if args.context < 1 or args.reps < 1 or args.kv_cache_memory_bytes < 1:
         raise ValueError("--context, --reps and --kv-cache-memory-bytes must be >= 1")
     t0 = time.perf_counter()
