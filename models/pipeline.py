@@ -252,7 +252,10 @@ def pipeline_forward(params: Weights, tokens: jax.Array, metadata: AttentionMeta
         carry = (jnp.zeros((size, x.shape[1]), x.dtype), jnp.zeros_like(x), kv)
         _, out, kv = jax.lax.fori_loop(0, num_micro + num_stages - 1, tick, carry)
         rows = jnp.take(out, metadata.logits_indices, axis=0)  # [R, D]
-        return jax.lax.psum(jnp.where(last, rows, jnp.zeros((), rows.dtype)), PP_AXIS), kv
+        # summed in f32: exact (the other stages add zeros), and XLA:CPU aborts compiling a bf16 all-reduce here
+        # ("Invalid binary instruction opcode copy" in AllReducePromotion)
+        rows32 = jnp.where(last, rows, jnp.zeros((), rows.dtype)).astype(jnp.float32)
+        return jax.lax.psum(rows32, PP_AXIS).astype(rows.dtype), kv
 
     # host callbacks need every mesh axis manual: recording runs only where the stage axis is the whole mesh
     manual = set(mesh.axis_names) if events is not None else {PP_AXIS}

@@ -109,9 +109,13 @@ def run(args: argparse.Namespace) -> Report:
     """
     pps = int_list("--pps", args.pps, 2, FAKE_DEVICES)
     int_list("--micro", args.micro, 1, 1 << 12)
-    if args.rows < 2 or args.rows & (args.rows - 1) or min(args.context, args.reps) < 1 or args.hidden % 64:
-        raise ValueError(f"--rows {args.rows} must be a power of two >= 2, --context and --reps >= 1, --hidden "
-                         f"{args.hidden} a multiple of 64")
+    if args.rows < 2 or args.rows & (args.rows - 1):
+        raise ValueError(f"--rows {args.rows} must be a power of two >= 2")
+    for option, value in (("--context", args.context), ("--reps", args.reps), ("--timeout", args.timeout)):
+        if value < 1:
+            raise ValueError(f"{option} {value} must be >= 1")
+    if args.hidden < 64 or args.hidden % 64:
+        raise ValueError(f"--hidden {args.hidden} must be a positive multiple of 64")
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={FAKE_DEVICES}",
            "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "jaxinfer.benchmarks.pipeline_worker", "--pps", ",".join(map(str, pps)),

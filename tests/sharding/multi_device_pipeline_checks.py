@@ -69,6 +69,25 @@ def test_pipeline_forward_equals_forward_and_stages_hold_their_layers(num_layers
     assert got_cache.k.sharding.spec[0] == PP_AXIS
 
 
+def test_pipeline_forward_compiles_and_agrees_in_bfloat16():
+    """Found by a fresh-user trial: a bf16 psum of the logits over the stages aborted XLA:CPU's compiler (the
+    process died); the logits are now summed in f32."""
+    cfg = dataclasses.replace(TINY, num_layers=3)
+    weights = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
+                           init_weights(cfg, jax.random.key(3)))
+    tokens, meta = _padded_batch()
+    want, _ = jax.jit(forward, static_argnames="cfg")(
+        weights, tokens, meta, KVCache.zeros(cfg, NUM_PAGES, PAGE_SIZE, jnp.bfloat16), cfg=cfg)
+    layout, mesh = stage_layout(3, 2), make_mesh(pp=2)
+    model = shard_model(staged_config(cfg, layout), jax.tree.map(np.asarray, pad_layers(weights, layout)), mesh)
+    sharding = model.kv_cache_sharding()
+    cache = jax.device_put(KVCache.zeros(model.cfg, NUM_PAGES, PAGE_SIZE, jnp.bfloat16), KVCache(sharding, sharding))
+    got, _ = jax.jit(functools.partial(pipeline_forward, cfg=model.cfg, mesh=mesh, num_microbatches=4))(
+        model.weights, tokens, meta, cache)
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0.05, atol=0.05)
+
+
 def test_pipeline_mesh_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"pp=4 x dp=1 x ep=1 x tp=4 = 16 devices needs more than the 8"):
         make_mesh(tp=4, pp=4)
