@@ -255,11 +255,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        self._check_pipeline()  # first: with stages, only 'ngram' speculates, whatever the device count
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.num_devices > 1:
             raise ValueError("speculative method 'draft_model' runs on one device; use tensor_parallel_size = "
                              "expert_parallel_size = pipeline_parallel_size = 1, or method 'ngram' / 'self_draft'")
-        self._check_pipeline()
         for name in ("scan_layers", "warmup", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")

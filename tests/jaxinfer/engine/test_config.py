@@ -91,6 +91,8 @@ def test_every_field_is_checked_before_anything_loads(options, message):
     ({"pipeline_parallel_size": 2, "speculative_config": {"method": "self_draft"}},
      r"pipeline_parallel_size=2 does not support speculative method 'self_draft'"),
     ({"pipeline_parallel_size": 2, "speculative_config": {"method": "draft_model", "model": "m"}},
+     r"pipeline_parallel_size=2 does not support speculative method 'draft_model'"),  # not "or 'self_draft'"
+    ({"tensor_parallel_size": 2, "speculative_config": {"method": "draft_model", "model": "m"}},
      r"method 'draft_model' runs on one device"),
 ])
 def test_unsupported_pipeline_options_are_refused(options, message):
