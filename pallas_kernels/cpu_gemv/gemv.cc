@@ -53,7 +53,7 @@ using jaxinfer_gemv::to_f32;
 #error "gemv.cc needs AVX2 and FMA (build.py passes -mavx2 -mfma)"
 #endif
 
-constexpr int kPrefetchBytes = 512;  // how far ahead of each weight stream to prefetch
+constexpr int kPrefetchBytes = 2048;  // how far ahead of each weight stream to prefetch
 
 // ---------------------------------------------------------------------------------------------------------------
 // float_kn: y = x @ w for w [K, N] (K a multiple of 4). The work is split along K: each chunk reads a contiguous
@@ -197,56 +197,103 @@ void i8_rows(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y,
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// q4_nk: 64 inputs (32 bytes of codes) per step. Low nibbles are the even inputs and high nibbles the odd ones, so
-// the caller lays out each 64-input chunk of the int16 activations as its 32 even inputs then its 32 odd ones. The
-// codes widen to int16 and vpmaddwd multiplies them exactly with the activations; each 32-input block's int32 sums
-// are scaled by the block's weight scale into f32 totals (in units of the row's activation scale, applied last).
-template <int MG>
-void q4_row(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
-            const float* offset, float offset_factor, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
+// q4_nk: 64 inputs (32 bytes of codes) per step. Byte j holds input 2j in its low nibble and 2j + 1 in its high
+// one. Each nibble set is widened to int16 in place within its 128-bit lane (vpunpck{l,h}bw with zero as the low
+// byte, so a code c arrives as c * 256: one instruction per 16 codes, no lane crossing), which puts the chunk's
+// first 32-input block in the low lanes and its second in the high lanes; the caller lays out each 64-input chunk
+// of the int16 activations in that order (`q4_position`). vpmaddwd multiplies the codes exactly with the
+// activations; each block's int32 sums are scaled by its weight scale into the f32 totals (in units of the row's
+// activation scale / 256, applied by the caller). Symmetric codes subtract their 8 as bytes before widening;
+// asymmetric ones add min * (the rounded activations' group sums) per group at the end.
+inline int64_t q4_position(int64_t k) {  // where input k of a row goes in the activations' q4 layout
+  int64_t j = (k & 63) >> 1, byte = j & 15;
+  return (k & ~int64_t(63)) + ((k & 1) * 2 + (byte >> 3)) * 16 + (j >> 4) * 8 + (byte & 7);
+}
+
+// MG activation rows by NR weight rows (MG = 1 with NR = 4, or NR = 1): each chunk's activations are shared by the
+// NR weight rows, and the per-row end (horizontal sums) is spread over NR rows' work.
+template <int MG, int NR, bool kBlockScales, bool kSymmetric>
+void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+              const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
+  constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd chunks), half the FMA latency
+  const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), zero = _mm256_setzero_si256();
   const int64_t blocks_per_group = K / G / 32;
-  const uint8_t* row = w + n * (K / 2);
-  const float* ws = scale + n * G;
-  __m256 acc[MG];
-  for (int i = 0; i < MG; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[kChains][NR][MG];
+  for (int h = 0; h < kChains; ++h)
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < MG; ++i) acc[h][r][i] = _mm256_setzero_ps();
+  int64_t group = 0, block_in_group = 0;
   for (int64_t c = 0; c < K / 64; ++c) {
-    if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * c) + kPrefetchBytes, _MM_HINT_T0);
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
-    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    __m256i e0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), e1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
-    __m256i o0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), o1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
-    __m256 s0 = _mm256_broadcast_ss(ws + (2 * c) / blocks_per_group);
-    __m256 s1 = _mm256_broadcast_ss(ws + (2 * c + 1) / blocks_per_group);
-    for (int i = 0; i < MG; ++i) {
-      const __m256i* xc = reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 64 * c);
-      __m256i b0 = _mm256_add_epi32(_mm256_madd_epi16(e0, _mm256_loadu_si256(xc)),
-                                    _mm256_madd_epi16(o0, _mm256_loadu_si256(xc + 2)));
-      __m256i b1 = _mm256_add_epi32(_mm256_madd_epi16(e1, _mm256_loadu_si256(xc + 1)),
-                                    _mm256_madd_epi16(o1, _mm256_loadu_si256(xc + 3)));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b0), s0, acc[i]);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b1), s1, acc[i]);
+    // the two blocks' scale indices (no division in the loop: a runtime divide costs more than the chunk's work)
+    int64_t g0, g1;
+    if (kBlockScales) {  // one scale a 32-input block
+      g0 = 2 * c, g1 = 2 * c + 1;
+    } else {  // groups of several blocks (an odd count lets a chunk straddle two groups)
+      g0 = group;
+      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
+      g1 = group;
+      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if (kSymmetric) lo = _mm256_sub_epi8(lo, eight), hi = _mm256_sub_epi8(hi, eight);
+      __m256i wv[4] = {_mm256_unpacklo_epi8(zero, lo), _mm256_unpackhi_epi8(zero, lo),
+                       _mm256_unpacklo_epi8(zero, hi), _mm256_unpackhi_epi8(zero, hi)};
+      const float* ws = scale + (n + r) * G;
+      __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(ws + g0)), _mm_broadcast_ss(ws + g1), 1);
+      for (int i = 0; i < MG; ++i) {
+        const __m256i* xc = reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 64 * c);
+        __m256i b = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
+                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
+                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
+        __m256& a = acc[kChains == 2 ? (c & 1) : 0][r][i];
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), sv, a);
+      }
     }
   }
-  const float* off = offset + n * G;
-  for (int i = 0; i < MG; ++i) {
-    const float* xg = xsum + (m0 + i) * G;
-    __m256 c8 = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
-    float corr = hsum(c8);
-    for (; g < G; ++g) corr += off[g] * xg[g];
-    y[(m0 + i) * N + n] = hsum(acc[i]) + offset_factor * corr;  // the row's activation scale: by the caller
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MG; ++i) {
+      __m256 a = acc[0][r][i];
+      if (kChains == 2) a = _mm256_add_ps(a, acc[kChains - 1][r][i]);
+      float total = hsum(a) * (1.f / 256.f);
+      if (!kSymmetric) {  // + sum over groups of min * the group's rounded activation sum
+        const float *off = offset + (n + r) * G, *xg = xsum + (m0 + i) * G;
+        __m256 c8 = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
+        float corr = hsum(c8);
+        for (; g < G; ++g) corr += off[g] * xg[g];
+        total += corr;
+      }
+      y[(m0 + i) * N + n + r] = total;  // the row's activation scale: by the caller
+    }
+}
+
+template <bool kBlockScales, bool kSymmetric>
+void q4_rows_of(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+                const float* offset, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M == 1)
+    for (; n + 4 <= n1; n += 4) q4_block<1, 4, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+  for (; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2)
+      q4_block<2, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
+    if (m < M) q4_block<1, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
   }
 }
 
 void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
-             const float* offset, float offset_factor, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) q4_row<2>(xq, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m);
-    if (m < M) q4_row<1>(xq, xsum, K, w, scale, offset, offset_factor, G, y, N, n, m);
-  }
+             const float* offset, bool symmetric, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
+  bool block_scales = K / G == 32;
+  auto run = block_scales ? (symmetric ? q4_rows_of<true, true> : q4_rows_of<true, false>)
+                          : (symmetric ? q4_rows_of<false, true> : q4_rows_of<false, false>);
+  run(xq, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -287,6 +334,39 @@ void i16_block(const int16_t* x, int64_t K, const int8_t* w, const float* scale,
     for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(total[i][r]);
 }
 
+// Groups of 32 inputs (GGUF Q8_0's blocks): one int32 sum a block and row, scaled straight into the f32 totals, with
+// no inner loop a block (i16_block's per-group loop costs more than a 32-input group's arithmetic).
+template <int MG, int NR>
+void i16_g32_block(const int16_t* x, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N,
+                   int64_t n, int64_t m0) {
+  constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd blocks) for the FMA latency
+  const int64_t G = K / 32;
+  __m256 total[kChains][NR][MG];
+  for (int h = 0; h < kChains; ++h)
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < MG; ++i) total[h][r][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* row = w + (n + r) * K + 32 * g;
+      if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+      __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+      __m256 s = _mm256_broadcast_ss(scale + (n + r) * G + g);
+      for (int i = 0; i < MG; ++i) {
+        const __m256i* xc = reinterpret_cast<const __m256i*>(x + (m0 + i) * K + 32 * g);
+        __m256i b = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xc)),
+                                     _mm256_madd_epi16(w1, _mm256_loadu_si256(xc + 1)));
+        __m256& t = total[kChains == 2 ? (g & 1) : 0][r][i];
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), s, t);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MG; ++i)
+      y[(m0 + i) * N + n + r] = hsum(kChains == 2 ? _mm256_add_ps(total[0][r][i], total[kChains - 1][r][i])
+                                                  : total[0][r][i]);
+}
+
 template <int NR>
 void i16_rows_fixed(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
                     int64_t N, int64_t n) {
@@ -298,8 +378,18 @@ void i16_rows_fixed(const int16_t* x, int64_t M, int64_t K, const int8_t* w, con
 void i16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
               int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  if (M == 1)
-    for (; n + 4 <= n1; n += 4) i16_block<1, 4>(x, K, w, scale, G, y, N, n, 0);
+  if (K / G == 32) {
+    for (; n < n1; ++n) {  // one weight row at a time: a single stream reads cold weights fastest (measured)
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) i16_g32_block<2, 1>(x, K, w, scale, y, N, n, m);
+      if (m < M) i16_g32_block<1, 1>(x, K, w, scale, y, N, n, m);
+    }
+    return;
+  }
+  if (M == 1) {  // one weight row at a time, as above
+    for (; n < n1; ++n) i16_block<1, 1>(x, K, w, scale, G, y, N, n, 0);
+    return;
+  }
   for (; n + 2 <= n1; n += 2) i16_rows_fixed<2>(x, M, K, w, scale, G, y, N, n);
   for (; n < n1; ++n) i16_rows_fixed<1>(x, M, K, w, scale, G, y, N, n);
 }
@@ -340,7 +430,9 @@ const float* activations_f32(const ffi::AnyBuffer& x, std::vector<float>& tmp) {
   if (x.element_type() == ffi::F32) return reinterpret_cast<const float*>(x.untyped_data());
   const uint16_t* p = reinterpret_cast<const uint16_t*>(x.untyped_data());
   tmp.resize(x.element_count());
-  for (size_t i = 0; i < tmp.size(); ++i) tmp[i] = to_f32(p[i]);
+  size_t i = 0;
+  for (; i + 8 <= tmp.size(); i += 8) _mm256_storeu_ps(tmp.data() + i, load8(p + i));
+  for (; i < tmp.size(); ++i) tmp[i] = to_f32(p[i]);
   return tmp.data();
 }
 
@@ -368,29 +460,62 @@ ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBu
 }
 
 // Activation rows rounded to int16 (absmax / 32767, nearest even), with each row's scale: the weight-only kernels'
-// activations (int8_nk, q4_nk). `chunked`: each 64-input chunk laid out as its even inputs then its odd ones
-// (q4_nk's nibble order); `xsum` (when given, [M, G]): the rounded rows' sums per group of K / G inputs.
-std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool chunked, std::vector<float>& xs,
+// activations (int8_nk, q4_nk). `q4_layout`: each 64-input chunk in q4_nk's order (`q4_position`; K a multiple of
+// 64); `xsum` (when given, [M, G]): the rounded rows' sums per group of K / G inputs.
+std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool q4_layout, std::vector<float>& xs,
                                 std::vector<float>* xsum = nullptr, int64_t G = 1) {
   std::vector<int16_t> q(M * K);
+  std::vector<int32_t> natural(q4_layout ? K : 0);
   xs.resize(M);
   if (xsum) xsum->assign(M * G, 0.f);
+  const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
   for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * K;
+    __m256 amax8 = _mm256_setzero_ps(), finite8 = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k));
+      amax8 = _mm256_max_ps(amax8, a);
+      finite8 = _mm256_and_ps(finite8, _mm256_cmp_ps(a, big, _CMP_LE_OQ));  // false for NaN and inf
+    }
     float amax = 0.f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      finite = finite && std::isfinite(x[m * K + k]);
-      amax = std::max(amax, std::fabs(x[m * K + k]));
+    bool finite = _mm256_movemask_ps(finite8) == 0xff;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax8);
+    for (float l : lanes) amax = std::max(amax, l);
+    for (; k < K; ++k) {
+      finite = finite && std::isfinite(r[k]);
+      amax = std::max(amax, std::fabs(r[k]));
     }
     // a row holding NaN or inf gives NaN outputs (its products would not be finite either)
     float inverse = finite && amax > 0.f ? 32767.f / amax : 0.f;
     xs[m] = finite ? amax / 32767.f : std::numeric_limits<float>::quiet_NaN();
-    for (int64_t k = 0; k < K; ++k) {
-      int16_t v = int16_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(x[m * K + k] * inverse))));
-      int64_t at = chunked ? (k / 64) * 64 + (k % 2) * 32 + (k % 64) / 2 : k;
-      q[m * K + at] = v;
-      if (xsum) (*xsum)[m * G + k / (K / G)] += float(v);
+    int16_t* out = q.data() + m * K;
+    const __m256 inv8 = _mm256_set1_ps(inverse), lim = _mm256_set1_ps(32767.f);
+    auto round = [&](int64_t k) {  // 8 inputs rounded to int32 (nearest even: the default MXCSR mode)
+      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(r + k), inv8);
+      return _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(lim, v)));
+    };
+    auto round1 = [&](int64_t k) {
+      return int32_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(r[k] * inverse))));
+    };
+    if (!q4_layout) {
+      for (k = 0; k + 16 <= K; k += 16) {  // packs interleaves lanes: permute back to input order
+        __m256i p = _mm256_packs_epi32(round(k), round(k + 8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permute4x64_epi64(p, 0xd8));
+      }
+      for (; k < K; ++k) out[k] = int16_t(round1(k));
+      continue;
     }
+    for (k = 0; k + 8 <= K; k += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + k), round(k));
+    for (; k < K; ++k) natural[k] = round1(k);
+    for (k = 0; k < K; ++k) out[q4_position(k)] = int16_t(natural[k]);
+    if (xsum)
+      for (int64_t g = 0, size = K / G; g < G; ++g) {
+        int64_t total = 0;
+        for (int64_t i = g * size; i < (g + 1) * size; ++i) total += natural[i];
+        (*xsum)[m * G + g] = float(total);
+      }
   }
   return q;
 }
@@ -439,14 +564,17 @@ ffi::Error Q4Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffe
   std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
   int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1], G = scale.dimensions()[2];
-  std::vector<int16_t> xq = int16_rows(xf, M, K, true, xs, &xsum, G);
+  if (offset_factor != -8.f && offset_factor != 1.f)
+    return ffi::Error::InvalidArgument("q4_matmul: offset_factor must be -8 (symmetric codes) or 1 (a min)");
+  bool symmetric = offset_factor == -8.f;  // codes - 8 (`offset` is then the scale, not read)
+  std::vector<int16_t> xq = int16_rows(xf, M, K, true, xs, symmetric ? nullptr : &xsum, G);
   const uint8_t* wl = at_layer<uint8_t>(w, layer);
   const float *sl = at_layer<float>(scale, layer), *ol = at_layer<float>(offset, layer);
   float* out = y->typed_data();
   int64_t rows = rows_per_chunk(N, 8, 16);
   parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
     int64_t n0 = c * rows;
-    q4_rows(xq.data(), xsum.data(), M, K, wl, sl, ol, offset_factor, G, out, N, n0, std::min(N, n0 + rows));
+    q4_rows(xq.data(), xsum.data(), M, K, wl, sl, ol, symmetric, G, out, N, n0, std::min(N, n0 + rows));
   });
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) out[m * N + n] *= xs[m];

@@ -99,7 +99,7 @@ def _int4_case(rng, m, k, n, group, asymmetric):
 
 
 INT4_CASES = [(k, n, group, asym) for k, n in [(576, 1536), (1536, 576), (128, 13), (64, 1)]
-              for group, asym in [(32, False), (32, True), (64, False), (128, True)] if k % group == 0]
+              for group, asym in [(32, False), (32, True), (64, False), (96, True), (128, True)] if k % group == 0]
 
 
 @pytest.mark.parametrize("k,n,group,asymmetric", INT4_CASES)
