@@ -98,7 +98,7 @@ def _int4_case(rng, m, k, n, group, asymmetric):
     return x, packed, scale, mins, w
 
 
-INT4_CASES = [(k, n, group, asym) for k, n in [(576, 1536), (1536, 576), (128, 13), (64, 1)]
+INT4_CASES = [(k, n, group, asym) for k, n in [(576, 1536), (1536, 576), (1152, 7), (128, 13), (64, 1)]
               for group, asym in [(32, False), (32, True), (64, False), (96, True), (128, True)] if k % group == 0]
 
 
