@@ -157,7 +157,7 @@ class ModelConfig:
 
     def layer_window(self, layer: int | Any) -> int | None:
         """W of decoder layer `layer` (None: full attention). A traced index is fine only while every layer has
-        the same window (`uniform_windows`); callers run differing windows unrolled."""
+        the same window (`uniform_windows`); differing windows run unrolled, or scanned through `window_kinds`."""
         if self.uniform_windows:
             return self.sliding_window if self.layer_sliding_windows is None else self.layer_sliding_windows[0]
         return self.layer_sliding_windows[int(layer)]
@@ -174,6 +174,13 @@ class ModelConfig:
     def uniform_windows(self) -> bool:
         """True when every layer attends with the same window (so a `lax.scan` over layers can run them)."""
         return self.layer_sliding_windows is None or len(set(self.layer_sliding_windows)) == 1
+
+    def window_kinds(self) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+        """(the distinct windows W, in order of first use; each layer's index into them): a scan over layers whose
+        windows differ runs layer i through the branch of its window (`models.llama.run_layers`)."""
+        windows = self.layer_sliding_windows or (self.sliding_window,) * self.num_layers
+        choices = tuple(dict.fromkeys(windows))
+        return choices, tuple(choices.index(w) for w in windows)
 
     def first_layers(self, n: int) -> ModelConfig:
         """This config cut to its first `n` layers (self-drafting), their per-layer windows included."""

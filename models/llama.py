@@ -13,6 +13,7 @@ of this one forward and of `models.layer`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -198,8 +199,8 @@ class KVCache:
 
     Float caches (f32, bf16) hold K/V as they are; int8 and fp8 caches hold quantized values (fp8 as float8_e4m3fn
     bit patterns in uint8) and one f32 scale per token per kv head (`pallas_kernels.kv_quant`), None for float
-    caches. Every leaf leads
-    with [L, P], so page copies, clears and host transfers are the same indexing on every leaf (`jax.tree.map`).
+    caches. Every leaf leads with [L, P], so page copies, clears and host transfers are the same indexing on every
+    leaf (`jax.tree.map`).
     """
 
     k: jax.Array  # [L, P, K, page_size, H]
@@ -343,16 +344,17 @@ def forward(
 
 def run_layers(x: jax.Array, layers: LayerWeights | tuple[LayerWeights, ...], metadata: AttentionMetadata,
                kv_cache: KVCache, cfg: ModelConfig, *, num_layers: int, scan_layers: bool,
-               attention: AttentionOps = REFERENCE_OPS,
-               mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, KVCache]:
-    """The decoder layers 0 .. num_layers - 1 of `forward` on the activations x[T, D] -> [T, D], writing their
-    K/V into the stacked cache (cache layer i for layer i). Arguments as `forward`; `layers` is stacked [L, ...]
-    with L >= num_layers, or a tuple of per-layer weights (`unstack_layers`), and `cfg` need not have
-    num_layers layers (a pipeline stage runs its own slice of the stack, `models.pipeline`)."""
-    def layer_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array) -> tuple[jax.Array, KVCache]:
+               attention: AttentionOps = REFERENCE_OPS, mesh: jax.sharding.Mesh | None = None,
+               first_layer: int | jax.Array = 0) -> tuple[jax.Array, KVCache]:
+    """The decoder layers 0 .. num_layers - 1 of `forward` on x[T, D] -> [T, D], writing their K/V into the stacked
+    cache (cache layer i for layer i). Arguments as `forward`; `layers` is stacked [L, ...] with L >= num_layers, or
+    a tuple of per-layer weights (`unstack_layers`). Slot i attends with the window of cfg's layer first_layer + i:
+    cfg may have more layers (a pipeline stage runs its slice of the stack, `models.pipeline`, its first layer an
+    i32 scalar; layers whose windows differ then scan, each through a `lax.switch` over the windows)."""
+    def layer_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array,
+                   window: int | None) -> tuple[jax.Array, KVCache]:
         # Layer i writes into and reads from the stacked cache in place (no per-layer slice copies).
         with jax.named_scope("attention"):
-            window = cfg.layer_window(i)  # per layer: Gemma 2 / 3 mix local and global layers
             kw = dict(sm_scale=cfg.attention_scale, sliding_window=window, soft_cap=cfg.attn_logit_softcapping)
             rope_cfg = cfg.layer_rope(window)  # Gemma 3's local layers rotate by a base of their own
             q, k, v = attention_inputs(x, w, metadata.positions, rope_cfg, rope_frequencies(rope_cfg))
@@ -366,31 +368,32 @@ def run_layers(x: jax.Array, layers: LayerWeights | tuple[LayerWeights, ...], me
                                        i, max_q_len=metadata.max_q_len, **kw, **kv.scale_args())  # [T, N, H]
         return attention_output_and_mlp(x, attn, w, cfg, mesh), kv
 
+    def any_window_step(x: jax.Array, w: LayerWeights, kv: KVCache, i: int | jax.Array) -> tuple[jax.Array, KVCache]:
+        if cfg.uniform_windows or isinstance(first_layer + i, int):  # per layer: Gemma 2 / 3 mix local and global
+            return layer_step(x, w, kv, i, cfg.layer_window(first_layer + i))
+        windows, kinds = cfg.window_kinds()
+        branches = [functools.partial(layer_step, window=window) for window in windows]
+        return jax.lax.switch(jnp.asarray(kinds, jnp.int32)[first_layer + i], branches, x, w, kv, i)
+
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    if isinstance(layers, tuple) or not cfg.uniform_windows:
+    if isinstance(layers, tuple) or (not cfg.uniform_windows and isinstance(first_layer, int)):
         scan_layers = False  # per-layer arrays, or layers with differing windows (static args), run unrolled
     # on CPU the native matmul kernels read each dense projection inside its stack (no slice copied per layer)
     refs = DENSE_PROJECTIONS if scan_layers and layer_refs_apply(x.shape[0]) else ()
     if scan_layers and layers.attn_norm.shape[0] == num_layers and not refs:
         def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
-            x, kv = carry
-            w, i = xs
-            return layer_step(x, w, kv, i), None
+            (x, kv), (w, i) = carry, xs
+            return any_window_step(x, w, kv, i), None
 
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layers, layer_ids))
-    elif scan_layers:  # index the stacks in the loop: LayerRefs, or the first num_layers of deeper stacked
-        # weights (self-drafting)
+    elif scan_layers:  # index the stacks in the loop: LayerRefs, or a deeper stack's first layers (self-drafting)
         def indexed_body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
-            x, kv = carry
-            return layer_step(x, slice_layer(layers, i, refs), kv, i), None
+            return any_window_step(carry[0], slice_layer(layers, i, refs), carry[1], i), None
 
         (x, kv_cache), _ = jax.lax.scan(indexed_body, (x, kv_cache), layer_ids)
     else:
         for i in range(num_layers):
-            if isinstance(layers, tuple):  # one array per layer weight (`unstack_layers`): no slicing
-                w = layers[i]
-            else:
-                w = jax.tree.map(lambda a, i=i: a[i], layers)
+            w = layers[i] if isinstance(layers, tuple) else jax.tree.map(lambda a, i=i: a[i], layers)
             with jax.named_scope(f"layer_{i}"):
-                x, kv_cache = layer_step(x, w, kv_cache, i)
+                x, kv_cache = any_window_step(x, w, kv_cache, i)
     return x, kv_cache

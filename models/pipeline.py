@@ -13,6 +13,10 @@ Layout (`stage_layout`, `pad_layers`):
   its output to the residual stream through a zero projection, wo = w_down = 0, so x + 0 = x; their K/V are zeros
   written to their own cache layer). The padded stack is an ordinary deeper model (`staged_config`): run without
   stages it gives the same logits. Padding costs the padded layers' compute and KV pages on uneven splits only.
+- Layers with windows of their own (Gemma 2 / 3: local and global layers): slot i of the padded stack attends with
+  the window of the layer it holds (`staged_config`; a padding slot with any, it is a no-op). A stage scans its
+  slots from its first one, stage * S (traced), each slot through a `lax.switch` over the model's distinct windows
+  (the attention kernels take the window as a static argument): one branch runs, all of them compile.
 - The stacked layer weights and the KV cache [pp * S, P, K, page_size, H] split over the stage axis on their
   layer axis (`sharding.rules.PIPELINE_RULES`): each stage's devices hold only its layers' weights and KV pages.
   The page table is shared (one host scheduler): a page id names the same page in every stage's slice.
@@ -34,9 +38,8 @@ One step (`pipeline_forward`, inside the runner's one jitted step; shapes stay t
 3. The last stage collects its outputs; the logits rows are broadcast to every stage (a `psum` in which the other
    stages add zeros, exact) and the final norm and LM head run on them.
 
-Limits: dense models with one attention window for all layers (MoE blocks run their own `shard_map` over ep / tp,
-and per-layer windows need static layer indices); attention always reads the paged cache (no flash path for
-fresh prompts, since a micro-batch may need the K/V of an earlier one).
+Limits: dense models (MoE blocks run their own `shard_map` over ep / tp); attention always reads the paged cache
+(no flash path for fresh prompts, since a micro-batch may need the K/V of an earlier one).
 """
 
 from __future__ import annotations
@@ -110,24 +113,21 @@ def check_pipeline(cfg: ModelConfig, num_stages: int) -> StageLayout:
     """The stage layout of `cfg` over `num_stages` stages, refusing models the pipeline does not run yet.
 
     Raises:
-      ValueError: from `stage_layout`, or (with num_stages > 1) an MoE model or one whose layers differ in
-        attention window (Gemma 2 / 3).
+      ValueError: from `stage_layout`, or (with num_stages > 1) an MoE model.
     """
     layout = stage_layout(cfg.num_layers, num_stages)
     if num_stages > 1 and cfg.is_moe:
         raise ValueError(f"pipeline_parallel_size={num_stages} does not support MoE models yet ({cfg.architecture}"
                          f" has {cfg.num_experts} experts); use pipeline_parallel_size=1")
-    if num_stages > 1 and not cfg.uniform_windows:
-        raise ValueError(f"pipeline_parallel_size={num_stages} does not support models whose layers differ in "
-                         f"attention window yet ({cfg.architecture}); use pipeline_parallel_size=1")
     return layout
 
 
 def staged_config(cfg: ModelConfig, layout: StageLayout) -> ModelConfig:
-    """The config of the padded stack: `layout.padded_layers` layers (per-layer windows, all equal, widened)."""
+    """The config of the padded stack: `layout.padded_layers` layers, each slot with the window of the layer it holds
+    (`layout.source()`; a padding slot, a no-op, with layer 0's)."""
     windows = cfg.layer_sliding_windows
     if windows is not None:
-        windows = (windows[0],) * layout.padded_layers
+        windows = tuple(windows[max(layer, 0)] for layer in layout.source())
     return dataclasses.replace(cfg, num_layers=layout.padded_layers, layer_sliding_windows=windows)
 
 
@@ -234,7 +234,7 @@ def pipeline_forward(params: Weights, tokens: jax.Array, metadata: AttentionMeta
             if events is not None:
                 inputs = events.bracket(0, stage, m, inputs)
             y, kv = run_layers(inputs, layers, microbatch_metadata(metadata, m, size), kv, cfg, num_layers=num_slots,
-                               scan_layers=True, attention=attention)
+                               scan_layers=True, attention=attention, first_layer=stage * num_slots)
             return (y, kv) if events is None else (events.bracket(1, stage, m, y), kv)
 
         def tick(t: jax.Array, carry: tuple) -> tuple:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer.llm import LLM
+from jaxinfer.loading.hf import load_hf_weights
 from jaxinfer.sampling_params import SamplingParams
-from models.llama import KVCache, forward, init_weights
+from models.llama import AttentionMetadata, KVCache, forward, init_weights
 from models.partition import shard_model
 from models.pipeline import pad_layers, pipeline_forward, stage_layout, staged_config
 from sharding.mesh import PP_AXIS, make_mesh
@@ -27,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jaxinfer" / "engine"))
 from multi_device_checks import NUM_PAGES, PAGE_SIZE, TINY, _batch  # noqa: E402  (two prefills of 6 and 5 tokens)
 from tiny_model import make_tiny_model_dir, random_prompts  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def _padded_batch(extra: int = 5):
@@ -88,6 +92,41 @@ def test_pipeline_forward_compiles_and_agrees_in_bfloat16():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0.05, atol=0.05)
 
 
+def _long_batch(length: int = 28, rows: int = 32):
+    """One prefill of `length` tokens on pages 1, 2, ... (longer than Gemma 2's window of 8 and Gemma 3's of 20),
+    padded to `rows` rows."""
+    pages = np.arange(1, -(-length // PAGE_SIZE) + 1, dtype=np.int32)
+    pad = np.zeros(rows - length, np.int32)
+    meta = AttentionMetadata(positions=np.concatenate([np.arange(length, dtype=np.int32), pad]),
+                             cu_q_lens=np.array([0, length], np.int32), kv_lens=np.array([length], np.int32),
+                             page_table=pages[None], kv_loc=np.concatenate([np.arange(length, dtype=np.int32)
+                                                                            + PAGE_SIZE, pad]),
+                             logits_indices=np.arange(length, dtype=np.int32), max_q_len=rows)
+    return np.concatenate([np.arange(length, dtype=np.int32) * 5 % 128, pad]), meta
+
+
+# Gemma 3 (7 layers, local but layer 5): stage 1 holds layers 4, 5, 6 and a padding slot; Gemma 2 (4 layers,
+# local / global alternating) over 3 stages: slots [0 1 | 2 pad | 3 pad], so stage 2's first slot is global.
+@pytest.mark.parametrize("name,pp,tp", [("tiny_gemma3", 2, 1), ("tiny_gemma3", 2, 2), ("tiny_gemma2", 3, 1)])
+def test_pipeline_forward_gives_each_layer_its_own_window(name, pp, tp):
+    cfg, weights = load_hf_weights(DATA / name)
+    weights = jax.tree.map(np.asarray, weights)
+    tokens, meta = _long_batch()
+    run = jax.jit(forward, static_argnames="cfg")
+    want, _ = run(weights, tokens, meta, KVCache.zeros(cfg, NUM_PAGES, PAGE_SIZE), cfg=cfg)
+    global_only = dataclasses.replace(cfg, layer_sliding_windows=None)  # the windows matter in this batch
+    other, _ = run(weights, tokens, meta, KVCache.zeros(cfg, NUM_PAGES, PAGE_SIZE), cfg=global_only)
+    assert np.abs(np.asarray(other) - np.asarray(want)).max() > 1e-2
+
+    layout, mesh = stage_layout(cfg.num_layers, pp), make_mesh(tp=tp, pp=pp)
+    model = shard_model(staged_config(cfg, layout), pad_layers(weights, layout), mesh)
+    sharding = model.kv_cache_sharding()
+    cache = jax.device_put(KVCache.zeros(model.cfg, NUM_PAGES, PAGE_SIZE), KVCache(sharding, sharding))
+    got, _ = jax.jit(functools.partial(pipeline_forward, cfg=model.cfg, mesh=mesh, num_microbatches=4))(
+        model.weights, tokens, meta, cache)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_pipeline_mesh_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"pp=4 x dp=1 x ep=1 x tp=4 = 16 devices needs more than the 8"):
         make_mesh(tp=4, pp=4)
@@ -123,14 +162,29 @@ def five_layers(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Engine folders of tests/data/tiny_gemma3 (and the other families named below) with tiny_model's word-level
+    tokenizer over the same 128 ids."""
+    out = {}
+    for name in ("tiny_gemma3",):
+        root = make_tiny_model_dir(tmp_path_factory.mktemp(name))
+        for f in ("config.json", "generation_config.json", "model.safetensors"):
+            shutil.copy(DATA / name / f, root / f)
+        out[name] = root
+    return out
+
+
 @functools.cache
-def _run(root: Path, pp: int, tp: int) -> tuple[list[list[int]], list[int], int]:
+def _run(root: Path, pp: int, tp: int, ep: int = 1) -> tuple[list[list[int]], list[int], int]:
     """(token ids of every request, cached prompt tokens per request, preemptions) of one engine: the first two
     prompts alone (they fill the prefix cache), then all five in 16-token steps (chunked prefill beside decodes)
     with 10 free pages of 8 tokens, too few for all at their longest (preemption)."""
-    llm = LLM(str(root), pipeline_parallel_size=pp, tensor_parallel_size=tp, dtype="float32", warmup=False,
-              max_num_seqs=4, max_num_batched_tokens=16, page_size=8, kv_cache_memory_bytes=2 << 20)
-    assert llm.runner.cfg.num_layers == pp * -(-NUM_LAYERS // pp)
+    llm = LLM(str(root), pipeline_parallel_size=pp, tensor_parallel_size=tp, expert_parallel_size=ep,
+              dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=16, page_size=8,
+              kv_cache_memory_bytes=2 << 20)
+    num_layers = json.loads((root / "config.json").read_text())["num_hidden_layers"]
+    assert llm.runner.cfg.num_layers == pp * -(-num_layers // pp)
     first = llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
     alloc = llm.page_allocator
     held = alloc.allocate(alloc.num_free_pages - 10)
@@ -147,6 +201,14 @@ def test_engine_tokens_equal_one_stage(five_layers, pp, tp):
     want = _run(five_layers, 1, 1)
     assert max(want[1]) >= 16 and want[2] > 0  # the prefix cache hit and a sequence was preempted
     assert _run(five_layers, pp, tp) == want
+
+
+# Gemma 3's 7 layers over 2 stages (4 + 3): prompts of 23-44 tokens and their decodes reach past its window of 20
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)])
+def test_engine_tokens_with_per_layer_windows_equal_one_stage(family_dirs, pp, tp):
+    want = _run(family_dirs["tiny_gemma3"], 1, 1)
+    assert max(want[1]) >= 16 and want[2] > 0
+    assert _run(family_dirs["tiny_gemma3"], pp, tp) == want
 
 
 def test_engine_refuses_more_stages_than_layers(five_layers):
