@@ -38,8 +38,14 @@ One step (`pipeline_forward`, inside the runner's one jitted step; shapes stay t
 3. The last stage collects its outputs; the logits rows are broadcast to every stage (a `psum` in which the other
    stages add zeros, exact) and the final norm and LM head run on them.
 
-Limits: dense models (MoE blocks run their own `shard_map` over ep / tp); attention always reads the paged cache
-(no flash path for fresh prompts, since a micro-batch may need the K/V of an earlier one).
+MoE layers (`models.moe`) run their expert block's own `shard_map` nested inside the stages' one: over the context's
+abstract mesh (`jax.sharding.get_abstract_mesh()`, whose stage axis is already manual), manual over ep and tp too,
+so a stage's experts split over its ep x tp devices and the block's one psum stays among them. Left to XLA's
+partitioner instead, the expert block got collective-permutes inside the stage's `lax.cond`, which only the active
+stage runs, and XLA:CPU deadlocked (its collective-permute waits for every device of the program).
+
+Limits: attention always reads the paged cache (no flash path for fresh prompts, since a micro-batch may need the
+K/V of an earlier one).
 """
 
 from __future__ import annotations
@@ -110,16 +116,12 @@ def stage_layout(num_layers: int, num_stages: int) -> StageLayout:
 
 
 def check_pipeline(cfg: ModelConfig, num_stages: int) -> StageLayout:
-    """The stage layout of `cfg` over `num_stages` stages, refusing models the pipeline does not run yet.
+    """The stage layout of `cfg` over `num_stages` stages (dense and MoE models, per-layer windows or not).
 
     Raises:
-      ValueError: from `stage_layout`, or (with num_stages > 1) an MoE model.
+      ValueError: from `stage_layout`.
     """
-    layout = stage_layout(cfg.num_layers, num_stages)
-    if num_stages > 1 and cfg.is_moe:
-        raise ValueError(f"pipeline_parallel_size={num_stages} does not support MoE models yet ({cfg.architecture}"
-                         f" has {cfg.num_experts} experts); use pipeline_parallel_size=1")
-    return layout
+    return stage_layout(cfg.num_layers, num_stages)
 
 
 def staged_config(cfg: ModelConfig, layout: StageLayout) -> ModelConfig:
@@ -234,7 +236,8 @@ def pipeline_forward(params: Weights, tokens: jax.Array, metadata: AttentionMeta
             if events is not None:
                 inputs = events.bracket(0, stage, m, inputs)
             y, kv = run_layers(inputs, layers, microbatch_metadata(metadata, m, size), kv, cfg, num_layers=num_slots,
-                               scan_layers=True, attention=attention, first_layer=stage * num_slots)
+                               scan_layers=True, attention=attention, first_layer=stage * num_slots,
+                               mesh=jax.sharding.get_abstract_mesh())  # MoE: nested shard_map, module docstring
             return (y, kv) if events is None else (events.bracket(1, stage, m, y), kv)
 
         def tick(t: jax.Array, carry: tuple) -> tuple:

@@ -166,8 +166,8 @@ class EngineConfig:
     pipeline_parallel_size: int = _option(1, (
         "pipeline stages: the layers split into this many stages of consecutive layers, each on its own "
         "tensor_parallel_size x expert_parallel_size devices, holding only its layers' weights and KV pages; a "
-        "step's token rows flow through the stages as micro-batches (models.pipeline; dense models, scan_layers "
-        'on, no draft model; README "Pipeline parallelism")'), Flag(aliases=("--pp",)))
+        "step's token rows flow through the stages as micro-batches (models.pipeline; scan_layers on, no draft "
+        'model; README "Pipeline parallelism")'), Flag(aliases=("--pp",)))
     pipeline_microbatches: int | None = _option(None, (
         "micro-batches a step's token rows are cut into with pipeline_parallel_size > 1 (at most the step's "
         "padded rows; with at least as many as stages, every stage works at once in the steady state); unset: "

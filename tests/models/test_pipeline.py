@@ -31,15 +31,13 @@ def test_stage_layout_splits_evenly_earlier_stages_first(num_layers, pp, counts)
         assert block[:n].tolist() == list(range(sum(counts[:s]), sum(counts[: s + 1]))) and (block[n:] == -1).all()
 
 
-def test_more_stages_than_layers_and_unsupported_models_are_refused():
+def test_more_stages_than_layers_are_refused():
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 is more than the model's 3 layers"):
         stage_layout(3, 4)
     with pytest.raises(ValueError, match="pipeline_parallel_size=0"):
         stage_layout(3, 0)
-    moe = dataclasses.replace(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-    with pytest.raises(ValueError, match="does not support MoE models yet"):
-        check_pipeline(moe, 2)
-    assert check_pipeline(moe, 1).counts == (3,)  # one stage: anything goes
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 is more than the model's 3 layers"):
+        check_pipeline(TINY, 4)
 
 
 def _batch():
@@ -52,11 +50,15 @@ def _batch():
     return np.array([5, 9, 11, 3, 7, 0, 0, 0], np.int32), meta
 
 
-# Gemma 2-style windows: a window of 2 (the batch's context is 7) on layers 0 and 2, full attention on layer 1
-@pytest.mark.parametrize("windows", [None, (2, None, 2)])
-def test_zero_padding_layers_are_exact_no_ops(windows):
+# Gemma 2-style windows: a window of 2 (the batch's context is 7) on layers 0 and 2, full attention on layer 1;
+# MoE layers with a shared expert (a zero router still picks experts, whose zero weights add nothing)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+
+
+@pytest.mark.parametrize("windows,moe", [(None, {}), ((2, None, 2), {}), (None, MOE)])
+def test_zero_padding_layers_are_exact_no_ops(windows, moe):
     # 3 layers over 2 stages: slots [0, 1 | 2, pad]; the padded stack run as one model gives the same logits
-    model = dataclasses.replace(TINY, layer_sliding_windows=windows)
+    model = dataclasses.replace(TINY, layer_sliding_windows=windows, **moe)
     weights = init_weights(model, jax.random.key(0))
     layout = stage_layout(3, 2)
     cfg = staged_config(model, layout)
