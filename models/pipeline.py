@@ -16,6 +16,9 @@ Layout (`stage_layout`, `pad_layers`):
 - The stacked layer weights and the KV cache [pp * S, P, K, page_size, H] split over the stage axis on their
   layer axis (`sharding.rules.PIPELINE_RULES`): each stage's devices hold only its layers' weights and KV pages.
   The page table is shared (one host scheduler): a page id names the same page in every stage's slice.
+- A checkpoint's [L, ...] stack can be read straight into the stages only in blocks of S layers (the stack padded
+  at its end, `StageLayout.blocks`); that is the stage layout for even splits and pp = 2, and `stages_from_blocks`
+  moves the rest on device (`jaxinfer.loading.orbax`, module docstring).
 - The embedding, final norm and LM head are replicated over the stages (every stage holds them; the embedding
   gather and the LM head run outside the stage loop, on every stage, for the rows the last stage hands back).
 
@@ -169,8 +172,9 @@ def stages_from_blocks(layers: Any, layout: StageLayout) -> Any:
     Layer i sits in block b = i // S and belongs to a stage t >= b (every stage's first layer is at or before its
     block's first: earlier stages take the extra layers). For each shift k = t - b that occurs, one `ppermute` sends
     every stage's block to the stage k further on, which keeps the rows it needs: a device receives at most one
-    block per shift, never the stack. Padding slots get all-zero bits, as in `pad_layers`. Where the layouts agree
-    (even splits, pp = 2) the arrays are returned as they are.
+    block per shift, never the stack, and leaves move one at a time (a transient of one leaf's block per shift).
+    Padding slots get all-zero bits, as in `pad_layers`. Where the layouts agree (even splits, pp = 2) the arrays are
+    returned as they are.
 
     Args:
       layers: a pytree of `jax.Array`s [pp * S, ...] (slot i holding layer i, anything past L), each with a
@@ -208,11 +212,11 @@ def stages_from_blocks(layers: Any, layout: StageLayout) -> Any:
             out = jnp.where(keep(jnp.asarray(shift)[stage] == k), rows, out)
         return out
 
-    mesh = leaves[0].sharding.mesh
-    specs = [x.sharding.spec for x in leaves]
-    moved = jax.jit(jax.shard_map(lambda xs: [move(x) for x in xs], mesh=mesh, in_specs=(specs,),
-                                  out_specs=specs), donate_argnums=0)(leaves)
-    return jax.tree.unflatten(treedef, moved)
+    def one(x: jax.Array) -> jax.Array:  # a leaf at a time: at most a block per shift of one leaf on top
+        spec = x.sharding.spec
+        return jax.jit(jax.shard_map(move, mesh=x.sharding.mesh, in_specs=spec, out_specs=spec), donate_argnums=0)(x)
+
+    return jax.tree.unflatten(treedef, [one(x) for x in leaves])
 
 
 def microbatch_metadata(metadata: AttentionMetadata, m: jax.Array, size: int) -> AttentionMetadata:

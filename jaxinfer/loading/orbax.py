@@ -300,9 +300,12 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None, 
         raise ValueError(f"checkpoint {str(root)!r}: the tokenizer in {TOKENIZER_DIR}/ cannot be loaded: {e}") from None
 
     t0 = time.perf_counter()
-    nbytes = lambda t: int(np.prod(t.shape)) * t.dtype.itemsize  # noqa: E731
-    total = sum(nbytes(t) for _, t in targets)
+    stored_shape = dict(arrays)
+    nbytes = lambda p, t: int(np.prod(stored_shape[p].shape)) * t.dtype.itemsize  # noqa: E731  (as stored)
+    total = sum(nbytes(p, t) for p, t in targets)
     where = "host" if shardings is None else f"{len(jax.tree.leaves(shardings)[0].device_set)} devices"
+    if stages is not None:
+        where += f", layers into {stages.num_stages} pipeline stages of {stages.layers_per_stage} slots"
     what = "" if qinfo is None else f", {len(quantized)} weights quantized {qinfo.config.format}"
     logger.info("restoring %d arrays (%.1f MiB, %s stored, %s wanted%s) from %s onto %s", len(targets),
                 total / 2**20, stored_dtype.name, dt.name, what, weights_dir, where)
@@ -321,7 +324,7 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None, 
                 raise ValueError(f"checkpoint {str(root)!r}: cannot read {names} from {WEIGHTS_DIR}/ (corrupt or "
                                  f"truncated array data?): {_describe(e)}") from None
             restored += [(p, get_path(out, p)) for p, _ in group]
-            bar.update(sum(nbytes(t) for _, t in group))
+            bar.update(sum(nbytes(p, t) for p, t in group))
     cfg_restored = cfg if stages is None else staged_config(cfg, stages)
     if padded:  # the block layout into the stage layout, on device
         moved = iter(stages_from_blocks([x for p, x in restored if p in padded], stages))
