@@ -20,6 +20,9 @@ Layout (`stage_layout`, `pad_layers`):
 - The stacked layer weights and the KV cache [pp * S, P, K, page_size, H] split over the stage axis on their
   layer axis (`sharding.rules.PIPELINE_RULES`): each stage's devices hold only its layers' weights and KV pages.
   The page table is shared (one host scheduler): a page id names the same page in every stage's slice.
+- A checkpoint's [L, ...] stack can be read straight into the stages only in blocks of S layers (the stack padded
+  at its end, `StageLayout.blocks`); that is the stage layout for even splits and pp = 2, and `stages_from_blocks`
+  moves the rest on device (`jaxinfer.loading.orbax`, module docstring).
 - The embedding, final norm and LM head are replicated over the stages (every stage holds them; the embedding
   gather and the LM head run outside the stage loop, on every stage, for the rows the last stage hands back).
 
@@ -51,6 +54,7 @@ K/V of an earlier one).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +104,13 @@ class StageLayout:
         return out
 
 
+    def blocks(self) -> np.ndarray:
+        """i32[pp * S]: the model layer each slot holds in the block layout, -1 past L: the [L, ...] stack padded at
+        its end to [pp * S, ...], so stage s holds layers [s * S, (s + 1) * S) (`stages_from_blocks`). Equal to
+        `source()` for even splits and for pp = 2."""
+        return np.where(np.arange(self.padded_layers) < self.num_layers, np.arange(self.padded_layers), -1)
+
+
 def stage_layout(num_layers: int, num_stages: int) -> StageLayout:
     """The split of `num_layers` layers over `num_stages` stages (earlier stages take the extra layers).
 
@@ -133,10 +144,16 @@ def staged_config(cfg: ModelConfig, layout: StageLayout) -> ModelConfig:
     return dataclasses.replace(cfg, num_layers=layout.padded_layers, layer_sliding_windows=windows)
 
 
+def _zero(dtype) -> np.ndarray:
+    """A zero of `dtype` with all bits 0: numpy's (jnp.zeros of float8_e8m0fnu, which has no zero, is NaN, and a NaN
+    scale would make a padding layer's mxfp weights NaN; bits 0, 2^-127, times zero values is 0)."""
+    return np.zeros((), dtype)
+
+
 def pad_layers(weights: Weights, layout: StageLayout) -> Weights:
     """The weights with their stacked layers laid out for the stages: slot i of every layer leaf (axis 0, also the
-    values and scales of a `models.quant.QuantizedWeight`) holds layer `layout.source()[i]`, zeros for padding
-    slots (a zero-weight layer is a no-op, module docstring). numpy in, numpy out; jax arrays in, jax out."""
+    values and scales of a `models.quant.QuantizedWeight`) holds layer `layout.source()[i]`, all-zero bits for
+    padding slots (a zero-weight layer is a no-op, module docstring). numpy in, numpy out; jax arrays in, jax out."""
     source = layout.source()
     if layout.padded_layers == layout.num_layers:
         return weights
@@ -145,9 +162,63 @@ def pad_layers(weights: Weights, layout: StageLayout) -> Weights:
         xp = np if isinstance(a, np.ndarray) else jnp
         taken = xp.take(a, np.maximum(source, 0), axis=0)
         keep = (source >= 0).reshape(-1, *[1] * (a.ndim - 1))
-        return xp.where(keep, taken, xp.zeros((), a.dtype))
+        return xp.where(keep, taken, _zero(a.dtype))
 
     return weights.replace(layers=jax.tree.map(one, weights.layers))
+
+
+def stages_from_blocks(layers: Any, layout: StageLayout) -> Any:
+    """Stacked layer arrays moved from the block layout (`StageLayout.blocks`) to the stage layout (`pad_layers`) on
+    the mesh they live on, without gathering the stack anywhere.
+
+    Layer i sits in block b = i // S and belongs to a stage t >= b (every stage's first layer is at or before its
+    block's first: earlier stages take the extra layers). For each shift k = t - b that occurs, one `ppermute` sends
+    every stage's block to the stage k further on, which keeps the rows it needs: a device receives at most one
+    block per shift, never the stack, and leaves move one at a time (a transient of one leaf's block per shift).
+    Padding slots get all-zero bits, as in `pad_layers`. Where the layouts agree (even splits, pp = 2) the arrays are
+    returned as they are.
+
+    Args:
+      layers: a pytree of `jax.Array`s [pp * S, ...] (slot i holding layer i, anything past L), each with a
+        `NamedSharding` whose first axis is split over the mesh's stage axis `PP_AXIS` alone (other axes as they
+        are); donated.
+      layout: the stage layout.
+
+    Returns:
+      The same tree: slot i of every leaf holds layer `layout.source()[i]`, with the leaf's sharding.
+
+    Raises:
+      ValueError: a leaf that is not [pp * S, ...] split over the stage axis.
+    """
+    source, blocks = layout.source(), layout.blocks()
+    if (source == blocks).all():
+        return layers
+    leaves, treedef = jax.tree.flatten(layers)
+    for x in leaves:
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        if x.shape[0] != layout.padded_layers or not spec or spec[0] != PP_AXIS:
+            raise ValueError(f"stages_from_blocks needs [{layout.padded_layers}, ...] arrays split over "
+                             f"{PP_AXIS!r} on axis 0; got shape {x.shape}, sharding {getattr(x, 'sharding', None)}")
+    num_stages, slots = layout.num_stages, layout.layers_per_stage
+    stage_of = np.arange(layout.padded_layers) // slots
+    shift = np.where(source >= 0, stage_of - source // slots, -1).reshape(num_stages, slots)  # [pp, S]
+    row = np.where(source >= 0, source % slots, 0).reshape(num_stages, slots)  # [pp, S], in the sender's block
+
+    def move(block: jax.Array) -> jax.Array:  # [S, ...], this device's block
+        stage = jax.lax.axis_index(PP_AXIS)
+        keep = lambda mask: mask.reshape(-1, *[1] * (block.ndim - 1))  # noqa: E731
+        out = jnp.broadcast_to(_zero(block.dtype), block.shape)
+        for k in sorted(set(shift[shift >= 0].tolist())):
+            got = block if k == 0 else jax.lax.ppermute(block, PP_AXIS, [(s, s + k) for s in range(num_stages - k)])
+            rows = jnp.take(got, jnp.asarray(row)[stage], axis=0)
+            out = jnp.where(keep(jnp.asarray(shift)[stage] == k), rows, out)
+        return out
+
+    def one(x: jax.Array) -> jax.Array:  # a leaf at a time: at most a block per shift of one leaf on top
+        spec = x.sharding.spec
+        return jax.jit(jax.shard_map(move, mesh=x.sharding.mesh, in_specs=spec, out_specs=spec), donate_argnums=0)(x)
+
+    return jax.tree.unflatten(treedef, [one(x) for x in leaves])
 
 
 def microbatch_metadata(metadata: AttentionMetadata, m: jax.Array, size: int) -> AttentionMetadata:

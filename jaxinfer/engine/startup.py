@@ -104,19 +104,21 @@ def _load_target(config: EngineConfig, mesh, qcfg: QuantizationConfig | None, qu
     """(config as trained, config as run, device weights, tokenizer): loaded, sharded and quantized."""
     dtype = DTYPES[config.dtype]
     load_dtype = np.float32 if quantize_at_load else np.dtype(dtype)  # quantized from f32
-    # numpy weights; for an orbax checkpoint and a mesh, arrays restored straight onto the mesh
-    cfg, np_weights, tokenizer = load_model(config.model, load_dtype, mesh=mesh,
-                                            gguf_quantized=qcfg is not None and qcfg.format == "gguf")
+    # numpy weights; for an orbax checkpoint and a mesh, arrays restored straight onto the mesh (with pipeline
+    # stages, their layers in the stage layout already)
+    cfg, loaded, tokenizer = load_model(config.model, load_dtype, mesh=mesh,
+                                        gguf_quantized=qcfg is not None and qcfg.format == "gguf")
     if mesh is None:
-        run_cfg, weights = cfg, jax.device_put(np_weights)  # one batched call: 2x faster than an asarray a leaf
+        run_cfg, weights = cfg, jax.device_put(loaded)  # one batched call: 2x faster than an asarray a leaf
         if quantize_at_load:
             weights = _quantize(weights, cfg, qcfg, dtype)
         return cfg, run_cfg, weights, tokenizer
     pp = config.pipeline_parallel_size
     layout = check_pipeline(cfg, pp)
     staged = staged_config(cfg, layout) if pp > 1 else cfg  # the layer stack padded to whole stages
+    on_mesh = any(isinstance(x, jax.Array) for x in jax.tree.leaves(loaded))
     # a quantized checkpoint's weights padded as stored
-    sharded = shard_model(staged, pad_layers(np_weights, layout) if pp > 1 else np_weights, mesh)
+    sharded = shard_model(staged, pad_layers(loaded, layout) if pp > 1 and not on_mesh else loaded, mesh)
     run_cfg, weights = sharded.cfg, sharded.weights
     if quantize_at_load:
         weights = quantize_sharded(weights, run_cfg, qcfg, dtype)

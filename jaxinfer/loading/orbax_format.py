@@ -10,7 +10,9 @@ A converted model is a folder:
     DIR/weights/                   an orbax-checkpoint PyTree checkpoint of a plain nested dict of arrays, keyed by
                                    the field names of `models.llama.Weights` / `LayerWeights` (None fields omitted):
                                    {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (untied only),
-                                    "layers": {"attn_norm": [L, D], "wq": [L, D, N, H], ...}}
+                                    "layers": {"attn_norm": [L, D], "wq": [L, D, N, H], ...}}; the stacked
+                                   "layers" arrays stored one chunk per layer (zarr chunk [1, ...]; checkpoints
+                                   written before this hold every array as one chunk, read whole by any restore)
     DIR/tokenizer/                 an HF tokenizer folder (`Tokenizer.save_pretrained`)
 
 Quantized checkpoints (`convert(..., quantization=...)`, `models.quant`): each quantized weight is a dict of its
@@ -50,6 +52,7 @@ from jaxinfer.loading.codec import config_from_dict, dataclass_to_dict
 from models import quant
 from models.config import ModelConfig
 from models.llama import Weights, WeightSpec
+from models.pipeline import StageLayout, staged_config
 from models.quant import QuantizationConfig, QuantizedWeight
 
 FORMAT_VERSION = 1
@@ -313,11 +316,12 @@ def quantization_record(meta: Mapping[str, Any], cfg: ModelConfig, root: Path) -
                                             f"checkpoint {str(root)!r}: {CHECKPOINT_JSON} quantization")
 
 
-def weight_specs(path: str | os.PathLike) -> Weights:
+def weight_specs(path: str | os.PathLike, stages: StageLayout | None = None) -> Weights:
     """`Weights.abstract` of the weights a checkpoint holds (with the separate head a quantized tied model may
-    store): the tree to build `load`'s `shardings` from."""
+    store): the tree to build `load`'s `shardings` from. With `stages` (a `models.pipeline.StageLayout` over the
+    checkpoint's layers), those of the padded stack, `staged_config`: [pp * S, ...] layer axes."""
     root = Path(path).resolve()
     cfg, _, meta = read_checkpoint_json(root)
     q = quantization_record(meta, cfg, root)
-    return Weights.abstract(cfg, q is not None and q.separate_head)
+    return Weights.abstract(cfg if stages is None else staged_config(cfg, stages), q is not None and q.separate_head)
 

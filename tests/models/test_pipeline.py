@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models import quant
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, forward, init_weights
 from models.pipeline import (check_pipeline, microbatch_metadata, num_microbatches_for, pad_layers, stage_layout,
@@ -71,6 +73,28 @@ def test_zero_padding_layers_are_exact_no_ops(windows, moe):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got_cache.k)[:3], np.asarray(want_cache.k), rtol=1e-6, atol=1e-6)
     assert not np.asarray(got_cache.k)[3].any()  # the padding layer's K are zeros
+
+
+@pytest.mark.parametrize("num_layers,pp,blocks", [(5, 2, [0, 1, 2, 3, 4, -1]), (5, 4, [0, 1, 2, 3, 4, -1, -1, -1]),
+                                                  (4, 2, [0, 1, 2, 3])])
+def test_blocks_are_the_stack_padded_at_its_end(num_layers, pp, blocks):
+    layout = stage_layout(num_layers, pp)
+    assert layout.blocks().tolist() == blocks
+    assert (layout.blocks() == layout.source()).all() == (pp == 2 or num_layers % pp == 0)
+
+
+def test_padding_layers_of_quantized_weights_have_zero_bits_on_host_and_device():
+    # found here: jnp.zeros of float8_e8m0fnu (mxfp8 / mxfp4 scales) is NaN, which made a padding layer's weights
+    # NaN (NaN scale times zero values) when the weights were jax arrays; numpy gives bits 0 (2^-127)
+    qcfg = quant.QuantizationConfig.from_value({"format": "mxfp8"})
+    weights = quant.quantize_weights(init_weights(TINY, jax.random.key(1)), cfg=TINY, qcfg=qcfg, dtype=jnp.float32)
+    layout = stage_layout(3, 2)
+    on_device, on_host = pad_layers(weights, layout), pad_layers(jax.tree.map(np.asarray, weights), layout)
+    for got, want in zip(jax.tree.leaves(on_device.layers), jax.tree.leaves(on_host.layers), strict=True):
+        view = lambda x: np.asarray(x).view(np.uint8) if np.asarray(x).dtype.itemsize == 1 else np.asarray(x)  # noqa: E731
+        np.testing.assert_array_equal(view(got), view(want))
+    padding = np.asarray(on_device.layers.wq.dequantize())[3]  # slot 3: stage 1's padding layer
+    assert np.isfinite(padding).all() and not padding.any()
 
 
 def test_microbatches_see_their_rows_as_chunks():

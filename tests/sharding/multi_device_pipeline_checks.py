@@ -1,7 +1,9 @@
 """Pipeline-parallel checks that need 8 devices (run by `test_sharding.py` in a child process, see
 multi_device_checks.py): `pipeline_forward` against the one-device `forward` (a tiny Llama, Gemma 2 / 3's per-layer
 windows, MoE experts split inside each stage), where each stage's weights and KV pages live, and whole engines at
-pp = 2, 4, pp = 2 x tp = 2 and pp = 2 x ep = 2 x tp = 2 against pp = 1 token for token."""
+pp = 2, 4, pp = 2 x tp = 2 and pp = 2 x ep = 2 x tp = 2 against pp = 1 token for token; orbax checkpoints (float
+and quantized) restored straight into the stage layout: what each device was asked to read, what it holds, and
+engines on them against pp = 1."""
 
 from __future__ import annotations
 
@@ -16,15 +18,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxinfer.llm import LLM
+from jaxinfer.loading import convert, load_model
 from jaxinfer.loading.hf import load_hf_weights
 from jaxinfer.sampling_params import SamplingParams
 from models.llama import AttentionMetadata, KVCache, forward, init_weights
 from models.partition import shard_model
-from models.pipeline import pad_layers, pipeline_forward, stage_layout, staged_config
+from models.pipeline import pad_layers, pipeline_forward, stage_layout, staged_config, stages_from_blocks
 from sharding.mesh import PP_AXIS, make_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -167,6 +171,27 @@ def test_pipeline_mesh_errors_name_the_numbers():
         stage_layout(2, 3)
 
 
+# 10 layers over 8 stages: blocks of 2 hold layers 0-9 in stages 0-4, the stages hold 2, 2, then 1 each: layers move
+# 0 to 3 stages on (four ppermute shifts); 10 over 4 x tp 2; 7 over 2 x tp 4 (the layouts agree: nothing moves)
+@pytest.mark.parametrize("num_layers,pp,tp", [(10, 8, 1), (10, 4, 2), (7, 2, 4)])
+def test_stages_from_blocks_moves_every_layer_to_its_stage(num_layers, pp, tp):
+    layout, mesh = stage_layout(num_layers, pp), make_mesh(tp=tp, pp=pp)
+    stack = np.random.default_rng(0).standard_normal((num_layers, 3, 4)).astype(np.float32)
+    blocks = np.zeros((layout.padded_layers, 3, 4), np.float32)
+    blocks[:num_layers] = stack
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(PP_AXIS, None, "tp"))
+    tree = {"f32": jax.device_put(blocks, sharding), "i8": jax.device_put(blocks.astype(np.int8), sharding)}
+    moved = stages_from_blocks(tree, layout)
+    source = layout.source()
+    want = np.where((source >= 0)[:, None, None], stack[np.maximum(source, 0)], 0)  # slot i: layer source[i]
+    for x in moved.values():
+        assert x.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(x), want.astype(x.dtype))
+    if (source != layout.blocks()).any():  # an array not split over the stages is refused
+        with pytest.raises(ValueError, match="split over 'pp' on axis 0"):
+            stages_from_blocks([jax.device_put(blocks)], layout)
+
+
 # --- engines: a 5-layer tiny Llama (uneven stages) ---------------------------------------------------------------
 
 NUM_LAYERS = 5
@@ -257,3 +282,65 @@ def test_engine_refuses_more_stages_than_layers(five_layers):
         LLM(str(five_layers), pipeline_parallel_size=8, warmup=False)
     with pytest.raises(ValueError, match="pp=4 x dp=1 x ep=1 x tp=4 = 16 devices"):
         LLM(str(five_layers), pipeline_parallel_size=4, tensor_parallel_size=4, warmup=False)
+
+
+# --- orbax checkpoints restored into the stage layout --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(five_layers, tmp_path_factory):
+    """quantization (None: float32) -> the 5-layer model converted to an orbax checkpoint, once each."""
+    cache: dict = {}
+
+    def get(quantization: str | None) -> Path:
+        if quantization not in cache:
+            cache[quantization] = convert(five_layers, tmp_path_factory.mktemp("ckpt") / "c", quantization=quantization)
+        return cache[quantization]
+
+    return get
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint8) if x.dtype.itemsize == 1 else x
+
+
+# 5 layers: pp = 2 holds 3 + 2 (the block layout is the stage layout); pp = 4 holds 2 + 1 + 1 + 1 in slots of 2,
+# whose blocks hold layers 0-1, 2-3, 4, none: layers 2-4 move to later stages on device
+@pytest.mark.parametrize("quantization,pp,tp", [(None, 2, 1), (None, 4, 2), ("int4", 4, 1)])
+def test_checkpoint_restores_straight_into_the_stage_layout(checkpoints, quantization, pp, tp, monkeypatch):
+    ckpt = checkpoints(quantization)
+    cfg, host, _ = load_model(ckpt, np.dtype(np.float32))
+    layout, mesh = stage_layout(NUM_LAYERS, pp), make_mesh(tp=tp, pp=pp)
+    asked = []  # the restore arguments orbax received: what each device reads
+    restore = ocp.PyTreeCheckpointer.restore
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", lambda self, directory, args: asked.append(
+        args.restore_args) or restore(self, directory, args=args))
+    _, restored, _ = load_model(ckpt, np.dtype(np.float32), mesh=mesh)
+
+    slots = layout.layers_per_stage
+    stage_of = {d: s for s in range(pp) for d in mesh.devices[s].flat}
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(ckpt / "weights").item_metadata.tree["layers"]
+    layer_args = [a for args in asked for a in jax.tree.leaves(args["layers"])] if asked else []
+    assert len(layer_args) == len(jax.tree.leaves(stored))
+    for args in layer_args:  # stage s reads at most the checkpoint's layers [s * S, (s + 1) * S)
+        assert args.global_shape[0] == pp * slots and not args.strict
+        for device, index in args.sharding.devices_indices_map(tuple(args.global_shape)).items():
+            s = stage_of[device]
+            assert index[0] == slice(s * slots, (s + 1) * slots)
+    # one storage chunk per layer: a read of some layers reads only those
+    assert all(a.storage.chunk_shape[0] == 1 for a in jax.tree.leaves(stored))
+
+    want = jax.tree.leaves(pad_layers(host, layout).layers)  # the host path: pad_layers of the [L] stack
+    for (path, got), expected in zip(jax.tree_util.tree_flatten_with_path(restored.layers)[0], want, strict=True):
+        np.testing.assert_array_equal(_bits(got), _bits(expected), err_msg=jax.tree_util.keystr(path))
+        assert got.sharding.spec[0] == PP_AXIS
+        for shard in got.addressable_shards:  # each device holds only its stage's slots
+            s = stage_of[shard.device]
+            assert shard.index[0] == slice(s * slots, (s + 1) * slots)
+
+
+@pytest.mark.parametrize("quantization,pp,tp", [(None, 2, 1), (None, 4, 1), (None, 2, 2), ("int4", 2, 1)])
+def test_engine_on_a_checkpoint_gives_one_stage_tokens(checkpoints, quantization, pp, tp):
+    assert _run(checkpoints(quantization), pp, tp) == _run(checkpoints(quantization), 1, 1)

@@ -1,5 +1,5 @@
-"""Two local processes with `jax.distributed` (2 CPU devices each, gloo collectives) run one tp=4 engine, and one
-pp=2 x tp=2 engine (a pipeline stage per process)."""
+"""Two local processes with `jax.distributed` (2 CPU devices each, gloo collectives) run one tp=4 engine, and
+pp=2 x tp=2 engines (a pipeline stage per process), the second on an orbax checkpoint restored into the stages."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from jaxinfer.engine import multihost
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from multihost_worker import ENGINE_OPTIONS, SPEC_CONFIGS, generate_all, generate_spec  # noqa: E402
+from multihost_worker import (CHECKPOINT_OPTIONS, ENGINE_OPTIONS, SPEC_CONFIGS, generate_all,  # noqa: E402
+                              generate_checkpoint, generate_spec)
+from tiny_model import make_tiny_model_dir  # noqa: E402
 
 
 def _free_port() -> int:
@@ -69,10 +71,15 @@ def test_two_processes_generate_the_single_process_tokens(tmp_path):
 def test_pipeline_stages_on_two_processes_generate_the_single_process_tokens(tmp_path):
     # pp = 2 x tp = 2: each process holds one stage; activations cross processes by ppermute (gloo)
     from jaxinfer.llm import LLM
+    from jaxinfer.loading import convert
 
-    got = _run_workers(tmp_path / "out.json", "pp")
+    checkpoint = convert(make_tiny_model_dir(tmp_path / "tiny"), tmp_path / "checkpoint")  # 2 layers
+    got = _run_workers(tmp_path / "out.json", "pp", str(checkpoint))
     assert got["stage_processes"] == [[0], [1]]  # stage s's weights and KV pages live on process s only
     assert got["tokens"] == generate_all(LLM(**ENGINE_OPTIONS), host_tier=False)
+    # the orbax checkpoint restored straight into the stages, each process restoring its own stage's layer
+    assert got["checkpoint_stage_processes"] == [[0], [1]]
+    assert got["checkpoint_tokens"] == generate_checkpoint(LLM(str(checkpoint), **CHECKPOINT_OPTIONS))
 
 
 def test_initialize_checks_its_arguments():

@@ -139,18 +139,22 @@ def test_quantized_checkpoint_restores_sharded(name, quantization, tp, sources, 
     np.testing.assert_allclose(_sharded_logits(cfg, sharded), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_engine_tp2_generates_the_single_device_tokens(checkpoints):
+def test_engine_tp2_and_pp2_generate_the_single_device_tokens(checkpoints):
+    # pp = 2: the two layers' quantized values and scales restored straight into their stages
+    # (tests/sharding/multi_device_pipeline_checks.py: uneven splits, int4)
     from jaxinfer import LLM, SamplingParams
 
     ckpt = checkpoints("tiny_llama3", INT8)
     params = SamplingParams(max_tokens=10, temperature=0)
     prompt = {"prompt_token_ids": [1, 40, 50, 60, 70, 33, 21]}
     outputs = {}
-    for tp in (1, 2):
-        llm = LLM(str(ckpt), tensor_parallel_size=tp, warmup=False, kv_cache_memory_bytes=1 << 20)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        llm = LLM(str(ckpt), tensor_parallel_size=tp, pipeline_parallel_size=pp, warmup=False,
+                  kv_cache_memory_bytes=1 << 20)
         assert llm.engine.quantization == QuantizationConfig.from_value(INT8).resolved()
-        outputs[tp] = llm.generate(prompt, params)[0].outputs[0].token_ids
-    assert len(outputs[1]) == 10 and outputs[2] == outputs[1]
+        outputs[tp, pp] = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert len(outputs[1, 1]) == 10 and outputs[2, 1] == outputs[1, 1] and outputs[1, 2] == outputs[1, 1]
+    assert llm.runner.weights.layers.wq.values.sharding.spec[0] == "pp"
 
 
 def test_group_size_that_padding_would_split_is_refused(checkpoints):
