@@ -331,6 +331,9 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
                         activation_group_size=qcfg.activation_group_size, stacked_axes=stacked_axes,
                         asymmetric=qcfg.asymmetric)
 
+    def q_table(w, axes, per_row_only=False):  # the embedding table or the LM head: `embedding_format` if set
+        return quantize(w, qcfg.embedding_format, axes) if qcfg.embedding_format else q(w, axes, per_row_only)
+
     def cast(w):
         return None if w is None else jnp.asarray(w, dtype)
 
@@ -352,14 +355,14 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
         else:
             new_layers[field.name] = cast(w)
     embed = weights.embed
-    q_embed = q(embed, (-1,), per_row_only=True) if qcfg.embedding else cast(embed)
+    q_embed = q_table(embed, (-1,), per_row_only=True) if qcfg.embedding else cast(embed)
     if weights.lm_head is not None:
-        lm_head = q(weights.lm_head, (-2,)) if qcfg.lm_head else cast(weights.lm_head)
+        lm_head = q_table(weights.lm_head, (-2,)) if qcfg.lm_head else cast(weights.lm_head)
     elif qcfg.lm_head == qcfg.embedding:
         lm_head = None  # tied: one table serves the gather and the head
     else:  # tied, but only one of the two is quantized: the head gets its own [D, V] copy
         head = jnp.asarray(embed, jnp.float32).T
-        lm_head = q(head, (-2,)) if qcfg.lm_head else cast(head)
+        lm_head = q_table(head, (-2,)) if qcfg.lm_head else cast(head)
     return weights.replace(embed=q_embed, layers=layers.replace(**new_layers), final_norm=cast(weights.final_norm),
                            lm_head=lm_head)
 

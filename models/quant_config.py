@@ -47,6 +47,10 @@ class QuantizationConfig:
       asymmetric: int4 only: a min per group too (w = scale * q + min, GGUF Q4_1's and zero-point GPTQ/AWQ's form;
         `models.quant4`) instead of symmetric codes (w = scale * (q - 8)); 4 more bytes per group. On SmolLM2, whose
         weights come from a Q4_1 file, asymmetric groups of 32 land on the file's own grid (BENCHMARKS.md).
+      embedding_format: int4 only: "int8" quantizes the embedding table and the LM head to int8 (per vocabulary
+        row, as format "int8" does; with tied embeddings one table serves both) while the layers stay int4:
+        llama.cpp's Q4_0 files keep their token embedding in Q8_0 the same way. Both are then quantized unless
+        quantize_embedding / quantize_lm_head say otherwise. None: the embedding and head follow `format`.
     """
 
     format: str = "int8"
@@ -56,10 +60,14 @@ class QuantizationConfig:
     quantize_lm_head: bool | None = None
     activation_group_size: int = 0
     asymmetric: bool = False
+    embedding_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in (*FORMATS, "gguf"):
             raise ValueError(f"quantization format={self.format!r} is not one of {', '.join(FORMATS)}, gguf")
+        if self.embedding_format is not None and (self.embedding_format != "int8" or self.format != "int4"):
+            raise ValueError(f"embedding_format={self.embedding_format!r}: only \"int8\", and only with format int4 "
+                             f"(got format {self.format})")
         if self.format == "gguf" and (self.activation_group_size or self.asymmetric or any(
                 getattr(self, f) is not None for f in ("quantize_activations", "quantize_embedding", "quantize_lm_head"))):
             raise ValueError(f"quantization gguf keeps the GGUF file's own types: set no other field ({self})")
@@ -71,7 +79,7 @@ class QuantizationConfig:
         if self.format == "int4":
             object.__setattr__(self, "group_size", self.group_size or DEFAULT_INT4_GROUP_SIZE)
             quant4.check_config(self.group_size, INT4_GROUP_SIZES, self.quantize_activations,
-                                self.quantize_embedding)
+                                self.quantize_embedding and self.embedding_format is None)
         if (not isinstance(self.activation_group_size, int) or isinstance(self.activation_group_size, bool)
                 or self.activation_group_size < 0):
             raise ValueError(f"activation_group_size={self.activation_group_size!r} must be an integer >= 0")
@@ -113,11 +121,18 @@ class QuantizationConfig:
 
     @property
     def embedding(self) -> bool:
-        return self.format == "int8" if self.quantize_embedding is None else self.quantize_embedding
+        default = self.format == "int8" or self.embedding_format is not None
+        return default if self.quantize_embedding is None else self.quantize_embedding
 
     @property
     def lm_head(self) -> bool:
-        return self.format == "int8" if self.quantize_lm_head is None else self.quantize_lm_head
+        default = self.format == "int8" or self.embedding_format is not None
+        return default if self.quantize_lm_head is None else self.quantize_lm_head
+
+    def format_of(self, path: tuple[str, ...]) -> str:
+        """The format of the weight at `path` (a `Weights` field path, e.g. ("embed",) or ("layers", "wq")):
+        `embedding_format` for the embedding table and the LM head where set, `format` otherwise."""
+        return self.embedding_format if self.embedding_format and path[0] in ("embed", "lm_head") else self.format
 
     def resolved(self) -> QuantizationConfig:
         """This config with every None default decided (activations, embedding, LM head): two configs that

@@ -104,6 +104,8 @@ FORMATS = {  # name -> (dtype, quantization)
                                                   "quantize_lm_head": True}),
     "fp8 g128": ("bfloat16", {"format": "fp8", "group_size": 128}),
     "int4 g32 (embedding + LM head bf16)": ("bfloat16", "int4"),
+    "int4 g32, embedding + LM head int8 (llama.cpp Q4_0's layout)": ("bfloat16", {"format": "int4",
+                                                                                  "embedding_format": "int8"}),
     "gguf (Q4_1 / Q8_0 kept as stored)": ("bfloat16", "gguf"),
     "mxfp8 (embedding + LM head bf16)": ("bfloat16", "mxfp8"),
     "mxfp8 (w8a8)": ("bfloat16", {"format": "mxfp8", "quantize_activations": True}),

@@ -199,7 +199,8 @@ class EngineConfig:
         "or e4m3 scale each, embedding and head unquantized; mxfp8 also w8a8), "
         "gguf (a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors kept quantized as stored, vLLM's --quantization gguf), "
         "or a dict / JSON object of QuantizationConfig fields (format, group_size, quantize_activations, "
-        "quantize_embedding, quantize_lm_head, activation_group_size, asymmetric: int4 with a min per group), e.g. "
+        "quantize_embedding, quantize_lm_head, activation_group_size, asymmetric: int4 with a min per group, "
+        "embedding_format: \"int8\" for an int4 model's embedding and LM head, llama.cpp Q4_0's layout), e.g. "
         '{"format": "int8", "quantize_activations": true} (w8a8: dynamic per-token activations and the int8 dot, '
         'the fast path on CPU) or {"format": "fp8", "group_size": 128}; unset: weights in dtype. A checkpoint '
         "written by `jaxinfer convert --quantization` loads as stored: unset takes its quantization, any other "

@@ -98,11 +98,12 @@ def save(output_dir: str | os.PathLike, cfg: ModelConfig, weights: Weights, toke
             fmt = q.format
         except ValueError:  # no format's pair of dtypes
             fmt = None
-        if fmt != qcfg.format:
-            want = ", ".join(f"{np.dtype(d).name} {k}" for d, k in zip(dtypes_of(qcfg.format), ("values", "scales")))
+        if fmt != qcfg.format_of(path):
+            want = ", ".join(f"{np.dtype(d).name} {k}" for d, k in zip(dtypes_of(qcfg.format_of(path)),
+                                                                        ("values", "scales")))
             raise ValueError(f"weight {'.'.join(path)}: {np.dtype(q.values.dtype).name} values with "
-                             f"{np.dtype(q.scale.dtype).name} scales do not fit quantization format {qcfg.format!r} "
-                             f"({want})")
+                             f"{np.dtype(q.scale.dtype).name} scales do not fit quantization format "
+                             f"{qcfg.format_of(path)!r} ({want})")
     separate_head = bool(quantized) and cfg.tie_word_embeddings and weights.lm_head is not None
     check_weights(weights, cfg, separate_head)
     tree = weights_to_dict(weights)

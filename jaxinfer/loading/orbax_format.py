@@ -250,7 +250,8 @@ class CheckpointQuantization:
             path = tuple(name.split("."))
             if path not in specs:
                 raise ValueError(f"{where}.weights: {name!r} is not a weight of this model")
-            weights[path] = abstract_quantized(specs[path].shape, qcfg.format, statics, f"{where}.weights.{name}")
+            weights[path] = abstract_quantized(specs[path].shape, qcfg.format_of(path), statics,
+                                               f"{where}.weights.{name}")
         return CheckpointQuantization(config=qcfg, separate_head=separate, weights=weights)
 
 

@@ -266,3 +266,50 @@ def test_asymmetric_config_lands_on_a_q4_1_grid_exactly_where_symmetric_cannot()
     for bad in ({"format": "fp8", "asymmetric": True}, {"format": "int4", "asymmetric": 1}):
         with pytest.raises(ValueError, match="asymmetric"):
             QuantizationConfig.from_value(bad)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_embedding_format_quantizes_the_table_as_int8_does_and_the_layers_as_int4_does(tied):
+    """`embedding_format="int8"` (llama.cpp's Q4_0 layout: Q8_0 token embedding): the layers are exactly format
+    int4's, the embedding table and LM head exactly format int8's (one shared table when tied), and the model on
+    them equals the model on their dequantized weights."""
+    import dataclasses
+
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
+    weights = init_weights(cfg, jax.random.key(3))
+    qcfg = QuantizationConfig.from_value({"format": "int4", "embedding_format": "int8"})
+    assert qcfg.embedding and qcfg.lm_head and qcfg.resolved().embedding_format == "int8"
+    assert qcfg.format_of(("embed",)) == qcfg.format_of(("lm_head",)) == "int8"
+    assert qcfg.format_of(("layers", "wq")) == "int4"
+    qw, q4, q8 = (quant.quantize_weights(weights, cfg, c, jnp.float32)
+                  for c in (qcfg, QuantizationConfig("int4"), QuantizationConfig("int8")))
+    leaves = lambda w: jax.tree.leaves(w, is_leaf=lambda x: isinstance(x, QuantizedWeight))  # noqa: E731
+    for got, want in zip(leaves(qw.layers), leaves(q4.layers), strict=True):
+        assert not isinstance(got, QuantizedWeight) or got.format == want.format == "int4"
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (qw.lm_head is None) == (q8.lm_head is None) == tied  # tied: the one int8 table serves the head
+    for got, want in ((qw.embed, q8.embed), (qw.lm_head, q8.lm_head)):
+        if got is not None:
+            assert got.format == "int8"
+            np.testing.assert_array_equal(np.asarray(got.values), np.asarray(want.values))
+            np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+    deq = jax.tree.map(lambda x: x.dequantize() if isinstance(x, QuantizedWeight) else x, qw,
+                       is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    with native_matmuls(False):
+        np.testing.assert_allclose(_forward_logits(qw, cfg), _forward_logits(deq, cfg), rtol=1e-4, atol=1e-4)
+    # only the head quantized: the gather keeps a float table, the head its own int8 copy
+    head_only = quant.quantize_weights(weights, cfg, QuantizationConfig.from_value(
+        {"format": "int4", "embedding_format": "int8", "quantize_embedding": False}), jnp.float32)
+    assert not isinstance(head_only.embed, QuantizedWeight) and head_only.lm_head.format == "int8"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"format": "int4", "embedding_format": "int4"}, "only \"int8\", and only with format int4"),
+    ({"format": "int8", "embedding_format": "int8"}, "only with format int4 \\(got format int8\\)"),
+    ({"format": "gguf", "embedding_format": "int8"}, "got format gguf"),
+    ({"format": "int4", "embedding_format": 8}, "embedding_format=8"),
+])
+def test_bad_embedding_formats_are_refused_naming_the_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizationConfig.from_value(bad)
