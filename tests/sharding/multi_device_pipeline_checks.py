@@ -241,7 +241,7 @@ def _run(root: Path, pp: int, tp: int, ep: int = 1) -> tuple[list[list[int]], li
     llm = LLM(str(root), pipeline_parallel_size=pp, tensor_parallel_size=tp, expert_parallel_size=ep,
               dtype="float32", warmup=False, max_num_seqs=4, max_num_batched_tokens=16, page_size=8,
               kv_cache_memory_bytes=2 << 20)
-    num_layers = json.loads((root / "config.json").read_text())["num_hidden_layers"]
+    num_layers = llm.engine.model_config.num_layers  # the model's own (an HF folder or an orbax checkpoint)
     assert llm.runner.cfg.num_layers == pp * -(-num_layers // pp)
     first = llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
     alloc = llm.page_allocator
