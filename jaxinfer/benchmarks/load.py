@@ -47,9 +47,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-log", type=Path, default=None,
                         help="--start-server: its stderr (default: a temp file)")
     parser.add_argument("--server-note", default="", help="how the server was started, for the report")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0, help="gRPC deadline of one request")
-    parser.add_argument("--health-timeout-s", type=float, default=900.0, help="longest wait for SERVING")
-    parser.add_argument("--server-stop-timeout-s", type=float, default=60.0, help="--start-server: wait for its exit")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="gRPC deadline of one request, in seconds (default: %(default)g)")
+    parser.add_argument("--health-timeout-s", type=float, default=900.0,
+                        help="longest wait for the server to listen and be SERVING, in seconds (default: "
+                             "%(default)g); a line every 15 s says what it waits for")
+    parser.add_argument("--server-stop-timeout-s", type=float, default=60.0,
+                        help="--start-server: longest wait for its exit, in seconds (default: %(default)g)")
     parser.add_argument("serve_args", nargs="*", metavar="-- SERVE_ARGS",
                         help="--start-server: arguments after -- go to `jaxinfer serve` (so --write / --json go "
                              "before --)")

@@ -85,10 +85,21 @@ def loopback_target(target: str) -> str:
     return target
 
 
-async def wait_serving(channel: grpc.aio.Channel, timeout_s: float) -> None:
-    """Polls Health/Check("") until SERVING. Raises TimeoutError after `timeout_s` seconds."""
-    stub, deadline, last = health_pb2_grpc.HealthStub(channel), time.monotonic() + timeout_s, "no answer"
-    while time.monotonic() < deadline:
+async def wait_serving(channel: grpc.aio.Channel, timeout_s: float, target: str = "the server",
+                       log_every_s: float = 15.0) -> None:
+    """Polls Health/Check("") once a second until SERVING, logging every `log_every_s` seconds what it waits for
+    (`target`) and the last health answer or error (a refused connection, say), so a long wait is not silent.
+
+    Raises:
+      TimeoutError: not SERVING after `timeout_s` seconds; the message has the last answer.
+    """
+    stub, t0, last = health_pb2_grpc.HealthStub(channel), time.monotonic(), "no answer"
+    deadline, next_log = t0 + timeout_s, t0 + log_every_s
+    while (now := time.monotonic()) < deadline:
+        if now >= next_log:
+            logger.info("still waiting for %s to be SERVING (%.0f s of --health-timeout-s %.0f; last health answer: "
+                        "%s)", target, now - t0, timeout_s, last)
+            next_log = now + log_every_s
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -198,7 +209,7 @@ async def run_load(args: argparse.Namespace, target: str, http_url: str | None =
     unless `http_url` is given: then they go to that OpenAI HTTP API); returns the results."""
     async with contextlib.AsyncExitStack() as stack:
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(target))
-        await wait_serving(channel, args.health_timeout_s)
+        await wait_serving(channel, args.health_timeout_s, target)
         stub = pb_grpc.JaxInferStub(channel)
         info = await stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
         if http_url is None:

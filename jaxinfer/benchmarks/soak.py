@@ -90,7 +90,7 @@ def _check_options(args: argparse.Namespace) -> list[str]:
 async def _soak(args: argparse.Namespace, target: str, metrics_url: str) -> dict:
     plan = draw_plan(args.requests, args.seed, args.cancel_share, args.max_tokens_lohi, args.prompt_len_lohi)
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 8 << 20)]) as channel:
-        await wait_serving(channel, args.health_timeout_s)
+        await wait_serving(channel, args.health_timeout_s, target)
         stub = pb_grpc.JaxInferStub(channel)
         info = await stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)
         await build_prompts(stub, plan, corpus.read_text("soak"), args.seed, info.max_model_len, args.concurrency)
