@@ -50,8 +50,24 @@ def weight_bytes_bound(cfg: ModelConfig) -> int:
     return 4 * (2 * cfg.vocab_size * d + cfg.num_layers * (d * attn + cfg.num_heads * cfg.head_dim * d + mlp))
 
 
-def memory_cap(config: EngineConfig, reserved_bytes: int = 0) -> tuple[int, str]:
-    """(the most bytes the default KV cache may take, what that is, in words, for the start-up log).
+@dataclasses.dataclass(frozen=True)
+class MemoryCap:
+    """The most memory the default KV cache may take.
+
+    Attributes:
+      cap_bytes: the cap, in bytes.
+      reason: what that is, in words, for the start-up log ("memory_utilization=0.1 of 23.5 GiB host memory").
+      by_available: True when the cap is half of the host memory available now, below memory_utilization of the
+        total (memory is short: what the weights take moves it); False for the share of total or free memory.
+    """
+
+    cap_bytes: int
+    reason: str
+    by_available: bool = False
+
+
+def memory_cap(config: EngineConfig, reserved_bytes: int = 0) -> MemoryCap:
+    """The most bytes the default KV cache may take (module docstring), and why.
 
     `reserved_bytes`: memory that will be taken before the cache is (weights not loaded yet), counted out of what
     is available on CPU."""
@@ -64,11 +80,11 @@ def memory_cap(config: EngineConfig, reserved_bytes: int = 0) -> tuple[int, str]
         # compilation cache's keys) from moving with it
         by_available = max(_ROUND, 1 << (max(int((mem.available - reserved_bytes) * 0.5), 1).bit_length() - 1))
         if by_total <= by_available:
-            return by_total, f"memory_utilization={share:g} of {mem.total / 2**30:.1f} GiB host memory"
-        return by_available, (f"half of the {mem.available / 2**30:.1f} GiB available now (rounded down to a power "
-                              "of two)")
+            return MemoryCap(by_total, f"memory_utilization={share:g} of {mem.total / 2**30:.1f} GiB host memory")
+        return MemoryCap(by_available, f"half of the {mem.available / 2**30:.1f} GiB available now (rounded down to "
+                                       "a power of two)", by_available=True)
     free = free_memory_bytes() or 0
-    return int(free * share), f"memory_utilization={share:g} of {free / 2**30:.1f} GiB free device memory"
+    return MemoryCap(int(free * share), f"memory_utilization={share:g} of {free / 2**30:.1f} GiB free device memory")
 
 
 def check_page_size(config: EngineConfig, max_model_len: int) -> None:
@@ -117,7 +133,7 @@ def kv_page_bytes(config: EngineConfig, run_cfg: ModelConfig, draft, mesh) -> in
 
 def budget_bytes(config: EngineConfig) -> int:
     """The budget the page count is cut from: `kv_cache_memory_bytes`, else the memory cap."""
-    return config.kv_cache_memory_bytes or memory_cap(config)[0]
+    return config.kv_cache_memory_bytes or memory_cap(config).cap_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,13 +144,19 @@ class KVSizing:
       num_pages: pages, the null page included (the same on every host).
       tokens: tokens the cache holds ((num_pages - 1) * page_size).
       sequences: how many sequences of max_model_len tokens that is (a float).
-      reason: why the cache has this size, in words (the start-up log line's tail).
+      reason: why the cache has this size, in words (the start-up log line's tail: "sized to all the work: ..." or
+        "capped at ...").
     """
 
     num_pages: int
     tokens: int
     sequences: float
     reason: str
+
+    def sequences_text(self) -> str:
+        """`sequences` in words, to two decimals at most: "1 sequence", "3 sequences", "1.4 sequences"."""
+        n = round(self.sequences, 2)
+        return f"{n:g} sequence{'' if n == 1 else 's'}"
 
 
 def size_kv_cache(config: EngineConfig, page_bytes: int, max_model_len: int) -> KVSizing:
@@ -150,7 +172,8 @@ def size_kv_cache(config: EngineConfig, page_bytes: int, max_model_len: int) -> 
     if config.kv_cache_memory_bytes is not None:
         budget, cap_why = config.kv_cache_memory_bytes, f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
     else:
-        budget, cap_why = memory_cap(config)
+        cap = memory_cap(config)
+        budget, cap_why = cap.cap_bytes, cap.reason
     num_pages = multihost.agree(min(int(budget) // page_bytes, work_pages) + 1)  # same on every host
     if num_pages < 2:
         check_page_fits(config, budget, page_bytes)
@@ -167,9 +190,9 @@ def size_kv_cache(config: EngineConfig, page_bytes: int, max_model_len: int) -> 
     tokens = (num_pages - 1) * config.page_size
     sequences = (num_pages - 1) / pages_per_seq
     if num_pages - 1 == work_pages:
-        reason = f"all the work: {work} ({cache_bytes / 2**20:.1f} MiB, within {cap_why})"
+        reason = f"sized to all the work: {work} ({cache_bytes / 2**20:.1f} MiB, within {cap_why})"
     else:
-        reason = (f"capped at {cap_why} ({cache_bytes / 2**20:.1f} MiB), short of the work, {work} "
+        reason = (f"capped at {cap_why} ({cache_bytes / 2**20:.1f} MiB), less than the work needs, {work} "
                   f"({work_pages * page_bytes / 2**20:.1f} MiB): sequences beyond it wait or are preempted; "
                   + ("raise kv_cache_memory_bytes" if config.kv_cache_memory_bytes is not None else
                      "raise memory_utilization or give kv_cache_memory_bytes") + ", or lower max_num_seqs or "

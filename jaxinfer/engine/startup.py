@@ -188,7 +188,7 @@ def _early_kv_cache(config: EngineConfig) -> tuple[tuple, KVSizing, PagedKVCache
         cfg = read_model_config(config.model)
     except ValueError:
         return None
-    if "available" in memory_cap(config, reserved_bytes=weight_bytes_bound(cfg))[1]:
+    if memory_cap(config, reserved_bytes=weight_bytes_bound(cfg)).by_available:
         return None  # memory is short: size the cache once the weights are in
     max_model_len = cfg.max_position_embeddings if config.max_model_len is None else config.max_model_len
     page_bytes = kv_page_bytes(config, cfg, None, None)
@@ -277,8 +277,8 @@ def start(config: EngineConfig) -> Started:
                          max_pages_per_seq=-(-max_model_len // config.page_size), mesh=mesh,
                          output_vocab=cfg.vocab_size, draft=draft, kv=kv,
                          pipeline_microbatches=config.pipeline_microbatches or pp)
-    logger.info("KV cache: %d tokens (%d pages of %d, %s), %.2f sequences of max_model_len=%d tokens; sized to %s",
-                sizing.tokens, num_pages - 1, config.page_size, jnp.dtype(kv_dtype).name, sizing.sequences,
+    logger.info("KV cache: %d tokens (%d pages of %d, %s), %s of max_model_len=%d tokens; %s",
+                sizing.tokens, num_pages - 1, config.page_size, jnp.dtype(kv_dtype).name, sizing.sequences_text(),
                 max_model_len, sizing.reason)
     return Started(model_config=cfg, tokenizer=tokenizer, quantization=qcfg, weight_bytes=weight_bytes, mesh=mesh,
                    max_model_len=max_model_len, page_bytes=page_bytes, runner=runner)

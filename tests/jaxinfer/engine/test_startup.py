@@ -53,7 +53,7 @@ def test_a_page_that_fits_the_context_and_the_budget_starts(tiny_dir):
 @pytest.mark.parametrize("budget", [None, 1000])
 def test_a_page_larger_than_the_budget_names_page_size_and_the_budget(tiny_dir, budget, monkeypatch):
     _no_load(monkeypatch)
-    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: (4096, "a test cap"))
+    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: kv_budget.MemoryCap(4096, "a test cap"))
     page_size = 128
     with pytest.raises(ValueError) as e:
         Engine(EngineConfig(model=tiny_dir, warmup=False, page_size=page_size, kv_cache_memory_bytes=budget))
@@ -70,7 +70,7 @@ def test_a_page_larger_than_the_budget_names_page_size_and_the_budget(tiny_dir, 
 @pytest.mark.parametrize("budget", [None, 1000])
 def test_the_page_count_after_the_load_names_page_size_and_the_budget_too(budget, monkeypatch):
     """`size_kv_cache` checks again with the page bytes only the load tells (a draft model's cache, padded heads)."""
-    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: (4096, "a test cap"))
+    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: kv_budget.MemoryCap(4096, "a test cap"))
     config = EngineConfig(page_size=8, kv_cache_memory_bytes=budget)
     with pytest.raises(ValueError, match=r"is smaller than one KV page of page_size=8 tokens \(5000 bytes\); lower "
                                          "page_size or raise kv_cache_memory_bytes"):
@@ -97,22 +97,33 @@ def test_the_default_cache_holds_the_work_when_memory_allows(tiny_dir, caplog):
         engine = Engine(EngineConfig(model=tiny_dir, warmup=False, max_num_seqs=3, max_model_len=40, page_size=8))
     assert engine.runner.num_pages == 3 * 5 + 1  # 3 sequences of ceil(40 / 8) pages, plus the null page
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
-    assert line.startswith("KV cache: 120 tokens (15 pages of 8, float32), 3.00 sequences of max_model_len=40 "
+    assert line.startswith("KV cache: 120 tokens (15 pages of 8, float32), 3 sequences of max_model_len=40 "
                            "tokens; sized to all the work: max_num_seqs=3 sequences of max_model_len=40 tokens"), line
 
 
 def test_a_cache_the_memory_cannot_hold_is_capped_with_a_log_line_saying_so(tiny_dir, caplog, monkeypatch):
     """Memory short of the work: the cache takes what memory_utilization allows and the log says how to get more."""
     page_bytes = 8 * TOKEN_BYTES
-    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: (7 * page_bytes + 5, "a test cap"))
+    monkeypatch.setattr(kv_budget, "memory_cap", lambda config: kv_budget.MemoryCap(7 * page_bytes + 5, "a test cap"))
     with caplog.at_level("INFO", logger="jaxinfer.engine.startup"):
         engine = Engine(EngineConfig(model=tiny_dir, warmup=False, max_num_seqs=3, max_model_len=40, page_size=8))
     assert engine.runner.num_pages == 7 + 1
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
-    assert line.startswith("KV cache: 56 tokens (7 pages of 8, float32), 1.40 sequences of max_model_len=40 tokens; "
-                           "sized to capped at a test cap"), line
-    assert "short of the work, max_num_seqs=3 sequences of max_model_len=40 tokens" in line
+    assert line.startswith("KV cache: 56 tokens (7 pages of 8, float32), 1.4 sequences of max_model_len=40 tokens; "
+                           "capped at a test cap"), line
+    assert "less than the work needs, max_num_seqs=3 sequences of max_model_len=40 tokens" in line
     assert "raise memory_utilization or give kv_cache_memory_bytes, or lower max_num_seqs or max_model_len" in line
+
+
+@pytest.mark.parametrize("pages, pages_per_seq", [(5, 5), (15, 5), (7, 5), (2, 3), (3, 7)])
+def test_the_sequence_count_reads_as_a_plain_number(pages, pages_per_seq):
+    """Found by a fresh-user trial: "1.00 sequences". Whole counts print as integers, "1" takes the singular,
+    others keep two decimals at most."""
+    sizing = kv_budget.KVSizing(num_pages=pages + 1, tokens=pages * 8, sequences=pages / pages_per_seq, reason="")
+    number, word = sizing.sequences_text().split(" ")
+    assert float(number) == pytest.approx(pages / pages_per_seq, abs=0.005)
+    assert ("." in number) == (pages % pages_per_seq != 0) and len(number.partition(".")[2]) <= 2
+    assert word == ("sequence" if pages == pages_per_seq else "sequences")
 
 
 def test_memory_utilization_sets_the_cpu_cap_from_total_memory(monkeypatch):
@@ -123,12 +134,14 @@ def test_memory_utilization_sets_the_cpu_cap_from_total_memory(monkeypatch):
         total, available = 64 << 30, 48 << 30
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
-    assert kv_budget.memory_cap(EngineConfig())[0] == int(0.1 * (64 << 30)) // (64 << 20) * (64 << 20)
-    assert kv_budget.memory_cap(EngineConfig(memory_utilization=0.25))[0] == 16 << 30
-    cap, why = kv_budget.memory_cap(EngineConfig(memory_utilization=0.9))
-    assert cap == 16 << 30 and why == "half of the 48.0 GiB available now (rounded down to a power of two)"
+    assert kv_budget.memory_cap(EngineConfig()).cap_bytes == int(0.1 * (64 << 30)) // (64 << 20) * (64 << 20)
+    assert kv_budget.memory_cap(EngineConfig(memory_utilization=0.25)) == kv_budget.MemoryCap(
+        16 << 30, "memory_utilization=0.25 of 64.0 GiB host memory", by_available=False)
+    cap = kv_budget.memory_cap(EngineConfig(memory_utilization=0.9))
+    assert cap == kv_budget.MemoryCap(16 << 30, "half of the 48.0 GiB available now (rounded down to a power of two)",
+                                      by_available=True)
     Mem.available = (48 << 30) - (700 << 20)  # other processes come and go: the cap stays put
-    assert kv_budget.memory_cap(EngineConfig(memory_utilization=0.9))[0] == 16 << 30
+    assert kv_budget.memory_cap(EngineConfig(memory_utilization=0.9)).cap_bytes == 16 << 30
     with pytest.raises(ValueError, match=r"memory_utilization=1.5 must be a number in \(0, 1\] \(unset: the "):
         EngineConfig(memory_utilization=1.5)
 
@@ -157,9 +170,15 @@ def test_the_cache_is_sized_ahead_of_the_load_only_where_the_weights_cannot_chan
     assert early is not None and early[1].num_pages == 3 * 5 + 1
     early[2].wait_filled()
     assert startup._early_kv_cache(dataclasses.replace(config, kv_cache_memory_bytes=1 << 20)) is None
-    monkeypatch.setattr(startup, "memory_cap", lambda config, reserved_bytes=0: (
-        1 << 30, "half of the 2.0 GiB available now (rounded down to a power of two)"))
+    # the flag decides, not the words of the reason
+    monkeypatch.setattr(startup, "memory_cap", lambda config, reserved_bytes=0: kv_budget.MemoryCap(
+        1 << 30, "a test cap", by_available=True))
     assert startup._early_kv_cache(config) is None  # memory is short: sized after the load
+    monkeypatch.setattr(startup, "memory_cap", lambda config, reserved_bytes=0: kv_budget.MemoryCap(
+        1 << 30, "a test cap of memory available", by_available=False))
+    early = startup._early_kv_cache(config)
+    assert early is not None
+    early[2].wait_filled()
     monkeypatch.undo()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert startup._early_kv_cache(config) is None
