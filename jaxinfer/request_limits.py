@@ -176,6 +176,36 @@ def _check_message_keys(message: dict, name: str) -> None:
         raise ValueError(f"{name} has an unknown key {name_hint(key, CHAT_MESSAGE_KEYS)}; {keys}")
 
 
+def tokens_text(n: int) -> str:
+    """A token count in words: "1 token", "2 tokens"."""
+    return f"{n} token{'' if n == 1 else 's'}"
+
+
+class MaxTokensBeyondContext(ValueError):
+    """max_tokens is more than the context leaves after the prompt: the `ValueError` of `check_against_model`,
+    with its numbers, so that a front end can say it in its own words (the CLI names --max-tokens).
+
+    Attributes:
+      max_tokens: the request's max_tokens.
+      num_prompt_tokens: the prompt's length in tokens.
+      max_model_len: the context in tokens; `room` = max_model_len - num_prompt_tokens is the most max_tokens can be.
+    """
+
+    def __init__(self, max_tokens: int, num_prompt_tokens: int, max_model_len: int) -> None:
+        self.max_tokens, self.num_prompt_tokens, self.max_model_len = max_tokens, num_prompt_tokens, max_model_len
+        self.room = max_model_len - num_prompt_tokens
+        super().__init__(f"max_tokens={max_tokens}: {self.reason()} (max_tokens=None generates until the context "
+                         "is full)")
+
+    def reason(self) -> str:
+        """The message's middle, without naming the field: "the prompt (1 token) leaves room for at most ..."."""
+        return (f"the prompt ({tokens_text(self.num_prompt_tokens)}) leaves room for at most {self.room} in the "
+                f"context of {self.max_model_len} tokens")
+
+    def __reduce__(self):  # pickles (across processes) with its numbers, not the message
+        return type(self), (self.max_tokens, self.num_prompt_tokens, self.max_model_len)
+
+
 def check_against_model(params: SamplingParams, num_prompt_tokens: int, vocab_size: int, eos_ids: Collection[int],
                         max_model_len: int, sampled_vocab_size: int | None = None) -> None:
     """The admission checks of a request that need the model: its ids, its context and whether it can generate.
@@ -190,8 +220,9 @@ def check_against_model(params: SamplingParams, num_prompt_tokens: int, vocab_si
         smaller than the model's); None means vocab_size.
 
     Raises:
-      ValueError: naming the field: an empty prompt, or one that leaves no room to generate; prompt + max_tokens
-        or prompt + min_tokens beyond the context; a stop token id, logit_bias id or allowed token id outside the
+      MaxTokensBeyondContext: prompt + max_tokens beyond the context (a ValueError naming max_tokens).
+      ValueError: naming the field: an empty prompt, or one that leaves no room to generate; prompt + min_tokens
+        beyond the context; a stop token id, logit_bias id or allowed token id outside the
         vocabulary; allowed_token_ids of which none can be sampled; or min_tokens with every token of the
         vocabulary (or of allowed_token_ids) banned (nothing could be generated).
     """
@@ -202,12 +233,10 @@ def check_against_model(params: SamplingParams, num_prompt_tokens: int, vocab_si
                          "(at least one token must be generated)")
     room = max_model_len - num_prompt_tokens
     if params.max_tokens is not None and params.max_tokens > room:
-        raise ValueError(f"max_tokens={params.max_tokens}: the prompt ({num_prompt_tokens} tokens) leaves room for "
-                         f"at most {room} in the context of {max_model_len} tokens (max_tokens=None generates until "
-                         f"the context is full)")
+        raise MaxTokensBeyondContext(params.max_tokens, num_prompt_tokens, max_model_len)
     if params.min_tokens > room:
-        raise ValueError(f"min_tokens={params.min_tokens}: the prompt ({num_prompt_tokens} tokens) leaves room for "
-                         f"at most {room} in the context of {max_model_len} tokens")
+        raise ValueError(f"min_tokens={params.min_tokens}: the prompt ({tokens_text(num_prompt_tokens)}) leaves room "
+                         f"for at most {room} in the context of {max_model_len} tokens")
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     check_token_ids("logit_bias", list(params.logit_bias or ()), vocab_size)
     sampled = vocab_size if sampled_vocab_size is None else sampled_vocab_size

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from jaxinfer.cli_parser import error_line
 from jaxinfer.commands.options import add_engine_options, add_multihost_options, engine_options, start_llm
-from jaxinfer.commands.sampling import add_sampling_options, sampling_params
+from jaxinfer.commands.sampling import add_sampling_options, request_error, sampling_params
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
@@ -133,7 +133,7 @@ class ChatSession:
             out = self.llm.generate(prompt, self.params, on_output=lambda _i, _ids, delta: write(delta),
                                     use_tqdm=False)[0]
         except ValueError as e:
-            return self._fail(error_line(str(e)))
+            return self._fail(error_line(request_error(e, unlimited_default=True)))
         except KeyboardInterrupt:
             write("\n")
             return self._fail("(interrupted)\n")

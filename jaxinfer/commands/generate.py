@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TextIO
 from jaxinfer.cli_parser import error_line
 from jaxinfer.commands import batch
 from jaxinfer.commands.options import add_engine_options, add_multihost_options, engine_options, given, start_llm
-from jaxinfer.commands.sampling import add_sampling_options, sampling_params
+from jaxinfer.commands.sampling import add_sampling_options, request_error, sampling_params
 from jaxinfer.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -99,11 +99,14 @@ def _generate(args: argparse.Namespace, llm: LLM, params: SamplingParams, option
 
     on_output = None if args.json else stream
     with CompileTimer() as compiles:
-        if args.chat:
-            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, on_output=on_output,
-                               use_tqdm=False)
-        else:
-            outputs = llm.generate(args.prompt, params, on_output=on_output, use_tqdm=False)
+        try:
+            if args.chat:
+                outputs = llm.chat([{"role": "user", "content": args.prompt}], params, on_output=on_output,
+                                   use_tqdm=False)
+            else:
+                outputs = llm.generate(args.prompt, params, on_output=on_output, use_tqdm=False)
+        except ValueError as e:  # refused before it ran: said with the flags' names
+            raise ValueError(request_error(e, unlimited_default=False)) from None
     out = outputs[0]
     completion = out.outputs[0]
     stats = llm.engine.stats()

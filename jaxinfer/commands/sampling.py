@@ -28,6 +28,25 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int | None
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def request_error(e: ValueError, unlimited_default: bool) -> str:
+    """The message of a request the engine refused, in the command line's words: a max_tokens beyond the context
+    (`MaxTokensBeyondContext`, whose own message names the Python API's max_tokens=None) names --max-tokens and
+    the values that fit; any other message as it is.
+
+    Args:
+      e: the refusal.
+      unlimited_default: whether leaving --max-tokens out generates until the context is full (`chat`), not a
+        fixed number of tokens (`generate`).
+    """
+    from jaxinfer.request_limits import MaxTokensBeyondContext
+
+    if not isinstance(e, MaxTokensBeyondContext):
+        return str(e)
+    fix = f"give --max-tokens {e.room} or less" + (", or leave it out to generate until the context is full"
+                                                   if unlimited_default else "")
+    return f"--max-tokens {e.max_tokens}: {e.reason()}; {fix}"
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The `SamplingParams` of the sampling flags (no jax: checked before the model loads).
 

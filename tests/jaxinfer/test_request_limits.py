@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
-from jaxinfer.request_limits import (CHAT_ROLES, MAX_STOP_TOKEN_IDS, SUPPRESS_WIDTH, check_against_model,
-                                     check_chat, check_text)
+from jaxinfer.request_limits import (CHAT_ROLES, MAX_STOP_TOKEN_IDS, SUPPRESS_WIDTH, MaxTokensBeyondContext,
+                                     check_against_model, check_chat, check_text)
 from jaxinfer.sampling_params import SamplingParams
 
 VOCAB = 4  # a vocabulary small enough for MAX_STOP_TOKEN_IDS stop ids to cover
@@ -113,3 +115,20 @@ def test_allowed_ids_past_what_the_sampler_picks_are_refused() -> None:
         check_against_model(SamplingParams(allowed_token_ids=[3]), 2, VOCAB, EOS, 64, sampled_vocab_size=3)
     check_against_model(SamplingParams(allowed_token_ids=[3, 2]), 2, VOCAB, EOS, 64, sampled_vocab_size=3)
     check_against_model(SamplingParams(min_tokens=2, allowed_token_ids=[0, 1]), 2, VOCAB, EOS, 64)
+
+
+@pytest.mark.parametrize("prompt_len, words", [(1, "1 token"), (2, "2 tokens")])
+def test_max_tokens_beyond_the_context_carries_its_numbers(prompt_len, words) -> None:
+    """Found by a fresh-user trial: "the prompt (1 tokens)". The refusal is a ValueError with the numbers a front
+    end needs to say it in its own words, and it survives pickling (errors cross processes)."""
+    with pytest.raises(MaxTokensBeyondContext) as e:
+        check_against_model(SamplingParams(max_tokens=100), prompt_len, VOCAB, EOS, max_model_len=16)
+    assert isinstance(e.value, ValueError)
+    assert (e.value.max_tokens, e.value.num_prompt_tokens, e.value.max_model_len, e.value.room) == \
+        (100, prompt_len, 16, 16 - prompt_len)
+    assert str(e.value) == (f"max_tokens=100: the prompt ({words}) leaves room for at most {16 - prompt_len} in the "
+                            "context of 16 tokens (max_tokens=None generates until the context is full)")
+    copy = pickle.loads(pickle.dumps(e.value))
+    assert type(copy) is MaxTokensBeyondContext and str(copy) == str(e.value)
+    with pytest.raises(ValueError, match=rf"^min_tokens=16: the prompt \({words}\) leaves room"):
+        check_against_model(SamplingParams(max_tokens=None, min_tokens=16), prompt_len, VOCAB, EOS, 16)

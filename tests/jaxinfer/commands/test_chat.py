@@ -110,3 +110,19 @@ def test_chat_on_a_terminal_prompts_and_ends_on_ctrl_d(tiny_chat_model, tiny_llm
         os.close(leader)
     assert seen.decode("utf-8") == f"> hello\r\n{want.outputs[0].text}\r\n> "
     assert "/reset clears the conversation, /exit or Ctrl-D ends" in proc.stderr.read().decode()
+
+
+def test_a_max_tokens_beyond_the_context_fails_the_turn_naming_the_flag(tiny_llm, capsys) -> None:
+    """Found by a fresh-user trial: the line said max_tokens=None, which the CLI cannot pass; chat's way is to leave
+    --max-tokens out."""
+    from jaxinfer.commands.chat import ChatSession
+
+    session = ChatSession(tiny_llm, SamplingParams(temperature=0, max_tokens=100_000_000))
+    prompt_len = len(tiny_llm.render_chat([_user("hi")])[0].token_ids)
+    room = tiny_llm.max_model_len - prompt_len
+    assert session.turn("hi", lambda _: pytest.fail("nothing is generated")) is None
+    assert capsys.readouterr().err == (
+        f"jaxinfer: error: --max-tokens 100000000: the prompt ({prompt_len} tokens) leaves room for at most {room} "
+        f"in the context of {tiny_llm.max_model_len} tokens; give --max-tokens {room} or less, or leave it out to "
+        "generate until the context is full\n")
+    assert session.history == []  # the failed turn is not part of the conversation

@@ -37,3 +37,19 @@ def test_no_note_without_compiles() -> None:
     timer.spans = [(9.0, 10.5), (11.5, 11.75), (13.0, 14.0)]  # half a second of TTFT, a quarter of decode
     assert _compile_note(timer, metrics, warmup=True) == \
         " (first run of these shapes: XLA compiles took 0.50 s of the TTFT, 0.25 s of decode)"
+
+
+def test_max_tokens_beyond_the_context_names_the_flag(tiny_chat_model, tiny_llm, capsys) -> None:
+    """Found by a fresh-user trial: the CLI said "max_tokens=None generates until the context is full", which it
+    cannot pass (generate's --max-tokens defaults to 128): the line names --max-tokens and the values that fit."""
+    from jaxinfer import SamplingParams, cli
+
+    prompt_len = len(tiny_llm.generate("h", SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
+    room = tiny_llm.max_model_len - prompt_len
+    status = cli.main(["generate", "--model", str(tiny_chat_model), *ENGINE_FLAGS, "--prompt", "h",
+                       "--max-tokens", "100000000"])
+    err = capsys.readouterr().err.splitlines()
+    assert status == 2
+    assert err[-1] == (f"jaxinfer: error: --max-tokens 100000000: the prompt ({prompt_len} "
+                       f"token{'s' * (prompt_len != 1)}) leaves room for at most {room} in the context of "
+                       f"{tiny_llm.max_model_len} tokens; give --max-tokens {room} or less"), err
