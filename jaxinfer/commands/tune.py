@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import shlex
 import sys
@@ -95,6 +96,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-run-s {args.max_run_s} must be > 0")
     if args.rate_per_s is not None and not args.rate_per_s > 0:
         raise ValueError(f"--rate-per-s {args.rate_per_s} must be > 0")
+    for flag, value in (("--ttft-p99-s", args.ttft_p99_s), ("--tpot-p99-s", args.tpot_p99_s)):
+        if value is not None and not 0 < value < math.inf:  # `Targets`' rule, in the command line's words
+            raise ValueError(f"{flag} {value:g} must be a number of seconds > 0 (leave it out for no target)")
     if args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out {args.out} is a file; give a folder")
     if args.write is not None and args.write.is_dir():

@@ -55,12 +55,13 @@ def check_profile_fits(profile: Profile, model: str | None, max_model_len: int |
     given, else the model's (text prompts are checked when tokenized, at the first run).
 
     Raises:
-      ValueError: naming the request, its lengths and the context; or from `read_model_config`.
+      ValueError: naming the request (`TrafficRequest.name`: its FILE:LINE), its lengths and the context; or from
+        `read_model_config`.
     """
     limit = max_model_len or read_model_config(model).max_position_embeddings
     for i, r in enumerate(profile.requests):
         if r.prompt_len is not None and r.prompt_len + r.output_len > limit:
-            raise ValueError(f"profile request {i}: prompt_len {r.prompt_len} + output_len {r.output_len} = "
+            raise ValueError(f"{r.name(i)}: prompt_len {r.prompt_len} + output_len {r.output_len} = "
                              f"{r.prompt_len + r.output_len} tokens do not fit the context of {limit} tokens "
                              f"({'max_model_len' if max_model_len else 'the model'})")
 

@@ -47,12 +47,18 @@ class TrafficRequest:
       output_len: tokens it generates, >= 1.
       prompt_len: prompt tokens (a prompt cut from real text), or None when `prompt` is given.
       prompt: the prompt's text, or None.
+      where: where it comes from, for errors: "FILE:LINE" for a JSONL line; "" for a histogram's draw (`name`).
     """
 
     arrival_s: float
     output_len: int
     prompt_len: int | None = None
     prompt: str | None = None
+    where: str = dataclasses.field(default="", compare=False)
+
+    def name(self, index: int) -> str:
+        """The request in errors: its `where`, else "profile request N" (N = `index` + 1, in arrival order)."""
+        return self.where or f"profile request {index + 1}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +114,7 @@ def _request(obj: object, where: str) -> tuple[TrafficRequest, bool]:
     arrival = obj.get("arrival_s", 0.0)
     if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not 0 <= arrival < math.inf:
         raise ValueError(f"{where}: arrival_s must be a number of seconds >= 0, got {arrival!r}")
-    return TrafficRequest(float(arrival), output_len, prompt_len, prompt), "arrival_s" in obj
+    return TrafficRequest(float(arrival), output_len, prompt_len, prompt, where), "arrival_s" in obj
 
 
 def parse_jsonl(text: str, source: str, rate_per_s: float | None = None, seed: int = 0) -> list[TrafficRequest]:
@@ -245,7 +251,7 @@ def expand(profile: Profile, encode: Callable[[str], list[int]], text_ids: list[
     of `text_ids` (`serving_scenarios.prompt_slices`).
 
     Raises:
-      ValueError: a text prompt that encodes to no tokens.
+      ValueError: a text prompt that encodes to no tokens, naming the request (`TrafficRequest.name`).
     """
     lens = [r.prompt_len for r in profile.requests if r.prompt_len is not None]
     slices = iter(prompt_slices(lens, text_ids))
@@ -253,6 +259,6 @@ def expand(profile: Profile, encode: Callable[[str], list[int]], text_ids: list[
     for i, r in enumerate(profile.requests):
         ids = list(encode(r.prompt)) if r.prompt is not None else next(slices)
         if not ids:
-            raise ValueError(f"profile request {i}: its prompt encodes to no tokens")
+            raise ValueError(f"{r.name(i)}: its prompt encodes to no tokens")
         out.append(Request(r.arrival_s, ids, r.output_len))
     return out

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxinfer.tune.profile import Profile, TrafficRequest, expand, load_profile
+from jaxinfer.tune.profile import Profile, TrafficRequest, expand, load_profile, parse_jsonl
 
 
 def _write(tmp_path, name: str, text: str):
@@ -100,8 +100,16 @@ def test_expand_encodes_text_and_cuts_lengths_from_the_text():
     # lengths 3 then 4 from [100..105]: the second would run past the end, so it starts over
     assert [(r.arrival_s, r.prompt, r.output_len) for r in out] == [
         (0.0, [100, 101, 102], 4), (1.0, [97, 98, 32, 99], 2), (2.0, [100, 101, 102, 103], 1)]
-    with pytest.raises(ValueError, match="request 0: its prompt encodes to no tokens"):
+    with pytest.raises(ValueError, match="^profile request 1: its prompt encodes to no tokens"):
         expand(Profile((TrafficRequest(0.0, 1, None, "x"),), ""), lambda text: [], [1])
+    # a JSONL request is named by its line, as the parse errors name theirs (1-based), after sorting by arrival
+    reqs = parse_jsonl('{"prompt": "a", "output_len": 1, "arrival_s": 1}\n\n{"prompt": "b", "output_len": 1, '
+                       '"arrival_s": 0}', "t.jsonl")
+    assert [r.prompt for r in reqs] == ["b", "a"]
+    with pytest.raises(ValueError, match="^t.jsonl:3: its prompt encodes to no tokens"):
+        expand(Profile(tuple(reqs), ""), lambda text: [] if text == "b" else [1], [1])
+    with pytest.raises(ValueError, match="^t.jsonl:1: its prompt encodes to no tokens"):
+        expand(Profile(tuple(reqs), ""), lambda text: [] if text == "a" else [1], [1])
     assert math.isfinite(out[-1].arrival_s)
 
 

@@ -55,7 +55,10 @@ def test_tune_runs_two_configurations_and_writes_the_best(tmp_path, capsys):
     (["--max-num-seqs", "4,x"], "--max-num-seqs: 'x' is not an integer"),
     (["--quantization", "none,int3"], "--quantization int3: .*int3"),
     (["--budget", "0"], "--budget 0 must be >= 1"),
-    (["--ttft-p99-s", "-1"], "ttft_p99_s=-1.0 must be a number of seconds > 0"),
+    # found by a fresh-user trial: "ttft_p99_s=-1.0 must be ... > 0, or None", a field and a value the CLI has not
+    (["--ttft-p99-s", "-1"], r"^jaxinfer: error: --ttft-p99-s -1 must be a number of seconds > 0 \(leave it out for "
+                             r"no target\)$"),
+    (["--tpot-p99-s", "inf"], r"^jaxinfer: error: --tpot-p99-s inf must be a number of seconds > 0"),
 ])
 def test_bad_tune_flags_exit_2_with_one_line(tmp_path, capsys, flags, match):
     import re
@@ -67,12 +70,13 @@ def test_bad_tune_flags_exit_2_with_one_line(tmp_path, capsys, flags, match):
 
 @pytest.mark.parametrize("flags, limit, what", [([], 8192, "the model"), (["--max-model-len", "512"], 512, "max_model_len")])
 def test_a_profile_beyond_the_context_exits_2_before_any_run(tmp_path, capsys, flags, limit, what):
-    """SmolLM2's context (8,192 tokens, read from the GGUF header) or the --max-model-len given."""
+    """SmolLM2's context (8,192 tokens, read from the GGUF header) or the --max-model-len given; the request is
+    named by its line, as the profile's parse errors name theirs."""
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"prompt_len": 8, "output_len": 3}) + "\n"
                     + json.dumps({"prompt_len": 100000, "output_len": 5}) + "\n")
     assert cli.main(["tune", "--profile", str(path), "--out", str(tmp_path / "o"), *flags]) == 2
     err = capsys.readouterr().err
-    assert err == (f"jaxinfer: error: profile request 1: prompt_len 100000 + output_len 5 = 100005 tokens do not fit "
+    assert err == (f"jaxinfer: error: {path}:2: prompt_len 100000 + output_len 5 = 100005 tokens do not fit "
                    f"the context of {limit} tokens ({what})\n")
     assert not (tmp_path / "o" / "trials.json").exists()
