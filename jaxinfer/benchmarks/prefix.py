@@ -1,4 +1,4 @@
-"""`jaxinfer bench prefix`: prefix caching (issue 7) in float32.
+"""`jaxinfer bench prefix`: prefix caching in float32.
 
 Two engines in one process, with the same shapes: prefix caching on (with a host tier of `--host-pages` pages) and
 off. Measurements in `prefix_measure`, the section in `prefix_report`.

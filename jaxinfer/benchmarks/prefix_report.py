@@ -42,7 +42,7 @@ def render(r: dict, command: str, date: str, elapsed_s: float, load: tuple[float
          _ms(median(t["warm_wall"])), str(t["cached"])],
     ]) + "\n")
     out.append(f"- warm / cold = **{ratio:.1%}** (medians of {t['reps']} interleaved pairs, after one untimed pair); "
-               f"the issue's goal, warm <= 15% of cold, is **{'met' if ratio <= 0.15 else 'not met'}**. "
+               f"the goal, warm <= 15% of cold, is **{'met' if ratio <= 0.15 else 'not met'}**. "
                f"Warm computes {t['prompt_tokens'] - t['cached']} of {t['prompt_tokens']} tokens; cold prefills at "
                f"{t['prompt_tokens'] / cold:.0f} tokens/s.\n")
     out.append(f"- against the expectations written before the first run (docstring): cold 0.8-1.2 s, measured "

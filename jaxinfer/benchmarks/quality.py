@@ -1,4 +1,4 @@
-"""Quality workload: perplexity of a model on real English text through the engine's own runner (issue 9).
+"""Quality workload: perplexity of a model on real English text through the engine's own runner.
 
 The text is tokenized with the model's tokenizer (no BOS, as HF's tokenizer does for SmolLM2), cut to the first
 `--tokens` ids, and run through `ModelRunner.compute_logits` in prefill chunks of `--chunk` tokens over the paged
@@ -6,7 +6,7 @@ KV cache (later chunks attend to the cached earlier ones, as chunked prefill doe
 log-likelihood is over the `--tokens - 1` next-token predictions (position i predicts token i + 1), HF's
 `model(ids, labels=ids).loss` convention; perplexity = exp(mean NLL).
 
-Reference (issue 9): SmolLM2-135M-Instruct in f32 on the first 2,048 tokens of /usr/share/common-licenses/GPL-3
+Reference: SmolLM2-135M-Instruct in f32 on the first 2,048 tokens of /usr/share/common-licenses/GPL-3
 (copied verbatim to tests/data/GPL-3.txt) scores perplexity 19.66 (mean NLL 2.9786) in HF transformers; ours must
 agree within 0.5%.
 

@@ -42,7 +42,7 @@ measurement of the forward at 2 rows with random weights: f32 ~30 ms, bf16 ~19 m
 - memory analysis: int8 w8a8 no full-precision copy; weight-only int8 and fp8 copies (one weight at a time for
   int8; XLA:CPU upcasts fp8 arrays whole, before the loop).
 
-Expected with the native kernels (`--native both`, issue 23), written before the first such run (AMD EPYC, AVX2
+Expected with the native kernels (`--native both`), written before the first such run (AMD EPYC, AVX2
 only, 2 cores shared with other jobs, probe ~40 GB/s; a 4 MiB trial of the micro-benchmark under load: native
 1-row 9-18 GB/s, XLA 0.1-2.7 GB/s):
 - micro-benchmark at 256 MiB: native bf16, int8 and w8a8 stream 15-25 GB/s at 1 row (40-60% of the probe; 2
@@ -52,7 +52,7 @@ only, 2 cores shared with other jobs, probe ~40 GB/s; a 4 MiB trial of the micro
 - decode batch 1: native over XLA bf16 ~1.2-1.5x (~35-45 tok/s), w8a8 ~1.5x, weight-only int8 5-10x, int4 g32 and
   gguf 3-5x, all ~45-60 tok/s: the ~10 ms of each step that is not a dense matmul (attention, sampling, host,
   small ops; `bench breakdown`) then dominate, so every format stays at 15-30% of its weight-read roofline, far
-  from the issue's 70% goal. Batch 8: smaller gains (the kernels' FMAs per byte grow 8x).
+  from the goal of 70% of it. Batch 8: smaller gains (the kernels' FMAs per byte grow 8x).
 - peers at batch 1: llama.cpp Q4_0 ~100-150 tok/s, Q8_0 ~80-120, BF16 ~40-60 (no native bf16 on this CPU); int4
   g32 through the native kernels below Q4_0 (the goal "int4 >= llama.cpp Q4_0" not met). HF transformers bf16
   ~10-20 tok/s.

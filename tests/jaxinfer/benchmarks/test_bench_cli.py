@@ -1,10 +1,14 @@
 """`jaxinfer bench` itself: output paths are checked before a workload runs (a bad one costs no minutes of
-measuring), and an unknown workload is a usage error."""
+measuring), an unknown workload is a usage error, and no help text cites the project's tracker."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from jaxinfer.benchmarks import WORKLOADS
+from jaxinfer.benchmarks.cli import workload_parser
 from jaxinfer.cli import main
 
 
@@ -23,3 +27,11 @@ def test_unknown_workload_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "nonsense"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_help_texts_cite_no_tracker_issues(name):
+    """Found by a fresh-user trial: `bench quality --help` cited "(issue 9)", a reference users cannot follow."""
+    parser, _ = workload_parser(name)
+    text = parser.format_help()
+    assert not re.search(r"\bissue\b", text, re.IGNORECASE), re.findall(r".*\bissue\b.*", text, re.IGNORECASE)
