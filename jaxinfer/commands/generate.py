@@ -42,9 +42,9 @@ def add_parser(sub) -> None:
     gen.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
     add_sampling_options(gen, max_tokens=128)
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (prompt_token_ids, token_ids, text, finish_reason, stop_reason, "
-                          "error, timing, quantization, weight_bytes; with --speculative-config also the "
-                          "speculative counters) instead of streaming text")
+                     help="print one JSON object (prompt, prompt_token_ids, token_ids, text, finish_reason, "
+                          "stop_reason, error, error_kind, ttft_s, decode_tokens_per_s, quantization, weight_bytes; "
+                          "with --speculative-config also the speculative counters) instead of streaming text")
     gen.add_argument("--verbose", "-v", action="store_true", help="debug logging on stderr")
     add_engine_options(gen, "generate")
     add_multihost_options(gen)

@@ -1,9 +1,12 @@
-"""`jaxinfer generate`'s timing line says how much of the TTFT and of the decode were XLA compiles (none: nothing)."""
+"""`jaxinfer generate`: its timing line says how much of the TTFT and of the decode were XLA compiles (none:
+nothing); a max_tokens beyond the context names --max-tokens; the --json object's keys are documented."""
 
 from __future__ import annotations
 
 import logging
 import re
+
+import pytest
 
 from jaxinfer.engine.compile_time import CompileTimer
 from jaxinfer.outputs import RequestMetrics
@@ -53,3 +56,26 @@ def test_max_tokens_beyond_the_context_names_the_flag(tiny_chat_model, tiny_llm,
     assert err[-1] == (f"jaxinfer: error: --max-tokens 100000000: the prompt ({prompt_len} "
                        f"token{'s' * (prompt_len != 1)}) leaves room for at most {room} in the context of "
                        f"{tiny_llm.max_model_len} tokens; give --max-tokens {room} or less"), err
+
+
+def test_the_json_fields_are_documented(tiny_chat_model, capsys) -> None:
+    """Found by a fresh-user trial: README's `--json` list left out `prompt` and `error_kind`. Every key of the
+    object `generate --json` prints is named in README's `--json` bullet and in `--help`."""
+    import json
+
+    from jaxinfer import cli
+    from tests.jaxinfer.commands.tiny_chat import REPO
+
+    status = cli.main(["generate", "--model", str(tiny_chat_model), *ENGINE_FLAGS, "--prompt", "hello",
+                       "--max-tokens", "2", "--json"])
+    keys = json.loads(capsys.readouterr().out)
+    assert status == 0 and {"prompt", "error_kind"} <= keys.keys()
+    readme = (REPO / "README.md").read_text()
+    bullet = readme[readme.index("  - `--json`: prints"):]
+    bullet = bullet[:bullet.index("\n  - ")]
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for key in keys:
+        assert f"`{key}`" in bullet, key
+        assert re.search(rf"[(, ]{key}[,;)]", help_text), key
