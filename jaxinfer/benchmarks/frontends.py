@@ -66,6 +66,7 @@ async def _run(args: argparse.Namespace, concurrencies: list[int]) -> tuple[list
                 r = await run_load(args, server.target, http_url if protocol == "http" else None)
                 model = r["model"]
                 rows.append({"concurrency": c, "protocol": protocol, **{k: v for k, v in r.items() if k != "model"}})
+                server.keep_log |= bool(r["errors"])
     return rows, model, int(server.exit_status not in (None, 0))
 
 

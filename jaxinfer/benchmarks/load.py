@@ -8,8 +8,8 @@ Reports, timed client-side from sending a request: requests finished in the wind
 requests sent and finished inside the window.
 
 `--start-server` runs `jaxinfer serve --port 0 [--model M] [--server-args ...] [args after --]` itself (stderr to
-`--server-log`), reads the port it prints, runs the load, sends SIGTERM and checks that it exits with status 0: a
-one-command benchmark. Otherwise `--server-note` says how the server was started. Exit status 1 when a request
+`--server-log`, default a temp file removed after a clean run), reads the port it prints, runs the load, sends
+SIGTERM and checks that it exits with status 0: a one-command benchmark. Otherwise `--server-note` says how the server was started. Exit status 1 when a request
 failed or the started server did not exit cleanly, 2 for bad arguments or no SERVING server.
 
     .venv/bin/jaxinfer bench load --target 127.0.0.1:50051 --server-note "jaxinfer serve --max-num-seqs 64"
@@ -45,7 +45,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--start-server: more `jaxinfer serve` arguments, as one shell-quoted string (the same "
                              "as arguments after --)")
     parser.add_argument("--server-log", type=Path, default=None,
-                        help="--start-server: its stderr (default: a temp file)")
+                        help="--start-server: its stderr (default: a temp file, removed after a clean run)")
     parser.add_argument("--server-note", default="", help="how the server was started, for the report")
     parser.add_argument("--request-timeout-s", type=float, default=600.0,
                         help="gRPC deadline of one request, in seconds (default: %(default)g)")
@@ -103,10 +103,27 @@ async def _run(args: argparse.Namespace, server_args: list[str]) -> tuple[dict, 
         logger.info("waiting for %s to be SERVING, then %.0f s warm-up + %.0f s of %d streams", server.target,
                     args.warmup_s, args.duration_s, args.concurrency)
         r = await run_load(args, server.target)
-    if r["errors"] and server.proc is not None:
-        logger.error("requests failed; the server's log: %s", server.log)
+        if r["errors"] and server.proc is not None:
+            server.keep_log = True
+            logger.error("requests failed; the server's log: %s", server.log)
     r["server_exit_status"] = server.exit_status
     return r, int(server.exit_status not in (None, 0))
+
+
+def empty_window(r: dict) -> str | None:
+    """Why the latency cells are "-", in words, when no request was both sent and finished inside the window (a
+    window shorter than one request's end-to-end time); None when some was."""
+    if r["requests_timed"]:
+        return None
+    s, run_p50 = r["settings"], r["e2e_p50_run_s"]
+    fix = ("no request finished in the whole run either: give a longer --duration-s" if run_p50 is None else
+           f"a request took {run_p50:.1f} s end to end (median over the run, warm-up included): give --duration-s "
+           "several times that")
+    n = r["requests_completed"]
+    early = f"; the {n} that finished in it were sent before it" if n else ""
+    return (f"no request was sent and finished inside the {s['duration_s']:g} s window (--duration-s; it followed "
+            f"{r['warmup_actual_s']:.1f} s of warm-up, --warmup-s {s['warmup_s']:g}{early}), so the latency cells "
+            f"are \"-\"; {fix}, or lower --max-tokens or --concurrency")
 
 
 def markdown(r: dict) -> str:
@@ -147,14 +164,16 @@ def markdown(r: dict) -> str:
         f"{' / '.join(f'{x:.2f}' for x in r['loadavg_end'])}\n",
         "| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
         *(f"- first {code} messages: " + "; ".join(msgs) for code, msgs in r["error_messages"].items()),
-        *([""] if r["error_messages"] else [])])
+        *([f"- {empty_window(r)}"] if empty_window(r) else []),
+        *([""] if r["error_messages"] or empty_window(r) else [])])
 
 def run(args: argparse.Namespace) -> Report:
     """Runs the load (starting the server first with `--start-server`); the report.
 
     `Report.data`: model (ModelInfo), requests_completed / requests_timed / requests_sent, errors, error_messages,
     wrong_length, output_tokens_in_window, output_tok_s, requests_s, ttft / tpot / e2e p50 and p99 in seconds
-    (None when no request finished), load averages, client CPU, settings, server_exit_status, exit_status (1 when a
+    (None when no request finished: a warning says why, `empty_window`), e2e_p50_run_s (over the whole run),
+    load averages, client CPU, settings, server_exit_status, exit_status (1 when a
     request failed or the started server did not exit cleanly).
 
     Raises:
@@ -168,5 +187,7 @@ def run(args: argparse.Namespace) -> Report:
     r["settings"] = {k: getattr(args, k) for k in ("concurrency", "duration_s", "warmup_s", "warmup_requests", "max_tokens",
                                                     "temperature", "seed")}
     r.update(command=args.command, server_note=args.server_note, date=args.date)
+    if (why := empty_window(r)) is not None:
+        logger.warning("%s", why)
     r["exit_status"] = 1 if r["errors"] or status else 0
     return Report("load", markdown(r), r)

@@ -249,6 +249,7 @@ async def run_load(args: argparse.Namespace, target: str, http_url: str | None =
         "output_tokens_in_window": stats.window_tokens, "output_tok_s": stats.window_tokens / args.duration_s,
         "requests_s": len(window) / args.duration_s,
         **{f"{name}_p{q}_s": pct(x, q) for name, x in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)) for q in (50, 99)},
+        "e2e_p50_run_s": pct(np.array([d[3] - d[0] for d in stats.done]), 50),  # warm-up included
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "client_cpu_s": client_cpu_s,
         "client_cpu_share": client_cpu_s / (time.perf_counter() - t0), "warmup_actual_s": stats.t_measure - t0,
     }
@@ -296,8 +297,9 @@ async def stop_server(proc: asyncio.subprocess.Process, timeout_s: float) -> int
 
 @dataclasses.dataclass
 class ServerUnderTest:
-    """The server a client workload drives: its gRPC address, its metrics URL and HTTP API URL (or None), and with `--start-server` the
-    process, its log and (once stopped) its exit status."""
+    """The server a client workload drives: its gRPC address, its metrics URL and HTTP API URL (or None), and with
+    `--start-server` the process, its log, (once stopped) its exit status, and `keep_log`, which the workload sets
+    when its run failed, so that a temp log is kept for the user to read."""
 
     target: str
     metrics_url: str | None
@@ -305,6 +307,7 @@ class ServerUnderTest:
     proc: asyncio.subprocess.Process | None = None
     log: Path | None = None
     exit_status: int | None = None
+    keep_log: bool = False
 
 
 @contextlib.asynccontextmanager
@@ -312,7 +315,9 @@ async def server_under_test(args: argparse.Namespace, server_args: list[str],
                             metrics_url: str | None = None) -> AsyncIterator[ServerUnderTest]:
     """With `args.start_server`: starts `jaxinfer serve --port 0 SERVER_ARGS` (stderr to `args.server_log` or a
     temp file), notes its command in `args.server_note`, and stops it (SIGTERM) on leaving, setting `exit_status`;
-    otherwise `args.target` with `metrics_url`. Either way the target must be a loopback address.
+    otherwise `args.target` with `metrics_url`. Either way the target must be a loopback address. A temp log is
+    removed after a clean run; it is kept, and named, when the server failed to start or exit cleanly, when the
+    workload raised (a TimeoutError or RuntimeError: its message gets the log's path) or set `keep_log`.
 
     Raises:
       RuntimeError: the started server exited or printed no port in `args.health_timeout_s` seconds.
@@ -326,12 +331,18 @@ async def server_under_test(args: argparse.Namespace, server_args: list[str],
     proc, target, started_metrics, http_url = await start_server(server_args, log, args.health_timeout_s)
     args.server_note = " ".join(x for x in (f"`jaxinfer serve --port 0 {shlex.join(server_args)}` (started by "
                                             "--start-server)", args.server_note) if x)
-    server = ServerUnderTest(target, started_metrics, http_url, proc, log)
+    server, clean = ServerUnderTest(target, started_metrics, http_url, proc, log), False
     try:
         loopback_target(target)
         yield server
+        clean = True
+    except (TimeoutError, RuntimeError) as e:  # no SERVING server, say: the user reads why in its log
+        e.args = (f"{e}; the server's log: {log}",)
+        raise
     finally:
         server.exit_status = await stop_server(proc, args.server_stop_timeout_s)
         logger.info("the server exited with status %d", server.exit_status)
         if server.exit_status != 0:
             logger.error("the server did not exit cleanly; its log: %s", log)
+        elif clean and not server.keep_log and args.server_log is None:
+            log.unlink(missing_ok=True)  # a temp file nobody asked for

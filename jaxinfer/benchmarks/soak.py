@@ -140,6 +140,7 @@ async def _soak(args: argparse.Namespace, target: str, metrics_url: str) -> dict
 async def _run(args: argparse.Namespace, server_args: list[str]) -> dict:
     async with server_under_test(args, server_args, args.metrics_url) as server:
         r = await _soak(args, server.target, server.metrics_url)
+        server.keep_log = bool(failed({**r, "server_exit_status": None}))
     r["server_exit_status"] = server.exit_status
     return r
 
