@@ -47,7 +47,7 @@ def test_convert_quantized_then_generate_from_it(tmp_path):
     assert len(got["token_ids"]) == 8 and got["token_ids"] == want["token_ids"]
     assert got["quantization"] == want["quantization"] == {
         "format": "int8", "group_size": 0, "quantize_activations": False, "quantize_embedding": True,
-        "quantize_lm_head": True, "activation_group_size": 0, "asymmetric": False}
+        "quantize_lm_head": True, "activation_group_size": 0, "asymmetric": False, "embedding_format": None}
     assert got["weight_bytes"] == want["weight_bytes"] and got["weight_bytes"]["quantized_share"] > 0.9
     # int8 values + f32 scales: about a quarter of the float32 bytes of the quantized weights
     assert got["weight_bytes"]["quantized_bytes"] < 0.3 * 4 * got["weight_bytes"]["quantized_params"]
@@ -85,7 +85,7 @@ def test_generate_int4_at_load_and_convert_stores_nvfp4(tmp_path):
     assert len(got["token_ids"]) == 6
     assert got["quantization"] == {"format": "int4", "group_size": 32, "quantize_activations": False,
                                    "quantize_embedding": False, "quantize_lm_head": False,
-                                   "activation_group_size": 0, "asymmetric": False}
+                                   "activation_group_size": 0, "asymmetric": False, "embedding_format": None}
     assert got["weight_bytes"]["quantized_share"] > 0.5
     # packed codes (half a byte each) plus an f32 scale per 32 (per 16 on wo's 16-wide head axis)
     assert got["weight_bytes"]["quantized_bytes"] < 0.2 * 4 * got["weight_bytes"]["quantized_params"]
