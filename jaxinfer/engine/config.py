@@ -305,6 +305,9 @@ class EngineConfig:
         if micro is not None and (not _is_int(micro) or micro < 1):
             raise ValueError(f"pipeline_microbatches={micro!r} must be None or a positive integer")
         if pp == 1:
+            if micro not in (None, 1):
+                raise ValueError(f"pipeline_microbatches={micro} cuts steps for pipeline stages; it needs "
+                                 "pipeline_parallel_size > 1 (got 1)")
             return
         spec = self.speculative_config
         if spec is not None and spec.method != "ngram":

@@ -87,6 +87,8 @@ def test_every_field_is_checked_before_anything_loads(options, message):
 @pytest.mark.parametrize("options, message", [
     ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size=0 must be a positive integer"),
     ({"pipeline_microbatches": 0}, r"pipeline_microbatches=0 must be None or a positive integer"),
+    ({"pipeline_microbatches": 4}, r"pipeline_microbatches=4 cuts steps for pipeline stages; it needs "
+                                   r"pipeline_parallel_size > 1 \(got 1\)"),
     ({"pipeline_parallel_size": 2, "scan_layers": False}, r"pipeline_parallel_size=2 .* scan_layers=False"),
     ({"pipeline_parallel_size": 2, "speculative_config": {"method": "self_draft"}},
      r"pipeline_parallel_size=2 does not support speculative method 'self_draft'"),
