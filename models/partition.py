@@ -13,8 +13,9 @@ exact padded layout:
 - **Query heads are regrouped** into N' = K' * G' slots, G' per KV slot; every original query head sits in exactly
   one slot of its own KV head; the other slots are zero query heads whose output-projection rows are zero, so they
   add exactly nothing to the layer output.
-- **MLP hidden and vocabulary** are zero-padded to multiples of tp: a zero gate column gives silu(0) * up = 0 and
-  a zero down-projection row adds nothing; padded vocabulary ids get logit 0 and are masked by the sampler's
+- **MLP hidden and vocabulary** are zero-padded to multiples of the devices they split over (tp; the vocabulary
+  over pp * tp with pipeline stages, `sharding.rules.PIPELINE_RULES`): a zero gate column gives silu(0) * up = 0
+  and a zero down-projection row adds nothing; padded vocabulary ids get logit 0 and are masked by the sampler's
   `vocab_limit` (the runner never samples or reports them).
 
 Among the layouts, the one with the fewest padded query heads (per-rank attention work) wins, then the fewest KV
@@ -46,7 +47,7 @@ from models.quant import PACKED_FORMATS, QuantizedWeight
 from models.quant_sharding import quantized_sharding
 from sharding.mesh import EP_AXIS, TP_AXIS
 from sharding.placement import put_sharded
-from sharding.rules import HEADS, KV_HEADS, MLP, VOCAB, logical_to_spec, mesh_rules
+from sharding.rules import HEADS, KV_HEADS, MLP, VOCAB, logical_to_spec, mesh_axes_size, mesh_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +59,14 @@ class TPLayout:
       q_source: i32[N'], the original query head each query slot holds (0 for padding slots).
       q_valid: bool[N'], False for zero padding slots.
       kv_source: i32[K'], the original KV head each KV slot copies.
+      vocab_shards: the devices the vocabulary splits over: tp, or pp * tp with pipeline stages.
     """
 
     tp: int
     q_source: np.ndarray
     q_valid: np.ndarray
     kv_source: np.ndarray
+    vocab_shards: int
 
     @property
     def num_heads(self) -> int:
@@ -79,19 +82,29 @@ class TPLayout:
         return bool(self.q_valid.all() and (self.q_source == np.arange(self.num_heads)).all()
                     and (self.kv_source == np.arange(self.num_kv_heads)).all())
 
-    def pad_size(self, size: int) -> int:
-        """A dimension split over TP (MLP hidden, vocabulary) padded to a multiple of tp."""
-        return -(-size // self.tp) * self.tp
+    def num_shards(self, name: str) -> int:
+        """The devices a padded dimension of logical axis `name` splits over: `vocab_shards` for VOCAB, else tp."""
+        return self.vocab_shards if name == VOCAB else self.tp
+
+    def pad_size(self, size: int, name: str = MLP) -> int:
+        """A dimension split over devices (MLP hidden, vocabulary), of logical axis `name`, padded to a multiple of
+        `num_shards(name)`."""
+        return -(-size // self.num_shards(name)) * self.num_shards(name)
 
 
-def tp_layout(cfg: ModelConfig, tp: int) -> TPLayout:
-    """The padded head layout of `cfg` for `tp` ranks (identity when tp divides both head counts).
+def tp_layout(cfg: ModelConfig, tp: int, vocab_shards: int | None = None) -> TPLayout:
+    """The padded head layout of `cfg` for `tp` ranks (identity when tp divides both head counts), with the
+    vocabulary split over `vocab_shards` devices (default tp; a multiple of tp, pp * tp with pipeline stages).
 
     Raises:
-      ValueError: tp < 1, or tp larger than the number of query heads (ranks would hold only padding).
+      ValueError: tp < 1, tp larger than the number of query heads (ranks would hold only padding), or
+        vocab_shards not a positive multiple of tp.
     """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r} must be a positive integer")
+    vocab_shards = tp if vocab_shards is None else vocab_shards
+    if not isinstance(vocab_shards, int) or vocab_shards < 1 or vocab_shards % tp:
+        raise ValueError(f"vocab_shards={vocab_shards!r} must be a positive multiple of tp={tp}")
     N, K, G = cfg.num_heads, cfg.num_kv_heads, cfg.num_queries_per_kv
     if tp > N:
         extra = tp - N
@@ -116,14 +129,14 @@ def tp_layout(cfg: ModelConfig, tp: int) -> TPLayout:
             q_valid += [True] * size + [False] * (per_slot - size)
             first += size
     return TPLayout(tp=tp, q_source=np.array(q_source, np.int32), q_valid=np.array(q_valid, bool),
-                    kv_source=np.array(kv_source, np.int32))
+                    kv_source=np.array(kv_source, np.int32), vocab_shards=vocab_shards)
 
 
 def padded_config(cfg: ModelConfig, layout: TPLayout) -> ModelConfig:
-    """The config of the padded model: N', K', and the TP-split sizes rounded up to multiples of tp."""
+    """The config of the padded model: N', K', and the split sizes rounded up to multiples of their devices."""
     changes: dict[str, Any] = dict(num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads,
                                    intermediate_size=layout.pad_size(cfg.intermediate_size),
-                                   vocab_size=layout.pad_size(cfg.vocab_size))
+                                   vocab_size=layout.pad_size(cfg.vocab_size, VOCAB))
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE widths, where the config has them
         if getattr(cfg, name, 0):
             changes[name] = layout.pad_size(getattr(cfg, name))
@@ -160,7 +173,7 @@ def _pad_quantized(q: QuantizedWeight, spec: Any, layout: TPLayout) -> Quantized
     A weight that needs no gather or padding (tp divides its heads and widths) is returned as it is, whatever its
     format or groups.
     """
-    if layout.heads_identity and all(name not in (MLP, VOCAB) or layout.pad_size(n) == n
+    if layout.heads_identity and all(name not in (MLP, VOCAB) or layout.pad_size(n, name) == n
                                      for name, n in zip(spec.logical_axes, q.shape)):
         return q  # nothing is gathered or padded
     xp = np if isinstance(q.values, np.ndarray) else jnp
@@ -208,15 +221,17 @@ def _pad_quantized(q: QuantizedWeight, spec: Any, layout: TPLayout) -> Quantized
         elif name in (MLP, VOCAB):
             width = 2 if packed and last else 1  # codes per byte along this axis of values
             length = values.shape[pos] * width
-            size = layout.pad_size(length)
+            size = layout.pad_size(length, name)
             extra = size - length
             if not extra:
                 continue
             if (grouped_last and extra % q.group_size) or extra % width:
+                shards = layout.num_shards(name)
+                over = ("tp", f"tp={shards}") if shards == layout.tp else ("pp x tp", f"pp x tp = {shards}")
                 raise ValueError(f"a weight quantized {fmt} with group_size {q.group_size} along its {name} axis of "
-                                 f"size {length} cannot be padded to {size} for tp={layout.tp} (not whole groups or "
-                                 f"bytes); use a tp that divides {length}, a per-channel quantization, or quantize "
-                                 f"at load instead of from a quantized checkpoint")
+                                 f"size {length} cannot be padded to {size} for {over[1]} (not whole groups or "
+                                 f"bytes); use a {over[0]} that divides {length}, a per-channel quantization, or "
+                                 f"quantize at load instead of from a quantized checkpoint")
             values = _pad_axis(values, pos, size // width, fill=zero_code)
             for k, a in per_group.items():
                 if grouped_last:
@@ -238,7 +253,7 @@ def pad_weights(weights: Any, specs: Any, layout: TPLayout) -> Any:
 
     Returns:
       The padded tree: HEADS axes gathered by `q_source` and zeroed where not `q_valid`, KV_HEADS axes gathered
-      by `kv_source`, MLP and VOCAB axes zero-padded to multiples of tp.
+      by `kv_source`, MLP and VOCAB axes zero-padded to multiples of tp and `vocab_shards`.
 
     Raises:
       ValueError: from `_pad_quantized` (a per-group quantized weight that cannot keep whole groups).
@@ -258,7 +273,7 @@ def pad_weights(weights: Any, specs: Any, layout: TPLayout) -> Any:
             elif name == KV_HEADS and not layout.heads_identity:
                 w = xp.take(w, layout.kv_source, axis=axis)
             elif name in (MLP, VOCAB):
-                w = _pad_axis(w, axis, layout.pad_size(w.shape[axis]))
+                w = _pad_axis(w, axis, layout.pad_size(w.shape[axis], name))
         return w
 
     return jax.tree.map(one, specs, weights, is_leaf=lambda x: x is None or hasattr(x, "logical_axes"))
@@ -319,7 +334,8 @@ def shard_model(cfg: ModelConfig, weights: Any, mesh: jax.sharding.Mesh) -> Shar
       ValueError: from `check_mesh`, or from `pad_weights` for a per-group quantized weight that cannot be padded.
     """
     check_mesh(cfg, mesh)
-    layout = tp_layout(cfg, mesh.shape[TP_AXIS])
+    vocab_shards = mesh_axes_size(mesh, logical_to_spec((VOCAB,), mesh_rules(mesh))[0])  # tp, or pp * tp
+    layout = tp_layout(cfg, mesh.shape[TP_AXIS], vocab_shards)
     padded_cfg = padded_config(cfg, layout)
     separate_head = cfg.tie_word_embeddings and weights.lm_head is not None
     specs = Weights.abstract(cfg, separate_head)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
+from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec, mesh_axes_size
 
 
 def replicated_where_indivisible(specs: Any, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES) -> Any:
@@ -19,7 +19,7 @@ def replicated_where_indivisible(specs: Any, mesh: jax.sharding.Mesh, rules: Rul
     sharded out).
     """
     def one(spec: Any) -> NamedSharding:
-        parts = [m if m is None or size % mesh.shape[m] == 0 else None
+        parts = [m if size % mesh_axes_size(mesh, m) == 0 else None
                  for size, m in zip(spec.shape, logical_to_spec(spec.logical_axes, rules))]
         return NamedSharding(mesh, PartitionSpec(*parts))
 

@@ -8,6 +8,7 @@ projection and the MLP down projection contract a sharded axis, which XLA comple
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,9 @@ LAYERS, VOCAB, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERTS, BATCH = (
 # every rank routes every token, so the router stays whole on every device.
 ROUTER = "router_experts"
 
-Rules = tuple[tuple[str, str | None], ...]
+# A logical axis maps to one mesh axis, to several (split over their product, the first outermost), or to None.
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
 
 # Megatron-style TP (Shoeybi et al. 2019): attention heads and the MLP hidden dimension split over `tp`; the
 # vocabulary too (embedding rows, LM head columns); experts over `ep`. Unlisted logical axes are replicated.
@@ -36,13 +39,23 @@ DEFAULT_RULES: Rules = (
     (EXPERTS, EP_AXIS),
 )
 # With pipeline stages (`sharding.mesh.make_mesh(pp=...)`), stacked layers (weights and KV pages) split over them
-# too: stage s holds the s-th block of the stack (`models.pipeline`).
-PIPELINE_RULES: Rules = (*DEFAULT_RULES, (LAYERS, PP_AXIS))
+# too: stage s holds the s-th block of the stack (`models.pipeline`). The vocabulary (embedding rows, LM head
+# columns) splits over every device, pp x tp: in one SPMD program an array lives on all devices, so a table "on the
+# first stage only" would leave zero-filled copies on the others; split, each device holds 1 / (pp * tp) of it.
+PIPELINE_RULES: Rules = (*((name, axes) for name, axes in DEFAULT_RULES if name != VOCAB),
+                         (VOCAB, (PP_AXIS, TP_AXIS)), (LAYERS, PP_AXIS))
 
 
 def mesh_rules(mesh: jax.sharding.Mesh | None) -> Rules:
     """The rules of a mesh: `PIPELINE_RULES` where it has a stage axis of size > 1, else `DEFAULT_RULES`."""
     return PIPELINE_RULES if pipeline_stages(mesh) > 1 else DEFAULT_RULES
+
+
+def mesh_axes_size(mesh: jax.sharding.Mesh, axes: MeshAxes) -> int:
+    """The number of shards a `PartitionSpec` entry makes on `mesh`: the product of its mesh axes' sizes (1 for
+    None)."""
+    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[name] for name in names)
 
 
 def logical_to_spec(axes: Sequence[str], rules: Rules = DEFAULT_RULES) -> PartitionSpec:
@@ -53,7 +66,7 @@ def logical_to_spec(axes: Sequence[str], rules: Rules = DEFAULT_RULES) -> Partit
     """
     table = dict(rules)
     spec = [table.get(axis) for axis in axes]
-    used = [m for m in spec if m is not None]
+    used = [m for entry in spec if entry is not None for m in ((entry,) if isinstance(entry, str) else entry)]
     if len(used) != len(set(used)):
         raise ValueError(f"logical axes {tuple(axes)} map to mesh axes {tuple(spec)}: a mesh axis is used twice")
     return PartitionSpec(*spec)
@@ -62,9 +75,10 @@ def logical_to_spec(axes: Sequence[str], rules: Rules = DEFAULT_RULES) -> Partit
 def check_divisible(shape: Sequence[int], axes: Sequence[str], mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES,
                     what: str = "array") -> None:
     """Raises ValueError, naming the numbers, if a dimension is not a multiple of its mesh axis size."""
-    for size, axis, mesh_axis in zip(shape, axes, logical_to_spec(axes, rules)):
-        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
-            raise ValueError(f"{what}: {axis} = {size} is not a multiple of {mesh_axis} = {mesh.shape[mesh_axis]}")
+    for size, axis, mesh_axes in zip(shape, axes, logical_to_spec(axes, rules)):
+        if size % mesh_axes_size(mesh, mesh_axes):
+            raise ValueError(f"{what}: {axis} = {size} is not a multiple of {mesh_axes} = "
+                             f"{mesh_axes_size(mesh, mesh_axes)}")
 
 
 def named_shardings(specs: Any, mesh: jax.sharding.Mesh, rules: Rules = DEFAULT_RULES,

@@ -36,6 +36,22 @@ def test_tp_beyond_query_heads_is_refused_naming_the_numbers():
         tp_layout(SMOL_SHAPED, 16)
 
 
+def test_vocabulary_pads_to_its_own_shards():
+    # pp = 3 x tp = 2: the vocabulary splits over 6 devices (101 -> 102 rows), the MLP over tp only (70 stays)
+    layout = tp_layout(SMOL_SHAPED, 2, vocab_shards=6)
+    pcfg = padded_config(SMOL_SHAPED, layout)
+    assert (pcfg.vocab_size, pcfg.intermediate_size) == (102, 70)
+    weights = jax.tree.map(np.asarray, init_weights(SMOL_SHAPED, jax.random.key(0), jnp.float32))
+    padded = pad_weights(weights, Weights.abstract(SMOL_SHAPED), layout)
+    assert padded.embed.shape == (102, 48) and padded.lm_head.shape == (48, 102)
+    np.testing.assert_array_equal(padded.embed[:101], weights.embed)
+    np.testing.assert_array_equal(padded.embed[101:], 0)
+    np.testing.assert_array_equal(padded.lm_head[:, 101:], 0)
+    assert tp_layout(SMOL_SHAPED, 2).vocab_shards == 2  # default: tp
+    with pytest.raises(ValueError, match="vocab_shards=3 must be a positive multiple of tp=2"):
+        tp_layout(SMOL_SHAPED, 2, vocab_shards=3)
+
+
 def _tiny_batch(cfg, page_size=4):
     q_lens = [7, 3]
     pages = [[1, 2], [3, 0]]
