@@ -1,9 +1,9 @@
 """Pipeline-parallel checks that need 8 devices (run by `test_sharding.py` in a child process, see
 multi_device_checks.py): `pipeline_forward` against the one-device `forward` (a tiny Llama, Gemma 2 / 3's per-layer
 windows, MoE experts split inside each stage), where each stage's weights and KV pages live, and whole engines at
-pp = 2, 4, pp = 2 x tp = 2 and pp = 2 x ep = 2 x tp = 2 against pp = 1 token for token; orbax checkpoints (float
-and quantized) restored straight into the stage layout: what each device was asked to read, what it holds, and
-engines on them against pp = 1."""
+pp = 2, 4, pp = 2 x tp = 2 and pp = 2 x ep = 2 x tp = 2 against pp = 1 token for token, each device holding its own
+1 / (pp * tp) of the vocabulary; orbax checkpoints (float and quantized, an int8 table among them) restored straight
+into the stage layout: what each device was asked to read, what it holds, and engines on them against pp = 1."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from jaxinfer.sampling_params import SamplingParams
 from models.llama import AttentionMetadata, KVCache, forward, init_weights
 from models.partition import shard_model
 from models.pipeline import pad_layers, pipeline_forward, stage_layout, staged_config, stages_from_blocks
-from sharding.mesh import PP_AXIS, make_mesh
+from models.quant import QuantizedWeight
+from sharding.mesh import PP_AXIS, TP_AXIS, make_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jaxinfer" / "engine"))
@@ -130,7 +131,9 @@ def test_pipeline_forward_gives_each_layer_its_own_window(name, pp, tp):
     cache = jax.device_put(KVCache.zeros(model.cfg, NUM_PAGES, PAGE_SIZE), KVCache(sharding, sharding))
     got, _ = jax.jit(functools.partial(pipeline_forward, cfg=model.cfg, mesh=mesh, num_microbatches=4))(
         model.weights, tokens, meta, cache)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    got = np.asarray(got)  # the vocabulary splits over pp x tp: 128 ids padded to 129 over 3 stages, logit 0
+    np.testing.assert_array_equal(got[:, cfg.vocab_size:], 0)
+    np.testing.assert_allclose(got[:, :cfg.vocab_size], np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def _collectives(hlo: str, op: str) -> list[str]:
@@ -233,6 +236,32 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+VOCAB_SPLIT = (PP_AXIS, TP_AXIS)  # the vocabulary's mesh axes with pipeline stages (sharding.rules.PIPELINE_RULES)
+
+
+def _vocab_blocks(mesh: jax.sharding.Mesh, vocab_size: int) -> tuple[int, dict]:
+    """(V' / (pp * tp) rows a device holds, device -> its block s * tp + r (stage s, TP rank r)): V' is vocab_size
+    padded to a multiple of pp * tp."""
+    shards = mesh.shape[PP_AXIS] * mesh.shape[TP_AXIS]
+    block = {d: int(i[0]) * mesh.shape[TP_AXIS] + int(i[-1]) for i, d in np.ndenumerate(mesh.devices)}
+    return -(-vocab_size // shards), block
+
+
+def _assert_vocab_split(weights, mesh: jax.sharding.Mesh, vocab_size: int) -> None:
+    """Each device holds its own V' / (pp * tp) rows of the embedding table and columns of a separate LM head (the
+    values and scales alike of a quantized one, whose vocabulary axis comes first)."""
+    rows, block = _vocab_blocks(mesh, vocab_size)
+    tables = [weights.embed] + ([] if weights.lm_head is None else [weights.lm_head])
+    arrays = [a for t in tables for a in ((t.values, t.scale) if isinstance(t, QuantizedWeight) else (t,))]
+    assert len(arrays) >= 1 + (weights.lm_head is not None)
+    for a in arrays:
+        axis = list(a.sharding.spec).index(VOCAB_SPLIT)  # [V', ...], or a float head's [D, V']
+        assert a.shape[axis] == rows * len(set(block.values()))
+        for shard in a.addressable_shards:
+            b = block[shard.device]
+            assert shard.data.shape[axis] == rows and shard.index[axis] == slice(b * rows, (b + 1) * rows)
+
+
 @functools.cache
 def _run(root: Path, pp: int, tp: int, ep: int = 1) -> tuple[list[list[int]], list[int], int]:
     """(token ids of every request, cached prompt tokens per request, preemptions) of one engine: the first two
@@ -243,6 +272,8 @@ def _run(root: Path, pp: int, tp: int, ep: int = 1) -> tuple[list[list[int]], li
               kv_cache_memory_bytes=2 << 20)
     num_layers = llm.engine.model_config.num_layers  # the model's own (an HF folder or an orbax checkpoint)
     assert llm.runner.cfg.num_layers == pp * -(-num_layers // pp)
+    if pp > 1:
+        _assert_vocab_split(llm.runner.weights, llm.engine.mesh, llm.engine.model_config.vocab_size)
     first = llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
     alloc = llm.page_allocator
     held = alloc.allocate(alloc.num_free_pages - 10)
@@ -305,9 +336,14 @@ def _bits(x) -> np.ndarray:
     return x.view(np.uint8) if x.dtype.itemsize == 1 else x
 
 
+# int4 layers with an int8 embedding table and LM head (per-row scales, which split with their rows)
+INT4_INT8_TABLE = '{"format": "int4", "embedding_format": "int8"}'
+
+
 # 5 layers: pp = 2 holds 3 + 2 (the block layout is the stage layout); pp = 4 holds 2 + 1 + 1 + 1 in slots of 2,
 # whose blocks hold layers 0-1, 2-3, 4, none: layers 2-4 move to later stages on device
-@pytest.mark.parametrize("quantization,pp,tp", [(None, 2, 1), (None, 4, 2), ("int4", 4, 1)])
+@pytest.mark.parametrize("quantization,pp,tp", [(None, 2, 1), (None, 4, 2), (INT4_INT8_TABLE, 4, 1)],
+                         ids=["f32-pp2", "f32-pp4-tp2", "int4-int8table-pp4"])
 def test_checkpoint_restores_straight_into_the_stage_layout(checkpoints, quantization, pp, tp, monkeypatch):
     ckpt = checkpoints(quantization)
     cfg, host, _ = load_model(ckpt, np.dtype(np.float32))
@@ -331,6 +367,16 @@ def test_checkpoint_restores_straight_into_the_stage_layout(checkpoints, quantiz
             assert index[0] == slice(s * slots, (s + 1) * slots)
     # one storage chunk per layer: a read of some layers reads only those
     assert all(a.storage.chunk_shape[0] == 1 for a in jax.tree.leaves(stored))
+    # the vocabulary (128 ids, a multiple of pp * tp): each device reads only its rows of the table and of the head
+    rows, block = _vocab_blocks(mesh, cfg.vocab_size)
+    table_args = [a for args in asked for name in ("embed", "lm_head") if name in args
+                  for a in jax.tree.leaves(args[name])]
+    assert len(table_args) == (4 if quantization else 2)  # values and scale of the int8 table and head
+    for args in table_args:
+        indices = args.sharding.devices_indices_map(tuple(args.global_shape))
+        axis = list(args.sharding.spec).index(VOCAB_SPLIT)
+        assert all(index[axis] == slice(block[d] * rows, (block[d] + 1) * rows) for d, index in indices.items())
+    _assert_vocab_split(shard_model(staged_config(cfg, layout), restored, mesh).weights, mesh, cfg.vocab_size)
 
     want = jax.tree.leaves(pad_layers(host, layout).layers)  # the host path: pad_layers of the [L] stack
     for (path, got), expected in zip(jax.tree_util.tree_flatten_with_path(restored.layers)[0], want, strict=True):
@@ -341,6 +387,7 @@ def test_checkpoint_restores_straight_into_the_stage_layout(checkpoints, quantiz
             assert shard.index[0] == slice(s * slots, (s + 1) * slots)
 
 
-@pytest.mark.parametrize("quantization,pp,tp", [(None, 2, 1), (None, 4, 1), (None, 2, 2), ("int4", 2, 1)])
+@pytest.mark.parametrize("quantization,pp,tp", [(None, 2, 1), (None, 4, 1), (None, 2, 2), (INT4_INT8_TABLE, 2, 1)],
+                         ids=["f32-pp2", "f32-pp4", "f32-pp2-tp2", "int4-int8table-pp2"])
 def test_engine_on_a_checkpoint_gives_one_stage_tokens(checkpoints, quantization, pp, tp):
     assert _run(checkpoints(quantization), pp, tp) == _run(checkpoints(quantization), 1, 1)

@@ -155,6 +155,9 @@ def test_engine_tp2_and_pp2_generate_the_single_device_tokens(checkpoints):
         outputs[tp, pp] = llm.generate(prompt, params)[0].outputs[0].token_ids
     assert len(outputs[1, 1]) == 10 and outputs[2, 1] == outputs[1, 1] and outputs[1, 2] == outputs[1, 1]
     assert llm.runner.weights.layers.wq.values.sharding.spec[0] == "pp"
+    embed = llm.runner.weights.embed  # the int8 table's rows and their scales split over pp x tp, 64 a device
+    assert embed.values.sharding.spec[0] == embed.scale.sharding.spec[0] == ("pp", "tp")
+    assert embed.values.addressable_shards[0].data.shape[0] == embed.scale.addressable_shards[0].data.shape[0] == 64
 
 
 def test_group_size_that_padding_would_split_is_refused(checkpoints):
