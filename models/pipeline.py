@@ -23,8 +23,13 @@ Layout (`stage_layout`, `pad_layers`):
 - A checkpoint's [L, ...] stack can be read straight into the stages only in blocks of S layers (the stack padded
   at its end, `StageLayout.blocks`); that is the stage layout for even splits and pp = 2, and `stages_from_blocks`
   moves the rest on device (`jaxinfer.loading.orbax`, module docstring).
-- The embedding, final norm and LM head are replicated over the stages (every stage holds them; the embedding
-  gather and the LM head run outside the stage loop, on every stage, for the rows the last stage hands back).
+- The embedding table and the LM head split their vocabulary over every device, pp x tp (`PIPELINE_RULES`; V
+  padded to a multiple of pp * tp, the padded ids masked as for tp alone, `models.partition`), rather than living
+  on the first and last stage: one SPMD program gives every operand a place on every device, so a table "on
+  stage 0 only" would be zero-filled copies elsewhere, and split each device holds 1 / (pp * tp) of it (a tied
+  table serves both ends anyway). The gather and the head run outside the stage loop, partitioned by XLA: the
+  gather costs one all-reduce of the step's [T, D] embeddings, the head gives each device its own slice of the
+  logits, and the sampler's full logits one all-gather. The final norm's gain (D values) stays replicated.
 
 One step (`pipeline_forward`, inside the runner's one jitted step; shapes stay the step's buckets):
 
@@ -39,7 +44,7 @@ One step (`pipeline_forward`, inside the runner's one jitted step; shapes stay t
    With M' >= pp, every stage works on a different micro-batch in the steady state; the pp - 1 ticks at either end
    are the pipeline bubble.
 3. The last stage collects its outputs; the logits rows are broadcast to every stage (a `psum` in which the other
-   stages add zeros, exact) and the final norm and LM head run on them.
+   stages add zeros, exact) and the final norm and LM head run on them, each device for its slice of the vocabulary.
 
 MoE layers (`models.moe`) run their expert block's own `shard_map` nested inside the stages' one: over the context's
 abstract mesh (`jax.sharding.get_abstract_mesh()`, whose stage axis is already manual), manual over ep and tp too,
