@@ -127,4 +127,5 @@ def check_config(group_size: int, group_sizes: tuple[int, ...], quantize_activat
     if quantize_activations:
         raise ValueError("int4 quantization is weight-only: quantize_activations must be false or unset")
     if quantize_embedding:
-        raise ValueError("int4 quantization keeps the embedding unquantized: quantize_embedding must be false or unset")
+        raise ValueError("int4 quantization keeps the embedding unquantized: quantize_embedding must be false or unset "
+                         "(an int8 embedding and LM head beside int4 layers: embedding_format \"int8\")")

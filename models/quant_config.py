@@ -65,9 +65,13 @@ class QuantizationConfig:
     def __post_init__(self) -> None:
         if self.format not in (*FORMATS, "gguf"):
             raise ValueError(f"quantization format={self.format!r} is not one of {', '.join(FORMATS)}, gguf")
-        if self.embedding_format is not None and (self.embedding_format != "int8" or self.format != "int4"):
-            raise ValueError(f"embedding_format={self.embedding_format!r}: only \"int8\", and only with format int4 "
-                             f"(got format {self.format})")
+        if self.embedding_format is not None and self.embedding_format != "int8":
+            raise ValueError(f"embedding_format={self.embedding_format!r} must be \"int8\" or unset")
+        if self.embedding_format is not None and self.format != "int4":
+            raise ValueError(f"embedding_format applies only to format int4 (got format {self.format})")
+        if self.embedding_format is not None and self.quantize_embedding is False and self.quantize_lm_head is False:
+            raise ValueError("embedding_format=\"int8\" quantizes nothing with quantize_embedding and quantize_lm_head "
+                             "both false: leave it out")
         if self.format == "gguf" and (self.activation_group_size or self.asymmetric or any(
                 getattr(self, f) is not None for f in ("quantize_activations", "quantize_embedding", "quantize_lm_head"))):
             raise ValueError(f"quantization gguf keeps the GGUF file's own types: set no other field ({self})")

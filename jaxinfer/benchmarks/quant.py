@@ -9,7 +9,8 @@ channels (where they divide), int4 with groups of 32 (weight-only), and a GGUF m
 as stored (`--quantization gguf`; only for a GGUF model, such as the default), and the microscaling formats
 (mxfp8 weight-only and w8a8, mxfp4, nvfp4; `models.mxfp`). Quantized formats run with bf16 activations.
 
-1. **Decode step time** at each `--batches` size (batch 1 is padded to 2 rows, as the runner does):
+1. **Decode step time** at each `--batches` size (batch 1 runs one row with the native kernels, two without them,
+   as the runner does):
    `ModelRunner.execute` of one decode token per sequence at context 128 (distinct pages per sequence), greedy;
    one untimed call (compiles), then `--reps` timed calls, formats interleaved round by round so slow spells of
    the shared VM hit all alike. Tokens/s = batch / median step time.
@@ -58,8 +59,8 @@ only, 2 cores shared with other jobs, probe ~40 GB/s; a 4 MiB trial of the micro
   ~10-20 tok/s.
 
     .venv/bin/jaxinfer bench quant --write BENCHMARKS.md
-    .venv/bin/jaxinfer bench quant --formats "bf16;int8 weight-only;int8 (w8a8);int4 g32 (embedding + LM head \
-        bf16);gguf (Q4_1 / Q8_0 kept as stored)" --batches 1,8 --native both --gemv \
+    .venv/bin/jaxinfer bench quant --formats "bf16;int8 (w8a8);int4 g32 (embedding + LM head bf16)" \
+        --batches 1,8 --native both --gemv \
         --peer-python /work/venv-hf/bin/python --llamacpp-python /work/venv-llamacpp/bin/python
 """
 

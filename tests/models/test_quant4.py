@@ -305,10 +305,13 @@ def test_int8_embedding_format_quantizes_the_table_as_int8_does_and_the_layers_a
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"format": "int4", "embedding_format": "int4"}, "only \"int8\", and only with format int4"),
-    ({"format": "int8", "embedding_format": "int8"}, "only with format int4 \\(got format int8\\)"),
+    ({"format": "int4", "embedding_format": "int4"}, "embedding_format='int4' must be \"int8\" or unset"),
+    ({"format": "int8", "embedding_format": "int8"}, "applies only to format int4 \\(got format int8\\)"),
     ({"format": "gguf", "embedding_format": "int8"}, "got format gguf"),
     ({"format": "int4", "embedding_format": 8}, "embedding_format=8"),
+    ({"format": "int4", "embedding_format": "int8", "quantize_embedding": False, "quantize_lm_head": False},
+     "quantizes nothing"),
+    ({"format": "int4", "quantize_embedding": True}, "embedding_format \"int8\""),
 ])
 def test_bad_embedding_formats_are_refused_naming_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
