@@ -154,10 +154,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
         <= 0, or `--native both` where the native kernels are not available (turned off, not on CPU, or no
         supported ISA level).
     """
-    formats = [f.strip() for f in args.formats.split(";") if f.strip()]
+    formats = list(dict.fromkeys(f.strip() for f in args.formats.split(";") if f.strip()))  # once each, in order
     unknown = [f for f in formats if f not in FORMATS]
-    if not formats or unknown:
-        raise ValueError(f"--formats: unknown {unknown or 'empty list'}; known: {'; '.join(FORMATS)}")
+    if not formats:
+        raise ValueError(f"--formats {args.formats!r} names no format; known: {'; '.join(FORMATS)}")
+    if unknown:
+        raise ValueError(f"--formats: unknown {unknown}; known: {'; '.join(FORMATS)}")
     batches, gemv_rows = _ints("--batches", args.batches), _ints("--gemv-rows", args.gemv_rows)
     if not batches or min(batches) < 1 or min(args.reps, args.peer_steps, args.gemv_reps) < 1:
         raise ValueError("--batches needs integers >= 1; --reps, --peer-steps and --gemv-reps must be >= 1")

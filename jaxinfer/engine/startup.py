@@ -94,9 +94,13 @@ def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | Non
     if stored is None:
         return wanted, wanted is not None
     if wanted is not None and wanted != stored:
-        raise ValueError(f"quantization={wanted} differs from the quantization the checkpoint {config.model!r} "
-                         f"is stored with, {stored}; pass quantization=None (leave out --quantization) to use the "
-                         f"checkpoint's, or load (or convert) the original, unquantized model")
+        fields = [f.name for f in dataclasses.fields(QuantizationConfig)]
+        differ = ", ".join(f"{f} {getattr(wanted, f)!r} (stored: {getattr(stored, f)!r})" for f in fields
+                           if getattr(wanted, f) != getattr(stored, f))
+        raise ValueError(f"the quantization asked for differs from the one the checkpoint {config.model!r} is "
+                         f"stored with in {differ}; leave out the quantization (quantization=None, no "
+                         f"--quantization) to use the checkpoint's, or load (or convert) the original, unquantized "
+                         f"model")
     return stored, False
 
 

@@ -51,6 +51,8 @@ def test_quant_report(tmp_path):
     (("--peer-steps", "0"), "--reps, --peer-steps and --gemv-reps must be >= 1"),
     (("--llamacpp-types", "Q4_0,Q5_K"), "--llamacpp-types 'Q4_0,Q5_K': unknown Q5_K"),
     (("--llamacpp-python", "/nonexistent/python"), "--llamacpp-python /nonexistent/python: no such interpreter"),
+    (("--formats", " ; "), "--formats ' ; ' names no format"),
+    (("--formats", "bf16;int9"), "--formats: unknown ['int9']"),
 ])
 def test_quant_bad_options_name_the_problem(options, message, capsys):
     from jaxinfer.cli import main
