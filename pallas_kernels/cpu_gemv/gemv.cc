@@ -372,35 +372,27 @@ void i16_block(const int16_t* x, int64_t K, const int8_t* w, const float* scale,
 
 // Groups of 32 inputs (GGUF Q8_0's blocks): one int32 sum a block and row, scaled straight into the f32 totals, with
 // no inner loop a block (i16_block's per-group loop costs more than a 32-input group's arithmetic).
-template <int MG, int NR>
-void i16_g32_block(const int16_t* x, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N,
-                   int64_t n, int64_t m0) {
-  constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd blocks) for the FMA latency
+template <int MG>
+void i16_g32_row(const int16_t* x, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N, int64_t n,
+                 int64_t m0) {
   const int64_t G = K / 32;
-  __m256 total[kChains][NR][MG];
-  for (int h = 0; h < kChains; ++h)
-    for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < MG; ++i) total[h][r][i] = _mm256_setzero_ps();
+  const int8_t* row = w + n * K;
+  const float* ws = scale + n * G;
+  __m256 total[2][MG];  // two chains (even and odd blocks) for the FMA latency
+  for (int i = 0; i < MG; ++i) total[0][i] = total[1][i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    for (int r = 0; r < NR; ++r) {
-      const int8_t* row = w + (n + r) * K + 32 * g;
-      if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-      __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-      __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
-      __m256 s = _mm256_broadcast_ss(scale + (n + r) * G + g);
-      for (int i = 0; i < MG; ++i) {
-        const __m256i* xc = reinterpret_cast<const __m256i*>(x + (m0 + i) * K + 32 * g);
-        __m256i b = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xc)),
-                                     _mm256_madd_epi16(w1, _mm256_loadu_si256(xc + 1)));
-        __m256& t = total[kChains == 2 ? (g & 1) : 0][r][i];
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), s, t);
-      }
+    if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * g) + kPrefetchBytes, _MM_HINT_T0);
+    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g)));
+    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g + 16)));
+    __m256 s = _mm256_broadcast_ss(ws + g);
+    for (int i = 0; i < MG; ++i) {
+      const __m256i* xc = reinterpret_cast<const __m256i*>(x + (m0 + i) * K + 32 * g);
+      __m256i b = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xc)),
+                                   _mm256_madd_epi16(w1, _mm256_loadu_si256(xc + 1)));
+      total[g & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), s, total[g & 1][i]);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MG; ++i)
-      y[(m0 + i) * N + n + r] = hsum(kChains == 2 ? _mm256_add_ps(total[0][r][i], total[kChains - 1][r][i])
-                                                  : total[0][r][i]);
+  for (int i = 0; i < MG; ++i) y[(m0 + i) * N + n] = hsum(_mm256_add_ps(total[0][i], total[1][i]));
 }
 
 template <int NR>
@@ -417,8 +409,8 @@ void i16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const flo
   if (K / G == 32) {
     for (; n < n1; ++n) {  // one weight row at a time: a single stream reads cold weights fastest (measured)
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) i16_g32_block<2, 1>(x, K, w, scale, y, N, n, m);
-      if (m < M) i16_g32_block<1, 1>(x, K, w, scale, y, N, n, m);
+      for (; m + 2 <= M; m += 2) i16_g32_row<2>(x, K, w, scale, y, N, n, m);
+      if (m < M) i16_g32_row<1>(x, K, w, scale, y, N, n, m);
     }
     return;
   }
