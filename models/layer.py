@@ -15,7 +15,7 @@ import numpy as np
 
 from models import moe
 from models.config import Activation, ModelConfig
-from models.quant_matmul import embed_lookup, qeinsum
+from models.quant_matmul import embed_lookup, qeinsum, qeinsums
 from models.rope import apply_rope, rope_attention_factor
 
 if TYPE_CHECKING:
@@ -61,9 +61,8 @@ def attention_inputs(
     """RMSNorm, q/k/v projections, per-head q/k RMSNorm (`cfg.qk_norm`) and RoPE of one layer: x[T, D] ->
     q[T, N, H], k[T, K, H], v[T, K, H]."""
     h = layer_norm(x, w.attn_norm, cfg)
-    q = add_bias(qeinsum("td,dnh->tnh", h, w.wq), w.bq)  # [T, N, H]
-    k = add_bias(qeinsum("td,dkh->tkh", h, w.wk), w.bk)  # [T, K, H]
-    v = add_bias(qeinsum("td,dkh->tkh", h, w.wv), w.bv)  # [T, K, H]
+    q, k, v = qeinsums(("td,dnh->tnh", "td,dkh->tkh", "td,dkh->tkh"), h, (w.wq, w.wk, w.wv))
+    q, k, v = add_bias(q, w.bq), add_bias(k, w.bk), add_bias(v, w.bv)  # [T, N, H], [T, K, H], [T, K, H]
     if cfg.qk_norm:  # over H, one gain per head-dim channel shared by all heads
         q, k = layer_norm(q, w.q_norm, cfg), layer_norm(k, w.k_norm, cfg)
     factor = rope_attention_factor(cfg)  # YaRN / LongRoPE scale cos and sin
@@ -83,8 +82,8 @@ def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: LayerWeights, cfg
             with jax.named_scope("moe"):
                 out = moe.moe_block(h, w, cfg, mesh)
         else:  # gate and up stay f32 until the product: a bf16 activation rounded after every op (five converts)
-            gate = add_bias(qeinsum("td,df->tf", h, w.w_gate, preferred_element_type=jnp.float32), w.b_gate)  # [T, F]
-            up = add_bias(qeinsum("td,df->tf", h, w.w_up, preferred_element_type=jnp.float32), w.b_up)  # [T, F]
+            gate, up = qeinsums(("td,df->tf", "td,df->tf"), h, (w.w_gate, w.w_up), preferred_element_type=jnp.float32)
+            gate, up = add_bias(gate, w.b_gate), add_bias(up, w.b_up)  # [T, F]
             act = (gate_activation(gate, cfg.mlp_activation) * up).astype(x.dtype)
             out = add_bias(qeinsum("tf,fd->td", act, w.w_down), w.b_down)
         return x + (layer_norm(out, w.post_mlp_norm, cfg) if cfg.post_norms else out)

@@ -15,7 +15,8 @@ Matmul paths (`qeinsum`):
   w8a8, packed int4) runs through them instead of XLA's dot, which streams such shapes far below the memory
   bandwidth. bf16 / f32 and w8a8: the same results up to f32 summation order (w8a8: the same int32 sums); int8
   weight-only and int4 round the activation rows to int16 (1 / 65534 of a row's largest input at most) and
-  multiply the codes exactly. `JAXINFER_NATIVE_KERNELS=0` turns them off; `native_matmuls(False)`
+  multiply the codes exactly. `qeinsums` runs int8 weight-only or int4 weights that share their activations
+  (q, k and v; gate and up) as one kernel call. `JAXINFER_NATIVE_KERNELS=0` turns them off; `native_matmuls(False)`
   does for what is traced inside it (`models.llama.forward` on a multi-device mesh: XLA partitions the dot, it
   cannot partition a custom call).
 - **Pallas kernels on GPU / TPU** (`pallas_kernels.quant_matmul`, opt-in with `JAXINFER_PALLAS_QMATMUL=1` until
@@ -28,6 +29,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -145,11 +147,21 @@ def layer_refs_apply(rows: int) -> bool:
             and cpu_gemv.active())
 
 
-def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) -> jax.Array | None:
-    """The einsum through `pallas_kernels.cpu_gemv` (f32, or int32 -> f32 for w8a8), or None where no kernel
-    applies: not on CPU, turned off, more than `MAX_ROWS` activation rows, an equation that is not
-    "batch axes + contracted axes, weight -> batch axes + weight's kept axes", or a format or size the kernels
-    do not take (they fall back to XLA)."""
+class _Plan(NamedTuple):
+    """How `_native` runs one einsum: x as [M, K], the weight's one-layer shapes `w`, its layout ("kn" / "nk"),
+    the `LayerRef` it reads (or None) and the einsum's output shape."""
+    x: jax.Array
+    w: jax.Array | QuantizedWeight
+    layout: str
+    k: int
+    ref: LayerRef | None
+    out_shape: tuple[int, ...]
+
+
+def _plan(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) -> _Plan | None:
+    """The einsum as a 2-D matmul for the native or Pallas kernels, or None where none applies: not on CPU (or a
+    Pallas platform), turned off, more than `MAX_ROWS` activation rows, an equation that is not "batch axes +
+    contracted axes, weight -> batch axes + weight's kept axes"."""
     if not cpu_gemv.native_allowed():
         return None
     ref = w if isinstance(w, LayerRef) else None
@@ -176,43 +188,88 @@ def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) ->
     elif not cpu_gemv.active():
         return None
     rows, k = math.prod(x.shape[:len(batch)]), math.prod(x.shape[len(batch):])
-    x2 = x.reshape(rows, k)
-    if platform == "cpu":
-        y = _native_2d(x2, w, layout, k, ref)
-    else:
-        y = _pallas_2d(x2, w if ref is None else ref.get(), k)
-    return None if y is None else y.reshape(*x.shape[:len(batch)], *(w.shape[rhs.index(c)] for c in kept))
+    return _Plan(x.reshape(rows, k), w, layout, k, ref,
+                 (*x.shape[:len(batch)], *(w.shape[rhs.index(c)] for c in kept)))
 
 
-def _native_2d(x: jax.Array, w: jax.Array | QuantizedWeight, layout: str, k: int, ref: LayerRef | None
-               ) -> jax.Array | None:
-    """x [M, K] times the weight flattened to [K, N] ("kn") or [N, K] ("nk") by a native kernel, f32 [M, N].
-    `w` gives one layer's shapes; with `ref` the kernel reads layer `ref.index` of `ref.stacked` in place."""
-    src, layer = (w, None) if ref is None else (ref.stacked, ref.index)
-
-    def flat(a: jax.Array, *shape: int) -> jax.Array:  # one layer's array as 2-D, a stack's as [L, ...2-D]
-        return a.reshape(*a.shape[:0 if ref is None else 1], *shape)
-
-    if not isinstance(w, QuantizedWeight):
-        if w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if layout == "kn" else 8):
-            return None
-        return cpu_gemv.float_matmul(x, flat(src, k, -1) if layout == "kn" else flat(src, -1, k),
-                                     input_major=layout == "kn", layer=layer)
-    fmt, n = w.format, math.prod(w.scale.shape[:-1])
-    groups = w.scale.shape[-1]
-    if w.scale.dtype != jnp.float32:
+def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) -> jax.Array | None:
+    """The einsum through `pallas_kernels.cpu_gemv` (f32, or int32 -> f32 for w8a8) or the Pallas kernels, or None
+    where no kernel applies (`_plan`, or a format or size the kernels do not take: they fall back to XLA)."""
+    plan = _plan(eq, x, w)
+    if plan is None:
         return None
-    scale = flat(src.scale, n, groups)
-    if fmt == "int8" and not w.quantize_activations and (k // groups) % 16 == 0:
-        return cpu_gemv.int8_matmul(x, flat(src.values, n, k), scale, layer=layer)
-    if fmt == "int8" and w.quantize_activations and not w.activation_group_size and k % 32 == 0:
+    if jax.default_backend() == "cpu":
+        y = _native_2d(plan)
+    else:
+        y = _pallas_2d(plan.x, plan.w if plan.ref is None else plan.ref.get(), plan.k)
+    return None if y is None else y.reshape(plan.out_shape)
+
+
+def qeinsums(eqs: Sequence[str], x: jax.Array, ws: Sequence[jax.Array | QuantizedWeight | LayerRef], *,
+             preferred_element_type: jnp.dtype | None = None) -> tuple[jax.Array, ...]:
+    """`qeinsum(eq, x, w)` for each (eq, w): several weights applied to the same activations (q, k and v; gate and
+    up). Where the native CPU kernels take them all as int8 weight-only or int4 weights of one format (and one
+    layer index), they run as one kernel call (`cpu_gemv.weight_only_matmuls`: the same numbers, fewer calls);
+    otherwise as separate `qeinsum`s.
+
+    Raises:
+      ValueError: as `qeinsum`, or `eqs` and `ws` of different lengths.
+    """
+    if len(eqs) != len(ws):
+        raise ValueError(f"{len(eqs)} equations for {len(ws)} weights")
+    plans = [_plan(eq, x, w) for eq, w in zip(eqs, ws)] if jax.default_backend() == "cpu" else [None]
+    operands = [None if p is None else _weight_only_operands(p) for p in plans]
+    refs = {id(p.ref.index) if p.ref is not None else None for p in plans if p is not None}
+    formats = {(v.dtype, m is None) for v, _, m in filter(None, operands)}
+    if len(ws) < 2 or None in operands or len(refs) != 1 or len(formats) != 1:
+        return tuple(qeinsum(eq, x, w, preferred_element_type=preferred_element_type) for eq, w in zip(eqs, ws))
+    ref = plans[0].ref
+    ys = cpu_gemv.weight_only_matmuls(plans[0].x, operands, layer=None if ref is None else ref.index)
+    return tuple(y.reshape(p.out_shape).astype(preferred_element_type or x.dtype) for y, p in zip(ys, plans))
+
+
+def _flat(plan: _Plan, a: jax.Array, *shape: int) -> jax.Array:
+    """One layer's array as 2-D `shape`, a stack's (with `plan.ref`) as [L, *shape]."""
+    return a.reshape(*a.shape[:0 if plan.ref is None else 1], *shape)
+
+
+def _weight_only_operands(plan: _Plan) -> tuple[jax.Array, jax.Array, jax.Array | None] | None:
+    """(values [N, K] or [N, K / 2], f32 scale [N, G], min or None), stacked with `plan.ref`, for the native int8
+    weight-only and int4 kernels; None for other weights or sizes they do not take."""
+    w, k = plan.w, plan.k
+    if not isinstance(w, QuantizedWeight) or w.quantize_activations or w.scale.dtype != jnp.float32:
+        return None
+    src = w if plan.ref is None else plan.ref.stacked
+    n, groups = math.prod(w.scale.shape[:-1]), w.scale.shape[-1]
+    scale = _flat(plan, src.scale, n, groups)
+    if w.format == "int8" and (k // groups) % 16 == 0:
+        return _flat(plan, src.values, n, k), scale, None
+    if w.format == "int4" and k % 64 == 0 and (k // groups) % 32 == 0:
+        return _flat(plan, src.values, n, k // 2), scale, None if w.min is None else _flat(plan, src.min, n, groups)
+    return None
+
+
+def _native_2d(plan: _Plan) -> jax.Array | None:
+    """x [M, K] times the weight flattened to [K, N] ("kn") or [N, K] ("nk") by a native kernel, f32 [M, N].
+    `plan.w` gives one layer's shapes; with `plan.ref` the kernel reads layer `ref.index` of `ref.stacked` in
+    place."""
+    w, k, x, ref = plan.w, plan.k, plan.x, plan.ref
+    src, layer = (w, None) if ref is None else (ref.stacked, ref.index)
+    if not isinstance(w, QuantizedWeight):
+        if w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if plan.layout == "kn" else 8):
+            return None
+        return cpu_gemv.float_matmul(x, _flat(plan, src, k, -1) if plan.layout == "kn" else _flat(plan, src, -1, k),
+                                     input_major=plan.layout == "kn", layer=layer)
+    operands = _weight_only_operands(plan)
+    if operands is not None:
+        return cpu_gemv.weight_only_matmuls(x, [operands], layer=layer)[0]
+    n = math.prod(w.scale.shape[:-1])
+    if (w.format == "int8" and w.quantize_activations and not w.activation_group_size and k % 32 == 0
+            and w.scale.dtype == jnp.float32):
         xq, x_scale = quantize_rows(x, [1], "int8")  # as `_activation_quantized`: the same numbers
-        acc = cpu_gemv.i8i8_matmul(xq, flat(src.values, n, k), layer=layer)
+        acc = cpu_gemv.i8i8_matmul(xq, _flat(plan, src.values, n, k), layer=layer)
         w_scale = (w.scale if ref is None else ref.get().scale).reshape(n)  # [N] floats: a slice is cheap
         return acc.astype(jnp.float32) * x_scale * w_scale
-    if fmt == "int4" and k % 64 == 0 and (k // groups) % 32 == 0:
-        return cpu_gemv.int4_matmul(x, flat(src.values, n, k // 2), scale,
-                                    None if w.min is None else flat(src.min, n, groups), layer=layer)
     return None
 
 

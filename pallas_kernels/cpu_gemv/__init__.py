@@ -3,7 +3,8 @@
 XLA:CPU reads a weight at a fraction of the memory bandwidth when only one or a few activation rows multiply it
 (a 1-row bf16 dot streams ~2 GB/s; weight-only int8 first writes a full-precision copy of the weight), and decode is
 exactly that shape. These kernels (`gemv.cc`, AVX2 + FMA) stream the weight once, keep the outputs in registers and
-split the work over persistent worker threads (`threads.h`). `models.quant_matmul.qeinsum` routes a matmul here when `active()`
+split the work over persistent worker threads (`threads.h`). `weight_only_matmuls` runs several int8 or int4
+weights that share their activations (q, k and v; gate and up) as one call. `models.quant_matmul.qeinsum` routes a matmul here when `active()`
 and the shapes fit; everything else stays on XLA.
 
 | function        | weight                                     | activations                        | result       |
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +64,7 @@ def active() -> bool:
     return level is not None and build.load(level)
 
 
-def _call(kernel: str, out: jax.ShapeDtypeStruct, *args: jax.Array, **attrs) -> jax.Array:
+def _call(kernel: str, out: jax.ShapeDtypeStruct | list[jax.ShapeDtypeStruct], *args: jax.Array, **attrs) -> jax.Array:
     level = isa_level()
     if level is None or not build.load(level):
         raise RuntimeError("the native CPU matmul kernels are not available (see `pallas_kernels.cpu_gemv.active`)")
@@ -154,6 +155,54 @@ def _check_scales(n: int, k: int, values: jax.Array, scale: jax.Array, min: jax.
     return groups
 
 
+def weight_only_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array, jax.Array | None]], *,
+                        layer: jax.Array | int | None = None) -> list[jax.Array]:
+    """Several int8 weight-only or several packed int4 weights times the same activation rows, in one kernel call:
+    the rows are rounded to int16 once and every weight's rows go to the threads as one job (a decode layer's
+    q, k and v, or gate and up). Each product is `int8_matmul`'s or `int4_matmul`'s, bit for bit.
+
+    Args:
+      x: f32 or bf16 [M, K], M <= MAX_ROWS.
+      weights: (values, scale, min) per weight, all int8 (`int8_matmul`'s arguments; min None) or all int4
+        (`int4_matmul`'s; min None for all of them or given for all, then with the same group count).
+      layer: as `float_matmul`; every weight is a stack of the same L with it.
+
+    Returns:
+      f32 [M, N_i] for each weight, in order.
+
+    Raises:
+      ValueError: an empty list, mixed formats or wrong dtypes and sizes.
+    """
+    if not weights:
+        raise ValueError("weight_only_matmuls needs at least one weight")
+    bits = {8 if values.dtype == jnp.int8 else 4 for values, _, _ in weights}
+    with_min = {m is not None for _, _, m in weights}
+    if len(bits) > 1 or len(with_min) > 1:
+        raise ValueError("weight_only_matmuls takes weights of one format (all int8, all symmetric int4 or all int4 "
+                         f"with a min), got {[(v.dtype, m is not None) for v, _, m in weights]}")
+    operands, shapes = [], []
+    for values, scale, min in weights:
+        _check_stack("values", values, layer)
+        n, k = values.shape[-2:]
+        if bits == {4}:
+            k *= 2
+            if values.dtype != jnp.uint8 or k % 64:
+                raise ValueError(f"packed int4 uint8 [N, K / 2] with K a multiple of 64; got {values.dtype}"
+                                 f"{list(values.shape)}")
+            groups = _check_scales(n, k, values, scale, min, 32, "packed int4 [N, K / 2]")
+        else:
+            _check_scales(n, k, values, scale, None, 16, "int8 weight [N, K]")
+            groups = scale.shape[-1]
+        m, _ = _check_rows(x, k)
+        shapes.append((n, groups))
+        operands += [values, scale, scale if min is None else min]
+    if with_min == {True} and len({g for _, g in shapes}) > 1:
+        raise ValueError(f"int4 weights with a min must have the same group count, got {[g for _, g in shapes]}")
+    index, operands = _stacked(layer, *operands)
+    return list(_call("weight_only_matmul", [jax.ShapeDtypeStruct((m, n), jnp.float32) for n, _ in shapes],
+                      _activations(x), index, *operands, bits=np.int32(bits.pop()), symmetric=with_min == {False}))
+
+
 def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, layer: jax.Array | int | None = None
                 ) -> jax.Array:
     """Weight-only int8: x @ (values * scale).T with the weight's groups of K / G inputs each scaled.
@@ -174,14 +223,9 @@ def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, layer: jax
     Raises:
       ValueError: wrong dtypes or sizes.
     """
-    _check_stack("values", values, layer)
-    n, k = values.shape[-2:]
-    m, _ = _check_rows(x, k)
     if values.dtype != jnp.int8:
         raise ValueError(f"int8 values expected, got {values.dtype}")
-    _check_scales(n, k, values, scale, None, 16, "int8 weight [N, K]")
-    index, (values, scale) = _stacked(layer, values, scale)
-    return _call("int8_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), index, values, scale)
+    return weight_only_matmuls(x, [(values, scale, None)], layer=layer)[0]
 
 
 def i8i8_matmul(xq: jax.Array, values: jax.Array, *, layer: jax.Array | int | None = None) -> jax.Array:
@@ -231,15 +275,6 @@ def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Arra
     Raises:
       ValueError: wrong dtypes or sizes.
     """
-    _check_stack("values", values, layer)
-    n, half = values.shape[-2:]
-    k = 2 * half
-    m, _ = _check_rows(x, k)
-    if values.dtype != jnp.uint8 or k % 64:
-        raise ValueError(f"packed int4 uint8 [N, K / 2] with K a multiple of 64; got {values.dtype}"
-                         f"{list(values.shape)}")
-    _check_scales(n, k, values, scale, min, 32, "packed int4 [N, K / 2]")
-    offset, factor = (scale, -8.0) if min is None else (min, 1.0)
-    index, (values, scale, offset) = _stacked(layer, values, scale, offset)
-    return _call("q4_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), index, values, scale,
-                 offset, offset_factor=np.float32(factor))
+    if values.dtype != jnp.uint8:
+        raise ValueError(f"packed int4 uint8 [N, K / 2] expected, got {values.dtype}{list(values.shape)}")
+    return weight_only_matmuls(x, [(values, scale, min)], layer=layer)[0]

@@ -15,6 +15,8 @@
 //              here to int16 per row (as int8_nk) and multiplied exactly with the codes:
 //              y f32 = xs * (sum_blocks ws * (codes . xq) + corr), where corr (the -8 offset or the per-group min
 //              times the rounded activations' group sums) is added per group from `offset` [N, G] and `xsum` [M, G].
+// int8_nk and q4_nk are called through one handler (weight_only_matmul) that takes one or several weights sharing
+// their activation rows and splits all of their rows over the threads as one job.
 #include <immintrin.h>
 
 #include <sched.h>
@@ -548,29 +550,6 @@ std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool q4_la
   return q;
 }
 
-ffi::Error Int8Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = check_activations(x); e.failure()) return e;
-  if (auto e = rank3(w, "w"); e.failure()) return e;
-  if (auto e = rank3(scale, "scale"); e.failure()) return e;
-  std::vector<float> tmp;
-  const float* xf = activations_f32(x, tmp);
-  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1], G = scale.dimensions()[2];
-  std::vector<float> xs;
-  std::vector<int16_t> xq = int16_rows(xf, M, K, false, xs);
-  const int8_t* wl = at_layer<int8_t>(w, layer);
-  const float* sl = at_layer<float>(scale, layer);
-  float* out = y->typed_data();
-  int64_t rows = rows_per_chunk(N, 8, 16);
-  parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
-    int64_t n0 = c * rows;
-    i16_rows(xq.data(), M, K, wl, sl, G, out, N, n0, std::min(N, n0 + rows));
-  });
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) out[m * N + n] *= xs[m];
-  return ffi::Error::Success();
-}
-
 ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w,
                       ffi::ResultBuffer<ffi::S32> y) {
   if (auto e = rank3(w, "w"); e.failure()) return e;
@@ -584,28 +563,64 @@ ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::
   return ffi::Error::Success();
 }
 
-ffi::Error Q4Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                    ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y, float offset_factor) {
+// Weight-only int8 and int4 matmuls of one or several weights sharing their activation rows (q, k and v; gate and
+// up): the rows are rounded to int16 once and all the weights' row chunks go to the threads as one job, so a
+// decode layer makes four calls instead of seven (a call's start and end cost ~1-2 us each; the threads'
+// chunks of one small weight leave the cores idle for a while). Per weight i, arguments values_i, scale_i and
+// offset_i (int4's min, or the scale again where unused) follow the activations and layer; result i is
+// f32 [M, N_i]. `bits`: 8 (int8_nk) or 4 (q4_nk); `symmetric`: int4 codes minus 8 (else the min).
+ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                            ffi::RemainingRets outs, int32_t bits, bool symmetric) {
   if (auto e = check_activations(x); e.failure()) return e;
-  for (auto* b : {&w, &scale, &offset})
-    if (auto e = rank3(*b, "w, scale and offset"); e.failure()) return e;
+  size_t count = outs.size();
+  if (count == 0 || weights.size() != 3 * count || (bits != 8 && bits != 4))
+    return ffi::Error::InvalidArgument("weight_only_matmul: 3 arguments (values, scale, offset) a result, bits 8|4");
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  struct Part { const void* w; const float *scale, *offset; int64_t N, G, rows, first_chunk; float* y; };
+  std::vector<Part> parts(count);
+  int64_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(3 * i), scale = weights.get<ffi::AnyBuffer>(3 * i + 1),
+         offset = weights.get<ffi::AnyBuffer>(3 * i + 2);
+    auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !scale.has_value() || !offset.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("weight_only_matmul: weights must be buffers, results f32");
+    for (auto* b : {&*w, &*scale, &*offset})
+      if (auto e = rank3(*b, "values, scale and offset"); e.failure()) return e;
+    Part& p = parts[i];
+    p.N = w->dimensions()[1], p.G = scale->dimensions()[2];
+    if (p.G != parts[0].G && bits == 4 && !symmetric)
+      return ffi::Error::InvalidArgument("weight_only_matmul: int4 weights with a min must share their groups");
+    p.w = bits == 8 ? static_cast<const void*>(at_layer<int8_t>(*w, layer))
+                    : static_cast<const void*>(at_layer<uint8_t>(*w, layer));
+    p.scale = at_layer<float>(*scale, layer), p.offset = at_layer<float>(*offset, layer);
+    p.y = (*y)->typed_data();
+    total += p.N;
+  }
   std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
-  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1], G = scale.dimensions()[2];
-  if (offset_factor != -8.f && offset_factor != 1.f)
-    return ffi::Error::InvalidArgument("q4_matmul: offset_factor must be -8 (symmetric codes) or 1 (a min)");
-  bool symmetric = offset_factor == -8.f;  // codes - 8 (`offset` is then the scale, not read)
-  std::vector<int16_t> xq = int16_rows(xf, M, K, true, xs, symmetric ? nullptr : &xsum, G);
-  const uint8_t* wl = at_layer<uint8_t>(w, layer);
-  const float *sl = at_layer<float>(scale, layer), *ol = at_layer<float>(offset, layer);
-  float* out = y->typed_data();
-  int64_t rows = rows_per_chunk(N, 8, 16);
-  parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
-    int64_t n0 = c * rows;
-    q4_rows(xq.data(), xsum.data(), M, K, wl, sl, ol, symmetric, G, out, N, n0, std::min(N, n0 + rows));
+  std::vector<int16_t> xq = int16_rows(xf, M, K, bits == 4, xs, bits == 4 && !symmetric ? &xsum : nullptr,
+                                       parts[0].G);
+  // chunks of about the same rows for every weight (the rows per chunk the whole job would get), in weight order
+  int64_t rows = rows_per_chunk(total, 8, 16), chunks = 0;
+  for (Part& p : parts) {
+    p.rows = std::min(rows, (p.N + 7) / 8 * 8), p.first_chunk = chunks;
+    chunks += (p.N + p.rows - 1) / p.rows;
+  }
+  parallel_chunks(chunks, [&](int64_t c) {
+    size_t i = 0;
+    while (i + 1 < count && c >= parts[i + 1].first_chunk) ++i;
+    const Part& p = parts[i];
+    int64_t n0 = (c - p.first_chunk) * p.rows, n1 = std::min(p.N, n0 + p.rows);
+    if (bits == 8)
+      i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, n0, n1);
+    else
+      q4_rows(xq.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
+              p.y, p.N, n0, n1);
   });
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) out[m * N + n] *= xs[m];
+  for (const Part& p : parts)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < p.N; ++n) p.y[m * p.N + n] *= xs[m];
   return ffi::Error::Success();
 }
 
@@ -619,14 +634,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_float_matmul, FloatMatmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("kn"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_matmul, Int8Matmul,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_i8i8_matmul, I8I8Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S8>>()
@@ -634,12 +641,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_i8i8_matmul, I8I8Matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_q4_matmul, Q4Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_weight_only_matmul, WeightOnlyMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("offset_factor"));
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("bits")
+                                  .Attr<bool>("symmetric"));

@@ -116,6 +116,21 @@ def test_int4_equals_the_weight_on_int16_rounded_activations(k, n, m, group, asy
     assert (np.abs(np.asarray(y, np.float64) - exact) <= bound * 1.001 + 1e-5 * np.abs(exact).max()).all()
 
 
+@pytest.mark.parametrize("m,ns,asymmetric", [(1, (13, 40, 7), False), (3, (300, 8), True), (8, (1, 64, 17, 5), False)])
+def test_weight_only_matmuls_of_several_weights_equal_one_call_each(m, ns, asymmetric):
+    rng = np.random.default_rng(m)
+    cases = [_int4_case(rng, m, 128, n, 32, asymmetric) for n in ns]
+    x = cases[0][0]
+    ys = cpu_gemv.weight_only_matmuls(x, [(packed, scale, mins) for _, packed, scale, mins, _ in cases])
+    for y, (_, packed, scale, mins, w) in zip(ys, cases):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(cpu_gemv.int4_matmul(x, packed, scale, mins)))
+        _assert_sums_close(y, _int16_rows(x), w)
+    q8 = [rng.integers(-127, 128, (n, 128)).astype(np.int8) for n in ns]
+    s8 = [rng.random((n, 1)).astype(np.float32) for n in ns]
+    for y, q, s in zip(cpu_gemv.weight_only_matmuls(x, [(q, s, None) for q, s in zip(q8, s8)]), q8, s8):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(cpu_gemv.int8_matmul(x, q, s)))
+
+
 @settings(max_examples=20, deadline=None)
 @given(m=st.integers(1, 8), chunks=st.integers(1, 6), n=st.integers(1, 40), seed=st.integers(0, 2**16),
        asymmetric=st.booleans())
@@ -165,6 +180,17 @@ def test_all_zero_activation_blocks():
                                   layer=2**40), "outside int32"),
     (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8)), jnp.ones((3, 8, 4)), input_major=True, layer=jnp.array([0, 1])),
      "integer scalar"),
+    (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), []), "at least one weight"),
+    (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), [(jnp.ones((4, 64), jnp.int8), jnp.ones((4, 1)), None),
+                                                             (jnp.ones((4, 32), jnp.uint8), jnp.ones((4, 2)), None)]),
+     "one format"),
+    (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), [(jnp.ones((4, 32), jnp.uint8), jnp.ones((4, 2)),
+                                                               jnp.ones((4, 2))),
+                                                              (jnp.ones((4, 32), jnp.uint8), jnp.ones((4, 1)),
+                                                               jnp.ones((4, 1)))]), "same group count"),
+    (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), [(jnp.ones((4, 64), jnp.int8), jnp.ones((4, 1)), None),
+                                                             (jnp.ones((4, 32), jnp.int8), jnp.ones((4, 1)), None)]),
+     "K=64, the weight 32"),
 ])
 def test_bad_arguments_name_the_problem(call, message):
     with pytest.raises(ValueError, match=message):
