@@ -202,11 +202,13 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
         raise ValueError(f"contract_axes {tuple(contract_axes)} out of range for a weight of shape {w.shape}")
     neg = tuple(sorted({a % nd - nd for a in contract_axes}))
     packed, weight_only = fmt in PACKED_FORMATS, fmt in ("int4", "mxfp4", "nvfp4")
-    if ((packed and w.shape[neg[-1]] % 2) or (weight_only and quantize_activations)
+    w4a8 = fmt == "int4" and quantize_activations and group_size == 32 and not asymmetric
+    if ((packed and w.shape[neg[-1]] % 2) or (weight_only and quantize_activations and not w4a8)
             or (asymmetric and fmt != "int4")):
         raise ValueError(f"{fmt} with asymmetric={asymmetric}, quantize_activations={quantize_activations} for "
-                         f"shape {w.shape}, contract_axes {neg}: int4, mxfp4 and nvfp4 are weight-only and pack "
-                         "their last contracted axis in pairs (it must be even); only int4 is asymmetric")
+                         f"shape {w.shape}, contract_axes {neg}: int4 (but symmetric groups of 32: w4a8), mxfp4 and "
+                         "nvfp4 are weight-only and pack their last contracted axis in pairs (it must be even); only "
+                         "int4 is asymmetric")
     if not 0 <= stacked_axes <= neg[0] + nd:
         raise ValueError(f"stacked_axes={stacked_axes} must count leading axes before the first contracted axis "
                          f"of a weight of shape {w.shape} with contract_axes {neg}")
@@ -220,7 +222,7 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
         if w.shape[neg[-1]] % group_size:
             raise ValueError(f"group_size {group_size} does not divide the contracted axis of size "
                              f"{w.shape[neg[-1]]} (weight shape {w.shape})")
-        if quantize_activations and fmt != "mxfp8":
+        if quantize_activations and fmt not in ("mxfp8", "int4"):
             raise ValueError("activation quantization needs one scale per output channel (group_size 0)")
     wt = jnp.transpose(jnp.asarray(w, jnp.float32), _order(nd, neg))
     kept = wt.shape[: nd - len(neg)]
@@ -230,7 +232,7 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
     if fmt == "int4":
         codes, scale, mn = quant4.quantize_groups(g, asymmetric)
         return QuantizedWeight(values=quant4.pack(codes.reshape(wt.shape)), scale=scale, min=mn, contract_axes=neg,
-                               group_size=group_size)
+                               group_size=group_size, quantize_activations=w4a8, activation_group_size=32 * w4a8)
     if fmt in mxfp.FORMATS:
         tensor_amax = jnp.max(jnp.abs(g), axis=tuple(range(stacked_axes, g.ndim)), keepdims=True)[..., 0]
         elements, scale, tensor_scale = mxfp.quantize_blocks(g, fmt, tensor_amax if fmt == "nvfp4" else None)
@@ -326,7 +328,8 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
 
     def q(w, axes, per_row_only=False, stacked_axes=0):
         group = group_for(w, axes, per_row_only)
-        acts = qcfg.activations and (not group or qcfg.format == "mxfp8")  # fp8 groups: weight-only
+        acts = qcfg.activations and (not group or qcfg.format == "mxfp8"  # fp8 groups: weight-only
+                                     or (qcfg.format == "int4" and group == 32))  # w4a8: blocks of 32 only
         return quantize(w, qcfg.format, axes, group_size=group, quantize_activations=acts,
                         activation_group_size=qcfg.activation_group_size, stacked_axes=stacked_axes,
                         asymmetric=qcfg.asymmetric)
@@ -338,7 +341,7 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
         return None if w is None else jnp.asarray(w, dtype)
 
     layers = weights.layers
-    if qcfg.activations and not cfg.is_moe:
+    if qcfg.activations and not cfg.is_moe and qcfg.format != "int4":  # w4a8 keeps int4's weights
         layers = fold_norm_scales(layers, cfg.norm_weight_offset)
     new_layers = {}
     for field in dataclasses.fields(layers):

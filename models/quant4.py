@@ -114,18 +114,22 @@ def dequantize(values: Any, scale: Any, min_: Any, num_kept: int) -> Any:
 
 
 def check_config(group_size: int, group_sizes: tuple[int, ...], quantize_activations: Any,
-                 quantize_embedding: Any) -> None:
+                 quantize_embedding: Any, asymmetric: bool = False, activation_group_size: int = 0) -> None:
     """Checks an int4 `QuantizationConfig`'s fields (group size already defaulted).
 
     Raises:
-      ValueError: naming the field: a group size not in `group_sizes`, activations quantized (int4 is
-        weight-only), or the embedding quantized (its lookup takes no packed table).
+      ValueError: naming the field: a group size not in `group_sizes`, activations quantized (w4a8) with other
+        than symmetric groups of 32 or with an activation group of their own (the blocks are the weight's
+        groups), or the embedding quantized (its lookup takes no packed table).
     """
     if group_size not in group_sizes:
         raise ValueError(f"int4 quantization group_size={group_size} must be one of {', '.join(map(str, group_sizes))}"
                          " (0 or unset: the default, 32)")
-    if quantize_activations:
-        raise ValueError("int4 quantization is weight-only: quantize_activations must be false or unset")
+    if quantize_activations and (group_size != 32 or asymmetric or activation_group_size):
+        raise ValueError("int4 with quantize_activations (w4a8: int8 activations per block of 32 inputs, GGUF Q4_0 x "
+                         "Q8_0) needs group_size 32, symmetric codes (asymmetric false) and no activation_group_size; "
+                         f"got group_size={group_size}, asymmetric={asymmetric}, "
+                         f"activation_group_size={activation_group_size}")
     if quantize_embedding:
         raise ValueError("int4 quantization keeps the embedding unquantized: quantize_embedding must be false or unset "
                          "(an int8 embedding and LM head beside int4 layers: embedding_format \"int8\")")

@@ -34,7 +34,10 @@ class QuantizationConfig:
         None or False: weight-only (the default: quality first). w8a8 is the fast int8 path on CPU (XLA:CPU's
         int8 x int8 -> int32 dot, and no full-precision weight copy), at a quality cost measured in
         BENCHMARKS.md. mxfp8: activations quantized per token to MXFP8 blocks (the weight's blocks along the
-        contracted axes), one e4m3 x e4m3 dot per block; mxfp4 and nvfp4 are weight-only.
+        contracted axes), one e4m3 x e4m3 dot per block. int4 (w4a8; symmetric groups of 32 only): activations
+        quantized to int8 per token per block of 32 inputs, one exact int32 dot per block (GGUF Q4_0 x Q8_0,
+        llama.cpp's CPU arithmetic), the same int4 weights as without it; a weight whose input axis 32 does not
+        divide stays weight-only. mxfp4 and nvfp4 are weight-only.
       quantize_embedding: the embedding gather reads a quantized table; None: yes for int8, no for fp8 (int4 and
         the microscaling formats: no, and true is refused: the gather takes no grouped table).
       quantize_lm_head: the output projection is quantized (with tied embeddings and an unquantized gather, an
@@ -83,7 +86,8 @@ class QuantizationConfig:
         if self.format == "int4":
             object.__setattr__(self, "group_size", self.group_size or DEFAULT_INT4_GROUP_SIZE)
             quant4.check_config(self.group_size, INT4_GROUP_SIZES, self.quantize_activations,
-                                self.quantize_embedding and self.embedding_format is None)
+                                self.quantize_embedding and self.embedding_format is None, self.asymmetric,
+                                self.activation_group_size)
         if (not isinstance(self.activation_group_size, int) or isinstance(self.activation_group_size, bool)
                 or self.activation_group_size < 0):
             raise ValueError(f"activation_group_size={self.activation_group_size!r} must be an integer >= 0")
@@ -91,7 +95,7 @@ class QuantizationConfig:
             object.__setattr__(self, "group_size", self.group_size or mxfp.BLOCK[self.format])
             mxfp.check_config(self.format, self.group_size, self.quantize_activations, self.quantize_embedding,
                               self.activation_group_size)
-        if self.group_size and self.quantize_activations and self.format != "mxfp8":
+        if self.group_size and self.quantize_activations and self.format not in ("mxfp8", "int4"):
             raise ValueError("activation quantization needs per-channel scales (group_size 0)")
         for name in ("quantize_activations", "quantize_embedding", "quantize_lm_head"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):

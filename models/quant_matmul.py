@@ -34,6 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from models import quant4
 from models.quant import QuantizedWeight, quantize_rows
 from pallas_kernels import cpu_gemv, quant_matmul
 
@@ -108,7 +109,9 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight, *,
         raise ValueError(f"einsum {eq!r} must contract the quantized weight's axes {contracted!r}")
     kept = "".join(c for c in rhs if c not in contracted)
     vals = kept + contracted  # the labels of w.values
-    if w.quantize_activations and w.group_size:  # mxfp8 blocks: the weight's scales are applied per block inside
+    if w.format == "int4" and w.quantize_activations:  # w4a8: the codes minus 8 as int8 blocks of 32 inputs
+        w = w.replace(values=quant4.unpack(w.values).astype(jnp.int8) - 8)
+    if w.quantize_activations and w.group_size:  # mxfp8, w4a8 blocks: the weight's scales are applied per block
         return _activation_quantized(lhs, vals, out, contracted, x, w).astype(out_dtype)
     if w.group_size or w.format == "int4":  # grouped scales (int4: also its codes' offset or min) do not factor
         # out of the sum: dequantize inside the computation (int4: unpack, scale, cast to x's dtype, then the dot)
@@ -220,11 +223,12 @@ def qeinsums(eqs: Sequence[str], x: jax.Array, ws: Sequence[jax.Array | Quantize
     plans = [_plan(eq, x, w) for eq, w in zip(eqs, ws)] if jax.default_backend() == "cpu" else [None]
     operands = [None if p is None else _weight_only_operands(p) for p in plans]
     refs = {id(p.ref.index) if p.ref is not None else None for p in plans if p is not None}
-    formats = {(v.dtype, m is None) for v, _, m in filter(None, operands)}
+    formats = {(o[0].dtype, o[2] is None, p.w.quantize_activations) for o, p in zip(operands, plans) if o}
     if len(ws) < 2 or None in operands or len(refs) != 1 or len(formats) != 1:
         return tuple(qeinsum(eq, x, w, preferred_element_type=preferred_element_type) for eq, w in zip(eqs, ws))
     ref = plans[0].ref
-    ys = cpu_gemv.weight_only_matmuls(plans[0].x, operands, layer=None if ref is None else ref.index)
+    ys = cpu_gemv.weight_only_matmuls(plans[0].x, operands, layer=None if ref is None else ref.index,
+                                      int8_activations=plans[0].w.quantize_activations)
     return tuple(y.reshape(p.out_shape).astype(preferred_element_type or x.dtype) for y, p in zip(ys, plans))
 
 
@@ -235,9 +239,11 @@ def _flat(plan: _Plan, a: jax.Array, *shape: int) -> jax.Array:
 
 def _weight_only_operands(plan: _Plan) -> tuple[jax.Array, jax.Array, jax.Array | None] | None:
     """(values [N, K] or [N, K / 2], f32 scale [N, G], min or None), stacked with `plan.ref`, for the native int8
-    weight-only and int4 kernels; None for other weights or sizes they do not take."""
+    weight-only and int4 kernels (w4a8 too: `plan.w.quantize_activations`); None for other weights or sizes they do
+    not take."""
     w, k = plan.w, plan.k
-    if not isinstance(w, QuantizedWeight) or w.quantize_activations or w.scale.dtype != jnp.float32:
+    if (not isinstance(w, QuantizedWeight) or w.scale.dtype != jnp.float32
+            or (w.quantize_activations and (w.format != "int4" or w.min is not None or w.group_size != 32))):
         return None
     src = w if plan.ref is None else plan.ref.stacked
     n, groups = math.prod(w.scale.shape[:-1]), w.scale.shape[-1]
@@ -262,7 +268,7 @@ def _native_2d(plan: _Plan) -> jax.Array | None:
                                      input_major=plan.layout == "kn", layer=layer)
     operands = _weight_only_operands(plan)
     if operands is not None:
-        return cpu_gemv.weight_only_matmuls(x, [operands], layer=layer)[0]
+        return cpu_gemv.weight_only_matmuls(x, [operands], layer=layer, int8_activations=w.quantize_activations)[0]
     n = math.prod(w.scale.shape[:-1])
     if (w.format == "int8" and w.quantize_activations and not w.activation_group_size and k % 32 == 0
             and w.scale.dtype == jnp.float32):

@@ -107,6 +107,8 @@ FORMATS = {  # name -> (dtype, quantization)
     "int4 g32 (embedding + LM head bf16)": ("bfloat16", "int4"),
     "int4 g32, embedding + LM head int8 (llama.cpp Q4_0's layout)": ("bfloat16", {"format": "int4",
                                                                                   "embedding_format": "int8"}),
+    "int4 g32 w4a8, embedding + LM head int8 (llama.cpp Q4_0's layout and arithmetic)": (
+        "bfloat16", {"format": "int4", "embedding_format": "int8", "quantize_activations": True}),
     "gguf (Q4_1 / Q8_0 kept as stored)": ("bfloat16", "gguf"),
     "mxfp8 (embedding + LM head bf16)": ("bfloat16", "mxfp8"),
     "mxfp8 (w8a8)": ("bfloat16", {"format": "mxfp8", "quantize_activations": True}),

@@ -156,22 +156,29 @@ def _check_scales(n: int, k: int, values: jax.Array, scale: jax.Array, min: jax.
 
 
 def weight_only_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array, jax.Array | None]], *,
-                        layer: jax.Array | int | None = None) -> list[jax.Array]:
+                        layer: jax.Array | int | None = None, int8_activations: bool = False) -> list[jax.Array]:
     """Several int8 weight-only or several packed int4 weights times the same activation rows, in one kernel call:
     the rows are rounded to int16 once and every weight's rows go to the threads as one job (a decode layer's
     q, k and v, or gate and up). Each product is `int8_matmul`'s or `int4_matmul`'s, bit for bit.
+
+    With `int8_activations` (w4a8; symmetric int4 with one scale a 32-input block only), each row is instead
+    quantized per block of 32 inputs to int8 as `models.quant.quantize_rows` does (scale amax / 127, x / scale
+    rounded to nearest even) and each block's exact int32 dot with the codes minus 8 is scaled by both blocks'
+    scales into the f32 sum: GGUF Q4_0 x Q8_0, llama.cpp's CPU arithmetic (its `ggml_vec_dot_q4_0_q8_0`).
 
     Args:
       x: f32 or bf16 [M, K], M <= MAX_ROWS.
       weights: (values, scale, min) per weight, all int8 (`int8_matmul`'s arguments; min None) or all int4
         (`int4_matmul`'s; min None for all of them or given for all, then with the same group count).
       layer: as `float_matmul`; every weight is a stack of the same L with it.
+      int8_activations: w4a8, as above.
 
     Returns:
       f32 [M, N_i] for each weight, in order.
 
     Raises:
-      ValueError: an empty list, mixed formats or wrong dtypes and sizes.
+      ValueError: an empty list, mixed formats or wrong dtypes and sizes; `int8_activations` for other weights
+        than symmetric int4 with groups of 32.
     """
     if not weights:
         raise ValueError("weight_only_matmuls needs at least one weight")
@@ -198,9 +205,12 @@ def weight_only_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Arr
         operands += [values, scale, scale if min is None else min]
     if with_min == {True} and len({g for _, g in shapes}) > 1:
         raise ValueError(f"int4 weights with a min must have the same group count, got {[g for _, g in shapes]}")
+    if int8_activations and (bits != {4} or with_min == {True} or any(32 * g != k for _, g in shapes)):
+        raise ValueError("int8 activations (w4a8) need symmetric int4 weights with one scale a 32-input block")
     index, operands = _stacked(layer, *operands)
     return list(_call("weight_only_matmul", [jax.ShapeDtypeStruct((m, n), jnp.float32) for n, _ in shapes],
-                      _activations(x), index, *operands, bits=np.int32(bits.pop()), symmetric=with_min == {False}))
+                      _activations(x), index, *operands, bits=np.int32(bits.pop()), symmetric=with_min == {False},
+                      int8_activations=bool(int8_activations)))
 
 
 def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, layer: jax.Array | int | None = None

@@ -12,6 +12,8 @@
 
 namespace jaxinfer_gemv {
 
+constexpr int kPrefetchBytes = 2048;  // how far ahead of each weight stream the matmul kernels prefetch
+
 // Loads of 8 values as f32.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // bf16: the upper half of an f32

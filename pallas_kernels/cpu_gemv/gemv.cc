@@ -37,6 +37,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "common.h"
 #include "threads.h"
+#include "int4.h"
 
 namespace ffi = xla::ffi;
 
@@ -45,6 +46,11 @@ namespace {
 using jaxinfer_gemv::at_layer;
 using jaxinfer_gemv::hsum;
 using jaxinfer_gemv::hsum_i32;
+using jaxinfer_gemv::A8Chunk;
+using jaxinfer_gemv::a8_chunks;
+using jaxinfer_gemv::q4_position;
+using jaxinfer_gemv::q4_rows;
+using jaxinfer_gemv::q4a8_rows;
 using jaxinfer_gemv::load8;
 using jaxinfer_gemv::max_threads;
 using jaxinfer_gemv::parallel_chunks;
@@ -55,7 +61,7 @@ using jaxinfer_gemv::to_f32;
 #error "gemv.cc needs AVX2 and FMA (build.py passes -mavx2 -mfma)"
 #endif
 
-constexpr int kPrefetchBytes = 2048;  // how far ahead of each weight stream to prefetch
+using jaxinfer_gemv::kPrefetchBytes;
 
 // ---------------------------------------------------------------------------------------------------------------
 // float_kn: y = x @ w for w [K, N] (K a multiple of 4). The work is split along K: each chunk reads a contiguous
@@ -230,108 +236,6 @@ void i8_rows(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y,
   }
   for (; n + 2 <= n1; n += 2) i8_rows_fixed<2>(x, M, K, w, y, N, n);
   for (; n < n1; ++n) i8_rows_fixed<1>(x, M, K, w, y, N, n);
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// q4_nk: 64 inputs (32 bytes of codes) per step. Byte j holds input 2j in its low nibble and 2j + 1 in its high
-// one. Each nibble set is widened to int16 in place within its 128-bit lane (vpunpck{l,h}bw with zero as the low
-// byte, so a code c arrives as c * 256: one instruction per 16 codes, no lane crossing), which puts the chunk's
-// first 32-input block in the low lanes and its second in the high lanes; the caller lays out each 64-input chunk
-// of the int16 activations in that order (`q4_position`). vpmaddwd multiplies the codes exactly with the
-// activations; each block's int32 sums are scaled by its weight scale into the f32 totals (in units of the row's
-// activation scale / 256, applied by the caller). Symmetric codes subtract their 8 as bytes before widening;
-// asymmetric ones add min * (the rounded activations' group sums) per group at the end.
-inline int64_t q4_position(int64_t k) {  // where input k of a row goes in the activations' q4 layout
-  int64_t j = (k & 63) >> 1, byte = j & 15;
-  return (k & ~int64_t(63)) + ((k & 1) * 2 + (byte >> 3)) * 16 + (j >> 4) * 8 + (byte & 7);
-}
-
-// MG activation rows by NR weight rows (MG = 1 with NR = 2 or 4, or NR = 1): each chunk's activations are shared by the
-// NR weight rows, and the per-row end (horizontal sums) is spread over NR rows' work.
-template <int MG, int NR, bool kBlockScales, bool kSymmetric>
-void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
-              const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
-  constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd chunks), half the FMA latency
-  const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), zero = _mm256_setzero_si256();
-  const int64_t blocks_per_group = K / G / 32;
-  __m256 acc[kChains][NR][MG];
-  for (int h = 0; h < kChains; ++h)
-    for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < MG; ++i) acc[h][r][i] = _mm256_setzero_ps();
-  int64_t group = 0, block_in_group = 0;
-  for (int64_t c = 0; c < K / 64; ++c) {
-    // the two blocks' scale indices (no division in the loop: a runtime divide costs more than the chunk's work)
-    int64_t g0, g1;
-    if (kBlockScales) {  // one scale a 32-input block
-      g0 = 2 * c, g1 = 2 * c + 1;
-    } else {  // groups of several blocks (an odd count lets a chunk straddle two groups)
-      g0 = group;
-      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
-      g1 = group;
-      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
-    }
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
-      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if (kSymmetric) lo = _mm256_sub_epi8(lo, eight), hi = _mm256_sub_epi8(hi, eight);
-      __m256i wv[4] = {_mm256_unpacklo_epi8(zero, lo), _mm256_unpackhi_epi8(zero, lo),
-                       _mm256_unpacklo_epi8(zero, hi), _mm256_unpackhi_epi8(zero, hi)};
-      const float* ws = scale + (n + r) * G;
-      __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(ws + g0)), _mm_broadcast_ss(ws + g1), 1);
-      for (int i = 0; i < MG; ++i) {
-        const __m256i* xc = reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 64 * c);
-        __m256i b = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
-                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
-            _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
-                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
-        __m256& a = acc[kChains == 2 ? (c & 1) : 0][r][i];
-        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), sv, a);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MG; ++i) {
-      __m256 a = acc[0][r][i];
-      if (kChains == 2) a = _mm256_add_ps(a, acc[kChains - 1][r][i]);
-      float total = hsum(a) * (1.f / 256.f);
-      if (!kSymmetric) {  // + sum over groups of min * the group's rounded activation sum
-        const float *off = offset + (n + r) * G, *xg = xsum + (m0 + i) * G;
-        __m256 c8 = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
-        float corr = hsum(c8);
-        for (; g < G; ++g) corr += off[g] * xg[g];
-        total += corr;
-      }
-      y[(m0 + i) * N + n + r] = total;  // the row's activation scale: by the caller
-    }
-}
-
-template <bool kBlockScales, bool kSymmetric>
-void q4_rows_of(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
-                const float* offset, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  if (M == 1 && K <= 1024)  // short rows: 4 at once (measured: 4 beat 2 by ~5% at K = 576, 2 beat 4 by ~20% at 1536)
-    for (; n + 4 <= n1; n += 4) q4_block<1, 4, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
-  if (M == 1)
-    for (; n + 2 <= n1; n += 2) q4_block<1, 2, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
-  for (; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2)
-      q4_block<2, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
-    if (m < M) q4_block<1, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
-  }
-}
-
-void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
-             const float* offset, bool symmetric, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
-  bool block_scales = K / G == 32;
-  auto run = block_scales ? (symmetric ? q4_rows_of<true, true> : q4_rows_of<true, false>)
-                          : (symmetric ? q4_rows_of<false, true> : q4_rows_of<false, false>);
-  run(xq, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -563,19 +467,23 @@ ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::
   return ffi::Error::Success();
 }
 
+
 // Weight-only int8 and int4 matmuls of one or several weights sharing their activation rows (q, k and v; gate and
 // up): the rows are rounded to int16 once and all the weights' row chunks go to the threads as one job, so a
 // decode layer makes four calls instead of seven (a call's start and end cost ~1-2 us each; the threads'
 // chunks of one small weight leave the cores idle for a while). Per weight i, arguments values_i, scale_i and
 // offset_i (int4's min, or the scale again where unused) follow the activations and layer; result i is
-// f32 [M, N_i]. `bits`: 8 (int8_nk) or 4 (q4_nk); `symmetric`: int4 codes minus 8 (else the min).
+// f32 [M, N_i]. `bits`: 8 (int8_nk) or 4 (q4_nk); `symmetric`: int4 codes minus 8 (else the min);
+// `int8_activations`: symmetric int4 with 32-input blocks times int8 activation blocks (q4a8_nk, w4a8).
 ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
-                            ffi::RemainingRets outs, int32_t bits, bool symmetric) {
+                            ffi::RemainingRets outs, int32_t bits, bool symmetric, bool int8_activations) {
   if (auto e = check_activations(x); e.failure()) return e;
   size_t count = outs.size();
   if (count == 0 || weights.size() != 3 * count || (bits != 8 && bits != 4))
     return ffi::Error::InvalidArgument("weight_only_matmul: 3 arguments (values, scale, offset) a result, bits 8|4");
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  if (int8_activations && (bits != 4 || !symmetric || K % 64))
+    return ffi::Error::InvalidArgument("weight_only_matmul: int8 activations need symmetric int4 codes, K % 64 == 0");
   struct Part { const void* w; const float *scale, *offset; int64_t N, G, rows, first_chunk; float* y; };
   std::vector<Part> parts(count);
   int64_t total = 0;
@@ -591,6 +499,8 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
     p.N = w->dimensions()[1], p.G = scale->dimensions()[2];
     if (p.G != parts[0].G && bits == 4 && !symmetric)
       return ffi::Error::InvalidArgument("weight_only_matmul: int4 weights with a min must share their groups");
+    if (int8_activations && p.G * 32 != K)
+      return ffi::Error::InvalidArgument("weight_only_matmul: int8 activations need one scale a 32-input block");
     p.w = bits == 8 ? static_cast<const void*>(at_layer<int8_t>(*w, layer))
                     : static_cast<const void*>(at_layer<uint8_t>(*w, layer));
     p.scale = at_layer<float>(*scale, layer), p.offset = at_layer<float>(*offset, layer);
@@ -599,26 +509,30 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   }
   std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
-  std::vector<int16_t> xq = int16_rows(xf, M, K, bits == 4, xs, bits == 4 && !symmetric ? &xsum : nullptr,
-                                       parts[0].G);
+  std::vector<int16_t> xq = int8_activations ? std::vector<int16_t>()
+      : int16_rows(xf, M, K, bits == 4, xs, bits == 4 && !symmetric ? &xsum : nullptr, parts[0].G);
   // chunks of about the same rows for every weight (the rows per chunk the whole job would get), in weight order
   int64_t rows = rows_per_chunk(total, 8, 16), chunks = 0;
   for (Part& p : parts) {
     p.rows = std::min(rows, (p.N + 7) / 8 * 8), p.first_chunk = chunks;
     chunks += (p.N + p.rows - 1) / p.rows;
   }
+  std::vector<A8Chunk> xa = int8_activations ? a8_chunks(xf, M, K) : std::vector<A8Chunk>();
   parallel_chunks(chunks, [&](int64_t c) {
     size_t i = 0;
     while (i + 1 < count && c >= parts[i + 1].first_chunk) ++i;
     const Part& p = parts[i];
     int64_t n0 = (c - p.first_chunk) * p.rows, n1 = std::min(p.N, n0 + p.rows);
-    if (bits == 8)
+    if (int8_activations)
+      q4a8_rows(xa.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.y, p.N, n0, n1);
+    else if (bits == 8)
       i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, n0, n1);
     else
       q4_rows(xq.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
               p.y, p.N, n0, n1);
   });
-  for (const Part& p : parts)
+  if (!int8_activations)  // q4a8_nk applies the activation scales itself
+    for (const Part& p : parts)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < p.N; ++n) p.y[m * p.N + n] *= xs[m];
   return ffi::Error::Success();
@@ -648,4 +562,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_weight_only_matmul, WeightOnlyMatmul,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int32_t>("bits")
-                                  .Attr<bool>("symmetric"));
+                                  .Attr<bool>("symmetric")
+                                  .Attr<bool>("int8_activations"));

@@ -112,7 +112,7 @@ def test_bad_int4_arguments_and_configs():
     with pytest.raises(ValueError, match="does not divide"):
         quantize(w, "int4", (-2,), group_size=3)
     with pytest.raises(ValueError, match="weight-only"):
-        quantize(w, "int4", (-2,), quantize_activations=True)
+        quantize(w, "int4", (-2,), quantize_activations=True)  # w4a8 needs symmetric groups of 32
     with pytest.raises(ValueError, match="only int4 is asymmetric"):
         quantize(w, "int8", (-2,), asymmetric=True)
     assert QuantizationConfig("int4").group_size == quant.DEFAULT_INT4_GROUP_SIZE == 32
@@ -120,7 +120,10 @@ def test_bad_int4_arguments_and_configs():
     cfg = QuantizationConfig("int4").resolved()
     assert not cfg.embedding and not cfg.lm_head and not cfg.activations
     for bad, match in (({"format": "int4", "group_size": 48}, r"group_size=48 must be one of 32, 64, 128"),
-                       ({"format": "int4", "quantize_activations": True}, "weight-only: quantize_activations"),
+                       ({"format": "int4", "quantize_activations": True, "group_size": 64}, "w4a8.*group_size 32"),
+                       ({"format": "int4", "quantize_activations": True, "asymmetric": True}, "symmetric codes"),
+                       ({"format": "int4", "quantize_activations": True, "activation_group_size": 64},
+                        "no activation_group_size"),
                        ({"format": "int4", "quantize_embedding": True}, "unquantized: quantize_embedding")):
         with pytest.raises(ValueError, match=match):  # each names its own field
             QuantizationConfig.from_value(bad)
@@ -144,6 +147,40 @@ def test_qeinsum_equals_the_numpy_reference(eq, xs, ws, contract, group, asymmet
                                atol=1e-6 * np.abs(w).max())
     exact = np.einsum(eq, x.astype(np.float64), w.astype(np.float64))  # int4's own error, loosely
     assert np.abs(got - exact).max() < (0.3 if group else 0.6) * np.abs(exact).max()
+
+
+W4A8_EQUATIONS = [e for e in EQUATIONS if e[1][-1] % 32 == 0] + [("tnh,nhd->td", (5, 2, 32), (2, 32, 64), (-3, -2))]
+
+
+def _np_int8_blocks(x: np.ndarray) -> np.ndarray:
+    """Q8_0's activations, independently of `models.quant`: blocks of 32 along the last axis to int8 at
+    absmax / 127 (1 for an all-zero block), nearest even, back to float64."""
+    b = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    return (np.clip(np.round(b / scale), -127, 127) * scale.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("eq,xs,ws,contract", W4A8_EQUATIONS)
+def test_w4a8_qeinsum_is_int4_weights_times_int8_activation_blocks(eq, xs, ws, contract):
+    """w4a8 (int4 with quantize_activations): the same int4 weights as weight-only int4, activations rounded per
+    block of 32 inputs to int8 (GGUF Q4_0 x Q8_0), on XLA's path and through the native kernels alike."""
+    x = np.random.default_rng(3).normal(size=xs).astype(np.float32)
+    x[..., :32] *= 40.0  # blocks of different ranges
+    w = _weight(ws, seed=4)
+    q = quantize(w, "int4", contract, group_size=32, quantize_activations=True)
+    plain = quantize(w, "int4", contract, group_size=32)
+    assert q.quantize_activations and q.activation_group_size == 32 and not plain.quantize_activations
+    np.testing.assert_array_equal(np.asarray(q.values), np.asarray(plain.values))
+    want = np.einsum(eq, _np_int8_blocks(x), _np_dequantize(q))
+    for native in (False, True):
+        with native_matmuls(native):
+            got = np.asarray(jax.jit(lambda x, q: qeinsum(eq, x, q))(jnp.asarray(x), q), np.float64)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    weight_only = np.einsum(eq, x.astype(np.float64), _np_dequantize(q))
+    assert np.abs(want - weight_only).max() > 1e-4 * np.abs(want).max()  # the activation rounding shows (teeth)
+    cfg = QuantizationConfig.from_value({"format": "int4", "quantize_activations": True})
+    assert cfg.group_size == 32 and cfg.activations
 
 
 def test_qeinsum_on_stacked_layer_slices_and_bf16_activations():

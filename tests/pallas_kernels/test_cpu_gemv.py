@@ -140,6 +140,36 @@ def test_int4_packing_property(m, chunks, n, seed, asymmetric):
     _assert_sums_close(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x), w)
 
 
+def _int8_blocks(x: np.ndarray) -> np.ndarray:
+    """w4a8's activations: each block of 32 inputs to int8 at absmax / 127 (1 for an all-zero block), x / scale
+    rounded to nearest even, as float64 (GGUF Q8_0's rounding)."""
+    b = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(b).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.round(b / scale), -127, 127)
+    return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (1, 1536, 576), (3, 64, 13), (8, 576, 7), (5, 128, 1)])
+def test_int4_with_int8_activation_blocks_w4a8(m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    x, packed, scale, mins, w = _int4_case(rng, m, k, n, 32, False)
+    x[0, : k // 2] *= 50.0  # blocks of very different ranges: one scale per block, not per row
+    x[-1, 32:64] = 0.0  # an all-zero block
+    y = cpu_gemv.weight_only_matmuls(x, [(packed, scale, None)], int8_activations=True)[0]
+    _assert_sums_close(y, _int8_blocks(x), w)
+    assert _rel_err(y, x.astype(np.float64) @ w.T) > 1e-5  # it is not the int16 rounding (teeth)
+
+
+def test_w4a8_refuses_what_it_cannot_compute():
+    rng = np.random.default_rng(4)
+    x, packed, scale, mins, _ = _int4_case(rng, 1, 128, 4, 64, True)
+    for weights in ([(packed, scale, mins)], [(packed, scale, None)],
+                    [(rng.integers(-127, 128, (4, 128)).astype(np.int8), np.ones((4, 1), np.float32), None)]):
+        with pytest.raises(ValueError, match="symmetric int4 weights with one scale a 32-input block"):
+            cpu_gemv.weight_only_matmuls(x, weights, int8_activations=True)
+
+
 def test_rows_holding_nan_or_inf_give_nan_and_leave_the_other_rows_alone():
     """The weight-only kernels round activation rows to int16: a non-finite row cannot be rounded, so its outputs
     are NaN (as its float products would not be finite), never made-up finite numbers."""
@@ -153,6 +183,9 @@ def test_rows_holding_nan_or_inf_give_nan_and_leave_the_other_rows_alone():
         y = np.asarray(y)
         assert np.isnan(y[0]).all() and np.isnan(y[2]).all()
         _assert_sums_close(y[1:2], _int16_rows(x[1:2]), w)
+    y = np.asarray(cpu_gemv.weight_only_matmuls(x, [(packed, scale, None)], int8_activations=True)[0])  # w4a8
+    assert np.isnan(y[0]).all() and np.isnan(y[2]).all()
+    _assert_sums_close(y[1:2], _int8_blocks(x[1:2]), w4)
 
 
 def test_all_zero_activation_blocks():

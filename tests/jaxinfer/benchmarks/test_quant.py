@@ -152,7 +152,7 @@ def test_quant_native_both_peers_and_gemv(tmp_path):
     data = report["data"]
     rows = {r["matmuls"]: r for r in data["rows"]}
     assert set(rows) == {"native", "XLA"} and rows["native"]["weight_bytes"] == rows["XLA"]["weight_bytes"]
-    assert rows["native"]["native_calls"].get("int8_matmul", 0) >= 1 and rows["XLA"]["native_calls"] == {}
+    assert rows["native"]["native_calls"].get("weight_only_matmul", 0) >= 1 and rows["XLA"]["native_calls"] == {}
     cfg, _ = load_hf_weights(model, np.float32)
     kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     peer_rows = {(p["peer"], p["weights"]): p for p in data["peer_rows"]}

@@ -20,11 +20,14 @@ FORMATS = {  # name -> (dtype, quantization); int4 and w8a8 round activations as
     "int8 weight-only": ("float32", "int8"),
     "int8 w8a8": ("float32", {"format": "int8", "quantize_activations": True}),
     "int4": ("float32", "int4"),
+    "int4 w4a8": ("float32", {"format": "int4", "quantize_activations": True}),
 }
 # |logprob difference| allowed per step: f32 and int8 differ by summation order only (w8a8: the same int32 sums),
 # bf16 by activations rounded after sums taken in another order, int8 weight-only and int4 by the kernels' int16
-# activation rows
-LOGPROB_TOLERANCE = {"f32": 1e-4, "bf16": 0.1, "int8 weight-only": 5e-3, "int8 w8a8": 1e-4, "int4": 5e-3}
+# activation rows; w4a8's blocks sum in another f32 order, which flips a few int8 roundings of the next layers'
+# activation blocks (1 / 127 of a block's largest input each): measured up to 0.13 over SmolLM2's golden prompts
+LOGPROB_TOLERANCE = {"f32": 1e-4, "bf16": 0.1, "int8 weight-only": 5e-3, "int8 w8a8": 1e-4, "int4": 5e-3,
+                     "int4 w4a8": 0.2}
 
 
 @contextmanager
@@ -95,7 +98,7 @@ def test_tiny_model_greedy_equal_with_and_without_native_kernels(tiny_dir, fmt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["bf16", "int8 weight-only", "int8 w8a8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8 weight-only", "int8 w8a8", "int4", "int4 w4a8"])
 def test_smollm2_golden_prompts_greedy_equal_with_and_without_native_kernels(smollm2_golden, fmt):
     prompts = [c["prompt_token_ids"] for c in smollm2_golden["cases"]]
     on, off = _both(None, fmt, prompts, 24, max_model_len=384)

@@ -38,6 +38,7 @@ CASES = {
     "int8-tied-float-head": ("tiny_qwen2", {"format": "int8", "quantize_lm_head": False}),
     "int4": ("tiny_llama3", "int4"),  # packed values, f32 group scales
     "int4-int8-table": ("tiny_qwen2", {"format": "int4", "embedding_format": "int8"}),  # tied: one int8 table
+    "int4-w4a8": ("tiny_llama3", {"format": "int4", "quantize_activations": True}),  # blocks of 32 where they fit
     "mxfp8-w8a8": ("tiny_llama3", {"format": "mxfp8", "quantize_activations": True}),  # float8_e8m0fnu scales
     "nvfp4": ("tiny_qwen2", "nvfp4"),  # packed values, float8_e4m3fn block scales, f32 tensor scales; tied
 }

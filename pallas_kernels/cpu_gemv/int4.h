@@ -1,0 +1,232 @@
+// The packed int4 kernels of gemv.cc (weights uint8 [N, K / 2], two 4-bit codes per byte, input 2j in the low
+// nibble of byte j): q4_nk, int16 activations (weight-only: the activations' rounding is finer than bf16), and
+// q4a8_nk, int8 activations per block of 32 inputs (w4a8: GGUF Q4_0 x Q8_0, llama.cpp's CPU arithmetic).
+#ifndef JAXINFER_CPU_GEMV_INT4_H_
+#define JAXINFER_CPU_GEMV_INT4_H_
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace jaxinfer_gemv {
+
+// q4_nk: 64 inputs (32 bytes of codes) per step. Byte j holds input 2j in its low nibble and 2j + 1 in its high
+// one. Each nibble set is widened to int16 in place within its 128-bit lane (vpunpck{l,h}bw with zero as the low
+// byte, so a code c arrives as c * 256: one instruction per 16 codes, no lane crossing), which puts the chunk's
+// first 32-input block in the low lanes and its second in the high lanes; the caller lays out each 64-input chunk
+// of the int16 activations in that order (`q4_position`). vpmaddwd multiplies the codes exactly with the
+// activations; each block's int32 sums are scaled by its weight scale into the f32 totals (in units of the row's
+// activation scale / 256, applied by the caller). Symmetric codes subtract their 8 as bytes before widening;
+// asymmetric ones add min * (the rounded activations' group sums) per group at the end.
+inline int64_t q4_position(int64_t k) {  // where input k of a row goes in the activations' q4 layout
+  int64_t j = (k & 63) >> 1, byte = j & 15;
+  return (k & ~int64_t(63)) + ((k & 1) * 2 + (byte >> 3)) * 16 + (j >> 4) * 8 + (byte & 7);
+}
+
+// MG activation rows by NR weight rows (MG = 1 with NR = 2 or 4, or NR = 1): each chunk's activations are shared by the
+// NR weight rows, and the per-row end (horizontal sums) is spread over NR rows' work.
+template <int MG, int NR, bool kBlockScales, bool kSymmetric>
+void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+              const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
+  constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd chunks), half the FMA latency
+  const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), zero = _mm256_setzero_si256();
+  const int64_t blocks_per_group = K / G / 32;
+  __m256 acc[kChains][NR][MG];
+  for (int h = 0; h < kChains; ++h)
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < MG; ++i) acc[h][r][i] = _mm256_setzero_ps();
+  int64_t group = 0, block_in_group = 0;
+  for (int64_t c = 0; c < K / 64; ++c) {
+    // the two blocks' scale indices (no division in the loop: a runtime divide costs more than the chunk's work)
+    int64_t g0, g1;
+    if (kBlockScales) {  // one scale a 32-input block
+      g0 = 2 * c, g1 = 2 * c + 1;
+    } else {  // groups of several blocks (an odd count lets a chunk straddle two groups)
+      g0 = group;
+      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
+      g1 = group;
+      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if (kSymmetric) lo = _mm256_sub_epi8(lo, eight), hi = _mm256_sub_epi8(hi, eight);
+      __m256i wv[4] = {_mm256_unpacklo_epi8(zero, lo), _mm256_unpackhi_epi8(zero, lo),
+                       _mm256_unpacklo_epi8(zero, hi), _mm256_unpackhi_epi8(zero, hi)};
+      const float* ws = scale + (n + r) * G;
+      __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(ws + g0)), _mm_broadcast_ss(ws + g1), 1);
+      for (int i = 0; i < MG; ++i) {
+        const __m256i* xc = reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 64 * c);
+        __m256i b = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
+                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
+                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
+        __m256& a = acc[kChains == 2 ? (c & 1) : 0][r][i];
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), sv, a);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MG; ++i) {
+      __m256 a = acc[0][r][i];
+      if (kChains == 2) a = _mm256_add_ps(a, acc[kChains - 1][r][i]);
+      float total = hsum(a) * (1.f / 256.f);
+      if (!kSymmetric) {  // + sum over groups of min * the group's rounded activation sum
+        const float *off = offset + (n + r) * G, *xg = xsum + (m0 + i) * G;
+        __m256 c8 = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
+        float corr = hsum(c8);
+        for (; g < G; ++g) corr += off[g] * xg[g];
+        total += corr;
+      }
+      y[(m0 + i) * N + n + r] = total;  // the row's activation scale: by the caller
+    }
+}
+
+template <bool kBlockScales, bool kSymmetric>
+void q4_rows_of(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+                const float* offset, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M == 1 && K <= 1024)  // short rows: 4 at once (measured: 4 beat 2 by ~5% at K = 576, 2 beat 4 by ~20% at 1536)
+    for (; n + 4 <= n1; n += 4) q4_block<1, 4, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+  if (M == 1)
+    for (; n + 2 <= n1; n += 2) q4_block<1, 2, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+  for (; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2)
+      q4_block<2, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
+    if (m < M) q4_block<1, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
+  }
+}
+
+void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+             const float* offset, bool symmetric, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
+  bool block_scales = K / G == 32;
+  auto run = block_scales ? (symmetric ? q4_rows_of<true, true> : q4_rows_of<true, false>)
+                          : (symmetric ? q4_rows_of<false, true> : q4_rows_of<false, false>);
+  run(xq, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
+}
+
+
+// ---------------------------------------------------------------------------------------------------------------
+// q4a8_nk: symmetric codes (w = s * (c - 8)), one scale a 32-input block, times activations quantized per block of
+// 32 inputs to int8 (scale amax / 127, x / scale rounded to nearest even: `models.quant.quantize_rows`' numbers).
+// vpmaddubsw multiplies the unsigned codes by the signed activations (a pair sum is at most 2 * 15 * 127, no
+// saturation); the -8 is taken off each block's int32 sum as 8 x the block's activation sum; each block's sum is
+// scaled by (weight scale x activation scale) into the f32 totals. Per 64-input chunk (two blocks) the
+// activations are laid out once a call (`A8Chunk`): the even inputs in one 32-byte vector, the odd ones in
+// another, each block in its own 128-bit lane, as the codes' nibbles fall.
+struct A8Chunk {
+  int8_t even[32], odd[32];  // inputs 2j and 2j + 1 (j < 16: block 0, low lane; j >= 16: block 1, high lane)
+  int32_t offset[8];          // lanes 0-3: 2 x block 0's activation sum, lanes 4-7: block 1's (4 lanes: 8 x)
+  float scale[8];             // lanes 0-3: block 0's activation scale, lanes 4-7: block 1's
+};
+
+// Rows x [M, K] (K a multiple of 64) as A8Chunk [M, K / 64]. A block holding NaN or inf gets a NaN scale, so the
+// row's outputs are NaN (as its float products would not be finite).
+inline std::vector<A8Chunk> a8_chunks(const float* x, int64_t M, int64_t K) {
+  std::vector<A8Chunk> out(M * (K / 64));
+  const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K / 64; ++c) {
+      A8Chunk& ch = out[m * (K / 64) + c];
+      for (int b = 0; b < 2; ++b) {
+        const float* r = x + m * K + 64 * c + 32 * b;
+        __m256 amax8 = _mm256_setzero_ps(), finite8 = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (int i = 0; i < 4; ++i) {
+          __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(r + 8 * i));
+          amax8 = _mm256_max_ps(amax8, a);
+          finite8 = _mm256_and_ps(finite8, _mm256_cmp_ps(a, big, _CMP_LE_OQ));  // false for NaN and inf
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, amax8);
+        float amax = *std::max_element(lanes, lanes + 8);
+        bool finite = _mm256_movemask_ps(finite8) == 0xff;
+        float scale = amax > 0.f ? amax / 127.f : 1.f;
+        const __m256 s8 = _mm256_set1_ps(finite ? scale : 1.f), lim = _mm256_set1_ps(127.f);
+        alignas(32) int32_t q[32];
+        for (int i = 0; i < 4; ++i) {
+          __m256 v = _mm256_div_ps(_mm256_loadu_ps(r + 8 * i), s8);
+          v = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(lim, v));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(v));
+        }
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) {
+          int32_t e = finite ? q[2 * j] : 0, o = finite ? q[2 * j + 1] : 0;
+          ch.even[16 * b + j] = int8_t(e), ch.odd[16 * b + j] = int8_t(o), sum += e + o;
+        }
+        for (int i = 0; i < 4; ++i)
+          ch.offset[4 * b + i] = 2 * sum, ch.scale[4 * b + i] = finite ? scale : std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+  return out;
+}
+
+// MG activation rows by NR weight rows; the NR rows' codes and scales are read once for the MG rows.
+template <int MG, int NR>
+void q4a8_block(const A8Chunk* xc, int64_t K, const uint8_t* w, const float* scale, float* y, int64_t N, int64_t n,
+                int64_t m0) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const int64_t G = K / 32, C = K / 64;
+  __m256 acc[MG][NR];
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m256i lo[NR], hi[NR];
+    __m256 ws[NR];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      lo[r] = _mm256_and_si256(v, low4), hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const float* s = scale + (n + r) * G + 2 * c;
+      ws[r] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(s)), _mm_broadcast_ss(s + 1), 1);
+    }
+    for (int i = 0; i < MG; ++i) {
+      const A8Chunk& x = xc[(m0 + i) * C + c];
+      __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even));
+      __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd));
+      __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.offset));
+      __m256 xs = _mm256_loadu_ps(x.scale);
+      for (int r = 0; r < NR; ++r) {
+        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], even), _mm256_maddubs_epi16(hi[r], odd));
+        __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(p, ones), offset);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws[r], xs), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(acc[i][r]);
+}
+
+// Weight rows [n0, n1) of y [M, N] (complete: no scale left to the caller).
+inline void q4a8_rows(const A8Chunk* xc, int64_t M, int64_t K, const uint8_t* w, const float* scale, float* y,
+                      int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M == 1) {  // as q4_rows_of: 4 rows share the activations at short K, 2 above
+    if (K <= 1024)
+      for (; n + 4 <= n1; n += 4) q4a8_block<1, 4>(xc, K, w, scale, y, N, n, 0);
+    for (; n + 2 <= n1; n += 2) q4a8_block<1, 2>(xc, K, w, scale, y, N, n, 0);
+  }
+  for (; n + 2 <= n1; n += 2) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) q4a8_block<4, 2>(xc, K, w, scale, y, N, n, m);
+    for (; m < M; ++m) q4a8_block<1, 2>(xc, K, w, scale, y, N, n, m);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) q4a8_block<1, 1>(xc, K, w, scale, y, N, n, m);
+}
+
+}  // namespace jaxinfer_gemv
+
+#endif  // JAXINFER_CPU_GEMV_INT4_H_
