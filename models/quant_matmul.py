@@ -15,8 +15,8 @@ Matmul paths (`qeinsum`):
   w8a8, packed int4) runs through them instead of XLA's dot, which streams such shapes far below the memory
   bandwidth. bf16 / f32 and w8a8: the same results up to f32 summation order (w8a8: the same int32 sums); int8
   weight-only and int4 round the activation rows to int16 (1 / 65534 of a row's largest input at most) and
-  multiply the codes exactly. `qeinsums` runs int8 weight-only or int4 weights that share their activations
-  (q, k and v; gate and up) as one kernel call. `JAXINFER_NATIVE_KERNELS=0` turns them off; `native_matmuls(False)`
+  multiply the codes exactly. `qeinsums` runs quantized weights that share their activations (q, k and v; gate
+  and up) as one kernel call. `JAXINFER_NATIVE_KERNELS=0` turns them off; `native_matmuls(False)`
   does for what is traced inside it (`models.llama.forward` on a multi-device mesh: XLA partitions the dot, it
   cannot partition a custom call).
 - **Pallas kernels on GPU / TPU** (`pallas_kernels.quant_matmul`, opt-in with `JAXINFER_PALLAS_QMATMUL=1` until
@@ -211,9 +211,10 @@ def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) ->
 def qeinsums(eqs: Sequence[str], x: jax.Array, ws: Sequence[jax.Array | QuantizedWeight | LayerRef], *,
              preferred_element_type: jnp.dtype | None = None) -> tuple[jax.Array, ...]:
     """`qeinsum(eq, x, w)` for each (eq, w): several weights applied to the same activations (q, k and v; gate and
-    up). Where the native CPU kernels take them all as int8 weight-only or int4 weights of one format (and one
-    layer index), they run as one kernel call (`cpu_gemv.weight_only_matmuls`: the same numbers, fewer calls);
-    otherwise as separate `qeinsum`s.
+    up). Where the native CPU kernels take them all as quantized weights of one kind (int8 weight-only, int4 of
+    one form, w4a8 or w8a8) and one layer index, they run as one kernel call (`cpu_gemv.weight_only_matmuls`,
+    `cpu_gemv.i8i8_matmuls`: the same numbers, fewer calls; w8a8 quantizes the activations once); otherwise as
+    separate `qeinsum`s.
 
     Raises:
       ValueError: as `qeinsum`, or `eqs` and `ws` of different lengths.
@@ -221,14 +222,11 @@ def qeinsums(eqs: Sequence[str], x: jax.Array, ws: Sequence[jax.Array | Quantize
     if len(eqs) != len(ws):
         raise ValueError(f"{len(eqs)} equations for {len(ws)} weights")
     plans = [_plan(eq, x, w) for eq, w in zip(eqs, ws)] if jax.default_backend() == "cpu" else [None]
-    operands = [None if p is None else _weight_only_operands(p) for p in plans]
+    found = [None if p is None else _kernel_operands(p) for p in plans]
     refs = {id(p.ref.index) if p.ref is not None else None for p in plans if p is not None}
-    formats = {(o[0].dtype, o[2] is None, p.w.quantize_activations) for o, p in zip(operands, plans) if o}
-    if len(ws) < 2 or None in operands or len(refs) != 1 or len(formats) != 1:
+    if len(ws) < 2 or None in found or len(refs) != 1 or len({kind for kind, _ in found}) != 1:
         return tuple(qeinsum(eq, x, w, preferred_element_type=preferred_element_type) for eq, w in zip(eqs, ws))
-    ref = plans[0].ref
-    ys = cpu_gemv.weight_only_matmuls(plans[0].x, operands, layer=None if ref is None else ref.index,
-                                      int8_activations=plans[0].w.quantize_activations)
+    ys = _run_kernels(found[0][0], plans, [operands for _, operands in found])
     return tuple(y.reshape(p.out_shape).astype(preferred_element_type or x.dtype) for y, p in zip(ys, plans))
 
 
@@ -237,22 +235,40 @@ def _flat(plan: _Plan, a: jax.Array, *shape: int) -> jax.Array:
     return a.reshape(*a.shape[:0 if plan.ref is None else 1], *shape)
 
 
-def _weight_only_operands(plan: _Plan) -> tuple[jax.Array, jax.Array, jax.Array | None] | None:
-    """(values [N, K] or [N, K / 2], f32 scale [N, G], min or None), stacked with `plan.ref`, for the native int8
-    weight-only and int4 kernels (w4a8 too: `plan.w.quantize_activations`); None for other weights or sizes they do
-    not take."""
+def _kernel_operands(plan: _Plan) -> tuple[tuple, object] | None:
+    """(kind, operands) of a quantized weight for the native kernels, stacked with `plan.ref`: kind
+    ("weight_only", values dtype, with a min, w4a8) with (values [N, K] or [N, K / 2], f32 scale [N, G], min or
+    None) for int8 weight-only and int4, ("w8a8",) with int8 values [N, K]; None for other weights or sizes."""
     w, k = plan.w, plan.k
-    if (not isinstance(w, QuantizedWeight) or w.scale.dtype != jnp.float32
-            or (w.quantize_activations and (w.format != "int4" or w.min is not None or w.group_size != 32))):
+    if not isinstance(w, QuantizedWeight) or w.scale.dtype != jnp.float32:
         return None
     src = w if plan.ref is None else plan.ref.stacked
     n, groups = math.prod(w.scale.shape[:-1]), w.scale.shape[-1]
+    if w.format == "int8" and w.quantize_activations:
+        ok = not w.activation_group_size and groups == 1 and k % 32 == 0
+        return (("w8a8",), _flat(plan, src.values, n, k)) if ok else None
+    if w.quantize_activations and (w.format != "int4" or w.min is not None or w.group_size != 32):
+        return None
+    kind = ("weight_only", w.values.dtype, w.min is not None, w.quantize_activations)
     scale = _flat(plan, src.scale, n, groups)
     if w.format == "int8" and (k // groups) % 16 == 0:
-        return _flat(plan, src.values, n, k), scale, None
+        return kind, (_flat(plan, src.values, n, k), scale, None)
     if w.format == "int4" and k % 64 == 0 and (k // groups) % 32 == 0:
-        return _flat(plan, src.values, n, k // 2), scale, None if w.min is None else _flat(plan, src.min, n, groups)
+        return kind, (_flat(plan, src.values, n, k // 2), scale,
+                      None if w.min is None else _flat(plan, src.min, n, groups))
     return None
+
+
+def _run_kernels(kind: tuple, plans: Sequence[_Plan], operands: Sequence) -> list[jax.Array]:
+    """f32 [M, N_i] for each plan (all of `kind`, sharing x and the layer index) from one native kernel call."""
+    x, ref = plans[0].x, plans[0].ref
+    layer = None if ref is None else ref.index
+    if kind[0] == "w8a8":
+        xq, x_scale = quantize_rows(x, [1], "int8")  # as `_activation_quantized`: the same numbers
+        accs = cpu_gemv.i8i8_matmuls(xq, operands, layer=layer)
+        return [acc.astype(jnp.float32) * x_scale * (p.w.scale if p.ref is None else p.ref.get().scale).reshape(-1)
+                for acc, p in zip(accs, plans)]  # [N] weight scales: a slice is cheap
+    return cpu_gemv.weight_only_matmuls(x, operands, layer=layer, int8_activations=kind[3])
 
 
 def _native_2d(plan: _Plan) -> jax.Array | None:
@@ -260,23 +276,14 @@ def _native_2d(plan: _Plan) -> jax.Array | None:
     `plan.w` gives one layer's shapes; with `plan.ref` the kernel reads layer `ref.index` of `ref.stacked` in
     place."""
     w, k, x, ref = plan.w, plan.k, plan.x, plan.ref
-    src, layer = (w, None) if ref is None else (ref.stacked, ref.index)
     if not isinstance(w, QuantizedWeight):
+        src, layer = (w, None) if ref is None else (ref.stacked, ref.index)
         if w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if plan.layout == "kn" else 8):
             return None
         return cpu_gemv.float_matmul(x, _flat(plan, src, k, -1) if plan.layout == "kn" else _flat(plan, src, -1, k),
                                      input_major=plan.layout == "kn", layer=layer)
-    operands = _weight_only_operands(plan)
-    if operands is not None:
-        return cpu_gemv.weight_only_matmuls(x, [operands], layer=layer, int8_activations=w.quantize_activations)[0]
-    n = math.prod(w.scale.shape[:-1])
-    if (w.format == "int8" and w.quantize_activations and not w.activation_group_size and k % 32 == 0
-            and w.scale.dtype == jnp.float32):
-        xq, x_scale = quantize_rows(x, [1], "int8")  # as `_activation_quantized`: the same numbers
-        acc = cpu_gemv.i8i8_matmul(xq, _flat(plan, src.values, n, k), layer=layer)
-        w_scale = (w.scale if ref is None else ref.get().scale).reshape(n)  # [N] floats: a slice is cheap
-        return acc.astype(jnp.float32) * x_scale * w_scale
-    return None
+    found = _kernel_operands(plan)
+    return None if found is None else _run_kernels(found[0], [plan], [found[1]])[0]
 
 
 PALLAS_PLATFORMS = ("gpu", "tpu")

@@ -238,8 +238,39 @@ def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, *, layer: jax
     return weight_only_matmuls(x, [(values, scale, None)], layer=layer)[0]
 
 
+def i8i8_matmuls(xq: jax.Array, values: Sequence[jax.Array], *, layer: jax.Array | int | None = None
+                 ) -> list[jax.Array]:
+    """Exact int8 x int8 -> int32 products xq @ v.T for each weight v (w8a8; both in [-127, 127]), in one kernel
+    call (weights that share their activations: q, k and v; gate and up).
+
+    Args:
+      xq: int8 [M, K], M <= MAX_ROWS, K a multiple of 32.
+      values: int8 [N_i, K] each ([L, N_i, K] with `layer`).
+      layer: as `float_matmul`.
+
+    Returns:
+      int32 [M, N_i] for each weight, in order.
+
+    Raises:
+      ValueError: no weight, wrong dtypes or sizes.
+    """
+    if not values:
+        raise ValueError("i8i8_matmuls needs at least one weight")
+    shapes = []
+    for v in values:
+        _check_stack("values", v, layer)
+        n, k = v.shape[-2:]
+        m, _ = _check_rows(xq, k)
+        if xq.dtype != jnp.int8 or v.dtype != jnp.int8 or k % 32:
+            raise ValueError(f"int8 activations and weights with K a multiple of 32; got {xq.dtype}, {v.dtype}, "
+                             f"K={k}")
+        shapes.append((m, n))
+    index, values = _stacked(layer, *values)
+    return list(_call("i8i8_matmul", [jax.ShapeDtypeStruct(s, jnp.int32) for s in shapes], xq, index, *values))
+
+
 def i8i8_matmul(xq: jax.Array, values: jax.Array, *, layer: jax.Array | int | None = None) -> jax.Array:
-    """Exact int8 x int8 -> int32 products: xq @ values.T (w8a8; both in [-127, 127]).
+    """Exact int8 x int8 -> int32 products: xq @ values.T (w8a8; both in [-127, 127]); `i8i8_matmuls` of one weight.
 
     Args:
       xq: int8 [M, K], M <= MAX_ROWS, K a multiple of 32.
@@ -252,14 +283,7 @@ def i8i8_matmul(xq: jax.Array, values: jax.Array, *, layer: jax.Array | int | No
     Raises:
       ValueError: wrong dtypes or sizes.
     """
-    _check_stack("values", values, layer)
-    n, k = values.shape[-2:]
-    m, _ = _check_rows(xq, k)
-    if xq.dtype != jnp.int8 or values.dtype != jnp.int8 or k % 32:
-        raise ValueError(f"int8 activations and weights with K a multiple of 32; got {xq.dtype}, {values.dtype}, "
-                         f"K={k}")
-    index, (values,) = _stacked(layer, values)
-    return _call("i8i8_matmul", jax.ShapeDtypeStruct((m, n), jnp.int32), xq, index, values)
+    return i8i8_matmuls(xq, [values], layer=layer)[0]
 
 
 def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Array | None = None, *,

@@ -454,19 +454,47 @@ std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool q4_la
   return q;
 }
 
-ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w,
-                      ffi::ResultBuffer<ffi::S32> y) {
-  if (auto e = rank3(w, "w"); e.failure()) return e;
-  int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
-  const int8_t* wl = at_layer<int8_t>(w, layer);
-  int64_t rows = rows_per_chunk(N, 8, 16);
-  parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
-    int64_t n0 = c * rows;
-    i8_rows(x.typed_data(), M, K, wl, y->typed_data(), N, n0, std::min(N, n0 + rows));
+// The rows of several weights (N_i each) over the threads as one job: chunks of about the rows per chunk the
+// whole job would get, in weight order; f(i, n0, n1) computes rows [n0, n1) of weight i.
+template <typename F>
+void split_rows(const std::vector<int64_t>& Ns, const F& f) {
+  int64_t total = 0;
+  for (int64_t n : Ns) total += n;
+  int64_t rows = rows_per_chunk(total, 8, 16), chunks = 0;
+  std::vector<int64_t> per(Ns.size()), first(Ns.size());
+  for (size_t i = 0; i < Ns.size(); ++i) {
+    per[i] = std::min(rows, (Ns[i] + 7) / 8 * 8), first[i] = chunks;
+    chunks += (Ns[i] + per[i] - 1) / per[i];
+  }
+  parallel_chunks(chunks, [&](int64_t c) {
+    size_t i = 0;
+    while (i + 1 < Ns.size() && c >= first[i + 1]) ++i;
+    int64_t n0 = (c - first[i]) * per[i];
+    f(i, n0, std::min(Ns[i], n0 + per[i]));
   });
-  return ffi::Error::Success();
 }
 
+// w8a8: one or several int8 weights [L, N_i, K] (after the activations and layer) times the same int8 rows; result
+// i is int32 [M, N_i] (q, k and v, or gate and up, in one call).
+ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                      ffi::RemainingRets outs) {
+  size_t count = outs.size();
+  if (count == 0 || weights.size() != count)
+    return ffi::Error::InvalidArgument("i8i8_matmul: one weight a result");
+  int64_t M = x.dimensions()[0], K = x.dimensions()[1];
+  std::vector<const int8_t*> ws(count);
+  std::vector<int32_t*> ys(count);
+  std::vector<int64_t> Ns(count);
+  for (size_t i = 0; i < count; ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(i);
+    auto y = outs.get<ffi::Buffer<ffi::S32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("i8i8_matmul: int8 weights, int32 results");
+    if (auto e = rank3(*w, "w"); e.failure()) return e;
+    ws[i] = at_layer<int8_t>(*w, layer), ys[i] = (*y)->typed_data(), Ns[i] = w->dimensions()[1];
+  }
+  split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) { i8_rows(x.typed_data(), M, K, ws[i], ys[i], Ns[i], n0, n1); });
+  return ffi::Error::Success();
+}
 
 // Weight-only int8 and int4 matmuls of one or several weights sharing their activation rows (q, k and v; gate and
 // up): the rows are rounded to int16 once and all the weights' row chunks go to the threads as one job, so a
@@ -484,9 +512,8 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   if (int8_activations && (bits != 4 || !symmetric || K % 64))
     return ffi::Error::InvalidArgument("weight_only_matmul: int8 activations need symmetric int4 codes, K % 64 == 0");
-  struct Part { const void* w; const float *scale, *offset; int64_t N, G, rows, first_chunk; float* y; };
+  struct Part { const void* w; const float *scale, *offset; int64_t N, G; float* y; };
   std::vector<Part> parts(count);
-  int64_t total = 0;
   for (size_t i = 0; i < count; ++i) {
     auto w = weights.get<ffi::AnyBuffer>(3 * i), scale = weights.get<ffi::AnyBuffer>(3 * i + 1),
          offset = weights.get<ffi::AnyBuffer>(3 * i + 2);
@@ -505,24 +532,16 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
                     : static_cast<const void*>(at_layer<uint8_t>(*w, layer));
     p.scale = at_layer<float>(*scale, layer), p.offset = at_layer<float>(*offset, layer);
     p.y = (*y)->typed_data();
-    total += p.N;
   }
   std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
   std::vector<int16_t> xq = int8_activations ? std::vector<int16_t>()
       : int16_rows(xf, M, K, bits == 4, xs, bits == 4 && !symmetric ? &xsum : nullptr, parts[0].G);
-  // chunks of about the same rows for every weight (the rows per chunk the whole job would get), in weight order
-  int64_t rows = rows_per_chunk(total, 8, 16), chunks = 0;
-  for (Part& p : parts) {
-    p.rows = std::min(rows, (p.N + 7) / 8 * 8), p.first_chunk = chunks;
-    chunks += (p.N + p.rows - 1) / p.rows;
-  }
   std::vector<A8Chunk> xa = int8_activations ? a8_chunks(xf, M, K) : std::vector<A8Chunk>();
-  parallel_chunks(chunks, [&](int64_t c) {
-    size_t i = 0;
-    while (i + 1 < count && c >= parts[i + 1].first_chunk) ++i;
+  std::vector<int64_t> Ns;
+  for (const Part& p : parts) Ns.push_back(p.N);
+  split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
     const Part& p = parts[i];
-    int64_t n0 = (c - p.first_chunk) * p.rows, n1 = std::min(p.N, n0 + p.rows);
     if (int8_activations)
       q4a8_rows(xa.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.y, p.N, n0, n1);
     else if (bits == 8)
@@ -533,8 +552,8 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   });
   if (!int8_activations)  // q4a8_nk applies the activation scales itself
     for (const Part& p : parts)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < p.N; ++n) p.y[m * p.N + n] *= xs[m];
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < p.N; ++n) p.y[m * p.N + n] *= xs[m];
   return ffi::Error::Success();
 }
 
@@ -552,8 +571,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_i8i8_matmul, I8I8Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_weight_only_matmul, WeightOnlyMatmul,
                               ffi::Ffi::Bind()

@@ -69,13 +69,15 @@ def _qkv(rng, layers: int | None = None):
     return [jnp.asarray(rng.standard_normal((*lead, 128, n, 64)), jnp.bfloat16) for n in (4, 2, 2)]
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4 asym", "mixed", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4 asym", "w4a8", "w8a8", "mixed", "bf16"])
 def test_qeinsums_is_one_call_with_the_numbers_of_separate_qeinsums(fmt):
     rng = np.random.default_rng(3)
     ws = _qkv(rng)
     make = {"int8": lambda w: quantize(w, "int8", (-3,)),
             "int4": lambda w: quantize(w, "int4", (-3,), group_size=32),
             "int4 asym": lambda w: quantize(w, "int4", (-3,), group_size=64, asymmetric=True),
+            "w4a8": lambda w: quantize(w, "int4", (-3,), group_size=32, quantize_activations=True),
+            "w8a8": lambda w: quantize(w, "int8", (-3,), quantize_activations=True),
             "bf16": lambda w: w}
     if fmt == "mixed":  # int4 q, int8 k and v: no shared call, each its own kernel
         ws = [make["int4"](ws[0]), make["int8"](ws[1]), make["int8"](ws[2])]
@@ -89,8 +91,8 @@ def test_qeinsums_is_one_call_with_the_numbers_of_separate_qeinsums(fmt):
         assert y.shape == ref.shape and y.dtype == ref.dtype
         np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))  # the same kernel arithmetic, bit for bit
     hlo = f.lower(x, ws).as_text()
-    shared = fmt in ("int8", "int4", "int4 asym")
-    assert hlo.count("weight_only_matmul") == (1 if shared else 3 if fmt == "mixed" else 0)
+    shared = fmt not in ("mixed", "bf16")
+    assert hlo.count("weight_only_matmul") == (0 if fmt in ("w8a8", "bf16") else 1 if shared else 3)
     assert hlo.count("custom_call") == (1 if shared else 3)
 
 

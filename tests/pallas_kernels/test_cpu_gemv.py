@@ -129,6 +129,9 @@ def test_weight_only_matmuls_of_several_weights_equal_one_call_each(m, ns, asymm
     s8 = [rng.random((n, 1)).astype(np.float32) for n in ns]
     for y, q, s in zip(cpu_gemv.weight_only_matmuls(x, [(q, s, None) for q, s in zip(q8, s8)]), q8, s8):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(cpu_gemv.int8_matmul(x, q, s)))
+    xq = rng.integers(-127, 128, (m, 128)).astype(np.int8)
+    for y, q in zip(cpu_gemv.i8i8_matmuls(xq, q8), q8):  # w8a8: exact int32 sums
+        np.testing.assert_array_equal(np.asarray(y), xq.astype(np.int64) @ q.T.astype(np.int64))
 
 
 @settings(max_examples=20, deadline=None)
@@ -214,6 +217,7 @@ def test_all_zero_activation_blocks():
     (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8)), jnp.ones((3, 8, 4)), input_major=True, layer=jnp.array([0, 1])),
      "integer scalar"),
     (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), []), "at least one weight"),
+    (lambda: cpu_gemv.i8i8_matmuls(jnp.ones((1, 64), jnp.int8), []), "at least one weight"),
     (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), [(jnp.ones((4, 64), jnp.int8), jnp.ones((4, 1)), None),
                                                              (jnp.ones((4, 32), jnp.uint8), jnp.ones((4, 2)), None)]),
      "one format"),
