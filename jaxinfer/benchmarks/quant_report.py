@@ -12,7 +12,9 @@ from jaxinfer.benchmarks.step_peers_report import peer_lines
 
 ROOFLINE_GOAL = 0.70  # share of the weight-read roofline the int8 and int4 kernels should reach at batch 1
 INT4_FORMATS = ("int4 g32 (embedding + LM head bf16)",
-                "int4 g32, embedding + LM head int8 (llama.cpp Q4_0's layout)", "gguf (Q4_1 / Q8_0 kept as stored)")
+                "int4 g32, embedding + LM head int8 (llama.cpp Q4_0's layout)",
+                "int4 g32 w4a8, embedding + LM head int8 (llama.cpp Q4_0's layout and arithmetic)",
+                "gguf (Q4_1 / Q8_0 kept as stored)")
 GOAL_FORMATS = ("int8 weight-only", "int8 (w8a8)", *INT4_FORMATS)
 
 
