@@ -58,7 +58,8 @@ W8A8 = {"format": "int8", "quantize_activations": True}
 NAMED_FORMATS = {"int8 (w8a8)": W8A8, "int8 (w8a8), embedding + LM head bf16": {**W8A8, **HEAD_BF16},
                  "fp8, embedding + LM head fp8": {"format": "fp8", **HEAD_QUANTIZED},
                  "fp8 g128": {"format": "fp8", "group_size": 128},
-                 "mxfp8 (w8a8)": {"format": "mxfp8", "quantize_activations": True}}
+                 "mxfp8 (w8a8)": {"format": "mxfp8", "quantize_activations": True},
+                 "int4 (w4a8)": {"format": "int4", "quantize_activations": True}}
 UNQUANTIZED = ("none", "bf16", "f32", "bfloat16", "float32")  # --formats entries meaning the baseline's weights
 KV_DTYPES = ("auto", *KV_CACHE_DTYPE_NAMES)
 FLIP_DEFAULTS = {"flips": 16, "flip_tokens": 32, "flip_context": 256}  # --matrix only (check_arguments)
@@ -66,8 +67,8 @@ FLIP_DEFAULTS = {"flips": 16, "flip_tokens": 32, "flip_context": 256}  # --matri
 
 def default_formats() -> str:
     """--formats' default: the unquantized weights, every format `models.quant.FORMATS` knows at run time, then
-    int8 and mxfp8 w8a8."""
-    return ";".join(["none", *quant.FORMATS, "int8 (w8a8)", "mxfp8 (w8a8)"])
+    int8 and mxfp8 w8a8 and int4 w4a8."""
+    return ";".join(["none", *quant.FORMATS, "int8 (w8a8)", "mxfp8 (w8a8)", "int4 (w4a8)"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
