@@ -3,7 +3,7 @@
 XLA:CPU reads a weight at a fraction of the memory bandwidth when only one or a few activation rows multiply it
 (a 1-row bf16 dot streams ~2 GB/s; weight-only int8 first writes a full-precision copy of the weight), and decode is
 exactly that shape. These kernels (`gemv.cc`, AVX2 + FMA) stream the weight once, keep the outputs in registers and
-split the work over persistent worker threads (`threads.h`). `weight_only_matmuls` runs several int8 or int4
+split the work over persistent worker threads (`threads.h`). `weight_only_matmuls` and `i8i8_matmuls` run several
 weights that share their activations (q, k and v; gate and up) as one call. `models.quant_matmul.qeinsum` routes a matmul here when `active()`
 and the shapes fit; everything else stays on XLA.
 
@@ -14,6 +14,7 @@ and the shapes fit; everything else stays on XLA.
 | `i8i8_matmul`   | int8 [N, K]                                | int8 (w8a8, quantized by caller)   | int32, exact |
 | `int4_matmul`   | packed int4 [N, K / 2] (`models.quant4`'s  | rounded here to int16 per row      | f32          |
 |                 | order), f32 scale [N, G], optional f32 min |                                    |              |
+| `weight_only_matmuls(..., int8_activations=True)` | symmetric int4, groups of 32 | int8 per block of 32 (w4a8) | f32 |
 
 Environment (`pallas_kernels.cpu_features`; read when a matmul is traced, validated by `check_environment`): `JAXINFER_NATIVE_KERNELS=0` turns the
 kernels off (XLA everywhere); `JAXINFER_NATIVE_ISA=avx2` picks an ISA level (default: the highest this CPU runs;
