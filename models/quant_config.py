@@ -100,9 +100,10 @@ class QuantizationConfig:
         for name in ("quantize_activations", "quantize_embedding", "quantize_lm_head"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be true, false or null")
-        if not isinstance(self.asymmetric, bool) or (self.asymmetric and self.format != "int4"):
-            raise ValueError(f"asymmetric={self.asymmetric!r} must be true or false, and true only with format int4 "
-                             f"(got format {self.format})")
+        if not isinstance(self.asymmetric, bool):
+            raise ValueError(f"asymmetric={self.asymmetric!r} must be true or false")
+        if self.asymmetric and self.format != "int4":
+            raise ValueError(f"asymmetric=true applies only to format int4 (got format {self.format})")
 
     @staticmethod
     def from_value(value: QuantizationConfig | Mapping[str, Any] | str | None) -> QuantizationConfig | None:
@@ -115,7 +116,7 @@ class QuantizationConfig:
         """
         if isinstance(value, str) and not value.lstrip().startswith("{"):
             if value.strip() not in FORMATS and value.strip()[:1] in ('[', '"', "-", *"0123456789"):
-                raise ValueError(f"quantization {value!r} is neither a format name ({', '.join(FORMATS)}) nor a JSON "
+                raise ValueError(f"quantization {value!r} is neither a format name ({', '.join(FORMATS)}, gguf) nor a JSON "
                                  'object of QuantizationConfig fields (e.g. {"format": "int8"})')
             return QuantizationConfig(format=value)
         if value is not None and not isinstance(value, (str, Mapping, QuantizationConfig)):

@@ -5,7 +5,8 @@ Weight formats (all in one process, each engine with `warmup=False` and the same
 (unquantized), int8 (w8a8: dynamic per-token int8 activations, int8 x int8 -> int32 dots, norm gains folded;
 embedding and LM head int8), int8 weight-only, int8 with the embedding and LM head left in bf16, fp8 (e4m3,
 weight-only; embedding and LM head bf16, its default), fp8 with them quantized too, fp8 with groups of 128 input
-channels (where they divide), int4 with groups of 32 (weight-only), and a GGUF model's Q8_0 / Q4_0 / Q4_1 tensors kept
+channels (where they divide), int4 with groups of 32 (weight-only; with an int8 embedding and LM head, llama.cpp
+Q4_0's layout; and that as w4a8, int8 activation blocks of 32), and a GGUF model's Q8_0 / Q4_0 / Q4_1 tensors kept
 as stored (`--quantization gguf`; only for a GGUF model, such as the default), and the microscaling formats
 (mxfp8 weight-only and w8a8, mxfp4, nvfp4; `models.mxfp`). Quantized formats run with bf16 activations.
 

@@ -194,7 +194,8 @@ class EngineConfig:
     # is `Engine.quantization`; a value that contradicts a quantized checkpoint's raises a ValueError naming both.
     quantization: QuantizationConfig | None = _option(None, (
         "weight quantization at load (models.quant): int8 (symmetric) or fp8 (e4m3), per output channel and "
-        "weight-only, int4 (packed, group scales of 32 by default, weight-only, embedding and head unquantized), "
+        "weight-only, int4 (packed, group scales of 32 by default, weight-only or w4a8, embedding and head "
+        "unquantized), "
         "mxfp8 / mxfp4 / nvfp4 (microscaling: e4m3 or e2m1 values in blocks of 32 / 32 / 16 with one power-of-two "
         "or e4m3 scale each, embedding and head unquantized; mxfp8 also w8a8), "
         "gguf (a GGUF file's Q8_0 / Q4_0 / Q4_1 tensors kept quantized as stored, vLLM's --quantization gguf), "
@@ -202,9 +203,10 @@ class EngineConfig:
         "quantize_embedding, quantize_lm_head, activation_group_size, asymmetric: int4 with a min per group, "
         "embedding_format: \"int8\" for an int4 model's embedding and LM head, llama.cpp Q4_0's layout), e.g. "
         '{"format": "int8", "quantize_activations": true} (w8a8: dynamic per-token activations and the int8 dot, '
-        'the fast path on CPU) or {"format": "fp8", "group_size": 128}; unset: weights in dtype. A checkpoint '
-        "written by `jaxinfer convert --quantization` loads as stored: unset takes its quantization, any other "
-        "value must equal it"),
+        'the fast path on CPU), {"format": "int4", "quantize_activations": true} (w4a8: int8 activation blocks of '
+        '32, llama.cpp Q4_0\'s arithmetic) or {"format": "fp8", "group_size": 128}; unset: weights in dtype. A '
+        "checkpoint written by `jaxinfer convert --quantization` loads as stored: unset takes its quantization, any other "
+        "value must equal it (an int4 one may switch quantize_activations)"),
         Flag(commands=(*ENGINE_COMMANDS, "convert"), metavar="FORMAT_OR_JSON", command_help={
             "convert": ("store the weights quantized: a format name (int8, fp8, int4, mxfp8, mxfp4, nvfp4) or a JSON "
                         "object of QuantizationConfig fields, as for generate; --model of such a checkpoint loads it quantized as stored (default: not "

@@ -79,7 +79,8 @@ def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | Non
 
     A quantized checkpoint's own quantization (a `jaxinfer convert --quantization` checkpoint, or a pre-quantized
     HF folder: `jaxinfer.loading.stored_quantization`) wins: `config.quantization` None takes it, an equal one is
-    accepted, a different one is refused. "gguf" keeps a GGUF file's quantized tensors as stored.
+    accepted, one that differs only in int4's `quantize_activations` (w4a8 runs the same stored weights; see
+    `_int4_activations`) is taken, any other is refused. "gguf" keeps a GGUF file's quantized tensors as stored.
 
     Raises:
       ValueError: `config.quantization` differs from the checkpoint's (both named), "gguf" for a model that is not
@@ -93,6 +94,9 @@ def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | Non
     stored = stored_quantization(config.model)
     if stored is None:
         return wanted, wanted is not None
+    if wanted is not None and stored.format == "int4" and dataclasses.replace(
+            wanted, quantize_activations=stored.quantize_activations) == stored:
+        return wanted, False  # w4a8 or not: how the int4 matmuls run, not what is stored
     if wanted is not None and wanted != stored:
         fields = [f.name for f in dataclasses.fields(QuantizationConfig)]
         differ = ", ".join(f"{f} {getattr(wanted, f)!r} (stored: {getattr(stored, f)!r})" for f in fields
@@ -104,6 +108,22 @@ def resolve_quantization(config: EngineConfig) -> tuple[QuantizationConfig | Non
     return stored, False
 
 
+def _int4_activations(weights, qcfg: QuantizationConfig | None):
+    """A restored int4 checkpoint's weights run as `qcfg` asks: the int4 weights that can take activation
+    quantization (symmetric groups of 32) get `qcfg.activations` (w4a8 or weight-only), as quantizing at load
+    would have recorded it; other weights are left as they are."""
+    if qcfg is None or qcfg.format != "int4":
+        return weights
+    on = qcfg.activations
+
+    def switch(w):
+        if isinstance(w, quant.QuantizedWeight) and w.format == "int4" and w.min is None and w.group_size == 32:
+            return w.replace(quantize_activations=on, activation_group_size=32 if on else 0)
+        return w
+
+    return jax.tree.map(switch, weights, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
+
+
 def _load_target(config: EngineConfig, mesh, qcfg: QuantizationConfig | None, quantize_at_load: bool):
     """(config as trained, config as run, device weights, tokenizer): loaded, sharded and quantized."""
     dtype = DTYPES[config.dtype]
@@ -112,6 +132,8 @@ def _load_target(config: EngineConfig, mesh, qcfg: QuantizationConfig | None, qu
     # stages, their layers in the stage layout already)
     cfg, loaded, tokenizer = load_model(config.model, load_dtype, mesh=mesh,
                                         gguf_quantized=qcfg is not None and qcfg.format == "gguf")
+    if not quantize_at_load:
+        loaded = _int4_activations(loaded, qcfg)
     if mesh is None:
         run_cfg, weights = cfg, jax.device_put(loaded)  # one batched call: 2x faster than an asarray a leaf
         if quantize_at_load:

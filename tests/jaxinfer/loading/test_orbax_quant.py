@@ -163,6 +163,24 @@ def test_generation_from_the_checkpoint_equals_quantization_at_load(sources, che
     assert len(got) == 12 and got == want
 
 
+@pytest.mark.parametrize("case, engine_quantization", [
+    ("int4-w4a8", "int4"), ("int4", {"format": "int4", "quantize_activations": True})])
+def test_an_int4_checkpoint_runs_with_or_without_w4a8(case, engine_quantization, sources, checkpoint):
+    """w4a8 is how int4's matmuls run, not what is stored: either checkpoint runs either way, with the weights (and
+    their static fields) that quantizing at load with the engine's config gives."""
+    src, _ = CASES[case]
+    options = dict(warmup=False, kv_cache_memory_bytes=1 << 20)
+    at_load = LLM(str(sources[src]), quantization=engine_quantization, **options)
+    from_ckpt = LLM(str(checkpoint(case)), quantization=engine_quantization, **options)
+    wanted = QuantizationConfig.from_value(engine_quantization).resolved()
+    assert from_ckpt.engine.quantization == at_load.engine.quantization == wanted
+    assert from_ckpt.runner.weights.layers.wq.quantize_activations is wanted.activations
+    _assert_identical(from_ckpt.runner.weights, at_load.runner.weights)
+    params, prompt = SamplingParams(max_tokens=8, temperature=0), {"prompt_token_ids": [1, 40, 50, 60, 70]}
+    assert (from_ckpt.generate(prompt, params)[0].outputs[0].token_ids
+            == at_load.generate(prompt, params)[0].outputs[0].token_ids)
+
+
 @pytest.mark.parametrize("engine_quantization, message", [
     ("fp8", r"the quantization asked for differs from the one the checkpoint .* is stored with in format 'fp8' "
             r"\(stored: 'int8'\), quantize_activations False \(stored: True\), quantize_embedding False "
