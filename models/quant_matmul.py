@@ -211,10 +211,10 @@ def _native(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) ->
 def qeinsums(eqs: Sequence[str], x: jax.Array, ws: Sequence[jax.Array | QuantizedWeight | LayerRef], *,
              preferred_element_type: jnp.dtype | None = None) -> tuple[jax.Array, ...]:
     """`qeinsum(eq, x, w)` for each (eq, w): several weights applied to the same activations (q, k and v; gate and
-    up). Where the native CPU kernels take them all as quantized weights of one kind (int8 weight-only, int4 of
-    one form, w4a8 or w8a8) and one layer index, they run as one kernel call (`cpu_gemv.weight_only_matmuls`,
-    `cpu_gemv.i8i8_matmuls`: the same numbers, fewer calls; w8a8 quantizes the activations once); otherwise as
-    separate `qeinsum`s.
+    up). Where the native CPU kernels take them all as weights of one kind (bf16 / f32 of one layout, int8
+    weight-only, int4 of one form, w4a8 or w8a8) and one layer index, they run as one kernel call
+    (`cpu_gemv.float_matmuls`, `weight_only_matmuls`, `i8i8_matmuls`: the same numbers, fewer calls; w8a8
+    quantizes the activations once); otherwise as separate `qeinsum`s.
 
     Raises:
       ValueError: as `qeinsum`, or `eqs` and `ws` of different lengths.
@@ -236,13 +236,18 @@ def _flat(plan: _Plan, a: jax.Array, *shape: int) -> jax.Array:
 
 
 def _kernel_operands(plan: _Plan) -> tuple[tuple, object] | None:
-    """(kind, operands) of a quantized weight for the native kernels, stacked with `plan.ref`: kind
-    ("weight_only", values dtype, with a min, w4a8) with (values [N, K] or [N, K / 2], f32 scale [N, G], min or
-    None) for int8 weight-only and int4, ("w8a8",) with int8 values [N, K]; None for other weights or sizes."""
+    """(kind, operands) of a weight for the native kernels, stacked with `plan.ref`: kind ("float", layout) with the
+    bf16 / f32 weight as [K, N] ("kn") or [N, K]; ("weight_only", values dtype, with a min, w4a8) with (values
+    [N, K] or [N, K / 2], f32 scale [N, G], min or None) for int8 weight-only and int4; ("w8a8",) with int8 values
+    [N, K]; None for other weights or sizes."""
     w, k = plan.w, plan.k
-    if not isinstance(w, QuantizedWeight) or w.scale.dtype != jnp.float32:
-        return None
     src = w if plan.ref is None else plan.ref.stacked
+    if not isinstance(w, QuantizedWeight):
+        if w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if plan.layout == "kn" else 8):
+            return None
+        return ("float", plan.layout), _flat(plan, src, k, -1) if plan.layout == "kn" else _flat(plan, src, -1, k)
+    if w.scale.dtype != jnp.float32:
+        return None
     n, groups = math.prod(w.scale.shape[:-1]), w.scale.shape[-1]
     if w.format == "int8" and w.quantize_activations:
         ok = not w.activation_group_size and groups == 1 and k % 32 == 0
@@ -263,6 +268,8 @@ def _run_kernels(kind: tuple, plans: Sequence[_Plan], operands: Sequence) -> lis
     """f32 [M, N_i] for each plan (all of `kind`, sharing x and the layer index) from one native kernel call."""
     x, ref = plans[0].x, plans[0].ref
     layer = None if ref is None else ref.index
+    if kind[0] == "float":
+        return cpu_gemv.float_matmuls(x, operands, input_major=kind[1] == "kn", layer=layer)
     if kind[0] == "w8a8":
         xq, x_scale = quantize_rows(x, [1], "int8")  # as `_activation_quantized`: the same numbers
         accs = cpu_gemv.i8i8_matmuls(xq, operands, layer=layer)
@@ -275,13 +282,6 @@ def _native_2d(plan: _Plan) -> jax.Array | None:
     """x [M, K] times the weight flattened to [K, N] ("kn") or [N, K] ("nk") by a native kernel, f32 [M, N].
     `plan.w` gives one layer's shapes; with `plan.ref` the kernel reads layer `ref.index` of `ref.stacked` in
     place."""
-    w, k, x, ref = plan.w, plan.k, plan.x, plan.ref
-    if not isinstance(w, QuantizedWeight):
-        src, layer = (w, None) if ref is None else (ref.stacked, ref.index)
-        if w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if plan.layout == "kn" else 8):
-            return None
-        return cpu_gemv.float_matmul(x, _flat(plan, src, k, -1) if plan.layout == "kn" else _flat(plan, src, -1, k),
-                                     input_major=plan.layout == "kn", layer=layer)
     found = _kernel_operands(plan)
     return None if found is None else _run_kernels(found[0], [plan], [found[1]])[0]
 

@@ -3,7 +3,7 @@
 XLA:CPU reads a weight at a fraction of the memory bandwidth when only one or a few activation rows multiply it
 (a 1-row bf16 dot streams ~2 GB/s; weight-only int8 first writes a full-precision copy of the weight), and decode is
 exactly that shape. These kernels (`gemv.cc`, AVX2 + FMA) stream the weight once, keep the outputs in registers and
-split the work over persistent worker threads (`threads.h`). `weight_only_matmuls` and `i8i8_matmuls` run several
+split the work over persistent worker threads (`threads.h`). `float_matmuls`, `weight_only_matmuls` and `i8i8_matmuls` run several
 weights that share their activations (q, k and v; gate and up) as one call. `models.quant_matmul.qeinsum` routes a matmul here when `active()`
 and the shapes fit; everything else stays on XLA.
 
@@ -117,9 +117,47 @@ def _check_stack(name: str, a: jax.Array, layer) -> None:
                          f"shape {a.shape}")
 
 
+def float_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, input_major: bool,
+                  layer: jax.Array | int | None = None) -> list[jax.Array]:
+    """x @ w (input_major: w [K, N_i]) or x @ w.T (w [N_i, K]) for each bf16 or f32 weight w, f32 accumulation, in
+    one kernel call (weights that share their activations: q, k and v; gate and up). Each product equals
+    `float_matmul`'s bit for bit.
+
+    Args:
+      x: f32 or bf16 [M, K], M <= MAX_ROWS.
+      ws: bf16 or f32 weights, [K, N_i] if `input_major` (K a multiple of 4) else [N_i, K] (K a multiple of 8);
+        with `layer`, stacks [L, K, N_i] / [L, N_i, K] of which layer `layer` is read (no slice is copied).
+      input_major: the weights' layout.
+      layer: int32 scalar (may be traced), or None.
+
+    Returns:
+      f32 [M, N_i] for each weight, in order.
+
+    Raises:
+      ValueError: no weight, wrong ranks, dtypes or sizes.
+    """
+    if not ws:
+        raise ValueError("float_matmuls needs at least one weight")
+    shapes = []
+    for w in ws:
+        _check_stack("weight", w, layer)
+        if w.dtype not in (jnp.bfloat16, jnp.float32):
+            raise ValueError(f"weight must be bf16 or f32, got {w.dtype}")
+        k, n = w.shape[-2:] if input_major else w.shape[-2:][::-1]
+        m, _ = _check_rows(x, k)
+        if k % (4 if input_major else 8):
+            raise ValueError(f"K={k} must be a multiple of {4 if input_major else 8} for a "
+                             f"{'[K, N]' if input_major else '[N, K]'} weight")
+        shapes.append((m, n))
+    index, ws = _stacked(layer, *ws)
+    return list(_call("float_matmul", [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes], _activations(x),
+                      index, *ws, kn=bool(input_major)))
+
+
 def float_matmul(x: jax.Array, w: jax.Array, *, input_major: bool, layer: jax.Array | int | None = None
                  ) -> jax.Array:
-    """x @ w (input_major: w [K, N]) or x @ w.T (w [N, K]) for a bf16 or f32 weight, f32 accumulation.
+    """x @ w (input_major: w [K, N]) or x @ w.T (w [N, K]) for a bf16 or f32 weight, f32 accumulation:
+    `float_matmuls` of one weight.
 
     Args:
       x: f32 or bf16 [M, K], M <= MAX_ROWS.
@@ -133,17 +171,7 @@ def float_matmul(x: jax.Array, w: jax.Array, *, input_major: bool, layer: jax.Ar
     Raises:
       ValueError: wrong ranks, dtypes or sizes.
     """
-    _check_stack("weight", w, layer)
-    if w.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"weight must be bf16 or f32, got {w.dtype}")
-    k, n = w.shape[-2:] if input_major else w.shape[-2:][::-1]
-    m, _ = _check_rows(x, k)
-    if k % (4 if input_major else 8):
-        raise ValueError(f"K={k} must be a multiple of {4 if input_major else 8} for a "
-                         f"{'[K, N]' if input_major else '[N, K]'} weight")
-    index, (w,) = _stacked(layer, w)
-    return _call("float_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32), _activations(x), index, w,
-                 kn=bool(input_major))
+    return float_matmuls(x, [w], input_major=input_major, layer=layer)[0]
 
 
 def _check_scales(n: int, k: int, values: jax.Array, scale: jax.Array, min: jax.Array | None, multiple: int,

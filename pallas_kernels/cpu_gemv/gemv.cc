@@ -40,6 +40,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "common.h"
 #include "threads.h"
+#include "float.h"
 #include "int4.h"
 
 namespace ffi = xla::ffi;
@@ -50,6 +51,8 @@ using jaxinfer_gemv::at_layer;
 using jaxinfer_gemv::hsum;
 using jaxinfer_gemv::hsum_i32;
 using jaxinfer_gemv::A8Chunk;
+using jaxinfer_gemv::float_kn_rows;
+using jaxinfer_gemv::nk_rows;
 using jaxinfer_gemv::a8_chunks;
 using jaxinfer_gemv::q4_position;
 using jaxinfer_gemv::q4_rows;
@@ -66,110 +69,24 @@ using jaxinfer_gemv::to_f32;
 
 using jaxinfer_gemv::kPrefetchBytes;
 
-// ---------------------------------------------------------------------------------------------------------------
-// float_kn: y = x @ w for w [K, N] (K a multiple of 4). The work is split along K: each chunk reads a contiguous
-// block of whole weight rows (one sequential stream, no page-hopping) into a partial sum of all N outputs, kept in
-// L1 / L2, and the partial sums are added in chunk order (the result does not depend on the threads). Within a
-// chunk, four weight rows at a time are added into the partial sums, MG activation rows sharing each converted
-// weight vector.
-template <typename T, int MG>
-void kn_quad(const float* x, int64_t K, const T* w, int64_t N, float* y, int64_t k, int64_t m0) {
-  __m256 b[MG][4];
-  for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < 4; ++r) b[i][r] = _mm256_broadcast_ss(x + (m0 + i) * K + k + r);
-  const T* w0 = w + k * N;
-  int64_t n = 0;
-  constexpr int64_t kLine = 64 / sizeof(T);  // weights per cache line
-  for (; n + 8 <= N; n += 8) {
-    if (n % kLine == 0)  // the next four rows' line at this column: one quad (4 N weights) ahead
-      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + (4 + r) * N + n), _MM_HINT_T0);
-    __m256 wv[4];
-    for (int r = 0; r < 4; ++r) wv[r] = load8(w0 + r * N + n);
-    for (int i = 0; i < MG; ++i) {
-      float* yp = y + (m0 + i) * N + n;
-      __m256 a = _mm256_loadu_ps(yp);
-      for (int r = 0; r < 4; ++r) a = _mm256_fmadd_ps(b[i][r], wv[r], a);
-      _mm256_storeu_ps(yp, a);
-    }
+// The rows of several weights (N_i each) over the threads as one job: chunks of about the rows per chunk the
+// whole job would get, in weight order; f(i, n0, n1) computes rows [n0, n1) of weight i.
+template <typename F>
+void split_rows(const std::vector<int64_t>& Ns, const F& f) {
+  int64_t total = 0;
+  for (int64_t n : Ns) total += n;
+  int64_t rows = rows_per_chunk(total, 8, 16), chunks = 0;
+  std::vector<int64_t> per(Ns.size()), first(Ns.size());
+  for (size_t i = 0; i < Ns.size(); ++i) {
+    per[i] = std::min(rows, (Ns[i] + 7) / 8 * 8), first[i] = chunks;
+    chunks += (Ns[i] + per[i] - 1) / per[i];
   }
-  for (; n < N; ++n)
-    for (int i = 0; i < MG; ++i)
-      for (int r = 0; r < 4; ++r) y[(m0 + i) * N + n] += x[(m0 + i) * K + k + r] * to_f32(w0[r * N + n]);
-}
-
-// Rows [k0, k1) of w into the partial sums y [M, N] (zeroed here).
-template <typename T>
-void float_kn_rows(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y, int64_t k0, int64_t k1) {
-  std::fill(y, y + M * N, 0.f);
-  for (int64_t k = k0; k < k1; k += 4) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) kn_quad<T, 2>(x, K, w, N, y, k, m);
-    if (m < M) kn_quad<T, 1>(x, K, w, N, y, k, m);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// float_nk: row-major weights [N, K] (K a multiple of 8), NR weight rows by MG activation rows per register block.
-template <typename T, int MG, int NR>
-void nk_block(const float* x, int64_t K, const T* w, float* y, int64_t N, int64_t n, int64_t m0) {
-  __m256 acc[MG][NR];
-  for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NR];
-    for (int r = 0; r < NR; ++r) {
-      const T* row = w + (n + r) * K + k;
-      if ((k & (64 / sizeof(T) - 1)) == 0)  // once per cache line
-        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-      wv[r] = load8(row);
-    }
-    for (int i = 0; i < MG; ++i) {
-      __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
-      for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_fmadd_ps(xv, wv[r], acc[i][r]);
-    }
-  }
-  for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(acc[i][r]);
-}
-
-template <typename T, int NR>
-void nk_rows_fixed(const float* x, int64_t M, int64_t K, const T* w, float* y, int64_t N,
-                   int64_t n) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) nk_block<T, 4, NR>(x, K, w, y, N, n, m);
-  switch (M - m) {
-    case 3: nk_block<T, 3, NR>(x, K, w, y, N, n, m); break;
-    case 2: nk_block<T, 2, NR>(x, K, w, y, N, n, m); break;
-    case 1: nk_block<T, 1, NR>(x, K, w, y, N, n, m); break;
-    default: break;
-  }
-}
-
-// One activation row, one weight row at a time (a single stream reads cold weights fastest, measured), four FMA
-// chains over K.
-template <typename T>
-void nk_row(const float* x, int64_t K, const T* w, float* y, int64_t n) {
-  const T* row = w + n * K;
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    for (int64_t b = 0; b < 32 * int64_t(sizeof(T)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + k) + b + kPrefetchBytes, _MM_HINT_T0);
-    for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * j), load8(row + k + 8 * j), acc[j]);
-  }
-  for (; k < K; k += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(row + k), acc[0]);
-  y[n] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-}
-
-template <typename T>
-void nk_rows(const float* x, int64_t M, int64_t K, const T* w, float* y, int64_t N, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  if (M == 1) {
-    for (; n < n1; ++n) nk_row(x, K, w, y, n);
-    return;
-  }
-  for (; n + 2 <= n1; n += 2) nk_rows_fixed<T, 2>(x, M, K, w, y, N, n);
-  for (; n < n1; ++n) nk_rows_fixed<T, 1>(x, M, K, w, y, N, n);
+  parallel_chunks(chunks, [&](int64_t c) {
+    size_t i = 0;
+    while (i + 1 < Ns.size() && c >= first[i + 1]) ++i;
+    int64_t n0 = (c - first[i]) * per[i];
+    f(i, n0, std::min(Ns[i], n0 + per[i]));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -340,25 +257,51 @@ ffi::Error rank3(const ffi::AnyBuffer& b, const char* name) {
   return ffi::Error::Success();
 }
 
+// One or several weights (bf16 or f32, [K, N_i] with `kn`, else [N_i, K]) times the same rows x [M, K] into
+// y_i [M, N_i], as one job. kn: each weight's K is cut into the same blocks as for one weight alone (so the sums
+// do not depend on how many weights share the call), each block into a partial sum, added in block order.
+struct FloatPart {
+  const void* w;
+  bool bf16;
+  int64_t N;
+  float* y;
+};
+
 template <typename T>
-void float_call(const float* x, int64_t M, int64_t K, const T* w, int64_t N, float* y, bool kn) {
+void float_kn_part(const float* x, int64_t M, int64_t K, const FloatPart& p, float* partial, int64_t k0, int64_t k1) {
+  float_kn_rows(x, M, K, static_cast<const T*>(p.w), p.N, partial, k0, k1);
+}
+
+void float_call(const float* x, int64_t M, int64_t K, const std::vector<FloatPart>& parts, bool kn) {
   if (kn) {
     int64_t threads = max_threads();
     int64_t rows = std::max<int64_t>(64, (K / (2 * threads) + 3) / 4 * 4);
-    int64_t count = (K + rows - 1) / rows;
-    std::vector<float> partial(count * M * N);
-    parallel_chunks(count, [&](int64_t c) {
-      float_kn_rows(x, M, K, w, N, partial.data() + c * M * N, c * rows, std::min(K, (c + 1) * rows));
+    int64_t blocks = (K + rows - 1) / rows;
+    std::vector<int64_t> offset(parts.size() + 1, 0);
+    for (size_t i = 0; i < parts.size(); ++i) offset[i + 1] = offset[i] + blocks * M * parts[i].N;
+    std::vector<float> partial(offset.back());
+    parallel_chunks(int64_t(parts.size()) * blocks, [&](int64_t c) {
+      const FloatPart& p = parts[c / blocks];
+      int64_t b = c % blocks, k0 = b * rows, k1 = std::min(K, k0 + rows);
+      float* out = partial.data() + offset[c / blocks] + b * M * p.N;
+      if (p.bf16) float_kn_part<uint16_t>(x, M, K, p, out, k0, k1);
+      else float_kn_part<float>(x, M, K, p, out, k0, k1);
     });
-    std::copy(partial.begin(), partial.begin() + M * N, y);
-    for (int64_t c = 1; c < count; ++c)
-      for (int64_t i = 0; i < M * N; ++i) y[i] += partial[c * M * N + i];
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const float* sums = partial.data() + offset[i];
+      int64_t size = M * parts[i].N;
+      std::copy(sums, sums + size, parts[i].y);
+      for (int64_t b = 1; b < blocks; ++b)
+        for (int64_t j = 0; j < size; ++j) parts[i].y[j] += sums[b * size + j];
+    }
     return;
   }
-  int64_t rows = rows_per_chunk(N, 8, 16);
-  parallel_chunks((N + rows - 1) / rows, [&](int64_t c) {
-    int64_t n0 = c * rows, n1 = std::min(N, n0 + rows);
-    nk_rows(x, M, K, w, y, N, n0, n1);
+  std::vector<int64_t> Ns;
+  for (const FloatPart& p : parts) Ns.push_back(p.N);
+  split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
+    const FloatPart& p = parts[i];
+    if (p.bf16) nk_rows(x, M, K, static_cast<const uint16_t*>(p.w), p.y, p.N, n0, n1);
+    else nk_rows(x, M, K, static_cast<const float*>(p.w), p.y, p.N, n0, n1);
   });
 }
 
@@ -379,20 +322,26 @@ ffi::Error check_activations(const ffi::AnyBuffer& x) {
   return ffi::Error::Success();
 }
 
-ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer w,
-                       ffi::ResultBuffer<ffi::F32> y, bool kn) {
-  if (auto e = rank3(w, "w"); e.failure()) return e;
+ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
+                       ffi::RemainingRets outs, bool kn) {
   if (auto e = check_activations(x); e.failure()) return e;
-  std::vector<float> tmp;
-  const float* xf = activations_f32(x, tmp);
+  size_t count = outs.size();
+  if (count == 0 || weights.size() != count) return ffi::Error::InvalidArgument("float_matmul: one weight a result");
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  int64_t N = kn ? w.dimensions()[2] : w.dimensions()[1];
-  if (w.element_type() == ffi::BF16)
-    float_call(xf, M, K, at_layer<uint16_t>(w, layer), N, y->typed_data(), kn);
-  else if (w.element_type() == ffi::F32)
-    float_call(xf, M, K, at_layer<float>(w, layer), N, y->typed_data(), kn);
-  else
-    return ffi::Error::InvalidArgument("float_matmul: w must be bf16 or f32");
+  std::vector<FloatPart> parts(count);
+  for (size_t i = 0; i < count; ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(i);
+    auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("float_matmul: weights, f32 results");
+    if (auto e = rank3(*w, "w"); e.failure()) return e;
+    bool bf16 = w->element_type() == ffi::BF16;
+    if (!bf16 && w->element_type() != ffi::F32) return ffi::Error::InvalidArgument("float_matmul: w must be bf16 or f32");
+    parts[i] = {bf16 ? static_cast<const void*>(at_layer<uint16_t>(*w, layer))
+                     : static_cast<const void*>(at_layer<float>(*w, layer)),
+                bf16, kn ? w->dimensions()[2] : w->dimensions()[1], (*y)->typed_data()};
+  }
+  std::vector<float> tmp;
+  float_call(activations_f32(x, tmp), M, K, parts, kn);
   return ffi::Error::Success();
 }
 
@@ -455,26 +404,6 @@ std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool q4_la
       }
   }
   return q;
-}
-
-// The rows of several weights (N_i each) over the threads as one job: chunks of about the rows per chunk the
-// whole job would get, in weight order; f(i, n0, n1) computes rows [n0, n1) of weight i.
-template <typename F>
-void split_rows(const std::vector<int64_t>& Ns, const F& f) {
-  int64_t total = 0;
-  for (int64_t n : Ns) total += n;
-  int64_t rows = rows_per_chunk(total, 8, 16), chunks = 0;
-  std::vector<int64_t> per(Ns.size()), first(Ns.size());
-  for (size_t i = 0; i < Ns.size(); ++i) {
-    per[i] = std::min(rows, (Ns[i] + 7) / 8 * 8), first[i] = chunks;
-    chunks += (Ns[i] + per[i] - 1) / per[i];
-  }
-  parallel_chunks(chunks, [&](int64_t c) {
-    size_t i = 0;
-    while (i + 1 < Ns.size() && c >= first[i + 1]) ++i;
-    int64_t n0 = (c - first[i]) * per[i];
-    f(i, n0, std::min(Ns[i], n0 + per[i]));
-  });
 }
 
 // w8a8: one or several int8 weights [L, N_i, K] (after the activations and layer) times the same int8 rows; result
@@ -566,8 +495,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_float_matmul, FloatMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<bool>("kn"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_i8i8_matmul, I8I8Matmul,

@@ -79,7 +79,7 @@ def test_qeinsums_is_one_call_with_the_numbers_of_separate_qeinsums(fmt):
             "w4a8": lambda w: quantize(w, "int4", (-3,), group_size=32, quantize_activations=True),
             "w8a8": lambda w: quantize(w, "int8", (-3,), quantize_activations=True),
             "bf16": lambda w: w}
-    if fmt == "mixed":  # int4 q, int8 k and v: no shared call, each its own kernel
+    if fmt == "mixed":  # int4 q, int8 k and v: no shared call, each its own kernel (f32 x: the float kernel)
         ws = [make["int4"](ws[0]), make["int8"](ws[1]), make["int8"](ws[2])]
     else:
         ws = [make[fmt](w) for w in ws]
@@ -91,7 +91,7 @@ def test_qeinsums_is_one_call_with_the_numbers_of_separate_qeinsums(fmt):
         assert y.shape == ref.shape and y.dtype == ref.dtype
         np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))  # the same kernel arithmetic, bit for bit
     hlo = f.lower(x, ws).as_text()
-    shared = fmt not in ("mixed", "bf16")
+    shared = fmt != "mixed"
     assert hlo.count("weight_only_matmul") == (0 if fmt in ("w8a8", "bf16") else 1 if shared else 3)
     assert hlo.count("custom_call") == (1 if shared else 3)
 

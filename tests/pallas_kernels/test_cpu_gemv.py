@@ -132,6 +132,11 @@ def test_weight_only_matmuls_of_several_weights_equal_one_call_each(m, ns, asymm
     xq = rng.integers(-127, 128, (m, 128)).astype(np.int8)
     for y, q in zip(cpu_gemv.i8i8_matmuls(xq, q8), q8):  # w8a8: exact int32 sums
         np.testing.assert_array_equal(np.asarray(y), xq.astype(np.int64) @ q.T.astype(np.int64))
+    for input_major in (True, False):  # bf16 and f32 weights mixed in one call, both layouts
+        ws = [jnp.asarray(rng.standard_normal((128, n) if input_major else (n, 128)), dt)
+              for n, dt in zip(ns, [jnp.bfloat16, jnp.float32] * 2)]
+        for y, w in zip(cpu_gemv.float_matmuls(x, ws, input_major=input_major), ws):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(cpu_gemv.float_matmul(x, w, input_major=input_major)))
 
 
 @settings(max_examples=20, deadline=None)
@@ -218,6 +223,7 @@ def test_all_zero_activation_blocks():
      "integer scalar"),
     (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), []), "at least one weight"),
     (lambda: cpu_gemv.i8i8_matmuls(jnp.ones((1, 64), jnp.int8), []), "at least one weight"),
+    (lambda: cpu_gemv.float_matmuls(jnp.ones((1, 64)), [], input_major=True), "at least one weight"),
     (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), [(jnp.ones((4, 64), jnp.int8), jnp.ones((4, 1)), None),
                                                              (jnp.ones((4, 32), jnp.uint8), jnp.ones((4, 2)), None)]),
      "one format"),
