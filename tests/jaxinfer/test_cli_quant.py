@@ -55,7 +55,7 @@ def test_convert_quantized_then_generate_from_it(tmp_path):
 
 @pytest.mark.parametrize("command, value, message", [
     ("generate", "int3", "quantization format='int3' is not one of int8, fp8, int4"),
-    ("generate", "[1,2]", "quantization '[1,2]' is neither a format name (int8, fp8, int4, mxfp8, mxfp4, nvfp4) nor "
+    ("generate", "[1,2]", "quantization '[1,2]' is neither a format name (int8, fp8, int4, mxfp8, mxfp4, nvfp4, gguf) nor "
                           "a JSON object"),
     ("generate", "8", "quantization '8' is neither a format name"),
     ("generate", '{"group_size": 128}', "needs the key(s) format"),
