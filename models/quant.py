@@ -202,7 +202,7 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
         raise ValueError(f"contract_axes {tuple(contract_axes)} out of range for a weight of shape {w.shape}")
     neg = tuple(sorted({a % nd - nd for a in contract_axes}))
     packed, weight_only = fmt in PACKED_FORMATS, fmt in ("int4", "mxfp4", "nvfp4")
-    w4a8 = fmt == "int4" and quantize_activations and group_size == 32 and not asymmetric
+    w4a8 = fmt == "int4" and quantize_activations and quant4.takes_int8_activations(group_size, asymmetric)
     if ((packed and w.shape[neg[-1]] % 2) or (weight_only and quantize_activations and not w4a8)
             or (asymmetric and fmt != "int4")):
         raise ValueError(f"{fmt} with asymmetric={asymmetric}, quantize_activations={quantize_activations} for "
@@ -232,7 +232,8 @@ def quantize(w: jax.Array, fmt: str, contract_axes: Sequence[int], *, group_size
     if fmt == "int4":
         codes, scale, mn = quant4.quantize_groups(g, asymmetric)
         return QuantizedWeight(values=quant4.pack(codes.reshape(wt.shape)), scale=scale, min=mn, contract_axes=neg,
-                               group_size=group_size, quantize_activations=w4a8, activation_group_size=32 * w4a8)
+                               group_size=group_size, quantize_activations=w4a8,
+                               activation_group_size=quant4.W4A8_GROUP if w4a8 else 0)
     if fmt in mxfp.FORMATS:
         tensor_amax = jnp.max(jnp.abs(g), axis=tuple(range(stacked_axes, g.ndim)), keepdims=True)[..., 0]
         elements, scale, tensor_scale = mxfp.quantize_blocks(g, fmt, tensor_amax if fmt == "nvfp4" else None)
@@ -328,8 +329,8 @@ def quantize_weights(weights, cfg, qcfg: QuantizationConfig, dtype: jnp.dtype):
 
     def q(w, axes, per_row_only=False, stacked_axes=0):
         group = group_for(w, axes, per_row_only)
-        acts = qcfg.activations and (not group or qcfg.format == "mxfp8"  # fp8 groups: weight-only
-                                     or (qcfg.format == "int4" and group == 32))  # w4a8: blocks of 32 only
+        w4a8 = qcfg.format == "int4" and quant4.takes_int8_activations(group, qcfg.asymmetric)
+        acts = qcfg.activations and (not group or qcfg.format == "mxfp8" or w4a8)  # fp8 groups: weight-only
         return quantize(w, qcfg.format, axes, group_size=group, quantize_activations=acts,
                         activation_group_size=qcfg.activation_group_size, stacked_axes=stacked_axes,
                         asymmetric=qcfg.asymmetric)

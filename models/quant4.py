@@ -113,6 +113,15 @@ def dequantize(values: Any, scale: Any, min_: Any, num_kept: int) -> Any:
     return dequantize_groups(groups, scale, min_).reshape(codes.shape)
 
 
+W4A8_GROUP = 32  # w4a8's activation blocks: the weight's own groups of 32 (GGUF Q4_0 x Q8_0)
+
+
+def takes_int8_activations(group_size: int, asymmetric: bool) -> bool:
+    """Whether int4 weights of `group_size` (symmetric unless `asymmetric`) can run w4a8: activations quantized
+    to int8 per block of their groups of 32, the blocks llama.cpp's Q4_0 x Q8_0 dot uses."""
+    return group_size == W4A8_GROUP and not asymmetric
+
+
 def check_config(group_size: int, group_sizes: tuple[int, ...], quantize_activations: Any,
                  quantize_embedding: Any, asymmetric: bool = False, activation_group_size: int = 0) -> None:
     """Checks an int4 `QuantizationConfig`'s fields (group size already defaulted).
@@ -125,7 +134,7 @@ def check_config(group_size: int, group_sizes: tuple[int, ...], quantize_activat
     if group_size not in group_sizes:
         raise ValueError(f"int4 quantization group_size={group_size} must be one of {', '.join(map(str, group_sizes))}"
                          " (0 or unset: the default, 32)")
-    if quantize_activations and (group_size != 32 or asymmetric or activation_group_size):
+    if quantize_activations and (not takes_int8_activations(group_size, asymmetric) or activation_group_size):
         raise ValueError("int4 with quantize_activations (w4a8: int8 activations per block of 32 inputs, GGUF Q4_0 x "
                          "Q8_0) needs group_size 32, symmetric codes (asymmetric false) and no activation_group_size; "
                          f"got group_size={group_size}, asymmetric={asymmetric}, "

@@ -252,7 +252,8 @@ def _kernel_operands(plan: _Plan) -> tuple[tuple, object] | None:
     if w.format == "int8" and w.quantize_activations:
         ok = not w.activation_group_size and groups == 1 and k % 32 == 0
         return (("w8a8",), _flat(plan, src.values, n, k)) if ok else None
-    if w.quantize_activations and (w.format != "int4" or w.min is not None or w.group_size != 32):
+    if w.quantize_activations and (w.format != "int4"
+                                   or not quant4.takes_int8_activations(w.group_size, w.min is not None)):
         return None
     kind = ("weight_only", w.values.dtype, w.min is not None, w.quantize_activations)
     scale = _flat(plan, src.scale, n, groups)

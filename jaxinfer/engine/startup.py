@@ -31,7 +31,7 @@ from jaxinfer.loading import is_gguf, load_model, not_a_gguf_error, read_model_c
 from jaxinfer.scheduler.page_allocator import PageAllocator
 from jaxinfer.scheduler.prefix_cache import PrefixCache
 from jaxinfer.tokenizer import Tokenizer
-from models import quant
+from models import quant, quant4
 from models.config import ModelConfig
 from models.llama import Weights, unstack_layers
 from models.partition import shard_model
@@ -117,8 +117,9 @@ def _int4_activations(weights, qcfg: QuantizationConfig | None):
     on = qcfg.activations
 
     def switch(w):
-        if isinstance(w, quant.QuantizedWeight) and w.format == "int4" and w.min is None and w.group_size == 32:
-            return w.replace(quantize_activations=on, activation_group_size=32 if on else 0)
+        if (isinstance(w, quant.QuantizedWeight) and w.format == "int4"
+                and quant4.takes_int8_activations(w.group_size, w.min is not None)):
+            return w.replace(quantize_activations=on, activation_group_size=quant4.W4A8_GROUP if on else 0)
         return w
 
     return jax.tree.map(switch, weights, is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))

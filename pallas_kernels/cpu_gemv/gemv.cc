@@ -34,6 +34,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -257,6 +258,30 @@ ffi::Error rank3(const ffi::AnyBuffer& b, const char* name) {
   return ffi::Error::Success();
 }
 
+// The weights of a multi-weight call: `per` arguments a weight (its values first, each a stacked [L, ...] buffer)
+// and one result of type R each; f(i, arguments of weight i, its result) reads them. Checks the counts, the
+// buffers and their ranks.
+template <ffi::DataType R, typename F>
+ffi::Error for_each_weight(const ffi::RemainingArgs& args, const ffi::RemainingRets& outs, size_t per,
+                           const char* kernel, const F& f) {
+  std::string name(kernel);
+  if (outs.size() == 0 || args.size() != per * outs.size())
+    return ffi::Error::InvalidArgument(name + ": " + std::to_string(per) + " weight argument(s) a result");
+  for (size_t i = 0; i < outs.size(); ++i) {
+    std::vector<ffi::AnyBuffer> a;
+    for (size_t j = 0; j < per; ++j) {
+      auto b = args.get<ffi::AnyBuffer>(per * i + j);
+      if (!b.has_value()) return ffi::Error::InvalidArgument(name + ": weight arguments must be buffers");
+      if (auto e = rank3(*b, "weights"); e.failure()) return e;
+      a.push_back(*b);
+    }
+    auto y = outs.get<ffi::Buffer<R>>(i);
+    if (!y.has_value()) return ffi::Error::InvalidArgument(name + ": a result of the wrong type");
+    if (auto e = f(i, a, (*y)->typed_data()); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
 // One or several weights (bf16 or f32, [K, N_i] with `kn`, else [N_i, K]) times the same rows x [M, K] into
 // y_i [M, N_i], as one job. kn: each weight's K is cut into the same blocks as for one weight alone (so the sums
 // do not depend on how many weights share the call), each block into a partial sum, added in block order.
@@ -325,21 +350,17 @@ ffi::Error check_activations(const ffi::AnyBuffer& x) {
 ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
                        ffi::RemainingRets outs, bool kn) {
   if (auto e = check_activations(x); e.failure()) return e;
-  size_t count = outs.size();
-  if (count == 0 || weights.size() != count) return ffi::Error::InvalidArgument("float_matmul: one weight a result");
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  std::vector<FloatPart> parts(count);
-  for (size_t i = 0; i < count; ++i) {
-    auto w = weights.get<ffi::AnyBuffer>(i);
-    auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("float_matmul: weights, f32 results");
-    if (auto e = rank3(*w, "w"); e.failure()) return e;
-    bool bf16 = w->element_type() == ffi::BF16;
-    if (!bf16 && w->element_type() != ffi::F32) return ffi::Error::InvalidArgument("float_matmul: w must be bf16 or f32");
-    parts[i] = {bf16 ? static_cast<const void*>(at_layer<uint16_t>(*w, layer))
-                     : static_cast<const void*>(at_layer<float>(*w, layer)),
-                bf16, kn ? w->dimensions()[2] : w->dimensions()[1], (*y)->typed_data()};
-  }
+  std::vector<FloatPart> parts(outs.size());
+  auto read = [&](size_t i, const std::vector<ffi::AnyBuffer>& w, float* y) {
+    bool bf16 = w[0].element_type() == ffi::BF16;
+    if (!bf16 && w[0].element_type() != ffi::F32) return ffi::Error::InvalidArgument("float_matmul: w must be bf16 or f32");
+    parts[i] = {bf16 ? static_cast<const void*>(at_layer<uint16_t>(w[0], layer))
+                     : static_cast<const void*>(at_layer<float>(w[0], layer)),
+                bf16, kn ? w[0].dimensions()[2] : w[0].dimensions()[1], y};
+    return ffi::Error::Success();
+  };
+  if (auto e = for_each_weight<ffi::F32>(weights, outs, 1, "float_matmul", read); e.failure()) return e;
   std::vector<float> tmp;
   float_call(activations_f32(x, tmp), M, K, parts, kn);
   return ffi::Error::Success();
@@ -410,20 +431,15 @@ std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool q4_la
 // i is int32 [M, N_i] (q, k and v, or gate and up, in one call).
 ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
                       ffi::RemainingRets outs) {
-  size_t count = outs.size();
-  if (count == 0 || weights.size() != count)
-    return ffi::Error::InvalidArgument("i8i8_matmul: one weight a result");
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
-  std::vector<const int8_t*> ws(count);
-  std::vector<int32_t*> ys(count);
-  std::vector<int64_t> Ns(count);
-  for (size_t i = 0; i < count; ++i) {
-    auto w = weights.get<ffi::AnyBuffer>(i);
-    auto y = outs.get<ffi::Buffer<ffi::S32>>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("i8i8_matmul: int8 weights, int32 results");
-    if (auto e = rank3(*w, "w"); e.failure()) return e;
-    ws[i] = at_layer<int8_t>(*w, layer), ys[i] = (*y)->typed_data(), Ns[i] = w->dimensions()[1];
-  }
+  std::vector<const int8_t*> ws(outs.size());
+  std::vector<int32_t*> ys(outs.size());
+  std::vector<int64_t> Ns(outs.size());
+  auto read = [&](size_t i, const std::vector<ffi::AnyBuffer>& w, int32_t* y) {
+    ws[i] = at_layer<int8_t>(w[0], layer), ys[i] = y, Ns[i] = w[0].dimensions()[1];
+    return ffi::Error::Success();
+  };
+  if (auto e = for_each_weight<ffi::S32>(weights, outs, 1, "i8i8_matmul", read); e.failure()) return e;
   split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) { i8_rows(x.typed_data(), M, K, ws[i], ys[i], Ns[i], n0, n1); });
   return ffi::Error::Success();
 }
@@ -438,33 +454,25 @@ ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::
 ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs weights,
                             ffi::RemainingRets outs, int32_t bits, bool symmetric, bool int8_activations) {
   if (auto e = check_activations(x); e.failure()) return e;
-  size_t count = outs.size();
-  if (count == 0 || weights.size() != 3 * count || (bits != 8 && bits != 4))
-    return ffi::Error::InvalidArgument("weight_only_matmul: 3 arguments (values, scale, offset) a result, bits 8|4");
+  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("weight_only_matmul: bits must be 8 or 4");
   int64_t M = x.dimensions()[0], K = x.dimensions()[1];
   if (int8_activations && (bits != 4 || !symmetric || K % 64))
     return ffi::Error::InvalidArgument("weight_only_matmul: int8 activations need symmetric int4 codes, K % 64 == 0");
   struct Part { const void* w; const float *scale, *offset; int64_t N, G; float* y; };
-  std::vector<Part> parts(count);
-  for (size_t i = 0; i < count; ++i) {
-    auto w = weights.get<ffi::AnyBuffer>(3 * i), scale = weights.get<ffi::AnyBuffer>(3 * i + 1),
-         offset = weights.get<ffi::AnyBuffer>(3 * i + 2);
-    auto y = outs.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !scale.has_value() || !offset.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument("weight_only_matmul: weights must be buffers, results f32");
-    for (auto* b : {&*w, &*scale, &*offset})
-      if (auto e = rank3(*b, "values, scale and offset"); e.failure()) return e;
+  std::vector<Part> parts(outs.size());
+  auto read = [&](size_t i, const std::vector<ffi::AnyBuffer>& a, float* y) {  // values, scale, offset
     Part& p = parts[i];
-    p.N = w->dimensions()[1], p.G = scale->dimensions()[2];
+    p.N = a[0].dimensions()[1], p.G = a[1].dimensions()[2];
     if (p.G != parts[0].G && bits == 4 && !symmetric)
       return ffi::Error::InvalidArgument("weight_only_matmul: int4 weights with a min must share their groups");
     if (int8_activations && p.G * 32 != K)
       return ffi::Error::InvalidArgument("weight_only_matmul: int8 activations need one scale a 32-input block");
-    p.w = bits == 8 ? static_cast<const void*>(at_layer<int8_t>(*w, layer))
-                    : static_cast<const void*>(at_layer<uint8_t>(*w, layer));
-    p.scale = at_layer<float>(*scale, layer), p.offset = at_layer<float>(*offset, layer);
-    p.y = (*y)->typed_data();
-  }
+    p.w = bits == 8 ? static_cast<const void*>(at_layer<int8_t>(a[0], layer))
+                    : static_cast<const void*>(at_layer<uint8_t>(a[0], layer));
+    p.scale = at_layer<float>(a[1], layer), p.offset = at_layer<float>(a[2], layer), p.y = y;
+    return ffi::Error::Success();
+  };
+  if (auto e = for_each_weight<ffi::F32>(weights, outs, 3, "weight_only_matmul", read); e.failure()) return e;
   std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
   std::vector<int16_t> xq = int8_activations ? std::vector<int16_t>()
