@@ -15,6 +15,10 @@ from pathlib import Path
 # The ISA levels the source builds for, lowest first: compiler flags and the /proc/cpuinfo flags each needs.
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    # 32 vector registers (EVEX) and the integer dot products vpdpbusd / vpdpwssd on 256-bit vectors
+    "avx512_vnni": (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                     "-mavx512vnni"),
+                    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
 }
 _OFF = ("0", "off", "false", "no")
 

@@ -49,6 +49,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxinfer_gemv::at_layer;
+using jaxinfer_gemv::dot_i16;
+using jaxinfer_gemv::dot_u8i8;
 using jaxinfer_gemv::hsum;
 using jaxinfer_gemv::hsum_i32;
 using jaxinfer_gemv::A8Chunk;
@@ -96,7 +98,6 @@ void split_rows(const std::vector<int64_t>& Ns, const F& f) {
 // pair sum saturates int16 (2 * 127 * 127 < 32767).
 template <int MG, int NR>
 void i8_block(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n, int64_t m0) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[MG][NR];
   for (int i = 0; i < MG; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_si256();
@@ -111,8 +112,7 @@ void i8_block(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t N
     for (int i = 0; i < MG; ++i) {
       __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (m0 + i) * K + k));
       for (int r = 0; r < NR; ++r) {
-        __m256i p = _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(xv, wv[r]));
-        acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(p, ones));
+        acc[i][r] = dot_u8i8(acc[i][r], wa[r], _mm256_sign_epi8(xv, wv[r]));
       }
     }
   }
@@ -135,15 +135,13 @@ void i8_rows_fixed(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32
 // One activation row, one weight row at a time (a single stream reads cold weights fastest, measured), two int32
 // chains over K.
 void i8_row(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t n) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* row = w + n * K;
   __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int64_t k = 0; k < K; k += 32) {
     if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
     __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
     __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
-    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-    acc[(k >> 5) & 1] = _mm256_add_epi32(acc[(k >> 5) & 1], _mm256_madd_epi16(p, ones));
+    acc[(k >> 5) & 1] = dot_u8i8(acc[(k >> 5) & 1], _mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
   }
   y[n] = hsum_i32(_mm256_add_epi32(acc[0], acc[1]));
 }
@@ -185,7 +183,7 @@ void i16_block(const int16_t* x, int64_t K, const int8_t* w, const float* scale,
         }
         for (int i = 0; i < MG; ++i) {
           __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (m0 + i) * K + k));
-          for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_add_epi32(acc[i][r], _mm256_madd_epi16(xv, wv[r]));
+          for (int r = 0; r < NR; ++r) acc[i][r] = dot_i16(acc[i][r], xv, wv[r]);
         }
       }
       for (int r = 0; r < NR; ++r) {
@@ -214,8 +212,7 @@ void i16_g32_row(const int16_t* x, int64_t K, const int8_t* w, const float* scal
     __m256 s = _mm256_broadcast_ss(ws + g);
     for (int i = 0; i < MG; ++i) {
       const __m256i* xc = reinterpret_cast<const __m256i*>(x + (m0 + i) * K + 32 * g);
-      __m256i b = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xc)),
-                                   _mm256_madd_epi16(w1, _mm256_loadu_si256(xc + 1)));
+      __m256i b = dot_i16(_mm256_madd_epi16(w0, _mm256_loadu_si256(xc)), w1, _mm256_loadu_si256(xc + 1));
       total[g & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), s, total[g & 1][i]);
     }
   }

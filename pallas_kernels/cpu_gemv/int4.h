@@ -65,11 +65,16 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
       __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(ws + g0)), _mm_broadcast_ss(ws + g1), 1);
       for (int i = 0; i < MG; ++i) {
         const __m256i* xc = reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 64 * c);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        __m256i b = _mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc));
+        for (int j = 1; j < 4; ++j) b = dot_i16(b, wv[j], _mm256_loadu_si256(xc + j));
+#else
         __m256i b = _mm256_add_epi32(
             _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
                              _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
             _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
                              _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
+#endif
         __m256& a = acc[kChains == 2 ? (c & 1) : 0][r][i];
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), sv, a);
       }
@@ -122,13 +127,14 @@ void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const u
 // q4a8_nk: symmetric codes (w = s * (c - 8)), one scale a 32-input block, times activations quantized per block of
 // 32 inputs to int8 (scale amax / 127, x / scale rounded to nearest even: `models.quant.quantize_rows`' numbers).
 // vpmaddubsw multiplies the unsigned codes by the signed activations (a pair sum is at most 2 * 15 * 127, no
-// saturation); the -8 is taken off each block's int32 sum as 8 x the block's activation sum; each block's sum is
+// saturation; with AVX-512 VNNI, vpdpbusd adds the products of four straight into int32 lanes that start at the
+// offset); the -8 is taken off each block's int32 sum as 8 x the block's activation sum; each block's sum is
 // scaled by (weight scale x activation scale) into the f32 totals. Per 64-input chunk (two blocks) the
 // activations are laid out once a call (`A8Chunk`): the even inputs in one 32-byte vector, the odd ones in
 // another, each block in its own 128-bit lane, as the codes' nibbles fall.
 struct A8Chunk {
   int8_t even[32], odd[32];  // inputs 2j and 2j + 1 (j < 16: block 0, low lane; j >= 16: block 1, high lane)
-  int32_t offset[8];          // lanes 0-3: 2 x block 0's activation sum, lanes 4-7: block 1's (4 lanes: 8 x)
+  int32_t offset[8];          // lanes 0-3: -2 x block 0's activation sum, lanes 4-7: block 1's (4 lanes: -8 x)
   float scale[8];             // lanes 0-3: block 0's activation scale, lanes 4-7: block 1's
 };
 
@@ -166,7 +172,7 @@ inline std::vector<A8Chunk> a8_chunks(const float* x, int64_t M, int64_t K) {
           ch.even[16 * b + j] = int8_t(e), ch.odd[16 * b + j] = int8_t(o), sum += e + o;
         }
         for (int i = 0; i < 4; ++i)
-          ch.offset[4 * b + i] = 2 * sum, ch.scale[4 * b + i] = finite ? scale : std::numeric_limits<float>::quiet_NaN();
+          ch.offset[4 * b + i] = -2 * sum, ch.scale[4 * b + i] = finite ? scale : std::numeric_limits<float>::quiet_NaN();
       }
     }
   return out;
@@ -176,7 +182,8 @@ inline std::vector<A8Chunk> a8_chunks(const float* x, int64_t M, int64_t K) {
 template <int MG, int NR>
 void q4a8_block(const A8Chunk* xc, int64_t K, const uint8_t* w, const float* scale, float* y, int64_t N, int64_t n,
                 int64_t m0) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int64_t G = K / 32, C = K / 64;
   __m256 acc[MG][NR];
   for (int i = 0; i < MG; ++i)
@@ -199,8 +206,12 @@ void q4a8_block(const A8Chunk* xc, int64_t K, const uint8_t* w, const float* sca
       __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.offset));
       __m256 xs = _mm256_loadu_ps(x.scale);
       for (int r = 0; r < NR; ++r) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        __m256i d = dot_u8i8(dot_u8i8(offset, lo[r], even), hi[r], odd);
+#else
         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], even), _mm256_maddubs_epi16(hi[r], odd));
-        __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(p, ones), offset);
+        __m256i d = _mm256_add_epi32(_mm256_madd_epi16(p, ones), offset);
+#endif
         acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws[r], xs), acc[i][r]);
       }
     }
