@@ -89,7 +89,7 @@ from jaxinfer.scheduler.chunk import ScheduledChunk
 from models import quant
 from models.config import ModelConfig
 from models.llama import KVCache
-from pallas_kernels import cpu_gemv
+from pallas_kernels import cpu_features, cpu_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ CONTEXT = 128  # cached tokens of every sequence in the timed decode step
 KV_BYTES = 256 << 20  # each engine's KV cache budget
 NATIVE = {"on": (True,), "off": (False,), "both": (True, False)}  # --native -> kernels allowed, per engine
 NATIVE_VARIABLE = "JAXINFER_NATIVE_KERNELS"  # "0" turns the native CPU kernels off (`pallas_kernels.cpu_gemv`)
+ISA_VARIABLE = "JAXINFER_NATIVE_ISA"  # the kernels' ISA level (`pallas_kernels.cpu_features`)
 PEER_WARMUP_STEPS = 2  # the peers' untimed decode steps
 
 
@@ -137,6 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--native", choices=list(NATIVE), default="on",
                         help="the native CPU matmul kernels: on (the engine's default: where they apply), off (XLA "
                              "only), both (each format twice) (default: %(default)s)")
+    parser.add_argument("--isa", default="",
+                        help="comma-separated ISA levels of the native kernels, each format's native engine once "
+                             "per level (" + ", ".join(cpu_features.ISA_LEVELS) + ", or 'all' this CPU runs; "
+                             "default: the highest it runs)")
     parser.add_argument("--gemv", action="store_true",
                         help="also the kernel micro-benchmark: GB/s of one native call over a large weight vs XLA")
     parser.add_argument("--gemv-mib", type=float, default=256, help="MiB of the micro-benchmark's weight values")
@@ -148,14 +153,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(llamacpp_types="Q4_0,Q8_0,BF16")
 
 
-def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], list[int]]:
-    """(formats, batch sizes, micro-benchmark rows) of the options.
+def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[str | None]]:
+    """(formats, batch sizes, micro-benchmark rows, ISA levels of the native engines: [None] for the default) of
+    the options.
 
     Raises:
       ValueError: an unknown format or llama.cpp type, a batch below 1, --reps / --peer-steps / --gemv-reps below
         1, a context limit below 129 tokens, micro-benchmark rows outside [1, `cpu_gemv.MAX_ROWS`], a --gemv-mib
         <= 0, or `--native both` where the native kernels are not available (turned off, not on CPU, or no
-        supported ISA level).
+        supported ISA level), an --isa level this CPU cannot run.
     """
     formats = list(dict.fromkeys(f.strip() for f in args.formats.split(";") if f.strip()))  # once each, in order
     unknown = [f for f in formats if f not in FORMATS]
@@ -176,7 +182,22 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     if args.native == "both" and not cpu_gemv.active():
         raise ValueError("--native both: the native CPU matmul kernels are not available here (JAXINFER_NATIVE_"
                          "KERNELS=0, a backend other than CPU, or a CPU without AVX2 + FMA); use --native off")
-    return formats, batches, gemv_rows
+    return formats, batches, gemv_rows, isa_levels(args.isa)
+
+
+def isa_levels(text: str) -> list[str | None]:
+    """The `--isa` levels, lowest first: [None] (the default level) for ""; every level this CPU runs for "all".
+
+    Raises:
+      ValueError: a level that is unknown or that this CPU cannot run.
+    """
+    supported = cpu_features.supported_levels()
+    wanted = supported if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in wanted if t not in supported]
+    if bad:
+        raise ValueError(f"--isa: {bad} not among the levels this CPU runs ({', '.join(supported) or 'none'}; "
+                         f"known: {', '.join(cpu_features.ISA_LEVELS)})")
+    return [t for t in supported if t in wanted] or [None]
 
 
 def _ints(option: str, text: str) -> list[int]:
@@ -232,6 +253,7 @@ def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]
         fn()  # compiles
         row = {"format": name, "batch": batch, "model": engine.runner.cfg.name,
                "matmuls": "native" if native and cpu_gemv.active() else "XLA",
+               "isa": cpu_gemv.isa_level() if native and cpu_gemv.active() else None,
                "weight_bytes": engine.weight_bytes["bytes"], "weight_mib": engine.weight_bytes["bytes"] / 2**20,
                "quantized_share": engine.weight_bytes["quantized_share"], "kv_bytes": kv_per_token * CONTEXT * batch,
                "step_bytes": step_bytes(engine, batch), "times": []}
@@ -242,47 +264,53 @@ def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]
 
 
 @contextlib.contextmanager
-def native_kernels(allowed: bool) -> Iterator[None]:
-    """Inside the block, `JAXINFER_NATIVE_KERNELS` is unset (allowed) or "0" (off); put back afterwards. The
-    user's switch, read where the step is traced and where the runner pads a batch (`pallas_kernels.cpu_gemv
-    .active()`), unlike `models.quant_matmul.native_matmuls`, which only the model's trace reads."""
-    saved = os.environ.pop(NATIVE_VARIABLE, None)
+def native_kernels(allowed: bool, isa: str | None = None) -> Iterator[None]:
+    """Inside the block, `JAXINFER_NATIVE_KERNELS` is unset (allowed) or "0" (off), and `JAXINFER_NATIVE_ISA` is
+    `isa` (unset for None); both put back afterwards. The user's switches, read where the step is traced and where
+    the runner pads a batch (`pallas_kernels.cpu_gemv.active()`), unlike `models.quant_matmul.native_matmuls`,
+    which only the model's trace reads."""
+    saved = {v: os.environ.pop(v, None) for v in (NATIVE_VARIABLE, ISA_VARIABLE)}
     if not allowed:
         os.environ[NATIVE_VARIABLE] = "0"
+    if isa is not None:
+        os.environ[ISA_VARIABLE] = isa
     try:
         yield
     finally:
-        os.environ.pop(NATIVE_VARIABLE, None)
-        if saved is not None:
-            os.environ[NATIVE_VARIABLE] = saved
+        for variable, value in saved.items():
+            os.environ.pop(variable, None)
+            if value is not None:
+                os.environ[variable] = value
 
 
-def measure(args: argparse.Namespace, formats: list[str], batches: list[int]) -> tuple[list[dict], ModelConfig]:
-    """Decode step times of every format, native setting (`--native`) and batch, interleaved over `--reps`
-    rounds; each engine stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
+def measure(args: argparse.Namespace, formats: list[str], batches: list[int],
+            isas: list[str | None] = (None,)) -> tuple[list[dict], ModelConfig]:
+    """Decode step times of every format, native setting (`--native`; native engines once per ISA level of `isas`)
+    and batch, interleaved over `--reps` rounds; each engine stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
     slow to interleave. Every call of an engine built without the native kernels, its compile included, runs
     with `JAXINFER_NATIVE_KERNELS=0` (`native_kernels`), as a user turns them off.
 
     Returns:
-      (one row per format, native setting and batch, the model's config).
+      (one row per format, native setting, ISA level and batch, the model's config).
     """
     setups = []
     for name in formats:
-        for native in NATIVE[args.native]:
+        for native, isa in [(n, i) for n in NATIVE[args.native] for i in (isas if n else [None])]:
             t0 = time.perf_counter()
-            with native_kernels(native):
+            with native_kernels(native, isa):
                 calls, cfg = _setup(args, name, native, batches)
-            setups += [(fn, native, row) for fn, row in calls]
-            logger.info("%s (%s) ready in %.1f s", name, calls[0][1]["matmuls"], time.perf_counter() - t0)
+            setups += [(fn, native, isa, row) for fn, row in calls]
+            logger.info("%s (%s %s) ready in %.1f s", name, calls[0][1]["matmuls"], calls[0][1]["isa"] or "",
+                        time.perf_counter() - t0)
     rng = np.random.default_rng(0)
     for _ in range(args.reps):
         for i in rng.permutation(len(setups)):
-            fn, native, row = setups[i]
-            with native_kernels(native):
+            fn, native, isa, row = setups[i]
+            with native_kernels(native, isa):
                 t0 = time.perf_counter()
                 fn()
                 row["times"].append(time.perf_counter() - t0)
-    rows = [row for _, _, row in setups]
+    rows = [row for *_, row in setups]
     for row in rows:
         times = row.pop("times")
         ms = 1e3 * statistics.median(times)
@@ -313,15 +341,19 @@ def run(args: argparse.Namespace) -> Report:
     """Checks the options and the peers' paths, measures the roofline probe, every format's decode steps, the
     peers and (`--gemv`) the kernel micro-benchmark."""
     t0 = time.perf_counter()
-    formats, batches, gemv_rows = check_arguments(args)
+    formats, batches, gemv_rows, isas = check_arguments(args)
     peers.check_peer_paths(args, model_setup.model_path(args.model))
     bandwidth = measure_bandwidth(args.bw_gib, args.bw_reps, others=False)
-    rows, cfg = measure(args, formats, batches)
+    rows, cfg = measure(args, formats, batches, isas)
     data = {"bandwidth": bandwidth, "context": CONTEXT, "native": args.native, "rows": rows,
             "kv_bytes_per_token_f16": model_setup.kv_bytes_per_token(cfg, 2)}
     data["peer"], data["llamacpp"] = run_peers(args, cfg.vocab_size)
     if args.gemv:
-        data["gemv"] = gemv_stream.measure(list(gemv_stream.KINDS), gemv_rows, args.gemv_mib, args.gemv_reps)
+        data["gemv"] = []
+        for isa in isas:
+            with native_kernels(True, isa):
+                data["gemv"] += [{**g, "isa": cpu_gemv.isa_level()} for g in
+                                 gemv_stream.measure(list(gemv_stream.KINDS), gemv_rows, args.gemv_mib, args.gemv_reps)]
     # Other jobs on the shared VM pull the probe down for minutes at a time: it runs again at the end, and the
     # better reading is the bandwidth every roofline divides by (as `jaxinfer bench step` does).
     data["bandwidth_end"] = measure_bandwidth(args.bw_gib, args.bw_reps, others=False)

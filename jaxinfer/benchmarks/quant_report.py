@@ -39,7 +39,7 @@ def _format_rows(rows: list[dict]) -> list[list[str]]:
     for r in rows:
         base = xla.get(_key(r)) if r["matmuls"] == "native" else None
         copies = r.get("copies")
-        body.append([r["format"], r["matmuls"], str(r["batch"]), f"{r['weight_mib']:.0f}",
+        body.append([r["format"], r["matmuls"] + (f" ({r['isa']})" if r.get("isa") else ""), str(r["batch"]), f"{r['weight_mib']:.0f}",
                      f"{r['quantized_share'] * 100:.1f}%", f"{r['ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f})",
                      f"{r['tok_s']:.1f}", f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "",
                      f"{r['roofline_tok_s']:.0f}", f"{r['of_roofline'] * 100:.0f}%",
@@ -92,7 +92,7 @@ def _gemv_table(gemv: list[dict], gb_s: float) -> list[str]:
     body = []
     for g in gemv:
         nat = g["native_gb_s"]
-        body.append([g["kind"], str(g["rows"]), f"[{g['n']}, {g['k']}]", f"{g['bytes'] / 2**20:.0f}",
+        body.append([g["kind"] + (f" ({g['isa']})" if g.get("isa") else ""), str(g["rows"]), f"[{g['n']}, {g['k']}]", f"{g['bytes'] / 2**20:.0f}",
                      "-" if nat is None else f"{g['native_ms']:.2f}", "-" if nat is None else f"{nat:.1f}",
                      "-" if nat is None else f"{nat / gb_s * 100:.0f}%", f"{g['xla_ms']:.2f}",
                      f"{g['xla_gb_s']:.2f}", "-" if nat is None else f"{nat / g['xla_gb_s']:.1f}x"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.benchmarks.quant import CONTEXT, SECTION
+from pallas_kernels import cpu_features
 from jaxinfer.loading.hf import load_hf_weights
 from tests.jaxinfer.benchmarks.bench_runner import STUB_PEER, assert_positive_finite, run_bench
 from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir
@@ -39,8 +40,10 @@ def test_quant_report(tmp_path):
     assert rows[("bf16", 1)]["copies"] == [] and rows[("int8 (w8a8)", 1)]["copies"] == []
     begin, end = SECTION
     section = written[written.index(begin):written.index(end)]
-    matmuls = rows[("int8 (w8a8)", 1)]["matmuls"]  # native where the kernels run (the default), else XLA
-    assert f"| int8 (w8a8) | {matmuls} | 1 |" in section and "- Batch 1: int8 (w8a8)" in section
+    w8a8 = rows[("int8 (w8a8)", 1)]  # native (at the CPU's highest ISA level) where the kernels run, else XLA
+    assert (w8a8["matmuls"], w8a8["isa"]) in [("native", cpu_features.supported_levels()[-1]), ("XLA", None)]
+    cell = w8a8["matmuls"] + (f" ({w8a8['isa']})" if w8a8["isa"] else "")
+    assert f"| int8 (w8a8) | {cell} | 1 |" in section and "- Batch 1: int8 (w8a8)" in section
 
 
 @pytest.mark.parametrize("options, message", [
@@ -53,6 +56,7 @@ def test_quant_report(tmp_path):
     (("--llamacpp-python", "/nonexistent/python"), "--llamacpp-python /nonexistent/python: no such interpreter"),
     (("--formats", " ; "), "--formats ' ; ' names no format"),
     (("--formats", "bf16;int9"), "--formats: unknown ['int9']"),
+    (("--isa", "avx2,sse9"), "--isa: ['sse9'] not among the levels this CPU runs"),
 ])
 def test_quant_bad_options_name_the_problem(options, message, capsys):
     from jaxinfer.cli import main
@@ -135,9 +139,9 @@ def test_gemv_weight_checks():
 
 
 def test_quant_native_both_peers_and_gemv(tmp_path):
-    """One run of every new part on the tiny HF Llama: weight-only int8 with the native kernels and with XLA, the
-    stub peers, and a 0.25 MiB micro-benchmark; the kernels are in the native step's HLO and not in XLA's, and the
-    peers' rooflines follow from their bytes."""
+    """One run of every new part on the tiny HF Llama: weight-only int8 with the native kernels (at every ISA level
+    this CPU runs, `--isa all`) and with XLA, the stub peers, and a 0.25 MiB micro-benchmark; the kernels are in
+    the native steps' HLO and not in XLA's, and the peers' rooflines follow from their bytes."""
     from pallas_kernels import cpu_gemv
 
     if not cpu_gemv.active():
@@ -148,11 +152,17 @@ def test_quant_native_both_peers_and_gemv(tmp_path):
     report, written = run_bench(tmp_path, "quant", "--model", str(model), "--formats", "int8 weight-only",
                                 "--batches", "1", "--reps", "1", "--max-model-len", "256", "--bw-gib", "0.016",
                                 "--bw-reps", "1", "--native", "both", "--gemv", "--gemv-mib", "0.25",
-                                "--gemv-rows", "1,8", "--gemv-reps", "1", "--peer-steps", "2", *stub)
+                                "--gemv-rows", "1,8", "--gemv-reps", "1", "--peer-steps", "2", "--isa", "all", *stub)
     data = report["data"]
-    rows = {r["matmuls"]: r for r in data["rows"]}
-    assert set(rows) == {"native", "XLA"} and rows["native"]["weight_bytes"] == rows["XLA"]["weight_bytes"]
-    assert rows["native"]["native_calls"].get("weight_only_matmul", 0) >= 1 and rows["XLA"]["native_calls"] == {}
+    levels = cpu_features.supported_levels()
+    rows = {(r["matmuls"], r["isa"]): r for r in data["rows"]}
+    assert set(rows) == {("native", level) for level in levels} | {("XLA", None)}
+    for level in levels:
+        native = rows[("native", level)]
+        assert native["weight_bytes"] == rows[("XLA", None)]["weight_bytes"]
+        assert native["native_calls"].get("weight_only_matmul", 0) >= 1
+        assert f"| int8 weight-only | native ({level}) | 1 |" in written
+    assert rows[("XLA", None)]["native_calls"] == {}
     cfg, _ = load_hf_weights(model, np.float32)
     kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     peer_rows = {(p["peer"], p["weights"]): p for p in data["peer_rows"]}
@@ -161,17 +171,17 @@ def test_quant_native_both_peers_and_gemv(tmp_path):
     assert q4["tok_s"] == 20.0  # the stub's 50 ms step
     assert q4["roofline_tok_s"] == pytest.approx(data["roofline_gb_s"] * 1e9 / (70e6 + kv_f16 * q4["context"]))
     assert peer_rows[("HF transformers", "bfloat16")]["roofline_tok_s"] is None  # no bf16 row to take bytes from
-    assert [(g["kind"], g["rows"]) for g in data["gemv"]] == [(k, m) for k in ("bf16", "int8 weight-only",
-                                                                                "int8 (w8a8)", "int4 g32")
-                                                               for m in (1, 8)]
+    assert [(g["isa"], g["kind"], g["rows"]) for g in data["gemv"]] == [
+        (level, k, m) for level in levels for k in ("bf16", "int8 weight-only", "int8 (w8a8)", "int4 g32")
+        for m in (1, 8)]
     for g in data["gemv"]:
         for key in ("native_gb_s", "xla_gb_s"):
             assert_positive_finite(g[key], key)
         assert g["native_gb_s"] == pytest.approx(g["bytes"] / g["native_ms"] / 1e6)
     begin, end = SECTION
     section = written[written.index(begin):written.index(end)]
-    for expected in ("| int8 weight-only | native | 1 |", "| int8 weight-only | XLA | 1 |",
-                     "| llama.cpp | Q4_0 | ", "Kernel micro-benchmark", "| int4 g32 | 8 | [128, 4096] | 0 |",
+    for expected in ("| int8 weight-only | XLA | 1 |",
+                     "| llama.cpp | Q4_0 | ", "Kernel micro-benchmark", "| int4 g32 (avx2) | 8 | [128, 4096] | 0 |",
                      "- Batch 1, native kernels over XLA (tok/s): int8 weight-only ",
                      "- Goal: >= 70% of the weight-read roofline"):
         assert expected in section, expected
