@@ -130,7 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--formats", default=";".join(FORMATS),
                         help="';'-separated weight formats (default: all: " + "; ".join(FORMATS) + ")")
     parser.add_argument("--batches", default="1,32", help="decode batch sizes")
-    parser.add_argument("--reps", type=int, default=15, help="timed calls per format and batch")
+    parser.add_argument("--reps", type=int, default=15, help="rounds: timed calls per format and batch")
+    parser.add_argument("--burst", type=int, default=1,
+                        help="calls of each engine in a row a round: 1 (default) times each call after the other "
+                             "engines' calls, its weights as far out of the caches as they left them; B > 1 runs "
+                             "one untimed call, then times B - 1 calls in a row (as the peers time their steps), "
+                             "which on a CPU whose last-level cache holds the weights is the speed of a lone engine")
     parser.add_argument("--max-model-len", type=int, default=512,
                         help="each engine's context limit (sets the page-table width of the step)")
     parser.add_argument("--bw-gib", type=float, default=1.0, help="GiB the roofline probe reads")
@@ -170,8 +175,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     if unknown:
         raise ValueError(f"--formats: unknown {unknown}; known: {'; '.join(FORMATS)}")
     batches, gemv_rows = _ints("--batches", args.batches), _ints("--gemv-rows", args.gemv_rows)
-    if not batches or min(batches) < 1 or min(args.reps, args.peer_steps, args.gemv_reps) < 1:
-        raise ValueError("--batches needs integers >= 1; --reps, --peer-steps and --gemv-reps must be >= 1")
+    if not batches or min(batches) < 1 or min(args.reps, args.peer_steps, args.gemv_reps, args.burst) < 1:
+        raise ValueError("--batches needs integers >= 1; --reps, --burst, --peer-steps and --gemv-reps must be >= 1")
     if args.max_model_len <= CONTEXT:
         raise ValueError(f"--max-model-len {args.max_model_len} must exceed the timed context ({CONTEXT} tokens)")
     if args.gemv and (not gemv_rows or not all(1 <= m <= cpu_gemv.MAX_ROWS for m in gemv_rows)
@@ -286,7 +291,7 @@ def native_kernels(allowed: bool, isa: str | None = None) -> Iterator[None]:
 def measure(args: argparse.Namespace, formats: list[str], batches: list[int],
             isas: list[str | None] = (None,)) -> tuple[list[dict], ModelConfig]:
     """Decode step times of every format, native setting (`--native`; native engines once per ISA level of `isas`)
-    and batch, interleaved over `--reps` rounds; each engine stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
+    and batch, interleaved over `--reps` rounds (`--burst` calls of an engine in a row a round); each engine stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
     slow to interleave. Every call of an engine built without the native kernels, its compile included, runs
     with `JAXINFER_NATIVE_KERNELS=0` (`native_kernels`), as a user turns them off.
 
@@ -307,9 +312,12 @@ def measure(args: argparse.Namespace, formats: list[str], batches: list[int],
         for i in rng.permutation(len(setups)):
             fn, native, isa, row = setups[i]
             with native_kernels(native, isa):
-                t0 = time.perf_counter()
-                fn()
-                row["times"].append(time.perf_counter() - t0)
+                if args.burst > 1:
+                    fn()  # back into the caches after the other engines' calls
+                for _ in range(max(1, args.burst - 1)):
+                    t0 = time.perf_counter()
+                    fn()
+                    row["times"].append(time.perf_counter() - t0)
     rows = [row for *_, row in setups]
     for row in rows:
         times = row.pop("times")

@@ -21,7 +21,7 @@ def test_quant_report(tmp_path):
     model = make_tiny_model_dir(tmp_path / "tiny")
     report, written = run_bench(tmp_path, "quant", "--model", str(model), "--formats", "bf16;int8 (w8a8)",
                                 "--batches", "1", "--reps", "1", "--max-model-len", "256", "--bw-gib", "0.016",
-                                "--bw-reps", "1")
+                                "--bw-reps", "1", "--burst", "3")
     data = report["data"]
     rows = {(r["format"], r["batch"]): r for r in data["rows"]}
     assert list(rows) == [("bf16", 1), ("int8 (w8a8)", 1)]
@@ -43,7 +43,7 @@ def test_quant_report(tmp_path):
     w8a8 = rows[("int8 (w8a8)", 1)]  # native (at the CPU's highest ISA level) where the kernels run, else XLA
     assert (w8a8["matmuls"], w8a8["isa"]) in [("native", cpu_features.supported_levels()[-1]), ("XLA", None)]
     cell = w8a8["matmuls"] + (f" ({w8a8['isa']})" if w8a8["isa"] else "")
-    assert f"| int8 (w8a8) | {cell} | 1 |" in section and "- Batch 1: int8 (w8a8)" in section
+    assert f"| int8 (w8a8) | {cell} | 1 |" in section and "2 in a row a round per engine after one untimed" in section and "- Batch 1: int8 (w8a8)" in section
 
 
 @pytest.mark.parametrize("options, message", [
@@ -51,7 +51,8 @@ def test_quant_report(tmp_path):
     (("--gemv", "--gemv-rows", "9"), "--gemv-rows '9' needs integers in [1, 8]"),
     (("--gemv", "--gemv-mib", "0"), "--gemv-mib > 0 (got 0.0)"),
     (("--gemv-rows", "1,x"), "--gemv-rows '1,x' is not a list of integers"),
-    (("--peer-steps", "0"), "--reps, --peer-steps and --gemv-reps must be >= 1"),
+    (("--peer-steps", "0"), "--reps, --burst, --peer-steps and --gemv-reps must be >= 1"),
+    (("--burst", "0"), "--reps, --burst, --peer-steps and --gemv-reps must be >= 1"),
     (("--llamacpp-types", "Q4_0,Q5_K"), "--llamacpp-types 'Q4_0,Q5_K': unknown Q5_K"),
     (("--llamacpp-python", "/nonexistent/python"), "--llamacpp-python /nonexistent/python: no such interpreter"),
     (("--formats", " ; "), "--formats ' ; ' names no format"),
