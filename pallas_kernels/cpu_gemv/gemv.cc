@@ -53,10 +53,10 @@ using jaxinfer_gemv::dot_i16;
 using jaxinfer_gemv::dot_u8i8;
 using jaxinfer_gemv::hsum;
 using jaxinfer_gemv::hsum_i32;
-using jaxinfer_gemv::A8Chunk;
+using jaxinfer_gemv::A8Pair;
 using jaxinfer_gemv::float_kn_rows;
 using jaxinfer_gemv::nk_rows;
-using jaxinfer_gemv::a8_chunks;
+using jaxinfer_gemv::a8_pairs;
 using jaxinfer_gemv::q4_position;
 using jaxinfer_gemv::q4_rows;
 using jaxinfer_gemv::q4a8_rows;
@@ -474,7 +474,7 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   const float* xf = activations_f32(x, tmp);
   std::vector<int16_t> xq = int8_activations ? std::vector<int16_t>()
       : int16_rows(xf, M, K, bits == 4, xs, bits == 4 && !symmetric ? &xsum : nullptr, parts[0].G);
-  std::vector<A8Chunk> xa = int8_activations ? a8_chunks(xf, M, K) : std::vector<A8Chunk>();
+  std::vector<A8Pair> xa = int8_activations ? a8_pairs(xf, M, K) : std::vector<A8Pair>();
   std::vector<int64_t> Ns;
   for (const Part& p : parts) Ns.push_back(p.N);
   split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {

@@ -130,22 +130,25 @@ void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const u
 // saturation; with AVX-512 VNNI, vpdpbusd adds the products of four straight into int32 lanes that start at the
 // offset); the -8 is taken off each block's int32 sum as 8 x the block's activation sum; each block's sum is
 // scaled by (weight scale x activation scale) into the f32 totals. Per 64-input chunk (two blocks) the
-// activations are laid out once a call (`A8Chunk`): the even inputs in one 32-byte vector, the odd ones in
-// another, each block in its own 128-bit lane, as the codes' nibbles fall.
-struct A8Chunk {
-  int8_t even[32], odd[32];  // inputs 2j and 2j + 1 (j < 16: block 0, low lane; j >= 16: block 1, high lane)
-  int32_t offset[8];          // lanes 0-3: -2 x block 0's activation sum, lanes 4-7: block 1's (4 lanes: -8 x)
-  float scale[8];             // lanes 0-3: block 0's activation scale, lanes 4-7: block 1's
+// activations are laid out once a call (`A8Pair`, two chunks): the even inputs in one vector, the odd ones in
+// another, each block in its own 128-bit lane, as the codes' nibbles fall (a 256-bit step reads one chunk's half
+// of each field, a 512-bit step both).
+struct A8Pair {
+  int8_t even[64], odd[64];  // chunk h's inputs 2j and 2j + 1 at [32 h + j] (j < 16: block 0, j >= 16: block 1)
+  int32_t offset[16];         // [8 h + 4 b + i]: -2 x the activation sum of chunk h's block b (4 lanes: -8 x)
+  float scale[16];            // [8 h + 4 b + i]: the activation scale of chunk h's block b
 };
 
-// Rows x [M, K] (K a multiple of 64) as A8Chunk [M, K / 64]. A block holding NaN or inf gets a NaN scale, so the
-// row's outputs are NaN (as its float products would not be finite).
-inline std::vector<A8Chunk> a8_chunks(const float* x, int64_t M, int64_t K) {
-  std::vector<A8Chunk> out(M * (K / 64));
+// Rows x [M, K] (K a multiple of 64) as A8Pair [M, ceil(K / 128)] (an odd last chunk fills half a pair). A block
+// holding NaN or inf gets a NaN scale, so the row's outputs are NaN (as its float products would not be finite).
+inline std::vector<A8Pair> a8_pairs(const float* x, int64_t M, int64_t K) {
+  const int64_t P = (K + 127) / 128;
+  std::vector<A8Pair> out(M * P);
   const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K / 64; ++c) {
-      A8Chunk& ch = out[m * (K / 64) + c];
+      A8Pair& pair = out[m * P + c / 2];
+      const int64_t h = c & 1;
       for (int b = 0; b < 2; ++b) {
         const float* r = x + m * K + 64 * c + 32 * b;
         __m256 amax8 = _mm256_setzero_ps(), finite8 = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
@@ -169,26 +172,28 @@ inline std::vector<A8Chunk> a8_chunks(const float* x, int64_t M, int64_t K) {
         int32_t sum = 0;
         for (int j = 0; j < 16; ++j) {
           int32_t e = finite ? q[2 * j] : 0, o = finite ? q[2 * j + 1] : 0;
-          ch.even[16 * b + j] = int8_t(e), ch.odd[16 * b + j] = int8_t(o), sum += e + o;
+          pair.even[32 * h + 16 * b + j] = int8_t(e), pair.odd[32 * h + 16 * b + j] = int8_t(o), sum += e + o;
         }
         for (int i = 0; i < 4; ++i)
-          ch.offset[4 * b + i] = -2 * sum, ch.scale[4 * b + i] = finite ? scale : std::numeric_limits<float>::quiet_NaN();
+          pair.offset[8 * h + 4 * b + i] = -2 * sum,
+          pair.scale[8 * h + 4 * b + i] = finite ? scale : std::numeric_limits<float>::quiet_NaN();
       }
     }
   return out;
 }
 
-// MG activation rows by NR weight rows; the NR rows' codes and scales are read once for the MG rows.
+// MG activation rows by NR weight rows; the NR rows' codes and scales are read once for the MG rows. Chunks
+// [c0, K / 64) in 256-bit steps, added to the sums already in y (c0 = 0: y is set).
 template <int MG, int NR>
-void q4a8_block(const A8Chunk* xc, int64_t K, const uint8_t* w, const float* scale, float* y, int64_t N, int64_t n,
-                int64_t m0) {
+void q4a8_block(const A8Pair* xp, int64_t K, const uint8_t* w, const float* scale, float* y, int64_t N, int64_t n,
+                int64_t m0, int64_t c0 = 0) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t G = K / 32, C = K / 64;
+  const int64_t G = K / 32, C = K / 64, P = (K + 127) / 128;
   __m256 acc[MG][NR];
   for (int i = 0; i < MG; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
+  for (int64_t c = c0; c < C; ++c) {
     __m256i lo[NR], hi[NR];
     __m256 ws[NR];
     for (int r = 0; r < NR; ++r) {
@@ -200,11 +205,12 @@ void q4a8_block(const A8Chunk* xc, int64_t K, const uint8_t* w, const float* sca
       ws[r] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(s)), _mm_broadcast_ss(s + 1), 1);
     }
     for (int i = 0; i < MG; ++i) {
-      const A8Chunk& x = xc[(m0 + i) * C + c];
-      __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even));
-      __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd));
-      __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.offset));
-      __m256 xs = _mm256_loadu_ps(x.scale);
+      const A8Pair& x = xp[(m0 + i) * P + c / 2];
+      const int64_t h = c & 1;
+      __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even + 32 * h));
+      __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd + 32 * h));
+      __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.offset + 8 * h));
+      __m256 xs = _mm256_loadu_ps(x.scale + 8 * h);
       for (int r = 0; r < NR; ++r) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         __m256i d = dot_u8i8(dot_u8i8(offset, lo[r], even), hi[r], odd);
@@ -217,26 +223,69 @@ void q4a8_block(const A8Chunk* xc, int64_t K, const uint8_t* w, const float* sca
     }
   }
   for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(acc[i][r]);
+    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(acc[i][r]) + (c0 > 0 ? y[(m0 + i) * N + n + r] : 0.f);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// The same in 512-bit steps: 128 inputs (a cache line of codes, four blocks, one a 128-bit lane) a step; an odd
+// last chunk in a 256-bit step (q4a8_block from it).
+template <int MG, int NR>
+void q4a8_block512(const A8Pair* xp, int64_t K, const uint8_t* w, const float* scale, float* y, int64_t N, int64_t n,
+                   int64_t m0) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // block scale per lane
+  const int64_t G = K / 32, P = (K + 127) / 128, S = K / 128;
+  __m512 acc[MG][NR];
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    __m512i lo[NR], hi[NR];
+    __m512 ws[NR];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = w + (n + r) * (K / 2) + 64 * s;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      __m512i v = _mm512_loadu_si512(row);
+      lo[r] = _mm512_and_si512(v, low4), hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      ws[r] = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(scale + (n + r) * G + 4 * s)));
+    }
+    for (int i = 0; i < MG; ++i) {
+      const A8Pair& x = xp[(m0 + i) * P + s];
+      __m512i even = _mm512_loadu_si512(x.even), odd = _mm512_loadu_si512(x.odd);
+      __m512i offset = _mm512_loadu_si512(x.offset);
+      __m512 xs = _mm512_loadu_ps(x.scale);
+      for (int r = 0; r < NR; ++r) {
+        __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(offset, lo[r], even), hi[r], odd);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], xs), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < MG; ++i)
+    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = _mm512_reduce_add_ps(acc[i][r]);
+  if (2 * S < K / 64) q4a8_block<MG, NR>(xp, K, w, scale, y, N, n, m0, 2 * S);
+}
+#define JAXINFER_Q4A8_BLOCK q4a8_block512
+#else
+#define JAXINFER_Q4A8_BLOCK q4a8_block
+#endif
+
 // Weight rows [n0, n1) of y [M, N] (complete: no scale left to the caller).
-inline void q4a8_rows(const A8Chunk* xc, int64_t M, int64_t K, const uint8_t* w, const float* scale, float* y,
+inline void q4a8_rows(const A8Pair* xp, int64_t M, int64_t K, const uint8_t* w, const float* scale, float* y,
                       int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (M == 1) {  // as q4_rows_of: 4 rows share the activations at short K, 2 above
     if (K <= 1024)
-      for (; n + 4 <= n1; n += 4) q4a8_block<1, 4>(xc, K, w, scale, y, N, n, 0);
-    for (; n + 2 <= n1; n += 2) q4a8_block<1, 2>(xc, K, w, scale, y, N, n, 0);
+      for (; n + 4 <= n1; n += 4) JAXINFER_Q4A8_BLOCK<1, 4>(xp, K, w, scale, y, N, n, 0);
+    for (; n + 2 <= n1; n += 2) JAXINFER_Q4A8_BLOCK<1, 2>(xp, K, w, scale, y, N, n, 0);
   }
   for (; n + 2 <= n1; n += 2) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q4a8_block<4, 2>(xc, K, w, scale, y, N, n, m);
-    for (; m < M; ++m) q4a8_block<1, 2>(xc, K, w, scale, y, N, n, m);
+    for (; m + 4 <= M; m += 4) JAXINFER_Q4A8_BLOCK<4, 2>(xp, K, w, scale, y, N, n, m);
+    for (; m < M; ++m) JAXINFER_Q4A8_BLOCK<1, 2>(xp, K, w, scale, y, N, n, m);
   }
   for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) q4a8_block<1, 1>(xc, K, w, scale, y, N, n, m);
+    for (int64_t m = 0; m < M; ++m) JAXINFER_Q4A8_BLOCK<1, 1>(xp, K, w, scale, y, N, n, m);
 }
+#undef JAXINFER_Q4A8_BLOCK
 
 }  // namespace jaxinfer_gemv
 
