@@ -29,7 +29,7 @@ from pallas_kernels.cpu_features import ISA_LEVELS, cpu_flags, supported_levels 
 logger = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("gemv.cc"), Path(__file__).with_name("paged_attention.cc"))
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("threads.h", "common.h", "float.h", "int4.h"))  # part of the cache key
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("threads.h", "common.h", "float.h", "int4.h", "int8.h"))  # part of the cache key
 TARGETS = ("float_matmul", "weight_only_matmul", "i8i8_matmul", "paged_attention")
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # ISA level -> registered (False: the build failed, do not retry)

@@ -7,10 +7,10 @@
 // prefetch ahead of the stream, work split over persistent worker threads (no fork or wake-up per call).
 //
 // Kernels (x: f32 [M, K] row-major; y: [M, N]):
-//   float_kn   w bf16|f32 [K, N] (the model's plain layout, input-major)        y f32 = x @ w
-//   float_nk   w bf16|f32 [N, K] (a tied embedding used as the LM head)        y f32 = x @ w.T
-//   int8_nk    w int8 [N, K], scale f32 [N, G] per K/G inputs (weight-only), x rounded to int16 per row here
-//   i8i8_nk    xq int8 [M, K], w int8 [N, K] (w8a8: values in [-127, 127])      y i32 = xq @ w.T (exact)
+//   float_kn   (float.h) w bf16|f32 [K, N] (the model's plain layout, input-major)        y f32 = x @ w
+//   float_nk   (float.h) w bf16|f32 [N, K] (a tied embedding used as the LM head)        y f32 = x @ w.T
+//   int8_nk    (int8.h) w int8 [N, K], scale f32 [N, G] per K/G inputs (weight-only), x rounded to int16 per row here
+//   i8i8_nk    (int8.h) xq int8 [M, K], w int8 [N, K] (w8a8: values in [-127, 127])  y i32 = xq @ w.T (exact)
 //   q4_nk      (int4.h) w uint8 [N, K/2] (two 4-bit codes per byte, element 2j low nibble), scale f32 [N, G], x
 //              rounded here to int16 per row (as int8_nk) and multiplied exactly with the codes:
 //              y f32 = xs * (sum_blocks ws * (codes . xq) + corr), where corr (the -8 offset or the per-group min
@@ -43,18 +43,17 @@
 #include "threads.h"
 #include "float.h"
 #include "int4.h"
+#include "int8.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
 using jaxinfer_gemv::at_layer;
-using jaxinfer_gemv::dot_i16;
-using jaxinfer_gemv::dot_u8i8;
-using jaxinfer_gemv::hsum;
-using jaxinfer_gemv::hsum_i32;
 using jaxinfer_gemv::A8Pair;
 using jaxinfer_gemv::float_kn_rows;
+using jaxinfer_gemv::i16_rows;
+using jaxinfer_gemv::i8_rows;
 using jaxinfer_gemv::nk_rows;
 using jaxinfer_gemv::a8_pairs;
 using jaxinfer_gemv::q4_position;
@@ -90,160 +89,6 @@ void split_rows(const std::vector<int64_t>& Ns, const F& f) {
     int64_t n0 = (c - first[i]) * per[i];
     f(i, n0, std::min(Ns[i], n0 + per[i]));
   });
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// i8i8_nk: exact int8 x int8 -> int32 dot products, 32 inputs per step. vpmaddubsw multiplies unsigned by signed
-// bytes, so |w| is the unsigned operand and x takes w's sign (the usual AVX2 trick); with both in [-127, 127] no
-// pair sum saturates int16 (2 * 127 * 127 < 32767).
-template <int MG, int NR>
-void i8_block(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n, int64_t m0) {
-  __m256i acc[MG][NR];
-  for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_si256();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m256i wv[NR], wa[NR];
-    for (int r = 0; r < NR; ++r) {
-      const int8_t* row = w + (n + r) * K + k;
-      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-      wa[r] = _mm256_abs_epi8(wv[r]);
-    }
-    for (int i = 0; i < MG; ++i) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (m0 + i) * K + k));
-      for (int r = 0; r < NR; ++r) {
-        acc[i][r] = dot_u8i8(acc[i][r], wa[r], _mm256_sign_epi8(xv, wv[r]));
-      }
-    }
-  }
-  for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum_i32(acc[i][r]);
-}
-
-template <int NR>
-void i8_rows_fixed(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) i8_block<4, NR>(x, K, w, y, N, n, m);
-  switch (M - m) {
-    case 3: i8_block<3, NR>(x, K, w, y, N, n, m); break;
-    case 2: i8_block<2, NR>(x, K, w, y, N, n, m); break;
-    case 1: i8_block<1, NR>(x, K, w, y, N, n, m); break;
-    default: break;
-  }
-}
-
-// One activation row, one weight row at a time (a single stream reads cold weights fastest, measured), two int32
-// chains over K.
-void i8_row(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t n) {
-  const int8_t* row = w + n * K;
-  __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-  for (int64_t k = 0; k < K; k += 32) {
-    if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
-    __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
-    acc[(k >> 5) & 1] = dot_u8i8(acc[(k >> 5) & 1], _mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-  }
-  y[n] = hsum_i32(_mm256_add_epi32(acc[0], acc[1]));
-}
-
-void i8_rows(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n0,
-             int64_t n1) {
-  int64_t n = n0;
-  if (M == 1) {
-    for (; n < n1; ++n) i8_row(x, K, w, y, n);
-    return;
-  }
-  for (; n + 2 <= n1; n += 2) i8_rows_fixed<2>(x, M, K, w, y, N, n);
-  for (; n < n1; ++n) i8_rows_fixed<1>(x, M, K, w, y, N, n);
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// int8_nk: int8 weights times activations quantized per row to int16 (absmax / 32767: a relative error of at most
-// 1 / 65534 of the row's largest input, finer than bf16's 8 bits). vpmaddwd multiplies 16 pairs and adds adjacent
-// products into int32 lanes; a lane takes at most 128 steps (2048 inputs: 128 * 2 * 32767 * 127 < 2^31) before its
-// sum is converted and scaled into the f32 totals, at every group end too.
-template <int MG, int NR>
-void i16_block(const int16_t* x, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y, int64_t N,
-               int64_t n, int64_t m0) {
-  const int64_t group = K / G;
-  __m256 total[MG][NR];
-  for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) total[i][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 2048) {
-      __m256i acc[MG][NR];
-      for (int i = 0; i < MG; ++i)
-        for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_setzero_si256();
-      for (int64_t k = k0, k1 = std::min(k0 + 2048, (g + 1) * group); k < k1; k += 16) {
-        __m256i wv[NR];
-        for (int r = 0; r < NR; ++r) {
-          const int8_t* row = w + (n + r) * K + k;
-          if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-          wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-        }
-        for (int i = 0; i < MG; ++i) {
-          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (m0 + i) * K + k));
-          for (int r = 0; r < NR; ++r) acc[i][r] = dot_i16(acc[i][r], xv, wv[r]);
-        }
-      }
-      for (int r = 0; r < NR; ++r) {
-        __m256 s = _mm256_set1_ps(scale[(n + r) * G + g]);
-        for (int i = 0; i < MG; ++i) total[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][r]), s, total[i][r]);
-      }
-    }
-  for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(total[i][r]);
-}
-
-// Groups of 32 inputs (GGUF Q8_0's blocks): one int32 sum a block and row, scaled straight into the f32 totals, with
-// no inner loop a block (i16_block's per-group loop costs more than a 32-input group's arithmetic).
-template <int MG>
-void i16_g32_row(const int16_t* x, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N, int64_t n,
-                 int64_t m0) {
-  const int64_t G = K / 32;
-  const int8_t* row = w + n * K;
-  const float* ws = scale + n * G;
-  __m256 total[2][MG];  // two chains (even and odd blocks) for the FMA latency
-  for (int i = 0; i < MG; ++i) total[0][i] = total[1][i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    if ((g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * g) + kPrefetchBytes, _MM_HINT_T0);
-    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g)));
-    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g + 16)));
-    __m256 s = _mm256_broadcast_ss(ws + g);
-    for (int i = 0; i < MG; ++i) {
-      const __m256i* xc = reinterpret_cast<const __m256i*>(x + (m0 + i) * K + 32 * g);
-      __m256i b = dot_i16(_mm256_madd_epi16(w0, _mm256_loadu_si256(xc)), w1, _mm256_loadu_si256(xc + 1));
-      total[g & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), s, total[g & 1][i]);
-    }
-  }
-  for (int i = 0; i < MG; ++i) y[(m0 + i) * N + n] = hsum(_mm256_add_ps(total[0][i], total[1][i]));
-}
-
-template <int NR>
-void i16_rows_fixed(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
-                    int64_t N, int64_t n) {
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) i16_block<2, NR>(x, K, w, scale, G, y, N, n, m);
-  if (m < M) i16_block<1, NR>(x, K, w, scale, G, y, N, n, m);
-}
-
-void i16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
-              int64_t N, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  if (K / G == 32) {
-    for (; n < n1; ++n) {  // one weight row at a time: a single stream reads cold weights fastest (measured)
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2) i16_g32_row<2>(x, K, w, scale, y, N, n, m);
-      if (m < M) i16_g32_row<1>(x, K, w, scale, y, N, n, m);
-    }
-    return;
-  }
-  if (M == 1) {  // one weight row at a time, as above
-    for (; n < n1; ++n) i16_block<1, 1>(x, K, w, scale, G, y, N, n, 0);
-    return;
-  }
-  for (; n + 2 <= n1; n += 2) i16_rows_fixed<2>(x, M, K, w, scale, G, y, N, n);
-  for (; n < n1; ++n) i16_rows_fixed<1>(x, M, K, w, scale, G, y, N, n);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
