@@ -147,9 +147,69 @@ void i16_rows_fixed(const int16_t* x, int64_t M, int64_t K, const int8_t* w, con
   if (m < M) i16_block<1, NR>(x, K, w, scale, G, y, N, n, m);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// int8_nk in 512-bit steps for groups of a multiple of 32 inputs: 32 inputs a step (vpmovsxbw, vpdpwssd), one
+// weight row by MG activation rows. kG32: groups of exactly 32 (one step a group, its sum scaled straight into
+// the totals, two chains); else each group's int32 sums (two chains, at most 2048 inputs: no lane overflows, as
+// i16_block) are scaled at its end.
+template <int MG, bool kG32>
+void i16_row512(const int16_t* x, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y, int64_t N,
+                int64_t n, int64_t m0) {
+  const int64_t group = K / G;
+  const int8_t* row = w + n * K;
+  const float* ws = scale + n * G;
+  __m512 total[2][MG];
+  for (int i = 0; i < MG; ++i) total[0][i] = total[1][i] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, __m512i* acc) {  // acc[i] += x[m0 + i, k:k+32] . row[k:k+32] (pairwise)
+    if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+    __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
+    for (int i = 0; i < MG; ++i)
+      acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_loadu_si512(x + (m0 + i) * K + k), wv);
+  };
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 s = _mm512_set1_ps(ws[g]);
+    if (kG32) {
+      __m512i acc[MG];
+      for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_si512();
+      step(32 * g, acc);
+      for (int i = 0; i < MG; ++i) total[g & 1][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), s, total[g & 1][i]);
+      continue;
+    }
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 2048) {
+      __m512i acc[2][MG];
+      for (int i = 0; i < MG; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_si512();
+      int64_t k = k0, k1 = std::min(k0 + 2048, (g + 1) * group);
+      for (; k + 64 <= k1; k += 64) step(k, acc[0]), step(k + 32, acc[1]);
+      if (k < k1) step(k, acc[0]);
+      for (int i = 0; i < MG; ++i)
+        total[0][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][i], acc[1][i])), s, total[0][i]);
+    }
+  }
+  for (int i = 0; i < MG; ++i) y[(m0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(total[0][i], total[1][i]));
+}
+
+template <bool kG32>
+void i16_rows512(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
+                 int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) i16_row512<4, kG32>(x, K, w, scale, G, y, N, n, m);
+    for (; m + 2 <= M; m += 2) i16_row512<2, kG32>(x, K, w, scale, G, y, N, n, m);
+    if (m < M) i16_row512<1, kG32>(x, K, w, scale, G, y, N, n, m);
+  }
+}
+#endif
+
 void i16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
               int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  if ((K / G) % 32 == 0) {
+    if (K / G == 32) i16_rows512<true>(x, M, K, w, scale, G, y, N, n0, n1);
+    else i16_rows512<false>(x, M, K, w, scale, G, y, N, n0, n1);
+    return;
+  }
+#endif
   if (K / G == 32) {
     for (; n < n1; ++n) {  // one weight row at a time: a single stream reads cold weights fastest (measured)
       int64_t m = 0;

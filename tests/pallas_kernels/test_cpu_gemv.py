@@ -66,13 +66,14 @@ def test_float_kernels_both_layouts(k, n, m):
                             r) < 1e-5
 
 
-@pytest.mark.parametrize("k,n", [s for s in SHAPES if s[0] % 32 == 0])
+@pytest.mark.parametrize("k,n", [s for s in SHAPES if s[0] % 32 == 0] + [(4160, 3)])  # 4160: past 2048 a sum
 @pytest.mark.parametrize("m", ROWS)
 def test_int8_weight_only_and_w8a8(k, n, m):
     rng = np.random.default_rng(k + n * 7 + m)
     x = rng.standard_normal((m, k)).astype(np.float32)
     q = rng.integers(-127, 128, (n, k)).astype(np.int8)
-    for groups in (1, k // 32):
+    # groups of the whole row, 32 and 16 inputs, and 96 or 64 (512-bit steps: 32 inputs, so 16 takes the 256-bit path)
+    for groups in (1, k // 32, k // 16, k // 96 if k % 96 == 0 else k // 64):
         scale = rng.uniform(0.01, 1.0, (n, groups)).astype(np.float32)
         w = (q.reshape(n, groups, -1) * scale[..., None].astype(np.float64)).reshape(n, k)
         y = jax.jit(cpu_gemv.int8_matmul)(x, q, scale)
