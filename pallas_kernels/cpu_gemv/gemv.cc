@@ -258,7 +258,7 @@ std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool q4_la
     }
     for (k = 0; k + 8 <= K; k += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + k), round(k));
     for (; k < K; ++k) natural[k] = round1(k);
-    for (k = 0; k < K; ++k) out[q4_position(k)] = int16_t(natural[k]);
+    for (k = 0; k < K; ++k) out[q4_position(k, K)] = int16_t(natural[k]);
     if (xsum)
       for (int64_t g = 0, size = K / G; g < G; ++g) {
         int64_t total = 0;

@@ -24,16 +24,28 @@ namespace jaxinfer_gemv {
 // activations; each block's int32 sums are scaled by its weight scale into the f32 totals (in units of the row's
 // activation scale / 256, applied by the caller). Symmetric codes subtract their 8 as bytes before widening;
 // asymmetric ones add min * (the rounded activations' group sums) per group at the end.
-inline int64_t q4_position(int64_t k) {  // where input k of a row goes in the activations' q4 layout
+// The 512-bit level (q4_block512) takes two chunks a step: there each whole 128-input span holds its chunks'
+// four vectors interleaved (vector j of chunk h at 32 j + 16 h), and an odd last chunk keeps the 64-input order.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define JAXINFER_Q4_WIDE 1
+#endif
+
+inline int64_t q4_position(int64_t k, int64_t K) {  // where input k of a row of K goes in the activations' q4 layout
   int64_t j = (k & 63) >> 1, byte = j & 15;
-  return (k & ~int64_t(63)) + ((k & 1) * 2 + (byte >> 3)) * 16 + (j >> 4) * 8 + (byte & 7);
+  int64_t p = ((k & 1) * 2 + (byte >> 3)) * 16 + (j >> 4) * 8 + (byte & 7);  // within its 64-input chunk
+#ifdef JAXINFER_Q4_WIDE
+  if ((k & ~int64_t(127)) + 128 <= K) return (k & ~int64_t(127)) + 32 * (p >> 4) + 16 * ((k >> 6) & 1) + (p & 15);
+#endif
+  return (k & ~int64_t(63)) + p;
 }
 
 // MG activation rows by NR weight rows (MG = 1 with NR = 2 or 4, or NR = 1): each chunk's activations are shared by the
-// NR weight rows, and the per-row end (horizontal sums) is spread over NR rows' work.
+// NR weight rows, and the per-row end (horizontal sums) is spread over NR rows' work. Chunks [c0, K / 64); `sums`
+// (when given, [NR][MG]): the earlier chunks' sums (q4_block512's), in the same units.
 template <int MG, int NR, bool kBlockScales, bool kSymmetric>
 void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
-              const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
+              const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0, int64_t c0 = 0,
+              const float* sums = nullptr) {
   constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd chunks), half the FMA latency
   const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), zero = _mm256_setzero_si256();
   const int64_t blocks_per_group = K / G / 32;
@@ -41,8 +53,8 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
   for (int h = 0; h < kChains; ++h)
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < MG; ++i) acc[h][r][i] = _mm256_setzero_ps();
-  int64_t group = 0, block_in_group = 0;
-  for (int64_t c = 0; c < K / 64; ++c) {
+  int64_t group = kBlockScales ? 0 : 2 * c0 / blocks_per_group, block_in_group = kBlockScales ? 0 : 2 * c0 % blocks_per_group;
+  for (int64_t c = c0; c < K / 64; ++c) {
     // the two blocks' scale indices (no division in the loop: a runtime divide costs more than the chunk's work)
     int64_t g0, g1;
     if (kBlockScales) {  // one scale a 32-input block
@@ -84,7 +96,7 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
     for (int i = 0; i < MG; ++i) {
       __m256 a = acc[0][r][i];
       if (kChains == 2) a = _mm256_add_ps(a, acc[kChains - 1][r][i]);
-      float total = hsum(a) * (1.f / 256.f);
+      float total = (hsum(a) + (sums ? sums[r * MG + i] : 0.f)) * (1.f / 256.f);
       if (!kSymmetric) {  // + sum over groups of min * the group's rounded activation sum
         const float *off = offset + (n + r) * G, *xg = xsum + (m0 + i) * G;
         __m256 c8 = _mm256_setzero_ps();
@@ -98,19 +110,72 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
     }
 }
 
+#ifdef JAXINFER_Q4_WIDE
+// q4_nk in 512-bit steps: 128 inputs (a cache line of codes, four blocks, one a 128-bit lane) a step, in the
+// activations' interleaved spans (`q4_position`); vpdpwssd adds the products into the block sums. An odd last
+// chunk and the per-row end go to q4_block.
+template <int MG, int NR, bool kBlockScales, bool kSymmetric>
+void q4_block512(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+                 const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8), zero = _mm512_setzero_si512();
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // block scale per lane
+  const int64_t blocks_per_group = K / G / 32, S = K / 128;
+  __m512 acc[NR][MG];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MG; ++i) acc[r][i] = _mm512_setzero_ps();
+  int64_t group = 0, block_in_group = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    int64_t g[4];
+    for (int b = 0; b < 4; ++b) {
+      if (kBlockScales) {
+        g[b] = 4 * s + b;
+      } else {
+        g[b] = group;
+        if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = w + (n + r) * (K / 2) + 64 * s;
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      __m512i v = _mm512_loadu_si512(row);
+      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if (kSymmetric) lo = _mm512_sub_epi8(lo, eight), hi = _mm512_sub_epi8(hi, eight);
+      __m512i wv[4] = {_mm512_unpacklo_epi8(zero, lo), _mm512_unpackhi_epi8(zero, lo),
+                       _mm512_unpacklo_epi8(zero, hi), _mm512_unpackhi_epi8(zero, hi)};
+      const float* ws = scale + (n + r) * G;
+      __m128 s4 = kBlockScales ? _mm_loadu_ps(ws + 4 * s) : _mm_setr_ps(ws[g[0]], ws[g[1]], ws[g[2]], ws[g[3]]);
+      __m512 sv = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s4));
+      for (int i = 0; i < MG; ++i) {
+        const int16_t* xc = xq + (m0 + i) * K + 128 * s;
+        __m512i b = _mm512_madd_epi16(wv[0], _mm512_loadu_si512(xc));
+        for (int j = 1; j < 4; ++j) b = _mm512_dpwssd_epi32(b, wv[j], _mm512_loadu_si512(xc + 32 * j));
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), sv, acc[r][i]);
+      }
+    }
+  }
+  float sums[NR * MG];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MG; ++i) sums[r * MG + i] = _mm512_reduce_add_ps(acc[r][i]);
+  q4_block<MG, NR, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m0, 2 * S, sums);
+}
+#define JAXINFER_Q4_BLOCK q4_block512
+#else
+#define JAXINFER_Q4_BLOCK q4_block
+#endif
+
 template <bool kBlockScales, bool kSymmetric>
 void q4_rows_of(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
                 const float* offset, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (M == 1 && K <= 1024)  // short rows: 4 at once (measured: 4 beat 2 by ~5% at K = 576, 2 beat 4 by ~20% at 1536)
-    for (; n + 4 <= n1; n += 4) q4_block<1, 4, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+    for (; n + 4 <= n1; n += 4) JAXINFER_Q4_BLOCK<1, 4, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
   if (M == 1)
-    for (; n + 2 <= n1; n += 2) q4_block<1, 2, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+    for (; n + 2 <= n1; n += 2) JAXINFER_Q4_BLOCK<1, 2, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
   for (; n < n1; ++n) {
     int64_t m = 0;
     for (; m + 2 <= M; m += 2)
-      q4_block<2, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
-    if (m < M) q4_block<1, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
+      JAXINFER_Q4_BLOCK<2, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
+    if (m < M) JAXINFER_Q4_BLOCK<1, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
   }
 }
 
@@ -121,6 +186,7 @@ void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const u
                           : (symmetric ? q4_rows_of<false, true> : q4_rows_of<false, false>);
   run(xq, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
 }
+#undef JAXINFER_Q4_BLOCK
 
 
 // ---------------------------------------------------------------------------------------------------------------
