@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "common.h"
 
@@ -66,9 +67,56 @@ void i8_row(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t n) 
   y[n] = hsum_i32(_mm256_add_epi32(acc[0], acc[1]));
 }
 
-void i8_rows(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n0,
-             int64_t n1) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// i8i8_nk in 512-bit steps (64 inputs a step), one weight row by MG activation rows. vpdpbusd multiplies unsigned
+// by signed bytes, so the activations arrive as xu = x + 128 (`i8_unsigned`, once a call): the row's sum of
+// (x + 128) * w, less 128 x its sum of w (vpdpbusd of ones by w, beside), is x . w, exact for any int8 values.
+template <int MG>
+void i8_row512(const uint8_t* xu, int64_t K, const int8_t* w, int32_t* y, int64_t N, int64_t n, int64_t m0) {
+  const int8_t* row = w + n * K;
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[MG], wsum = _mm512_setzero_si512();
+  for (int i = 0; i < MG; ++i) acc[i] = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+    __m512i wv = _mm512_loadu_si512(row + k);
+    wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+    for (int i = 0; i < MG; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_loadu_si512(xu + (m0 + i) * K + k), wv);
+  }
+  int32_t total = _mm512_reduce_add_epi32(wsum), tail[MG] = {};
+  if (k < K) {  // the last 32 inputs (K is a multiple of 32)
+    __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+    total += hsum_i32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), wv));
+    for (int i = 0; i < MG; ++i)
+      tail[i] = hsum_i32(_mm256_dpbusd_epi32(
+          _mm256_setzero_si256(), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xu + (m0 + i) * K + k)), wv));
+  }
+  for (int i = 0; i < MG; ++i)  // wrapping int32 arithmetic: exact wherever the true sum fits in int32
+    y[(m0 + i) * N + n] = int32_t(uint32_t(_mm512_reduce_add_epi32(acc[i])) + uint32_t(tail[i]) - 128u * uint32_t(total));
+}
+
+// x + 128 as unsigned bytes, the activations of i8_row512.
+inline std::vector<uint8_t> i8_unsigned(const int8_t* x, int64_t size) {
+  std::vector<uint8_t> xu(size);
+  for (int64_t i = 0; i < size; ++i) xu[i] = uint8_t(x[i]) ^ 0x80;
+  return xu;
+}
+#endif
+
+// Weight rows [n0, n1) of y [M, N]; `xu`: i8_unsigned(x) at the 512-bit level (else unused).
+void i8_rows(const int8_t* x, [[maybe_unused]] const uint8_t* xu, int64_t M, int64_t K, const int8_t* w, int32_t* y,
+             int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  for (; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) i8_row512<4>(xu, K, w, y, N, n, m);
+    for (; m + 2 <= M; m += 2) i8_row512<2>(xu, K, w, y, N, n, m);
+    if (m < M) i8_row512<1>(xu, K, w, y, N, n, m);
+  }
+  return;
+#endif
   if (M == 1) {
     for (; n < n1; ++n) i8_row(x, K, w, y, n);
     return;

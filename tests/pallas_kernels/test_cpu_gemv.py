@@ -66,7 +66,7 @@ def test_float_kernels_both_layouts(k, n, m):
                             r) < 1e-5
 
 
-@pytest.mark.parametrize("k,n", [s for s in SHAPES if s[0] % 32 == 0] + [(4160, 3)])  # 4160: past 2048 a sum
+@pytest.mark.parametrize("k,n", [s for s in SHAPES if s[0] % 32 == 0] + [(4160, 3), (96, 5)])  # 4160: past 2048 a sum; 96: a half step
 @pytest.mark.parametrize("m", ROWS)
 def test_int8_weight_only_and_w8a8(k, n, m):
     rng = np.random.default_rng(k + n * 7 + m)
