@@ -20,6 +20,10 @@
 // int8_nk, q4_nk and q4a8_nk are called through one handler (weight_only_matmul), i8i8_nk through another; each
 // takes one or several weights sharing their activation rows and splits all of their rows over the threads as
 // one job (`split_rows`).
+//
+// ISA levels (pallas_kernels/cpu_features.py): avx2 builds every kernel on 256-bit vectors; avx512_vnni adds
+// 512-bit variants of int8_nk, i8i8_nk, q4_nk and q4a8_nk (vpdpwssd / vpdpbusd; same integer sums, f32 totals
+// added in another order) and builds the rest with 32 vector registers.
 #include <immintrin.h>
 
 #include <sched.h>

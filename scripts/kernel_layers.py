@@ -1,0 +1,86 @@
+"""Native matmul kernels at a decode layer's shapes, at every ISA level this CPU runs: each call site of a SmolLM2
+layer (q/k/v in one call, o, gate/up in one call, down; one activation row) inside a jitted `lax.scan` over 30
+stacked layers that passes the stack and the layer index, as the engine's layer scan does. Levels are timed in
+alternating rounds (the shared VM's slow spells hit all alike); prints the median over rounds of each round's
+median, in microseconds a layer. Weights are random (codes and scales), so only the time means anything.
+
+    .venv/bin/python scripts/kernel_layers.py w4a8 --rounds 5      # or int4, int8, w8a8
+
+Weights total 30 x ~3.3 MB (int4) to ~6.4 MB (int8) per kind: on a CPU with a large last-level cache they stay
+in it, as a lone engine's weights do; the time then is the kernels' compute and hand-offs, not DRAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import cpu_features, cpu_gemv
+
+LAYERS = 30
+SITES = {"q/k/v": [(576, 576), (192, 576), (192, 576)], "o": [(576, 576)], "gate/up": [(1536, 576), (1536, 576)],
+         "down": [(576, 1536)]}  # [N, K] of each weight a call takes
+
+
+def _weights(kind: str, n: int, k: int, rng: np.random.Generator) -> tuple:
+    if kind in ("w4a8", "int4"):
+        return (jnp.asarray(rng.integers(0, 256, (LAYERS, n, k // 2), dtype=np.uint8)),
+                jnp.asarray(rng.random((LAYERS, n, k // 32), dtype=np.float32) * 0.01), None)
+    return (jnp.asarray(rng.integers(-127, 128, (LAYERS, n, k), dtype=np.int8)),
+            jnp.asarray(rng.random((LAYERS, n, 1), dtype=np.float32) * 0.01), None)
+
+
+def scan_of(kind: str, site: str, rng: np.random.Generator):
+    """A jitted scan of `LAYERS` calls of the kind's kernel at the site's shapes (traced under the current ISA)."""
+    ws = [_weights(kind, n, k, rng) for n, k in SITES[site]]
+    x = jnp.asarray(rng.standard_normal((1, SITES[site][0][1]), dtype=np.float32)).astype(jnp.bfloat16)
+
+    def body(carry, layer):
+        if kind == "w8a8":
+            xq = jnp.clip(jnp.round(x.astype(jnp.float32) * 10), -127, 127).astype(jnp.int8) + carry.astype(jnp.int8)
+            ys = cpu_gemv.i8i8_matmuls(xq, [w[0] for w in ws], layer=layer)
+        else:
+            ys = cpu_gemv.weight_only_matmuls(x + carry.astype(x.dtype), ws, layer=layer,
+                                              int8_activations=kind == "w4a8")
+        return carry + 0 * ys[0][0, 0].astype(jnp.float32), None  # a dependence: the calls run in order
+
+    return jax.jit(lambda: jax.lax.scan(body, jnp.float32(0), jnp.arange(LAYERS, dtype=jnp.int32))[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=("w4a8", "int4", "int8", "w8a8"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10, help="timed scans a site and level each round")
+    args = parser.parse_args()
+    if not cpu_gemv.active():
+        raise SystemExit("the native CPU kernels are not available here")
+    rng = np.random.default_rng(0)
+    scans = {}
+    for level in cpu_features.supported_levels():
+        os.environ["JAXINFER_NATIVE_ISA"] = level
+        for site in SITES:
+            fn = scan_of(args.kind, site, rng)
+            fn().block_until_ready()  # compiles under this level
+            scans[(level, site)] = fn
+    rounds: dict = {key: [] for key in scans}
+    for _ in range(args.rounds):
+        for key, fn in scans.items():
+            times = []
+            for _ in range(args.calls):
+                t0 = time.perf_counter()
+                fn().block_until_ready()
+                times.append(time.perf_counter() - t0)
+            rounds[key].append(statistics.median(times) / LAYERS * 1e6)
+    for (level, site), us in rounds.items():
+        print(f"{args.kind:5s} {level:12s} {site:8s} {statistics.median(us):7.1f} us a layer (best round {min(us):.1f})")
+
+
+if __name__ == "__main__":
+    main()
