@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import glob
 import statistics
 import tempfile
@@ -22,11 +21,7 @@ import time
 import jax
 from jax._src.lib import _profile_data
 
-from jaxinfer import SamplingParams
-from jaxinfer.benchmarks.quant import CONTEXT, FORMATS, KV_BYTES, _chunks
-from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.sampling import SamplingRow
+from jaxinfer.benchmarks.quant import FORMATS, decode_step
 
 
 def main() -> None:
@@ -38,16 +33,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "reference"),
                         help="auto: on CPU the native decode attention (an ffi_call per layer); reference: jnp")
     args = parser.parse_args()
-    dtype, quantization = FORMATS[args.format]
-    engine = Engine(EngineConfig.create(model=None, dtype=dtype, quantization=quantization, warmup=False,
-                                        max_model_len=512, kv_cache_memory_bytes=KV_BYTES,
-                                        enable_prefix_caching=False, scan_layers=not args.unrolled,
-                                        attention_backend=args.attention_backend))
-    pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
-    pages = engine.page_allocator.allocate(args.batch * pages_per_seq)
-    chunks = _chunks(args.batch, pages, pages_per_seq, engine.runner.cfg.vocab_size)
-    rows = [SamplingRow(SamplingParams(temperature=0.0), seed=i) for i in range(args.batch)]
-    step = functools.partial(engine.runner.execute, chunks, rows)
+    _, step = decode_step(args.format, args.batch, scan_layers=not args.unrolled,
+                          attention_backend=args.attention_backend)
     for _ in range(5):
         step()
     times = []

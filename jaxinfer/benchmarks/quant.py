@@ -230,6 +230,26 @@ def _chunks(batch: int, pages: list[int], pages_per_seq: int, vocab_size: int) -
                            pages[i * pages_per_seq:(i + 1) * pages_per_seq]) for i in range(batch)]
 
 
+def decode_step(name: str, batch: int, *, model: str | None = None, max_model_len: int = 512, **config):
+    """(engine, its decode step) of format `name`: one greedy decode token for each of `batch` sequences at context
+    `CONTEXT` (`_chunks`), `ModelRunner.execute` with no arguments; `config`: more `EngineConfig.create` options.
+    The step compiles at its first call, under the environment of that moment (`JAXINFER_NATIVE_*`)."""
+    engine = _engine(name, model, max_model_len, **config)
+    pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
+    pages = engine.page_allocator.allocate(batch * pages_per_seq)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), seed=i) for i in range(batch)]
+    return engine, functools.partial(engine.runner.execute,
+                                     _chunks(batch, pages, pages_per_seq, engine.runner.cfg.vocab_size), rows)
+
+
+def _engine(name: str, model: str | None, max_model_len: int, **config) -> Engine:
+    """Format `name`'s engine as the workload times it: no warm-up, `KV_BYTES` of KV cache, no prefix cache."""
+    dtype, quantization = FORMATS[name]
+    return Engine(EngineConfig.create(model=model, dtype=dtype, quantization=quantization, warmup=False,
+                                      max_model_len=max_model_len, kv_cache_memory_bytes=KV_BYTES,
+                                      enable_prefix_caching=False, **config))
+
+
 def memory_analysis(engine: Engine, chunks: list[ScheduledChunk], rows: list[SamplingRow]) -> dict:
     """Temp bytes, full-precision weight copies and native kernel call sites of the engine's compiled step for this
     batch (traced under the caller's `native_matmuls` setting)."""
@@ -243,10 +263,7 @@ def memory_analysis(engine: Engine, chunks: list[ScheduledChunk], rows: list[Sam
 def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]) -> tuple[list, ModelConfig]:
     """One format's engine with the native kernels allowed or not: [(timed call, row)] per batch, its config."""
     greedy = SamplingParams(temperature=0.0)
-    dtype, quantization = FORMATS[name]
-    engine = Engine(EngineConfig.create(model=args.model, dtype=dtype, quantization=quantization, warmup=False,
-                                        max_model_len=args.max_model_len, kv_cache_memory_bytes=KV_BYTES,
-                                        enable_prefix_caching=False))
+    engine = _engine(name, args.model, args.max_model_len)
     pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
     pages = engine.page_allocator.allocate(max(batches) * pages_per_seq)
     kv_per_token = KVCache.bytes_per_page(engine.runner.cfg, 1, engine.runner.kv_cache.k.dtype)

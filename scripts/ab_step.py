@@ -1,0 +1,73 @@
+"""Interleaved A/B of the decode step between environment settings: one engine of a `jaxinfer bench quant` format
+per setting, each built and compiled under its variables (e.g. `JAXINFER_NATIVE_ISA=avx2`), then rounds in which
+every engine runs one untimed step and `--steps` timed ones under its variables, so the shared VM's slow spells
+hit all alike. Prints the median over rounds of each round's median step (`ModelRunner.execute`: device step,
+sampling, host), and the best round.
+
+    .venv/bin/python scripts/ab_step.py "int4 g32 w4a8, embedding + LM head int8 (llama.cpp Q4_0's layout and \\
+        arithmetic)" 30 JAXINFER_NATIVE_ISA=avx2 JAXINFER_NATIVE_ISA=avx512_vnni
+
+A setting is VAR=VALUE[,VAR=VALUE...]; an empty string ("") is the environment as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Iterator
+
+from jaxinfer.benchmarks.quant import FORMATS, decode_step
+
+
+@contextlib.contextmanager
+def variables(setting: str) -> Iterator[None]:
+    """The setting's variables set inside the block, the earlier values put back after it."""
+    pairs = dict(p.split("=", 1) for p in setting.split(",") if p)
+    saved = {k: os.environ.get(k) for k in pairs}
+    os.environ.update(pairs)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("format", choices=list(FORMATS))
+    parser.add_argument("rounds", type=int)
+    parser.add_argument("settings", nargs="+", help="VAR=VALUE[,VAR=VALUE...] per engine")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps an engine a round")
+    args = parser.parse_args()
+    if any(p and "=" not in p for s in args.settings for p in s.split(",")):
+        parser.error("each setting is VAR=VALUE[,VAR=VALUE...]")
+    steps = []
+    for setting in args.settings:
+        with variables(setting):
+            _, step = decode_step(args.format, args.batch)
+            step()  # compiles under the setting's variables
+        steps.append(step)
+    medians: list[list[float]] = [[] for _ in steps]
+    for _ in range(args.rounds):
+        for i, step in enumerate(steps):
+            with variables(args.settings[i]):
+                step()
+                times = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - t0)
+            medians[i].append(1e3 * statistics.median(times))
+    for setting, ms in zip(args.settings, medians):
+        print(f"{setting or '(as is)':48s} step {statistics.median(ms):.2f} ms (best round {min(ms):.2f})")
+
+
+if __name__ == "__main__":
+    main()
