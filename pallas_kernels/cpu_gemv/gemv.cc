@@ -60,7 +60,6 @@ using jaxinfer_gemv::i16_rows;
 using jaxinfer_gemv::i8_rows;
 using jaxinfer_gemv::nk_rows;
 using jaxinfer_gemv::a8_pairs;
-using jaxinfer_gemv::q4_position;
 using jaxinfer_gemv::q4_rows;
 using jaxinfer_gemv::q4a8_rows;
 using jaxinfer_gemv::load8;
@@ -262,7 +261,7 @@ std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool q4_la
     }
     for (k = 0; k + 8 <= K; k += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + k), round(k));
     for (; k < K; ++k) natural[k] = round1(k);
-    for (k = 0; k < K; ++k) out[q4_position(k, K)] = int16_t(natural[k]);
+    jaxinfer_gemv::q4_layout_row(natural.data(), K, out);
     if (xsum)
       for (int64_t g = 0, size = K / G; g < G; ++g) {
         int64_t total = 0;

@@ -39,6 +39,21 @@ inline int64_t q4_position(int64_t k, int64_t K) {  // where input k of a row of
   return (k & ~int64_t(63)) + p;
 }
 
+// One row of int32 values (|v| <= 32767, K a multiple of 64) into int16 in the q4 layout: per 64-input chunk, the
+// eight runs of 8 outputs take inputs s, s + 2, ..., s + 14 for s = 0, 32, 16, 48 (even) and 1, 33, 17, 49 (odd),
+// each run stored where `q4_position` puts its first input. 16 inputs at a time: evens and odds split by permutes.
+inline void q4_layout_row(const int32_t* natural, int64_t K, int16_t* out) {
+  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int64_t k = 0; k < K; k += 16) {  // inputs k..k+15: the runs of even start k and odd start k + 1
+    __m256i a = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(natural + k)), split);
+    __m256i b = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(natural + k + 8)), split);
+    __m256i packed = _mm256_permute4x64_epi64(  // int16 [8 evens, 8 odds]
+        _mm256_packs_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + q4_position(k, K)), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + q4_position(k + 1, K)), _mm256_extracti128_si256(packed, 1));
+  }
+}
+
 // MG activation rows by NR weight rows (MG = 1 with NR = 2 or 4, or NR = 1): each chunk's activations are shared by the
 // NR weight rows, and the per-row end (horizontal sums) is spread over NR rows' work. Chunks [c0, K / 64); `sums`
 // (when given, [NR][MG]): the earlier chunks' sums (q4_block512's), in the same units.
