@@ -1,7 +1,8 @@
 """What the native CPU kernels (`pallas_kernels.cpu_gemv`) can run on this CPU, and their environment switches,
 without importing jax (the engine's config checks them at start-up, before jax loads).
 
-- `JAXINFER_NATIVE_KERNELS=0` (or off / false / no): the kernels are off.
+- `JAXINFER_NATIVE_KERNELS=0` (or off / false / no): the kernels are off; unset, 1, on, true or yes: on; any other
+  value is refused (`check_environment`).
 - `JAXINFER_NATIVE_ISA`: an ISA level of `ISA_LEVELS` this CPU runs (default: its highest).
 - `JAXINFER_NATIVE_THREADS`: a positive integer, the threads per kernel call (default: the CPUs this process may use).
 """
@@ -21,6 +22,7 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                     ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
 }
 _OFF = ("0", "off", "false", "no")
+_ON = ("", "1", "on", "true", "yes")
 
 
 @functools.cache
@@ -43,16 +45,21 @@ def supported_levels() -> list[str]:
 
 
 def check_environment() -> None:
-    """Validates the kernels' environment variables (`isa_level` and `JAXINFER_NATIVE_THREADS`).
+    """Validates the kernels' environment variables, all three whether or not the kernels are on.
 
     Raises:
-      ValueError: naming the variable: an unknown or unsupported ISA level, or a thread count that is not a
-        positive integer.
+      ValueError: naming the variable: a `JAXINFER_NATIVE_KERNELS` that is not a switch (0 / off / false / no,
+        1 / on / true / yes), an unknown or unsupported ISA level, or a thread count that is not a positive
+        integer.
     """
+    switch = os.environ.get("JAXINFER_NATIVE_KERNELS", "").strip().lower()
+    if switch not in _OFF + _ON:
+        raise ValueError(f"JAXINFER_NATIVE_KERNELS={switch!r} is not a switch: 0 / off / false / no turn the "
+                         "native CPU kernels off, 1 / on / true / yes (or unset) leave them on")
     threads = os.environ.get("JAXINFER_NATIVE_THREADS", "").strip()
     if threads and (not threads.isdigit() or int(threads) < 1):
         raise ValueError(f"JAXINFER_NATIVE_THREADS={threads!r} must be a positive integer")
-    isa_level()
+    _forced_level()
 
 
 def isa_level() -> str | None:
@@ -65,12 +72,22 @@ def isa_level() -> str | None:
     if os.environ.get("JAXINFER_NATIVE_KERNELS", "1").strip().lower() in _OFF:
         return None
     levels = supported_levels()
+    return _forced_level() or (levels[-1] if levels else None)
+
+
+def _forced_level() -> str | None:
+    """`JAXINFER_NATIVE_ISA` (trimmed, lower case), None when unset or empty.
+
+    Raises:
+      ValueError: an unknown level, or one this CPU cannot run.
+    """
     forced = os.environ.get("JAXINFER_NATIVE_ISA", "").strip().lower()
-    if forced:
-        if forced not in ISA_LEVELS:
-            raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r} is not a level; known: {', '.join(ISA_LEVELS)}")
-        if forced not in levels:
-            raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r}: this CPU cannot run it (it runs: "
-                             f"{', '.join(levels) or 'none'})")
-        return forced
-    return levels[-1] if levels else None
+    if not forced:
+        return None
+    if forced not in ISA_LEVELS:
+        raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r} is not a level; known: {', '.join(ISA_LEVELS)}")
+    levels = supported_levels()
+    if forced not in levels:
+        raise ValueError(f"JAXINFER_NATIVE_ISA={forced!r}: this CPU cannot run it (it runs: "
+                         f"{', '.join(levels) or 'none'})")
+    return forced

@@ -4,10 +4,12 @@ every engine runs one untimed step and `--steps` timed ones under its variables,
 hit all alike. Prints the median over rounds of each round's median step (`ModelRunner.execute`: device step,
 sampling, host), and the best round.
 
-    .venv/bin/python scripts/ab_step.py "int4 g32 w4a8, embedding + LM head int8 (llama.cpp Q4_0's layout and \\
-        arithmetic)" 30 JAXINFER_NATIVE_ISA=avx2 JAXINFER_NATIVE_ISA=avx512_vnni
+    F="int4 g32 w4a8, embedding + LM head int8 (llama.cpp Q4_0's layout and arithmetic)"
+    .venv/bin/python scripts/ab_step.py "$F" 30 JAXINFER_NATIVE_ISA=avx2 JAXINFER_NATIVE_ISA=avx512_vnni
 
-A setting is VAR=VALUE[,VAR=VALUE...]; an empty string ("") is the environment as it is.
+A setting is VAR=VALUE[,VAR=VALUE...]; an empty string ("") is the environment as it is. Variables read once per
+process (`JAXINFER_NATIVE_THREADS`: the kernels' thread pool) cannot differ between settings: compare those in
+separate runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import time
 from collections.abc import Iterator
 
 from jaxinfer.benchmarks.quant import FORMATS, decode_step
+from pallas_kernels.cpu_features import check_environment
+
+ONCE_PER_PROCESS = "JAXINFER_NATIVE_THREADS"
 
 
 @contextlib.contextmanager
@@ -48,6 +53,16 @@ def main() -> None:
     args = parser.parse_args()
     if any(p and "=" not in p for s in args.settings for p in s.split(",")):
         parser.error("each setting is VAR=VALUE[,VAR=VALUE...]")
+    if any(p.startswith(ONCE_PER_PROCESS + "=") for s in args.settings for p in s.split(",")):
+        parser.error(f"{ONCE_PER_PROCESS} is read once per process: compare thread counts in separate runs")
+    if min(args.rounds, args.steps, args.batch) < 1:
+        parser.error("rounds, --steps and --batch must be >= 1")
+    for setting in args.settings:
+        with variables(setting):
+            try:
+                check_environment()
+            except ValueError as e:
+                parser.error(f"setting {setting!r}: {e}")
     steps = []
     for setting in args.settings:
         with variables(setting):

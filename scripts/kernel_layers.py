@@ -59,6 +59,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10, help="timed scans a site and level each round")
     args = parser.parse_args()
+    if min(args.rounds, args.calls) < 1:
+        parser.error("--rounds and --calls must be >= 1")
+    try:
+        cpu_features.check_environment()
+    except ValueError as e:
+        parser.error(str(e))
     if not cpu_gemv.active():
         raise SystemExit("the native CPU kernels are not available here")
     rng = np.random.default_rng(0)

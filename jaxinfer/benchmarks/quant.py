@@ -166,7 +166,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
       ValueError: an unknown format or llama.cpp type, a batch below 1, --reps / --peer-steps / --gemv-reps below
         1, a context limit below 129 tokens, micro-benchmark rows outside [1, `cpu_gemv.MAX_ROWS`], a --gemv-mib
         <= 0, or `--native both` where the native kernels are not available (turned off, not on CPU, or no
-        supported ISA level), an --isa level this CPU cannot run.
+        supported ISA level), an --isa level this CPU cannot run, --isa with --native off.
     """
     formats = list(dict.fromkeys(f.strip() for f in args.formats.split(";") if f.strip()))  # once each, in order
     unknown = [f for f in formats if f not in FORMATS]
@@ -184,6 +184,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
         raise ValueError(f"--gemv-rows {args.gemv_rows!r} needs integers in [1, {cpu_gemv.MAX_ROWS}] and "
                          f"--gemv-mib > 0 (got {args.gemv_mib})")
     peers.check_llamacpp_types(args.llamacpp_types)
+    if args.isa.strip() and args.native == "off":
+        raise ValueError(f"--isa {args.isa!r} picks the native engines' ISA levels; --native off runs none")
     if args.native == "both" and not cpu_gemv.active():
         raise ValueError("--native both: the native CPU matmul kernels are not available here (JAXINFER_NATIVE_"
                          "KERNELS=0, a backend other than CPU, or a CPU without AVX2 + FMA); use --native off")
@@ -197,7 +199,7 @@ def isa_levels(text: str) -> list[str | None]:
       ValueError: a level that is unknown or that this CPU cannot run.
     """
     supported = cpu_features.supported_levels()
-    wanted = supported if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    wanted = supported if text.strip().lower() == "all" else [t.strip().lower() for t in text.split(",") if t.strip()]
     bad = [t for t in wanted if t not in supported]
     if bad:
         raise ValueError(f"--isa: {bad} not among the levels this CPU runs ({', '.join(supported) or 'none'}; "
@@ -287,11 +289,12 @@ def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]
 
 @contextlib.contextmanager
 def native_kernels(allowed: bool, isa: str | None = None) -> Iterator[None]:
-    """Inside the block, `JAXINFER_NATIVE_KERNELS` is unset (allowed) or "0" (off), and `JAXINFER_NATIVE_ISA` is
-    `isa` (unset for None); both put back afterwards. The user's switches, read where the step is traced and where
-    the runner pads a batch (`pallas_kernels.cpu_gemv.active()`), unlike `models.quant_matmul.native_matmuls`,
-    which only the model's trace reads."""
-    saved = {v: os.environ.pop(v, None) for v in (NATIVE_VARIABLE, ISA_VARIABLE)}
+    """Inside the block, `JAXINFER_NATIVE_KERNELS` is "0" when not `allowed` and `JAXINFER_NATIVE_ISA` is `isa`
+    when given; otherwise each is as the user set it (kernels turned off by the user stay off: those rows say XLA).
+    Both put back afterwards. The user's switches, read where the step is traced and where the runner pads a
+    batch (`pallas_kernels.cpu_gemv.active()`), unlike `models.quant_matmul.native_matmuls`, which only the
+    model's trace reads."""
+    saved = {v: os.environ.get(v) for v in (NATIVE_VARIABLE, ISA_VARIABLE)}
     if not allowed:
         os.environ[NATIVE_VARIABLE] = "0"
     if isa is not None:

@@ -104,30 +104,38 @@ def _gemv_table(gemv: list[dict], gb_s: float) -> list[str]:
 
 
 def _findings(rows: list[dict], prows: list[dict]) -> list[str]:
-    """Native over XLA per batch, w8a8 over bf16, and the issue's goals (batch 1, native rows)."""
+    """Native over XLA per batch, w8a8 over bf16 (each format's fastest row), and the issue's goals (batch 1, native
+    rows; each ISA level's row named when the run has several)."""
     out, xla = [], _xla_rows(rows)
+    several = len({r.get("isa") for r in rows if r["matmuls"] == "native"}) > 1
+
+    def label(r: dict) -> str:
+        return r["format"] + (f" ({r['isa']})" if several and r.get("isa") else "")
+
     for batch in sorted({r["batch"] for r in rows}):
-        ratios = [f"{r['format']} {r['tok_s'] / xla[_key(r)]['tok_s']:.2f}x" for r in rows
+        ratios = [f"{label(r)} {r['tok_s'] / xla[_key(r)]['tok_s']:.2f}x" for r in rows
                   if r["batch"] == batch and r["matmuls"] == "native" and _key(r) in xla]
         if ratios:
             out.append(f"- Batch {batch}, native kernels over XLA (tok/s): " + "; ".join(ratios) + ".")
-        best = {r["format"]: r["tok_s"] for r in rows if r["batch"] == batch and r["matmuls"] == "XLA"}
-        best.update({r["format"]: r["tok_s"] for r in rows if r["batch"] == batch and r["matmuls"] == "native"})
+        best: dict[str, float] = {}
+        for r in rows:
+            if r["batch"] == batch:
+                best[r["format"]] = max(best.get(r["format"], 0.0), r["tok_s"])
         if "int8 (w8a8)" in best and "bf16" in best:
             out.append(f"- Batch {batch}: int8 (w8a8) {best['int8 (w8a8)']:.1f} tok/s vs bf16 {best['bf16']:.1f} "
                        f"({best['int8 (w8a8)'] / best['bf16']:.2f}x).")
-    native1 = {r["format"]: r for r in rows if r["batch"] == 1 and r["matmuls"] == "native"}
-    goal = [native1[f] for f in GOAL_FORMATS if f in native1]
+    native1 = [r for r in rows if r["batch"] == 1 and r["matmuls"] == "native"]
+    goal = [r for f in GOAL_FORMATS for r in native1 if r["format"] == f]
     if goal:
         met = all(r["of_roofline"] >= ROOFLINE_GOAL for r in goal)
         out.append(f"- Goal: >= {ROOFLINE_GOAL:.0%} of the weight-read roofline for int8 and int4 at batch 1 with "
-                   "the native kernels: " + "; ".join(f"{r['format']} {r['of_roofline']:.0%}" for r in goal)
+                   "the native kernels: " + "; ".join(f"{label(r)} {r['of_roofline']:.0%}" for r in goal)
                    + f" ({'met' if met else 'not met'}).")
     q4 = next((p for p in prows if p["peer"] == "llama.cpp" and p["weights"] == "Q4_0"), None)
-    int4 = [native1[f] for f in INT4_FORMATS if f in native1]
+    int4 = [r for f in INT4_FORMATS for r in native1 if r["format"] == f]
     if q4 and int4:
         out.append(f"- Goal: int4 batch-1 decode >= llama.cpp Q4_0 ({q4['tok_s']:.1f} tok/s) in the same run: "
-                   + "; ".join(f"{r['format']} {r['tok_s']:.1f} ({r['tok_s'] / q4['tok_s']:.2f}x)" for r in int4)
+                   + "; ".join(f"{label(r)} {r['tok_s']:.1f} ({r['tok_s'] / q4['tok_s']:.2f}x)" for r in int4)
                    + f" ({'met' if all(r['tok_s'] >= q4['tok_s'] for r in int4) else 'not met'}).")
     return out
 

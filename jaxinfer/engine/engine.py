@@ -79,7 +79,9 @@ class Engine:
       ValueError: from `EngineConfig`, the model loader, or a KV budget too small for one page.
     """
 
-    def __init__(self, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        # None, not a default instance: EngineConfig() checks the environment, which must not run at import
+        config = EngineConfig() if config is None else config
         config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.model))  # "auto": the one run
         self.config = config
         self.dtype = DTYPES[config.dtype]

@@ -109,4 +109,6 @@ def load(level: str) -> bool:
                                                 jax.ffi.pycapsule(getattr(lib, f"jaxinfer_{kernel}")),
                                                 platform="cpu")
             _loaded[level] = path is not None
+            if path is not None:
+                logger.info("native CPU kernels: ISA level %s (%s)", level, path.name)
         return _loaded[level]

@@ -58,6 +58,7 @@ def test_quant_report(tmp_path):
     (("--formats", " ; "), "--formats ' ; ' names no format"),
     (("--formats", "bf16;int9"), "--formats: unknown ['int9']"),
     (("--isa", "avx2,sse9"), "--isa: ['sse9'] not among the levels this CPU runs"),
+    (("--isa", "AVX2", "--native", "off"), "--isa 'AVX2' picks the native engines' ISA levels; --native off runs"),
 ])
 def test_quant_bad_options_name_the_problem(options, message, capsys):
     from jaxinfer.cli import main
@@ -191,7 +192,8 @@ def test_quant_native_both_peers_and_gemv(tmp_path):
 @pytest.mark.parametrize("before", [None, "1", "0"])
 def test_native_kernels_sets_the_users_switch_and_puts_it_back(monkeypatch, before):
     """XLA rows run as a user turns the kernels off (the variable, which the runner's padding reads too), native
-    rows with it unset; whatever was set before is restored."""
+    rows with the user's setting (kernels the user turned off stay off), an ISA level only when one is given;
+    whatever was set before is restored."""
     import os
 
     from jaxinfer.benchmarks.quant import NATIVE_VARIABLE, native_kernels
@@ -201,8 +203,11 @@ def test_native_kernels_sets_the_users_switch_and_puts_it_back(monkeypatch, befo
         monkeypatch.delenv(NATIVE_VARIABLE, raising=False)
     else:
         monkeypatch.setenv(NATIVE_VARIABLE, before)
+    monkeypatch.delenv("JAXINFER_NATIVE_ISA", raising=False)
     with native_kernels(False):
         assert os.environ[NATIVE_VARIABLE] == "0" and not cpu_gemv.active()
     with native_kernels(True):
-        assert NATIVE_VARIABLE not in os.environ
-    assert os.environ.get(NATIVE_VARIABLE) == before
+        assert os.environ.get(NATIVE_VARIABLE) == before
+    with native_kernels(True, "avx2"):
+        assert os.environ["JAXINFER_NATIVE_ISA"] == "avx2" and os.environ.get(NATIVE_VARIABLE) == before
+    assert os.environ.get(NATIVE_VARIABLE) == before and "JAXINFER_NATIVE_ISA" not in os.environ

@@ -126,8 +126,28 @@ def test_jnp_dtypes_load_on_first_use():
         config.DTYPE  # noqa: B018
 
 
-@pytest.mark.parametrize("variable,value", [("JAXINFER_NATIVE_ISA", "bogus"), ("JAXINFER_NATIVE_THREADS", "abc")])
-def test_a_bad_native_kernel_variable_fails_the_config_before_any_weight_loads(monkeypatch, variable, value):
+@pytest.mark.parametrize("variable,value", [("JAXINFER_NATIVE_ISA", "bogus"), ("JAXINFER_NATIVE_THREADS", "abc"),
+                                            ("JAXINFER_NATIVE_KERNELS", "maybe")])
+@pytest.mark.parametrize("kernels_off", [False, True])
+def test_a_bad_native_kernel_variable_fails_the_config_before_any_weight_loads(monkeypatch, variable, value,
+                                                                               kernels_off):
+    """Each variable is checked even with the kernels turned off (a typo must not pass unseen)."""
+    if kernels_off and variable != "JAXINFER_NATIVE_KERNELS":
+        monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=variable):
         EngineConfig()
+
+
+def test_importing_the_package_does_not_check_the_environment():
+    """A bad variable fails creating an engine (where a caller can catch it), not `import jaxinfer` (an `Engine`
+    default argument once built an EngineConfig at import)."""
+    import subprocess
+    import sys
+
+    code = ("from jaxinfer import LLM\nfrom jaxinfer.engine.engine import Engine\ntry:\n    Engine()\n"
+            "except ValueError as e:\n    print('refused:', e)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "JAXINFER_NATIVE_ISA": "bogus"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "refused: JAXINFER_NATIVE_ISA='bogus' is not a level" in result.stdout
