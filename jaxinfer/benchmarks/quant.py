@@ -14,7 +14,8 @@ as stored (`--quantization gguf`; only for a GGUF model, such as the default), a
    as the runner does):
    `ModelRunner.execute` of one decode token per sequence at context 128 (distinct pages per sequence), greedy;
    one untimed call (compiles), then `--reps` timed calls, formats interleaved round by round so slow spells of
-   the shared VM hit all alike. Tokens/s = batch / median step time.
+   the shared VM hit all alike (`--burst B`: B calls of an engine in a row a round, the first untimed, as the
+   peers time their steps). Tokens/s = batch / median step time. `--isa`: each native engine once per ISA level.
 2. **Roofline**: bytes a decode step must read = every weight byte except the embedding rows not gathered (a tied
    table is read whole by the LM head anyway) + the KV cache of the batch's context; roofline tokens/s = batch x
    bandwidth / bytes, with the roofline probe (`jaxinfer.benchmarks.probe`) measured at the start and at the end
