@@ -36,11 +36,17 @@ inline uint16_t to_bf16(float f) {
   return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// The avx512_vnni level (build.py's flags for it): 512-bit kernels and the VNNI dot products. One test for it, so
+// every kernel switches on the same condition.
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define JAXINFER_AVX512_VNNI 1
+#endif
+
 // Integer dot-product steps into int32 lanes. With AVX-512 VNNI (and VL, for 256-bit vectors) each is one
 // instruction (vpdpwssd, vpdpbusd); on AVX2 it is a multiply-add plus an add. Both are exact and wrap alike, so
 // every ISA level gives the same bits.
 inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {  // acc + (a[2j] * b[2j] + a[2j+1] * b[2j+1]), int16
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef JAXINFER_AVX512_VNNI
   return _mm256_dpwssd_epi32(acc, a, b);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
@@ -49,12 +55,21 @@ inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {  // acc + (a[2j] * b
 // acc + the sums of 4 adjacent products of unsigned bytes u and signed bytes s. On AVX2 (vpmaddubsw) the sums of
 // pairs saturate at int16: the callers keep |u * s| pair sums below 2^15.
 inline __m256i dot_u8i8(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef JAXINFER_AVX512_VNNI
   return _mm256_dpbusd_epi32(acc, u, s);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+#ifdef JAXINFER_AVX512_VNNI
+// Four consecutive block scales, each broadcast over its 128-bit lane (the int4 kernels' 512-bit steps: four
+// 32-input blocks a step, one a lane).
+inline __m512 block_scales512(__m128 four) {
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
+}
+#endif
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

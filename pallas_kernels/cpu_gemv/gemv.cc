@@ -285,11 +285,7 @@ ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::
     return ffi::Error::Success();
   };
   if (auto e = for_each_weight<ffi::S32>(weights, outs, 1, "i8i8_matmul", read); e.failure()) return e;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
   std::vector<uint8_t> xu = jaxinfer_gemv::i8_unsigned(x.typed_data(), M * K);
-#else
-  std::vector<uint8_t> xu;
-#endif
   split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
     i8_rows(x.typed_data(), xu.data(), M, K, ws[i], ys[i], Ns[i], n0, n1);
   });

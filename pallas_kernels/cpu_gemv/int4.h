@@ -26,14 +26,10 @@ namespace jaxinfer_gemv {
 // asymmetric ones add min * (the rounded activations' group sums) per group at the end.
 // The 512-bit level (q4_block512) takes two chunks a step: there each whole 128-input span holds its chunks'
 // four vectors interleaved (vector j of chunk h at 32 j + 16 h), and an odd last chunk keeps the 64-input order.
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define JAXINFER_Q4_WIDE 1
-#endif
-
 inline int64_t q4_position(int64_t k, int64_t K) {  // where input k of a row of K goes in the activations' q4 layout
   int64_t j = (k & 63) >> 1, byte = j & 15;
   int64_t p = ((k & 1) * 2 + (byte >> 3)) * 16 + (j >> 4) * 8 + (byte & 7);  // within its 64-input chunk
-#ifdef JAXINFER_Q4_WIDE
+#ifdef JAXINFER_AVX512_VNNI
   if ((k & ~int64_t(127)) + 128 <= K) return (k & ~int64_t(127)) + 32 * (p >> 4) + 16 * ((k >> 6) & 1) + (p & 15);
 #endif
   return (k & ~int64_t(63)) + p;
@@ -92,7 +88,7 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
       __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(ws + g0)), _mm_broadcast_ss(ws + g1), 1);
       for (int i = 0; i < MG; ++i) {
         const __m256i* xc = reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 64 * c);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef JAXINFER_AVX512_VNNI
         __m256i b = _mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc));
         for (int j = 1; j < 4; ++j) b = dot_i16(b, wv[j], _mm256_loadu_si256(xc + j));
 #else
@@ -125,7 +121,7 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
     }
 }
 
-#ifdef JAXINFER_Q4_WIDE
+#ifdef JAXINFER_AVX512_VNNI
 // q4_nk in 512-bit steps: 128 inputs (a cache line of codes, four blocks, one a 128-bit lane) a step, in the
 // activations' interleaved spans (`q4_position`); vpdpwssd adds the products into the block sums. An odd last
 // chunk and the per-row end go to q4_block.
@@ -133,7 +129,6 @@ template <int MG, int NR, bool kBlockScales, bool kSymmetric>
 void q4_block512(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
                  const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
   const __m512i low4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8), zero = _mm512_setzero_si512();
-  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // block scale per lane
   const int64_t blocks_per_group = K / G / 32, S = K / 128;
   __m512 acc[NR][MG];
   for (int r = 0; r < NR; ++r)
@@ -159,7 +154,7 @@ void q4_block512(const int16_t* xq, const float* xsum, int64_t K, const uint8_t*
                        _mm512_unpacklo_epi8(zero, hi), _mm512_unpackhi_epi8(zero, hi)};
       const float* ws = scale + (n + r) * G;
       __m128 s4 = kBlockScales ? _mm_loadu_ps(ws + 4 * s) : _mm_setr_ps(ws[g[0]], ws[g[1]], ws[g[2]], ws[g[3]]);
-      __m512 sv = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(s4));
+      __m512 sv = block_scales512(s4);
       for (int i = 0; i < MG; ++i) {
         const int16_t* xc = xq + (m0 + i) * K + 128 * s;
         __m512i b = _mm512_madd_epi16(wv[0], _mm512_loadu_si512(xc));
@@ -264,10 +259,10 @@ inline std::vector<A8Pair> a8_pairs(const float* x, int64_t M, int64_t K) {
 }
 
 // MG activation rows by NR weight rows; the NR rows' codes and scales are read once for the MG rows. Chunks
-// [c0, K / 64) in 256-bit steps, added to the sums already in y (c0 = 0: y is set).
+// [c0, K / 64) in 256-bit steps; `sums` (when given, [MG][NR]): the earlier chunks' sums (q4a8_block512's).
 template <int MG, int NR>
 void q4a8_block(const A8Pair* xp, int64_t K, const uint8_t* w, const float* scale, float* y, int64_t N, int64_t n,
-                int64_t m0, int64_t c0 = 0) {
+                int64_t m0, int64_t c0 = 0, const float* sums = nullptr) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int64_t G = K / 32, C = K / 64, P = (K + 127) / 128;
@@ -293,7 +288,7 @@ void q4a8_block(const A8Pair* xp, int64_t K, const uint8_t* w, const float* scal
       __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.offset + 8 * h));
       __m256 xs = _mm256_loadu_ps(x.scale + 8 * h);
       for (int r = 0; r < NR; ++r) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef JAXINFER_AVX512_VNNI
         __m256i d = dot_u8i8(dot_u8i8(offset, lo[r], even), hi[r], odd);
 #else
         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], even), _mm256_maddubs_epi16(hi[r], odd));
@@ -304,17 +299,16 @@ void q4a8_block(const A8Pair* xp, int64_t K, const uint8_t* w, const float* scal
     }
   }
   for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(acc[i][r]) + (c0 > 0 ? y[(m0 + i) * N + n + r] : 0.f);
+    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = hsum(acc[i][r]) + (sums ? sums[i * NR + r] : 0.f);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef JAXINFER_AVX512_VNNI
 // The same in 512-bit steps: 128 inputs (a cache line of codes, four blocks, one a 128-bit lane) a step; an odd
 // last chunk in a 256-bit step (q4a8_block from it).
 template <int MG, int NR>
 void q4a8_block512(const A8Pair* xp, int64_t K, const uint8_t* w, const float* scale, float* y, int64_t N, int64_t n,
                    int64_t m0) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // block scale per lane
   const int64_t G = K / 32, P = (K + 127) / 128, S = K / 128;
   __m512 acc[MG][NR];
   for (int i = 0; i < MG; ++i)
@@ -327,7 +321,7 @@ void q4a8_block512(const A8Pair* xp, int64_t K, const uint8_t* w, const float* s
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
       __m512i v = _mm512_loadu_si512(row);
       lo[r] = _mm512_and_si512(v, low4), hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      ws[r] = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_loadu_ps(scale + (n + r) * G + 4 * s)));
+      ws[r] = block_scales512(_mm_loadu_ps(scale + (n + r) * G + 4 * s));
     }
     for (int i = 0; i < MG; ++i) {
       const A8Pair& x = xp[(m0 + i) * P + s];
@@ -340,9 +334,10 @@ void q4a8_block512(const A8Pair* xp, int64_t K, const uint8_t* w, const float* s
       }
     }
   }
+  float sums[MG * NR];
   for (int i = 0; i < MG; ++i)
-    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n + r] = _mm512_reduce_add_ps(acc[i][r]);
-  if (2 * S < K / 64) q4a8_block<MG, NR>(xp, K, w, scale, y, N, n, m0, 2 * S);
+    for (int r = 0; r < NR; ++r) sums[i * NR + r] = _mm512_reduce_add_ps(acc[i][r]);
+  q4a8_block<MG, NR>(xp, K, w, scale, y, N, n, m0, 2 * S, sums);  // an odd last chunk, and the row ends
 }
 #define JAXINFER_Q4A8_BLOCK q4a8_block512
 #else

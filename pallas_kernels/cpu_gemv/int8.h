@@ -67,7 +67,7 @@ void i8_row(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t n) 
   y[n] = hsum_i32(_mm256_add_epi32(acc[0], acc[1]));
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef JAXINFER_AVX512_VNNI
 // i8i8_nk in 512-bit steps (64 inputs a step), one weight row by MG activation rows. vpdpbusd multiplies unsigned
 // by signed bytes, so the activations arrive as xu = x + 128 (`i8_unsigned`, once a call): the row's sum of
 // (x + 128) * w, less 128 x its sum of w (vpdpbusd of ones by w, beside), is x . w, exact for any int8 values.
@@ -95,20 +95,23 @@ void i8_row512(const uint8_t* xu, int64_t K, const int8_t* w, int32_t* y, int64_
   for (int i = 0; i < MG; ++i)  // wrapping int32 arithmetic: exact wherever the true sum fits in int32
     y[(m0 + i) * N + n] = int32_t(uint32_t(_mm512_reduce_add_epi32(acc[i])) + uint32_t(tail[i]) - 128u * uint32_t(total));
 }
-
-// x + 128 as unsigned bytes, the activations of i8_row512.
-inline std::vector<uint8_t> i8_unsigned(const int8_t* x, int64_t size) {
-  std::vector<uint8_t> xu(size);
-  for (int64_t i = 0; i < size; ++i) xu[i] = uint8_t(x[i]) ^ 0x80;
-  return xu;
-}
 #endif
 
-// Weight rows [n0, n1) of y [M, N]; `xu`: i8_unsigned(x) at the 512-bit level (else unused).
+// The activations of i8_rows' 512-bit steps, x + 128 as unsigned bytes (empty on the AVX2 level, which reads x).
+inline std::vector<uint8_t> i8_unsigned(const int8_t* x, int64_t size) {
+  std::vector<uint8_t> xu;
+#ifdef JAXINFER_AVX512_VNNI
+  xu.resize(size);
+  for (int64_t i = 0; i < size; ++i) xu[i] = uint8_t(x[i]) ^ 0x80;
+#endif
+  return xu;
+}
+
+// Weight rows [n0, n1) of y [M, N]; `xu`: i8_unsigned(x).
 void i8_rows(const int8_t* x, [[maybe_unused]] const uint8_t* xu, int64_t M, int64_t K, const int8_t* w, int32_t* y,
              int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef JAXINFER_AVX512_VNNI
   for (; n < n1; ++n) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) i8_row512<4>(xu, K, w, y, N, n, m);
@@ -195,7 +198,7 @@ void i16_rows_fixed(const int16_t* x, int64_t M, int64_t K, const int8_t* w, con
   if (m < M) i16_block<1, NR>(x, K, w, scale, G, y, N, n, m);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef JAXINFER_AVX512_VNNI
 // int8_nk in 512-bit steps for groups of a multiple of 32 inputs: 32 inputs a step (vpmovsxbw, vpdpwssd), one
 // weight row by MG activation rows. kG32: groups of exactly 32 (one step a group, its sum scaled straight into
 // the totals, two chains); else each group's int32 sums (two chains, at most 2048 inputs: no lane overflows, as
@@ -251,7 +254,7 @@ void i16_rows512(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const 
 void i16_rows(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
               int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef JAXINFER_AVX512_VNNI
   if ((K / G) % 32 == 0) {
     if (K / G == 32) i16_rows512<true>(x, M, K, w, scale, G, y, N, n0, n1);
     else i16_rows512<false>(x, M, K, w, scale, G, y, N, n0, n1);
