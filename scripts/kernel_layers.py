@@ -85,7 +85,8 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             rounds[key].append(statistics.median(times) / LAYERS * 1e6)
     for (level, site), us in rounds.items():
-        print(f"{args.kind:5s} {level:12s} {site:8s} {statistics.median(us):7.1f} us a layer (best round {min(us):.1f})")
+        print(f"{args.kind:5s} {level:12s} {site:8s} {statistics.median(us):7.1f} us a layer "
+              f"(best round {min(us):.1f})")
 
 
 if __name__ == "__main__":

@@ -312,7 +312,8 @@ def native_kernels(allowed: bool, isa: str | None = None) -> Iterator[None]:
 def measure(args: argparse.Namespace, formats: list[str], batches: list[int],
             isas: list[str | None] = (None,)) -> tuple[list[dict], ModelConfig]:
     """Decode step times of every format, native setting (`--native`; native engines once per ISA level of `isas`)
-    and batch, interleaved over `--reps` rounds (`--burst` calls of an engine in a row a round); each engine stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
+    and batch, interleaved over `--reps` rounds (`--burst` calls of an engine in a row a round); each engine
+    stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
     slow to interleave. Every call of an engine built without the native kernels, its compile included, runs
     with `JAXINFER_NATIVE_KERNELS=0` (`native_kernels`), as a user turns them off.
 
@@ -381,8 +382,8 @@ def run(args: argparse.Namespace) -> Report:
         data["gemv"] = []
         for isa in isas:
             with native_kernels(True, isa):
-                data["gemv"] += [{**g, "isa": cpu_gemv.isa_level()} for g in
-                                 gemv_stream.measure(list(gemv_stream.KINDS), gemv_rows, args.gemv_mib, args.gemv_reps)]
+                cells = gemv_stream.measure(list(gemv_stream.KINDS), gemv_rows, args.gemv_mib, args.gemv_reps)
+                data["gemv"] += [{**g, "isa": cpu_gemv.isa_level()} for g in cells]
     # Other jobs on the shared VM pull the probe down for minutes at a time: it runs again at the end, and the
     # better reading is the bandwidth every roofline divides by (as `jaxinfer bench step` does).
     data["bandwidth_end"] = measure_bandwidth(args.bw_gib, args.bw_reps, others=False)

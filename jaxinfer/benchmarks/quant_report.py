@@ -22,6 +22,11 @@ def _key(r: dict) -> tuple[str, int]:
     return r["format"], r["batch"]
 
 
+def _with_isa(name: str, r: dict) -> str:
+    """`name` with the row's ISA level in brackets, for rows of the native kernels."""
+    return name + (f" ({r['isa']})" if r.get("isa") else "")
+
+
 def _xla_rows(rows: list[dict]) -> dict:
     return {_key(r): r for r in rows if r["matmuls"] == "XLA"}
 
@@ -39,7 +44,7 @@ def _format_rows(rows: list[dict]) -> list[list[str]]:
     for r in rows:
         base = xla.get(_key(r)) if r["matmuls"] == "native" else None
         copies = r.get("copies")
-        body.append([r["format"], r["matmuls"] + (f" ({r['isa']})" if r.get("isa") else ""), str(r["batch"]), f"{r['weight_mib']:.0f}",
+        body.append([r["format"], _with_isa(r["matmuls"], r), str(r["batch"]), f"{r['weight_mib']:.0f}",
                      f"{r['quantized_share'] * 100:.1f}%", f"{r['ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f})",
                      f"{r['tok_s']:.1f}", f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "",
                      f"{r['roofline_tok_s']:.0f}", f"{r['of_roofline'] * 100:.0f}%",
@@ -92,7 +97,7 @@ def _gemv_table(gemv: list[dict], gb_s: float) -> list[str]:
     body = []
     for g in gemv:
         nat = g["native_gb_s"]
-        body.append([g["kind"] + (f" ({g['isa']})" if g.get("isa") else ""), str(g["rows"]), f"[{g['n']}, {g['k']}]", f"{g['bytes'] / 2**20:.0f}",
+        body.append([_with_isa(g["kind"], g), str(g["rows"]), f"[{g['n']}, {g['k']}]", f"{g['bytes'] / 2**20:.0f}",
                      "-" if nat is None else f"{g['native_ms']:.2f}", "-" if nat is None else f"{nat:.1f}",
                      "-" if nat is None else f"{nat / gb_s * 100:.0f}%", f"{g['xla_ms']:.2f}",
                      f"{g['xla_gb_s']:.2f}", "-" if nat is None else f"{nat / g['xla_gb_s']:.1f}x"])
@@ -110,7 +115,7 @@ def _findings(rows: list[dict], prows: list[dict]) -> list[str]:
     several = len({r.get("isa") for r in rows if r["matmuls"] == "native"}) > 1
 
     def label(r: dict) -> str:
-        return r["format"] + (f" ({r['isa']})" if several and r.get("isa") else "")
+        return _with_isa(r["format"], r) if several else r["format"]
 
     for batch in sorted({r["batch"] for r in rows}):
         ratios = [f"{label(r)} {r['tok_s'] / xla[_key(r)]['tok_s']:.2f}x" for r in rows
