@@ -14,6 +14,7 @@ from jaxinfer.engine.prompt_logprobs import PromptLogprobRows, prompt_logprob_ro
 from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, sample
 from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
 from models.llama import AttentionMetadata, KVCache, Weights, forward
+from models.quant_matmul import native_unless_sharded
 
 
 def _mirror(draft_weights: Weights | None, tokens: jax.Array, metadata: AttentionMetadata,
@@ -23,6 +24,12 @@ def _mirror(draft_weights: Weights | None, tokens: jax.Array, metadata: Attentio
         return None
     one_row = metadata.replace(logits_indices=metadata.logits_indices[:1])  # its logits are not needed
     return forward(draft_weights, tokens, one_row, draft_cache, **draft_kwargs)[1]
+
+
+@native_unless_sharded
+def _sample(logits: jax.Array, sampling: SamplingArrays, *, mesh: jax.sharding.Mesh | None = None) -> SampleOutput:
+    """`sample`, with the native CPU row reductions only off a multi-device mesh (as the model's kernels)."""
+    return sample(logits, sampling)
 
 
 def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
@@ -43,7 +50,7 @@ def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_ca
         logits = jnp.take(logits, prompt[1], axis=0)
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
     draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
-    return sample(logits, sampling), finite, rows, kv_cache, draft_cache
+    return _sample(logits, sampling, mesh=model_kwargs.get("mesh")), finite, rows, kv_cache, draft_cache
 
 
 def verify_step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,

@@ -51,6 +51,8 @@ from jaxinfer.engine.sampling_math import (apply_logit_bias, apply_penalties, li
 from jaxinfer.request_limits import MAX_LOGIT_BIAS, SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from models import pytree
+from pallas_kernels import cpu_gemv
+from pallas_kernels.cpu_gemv.logits import logit_rows
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
            "sample", "sample_keys", "top_logprobs"]
@@ -387,10 +389,18 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
       SampleOutput of B rows.
     """
     logits = logits.astype(jnp.float32)
-    token_ids = jax.lax.cond(jnp.all(s.temperature == 0), _greedy_token_ids, _sampled_token_ids, logits, s)
-    token_ids = token_ids.astype(jnp.int32)
+    if cpu_gemv.native_allowed() and cpu_gemv.active():  # the row reductions in vectors (`logit_rows`)
+        argmax, row_max, log_sum_exp = logit_rows(logits, s.suppress, s.token_bitmask, s.vocab_limit)
+        greedy = lambda x, s: jax.lax.cond(_uses_bias_or_penalties(s), _greedy_token_ids, lambda *_: argmax, x, s)
+        token_ids = jax.lax.cond(jnp.all(s.temperature == 0), greedy, _sampled_token_ids, logits, s).astype(jnp.int32)
+        own = jnp.take_along_axis(limit_vocab(logits, s.vocab_limit), token_ids[:, None], axis=-1)[:, 0]
+        logprobs = own - row_max - log_sum_exp  # `token_logprobs`' arithmetic
+    else:
+        token_ids = jax.lax.cond(jnp.all(s.temperature == 0), _greedy_token_ids, _sampled_token_ids, logits, s)
+        token_ids = token_ids.astype(jnp.int32)
+        logprobs = token_logprobs(logits, token_ids, s.vocab_limit)
     # Raw log-probabilities over [B, V] (top ones, the sampled token's rank) only when some row asks for them.
     top_values, top_ids, ranks = jax.lax.cond(jnp.any(s.num_logprobs >= 0), _top_logprobs_of_logits,
                                               _no_top_logprobs, logits, s.vocab_limit, token_ids)
-    return SampleOutput(token_ids=token_ids, logprobs=token_logprobs(logits, token_ids, s.vocab_limit),
-                        top_logprobs=top_values, top_token_ids=top_ids, ranks=ranks)
+    return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_values, top_token_ids=top_ids,
+                        ranks=ranks)

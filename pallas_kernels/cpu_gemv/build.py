@@ -1,5 +1,5 @@
-"""Builds and loads the native CPU kernels (`gemv.cc`: matmuls; `paged_attention.cc`: decode attention) once per
-ISA level, into one library in a cache folder.
+"""Builds and loads the native CPU kernels (`gemv.cc`: matmuls; `paged_attention.cc`: decode attention; `logits.cc`:
+the sampling step's row reductions) once per ISA level, into one library in a cache folder.
 
 The C++ sources ship with the package and are compiled at first use with the machine's C++ compiler (`$CXX`, else
 `g++`, else `c++`) against jaxlib's FFI headers (`jax.ffi.include_dir()`), then registered with
@@ -28,9 +28,9 @@ from pallas_kernels.cpu_features import ISA_LEVELS, cpu_flags, supported_levels 
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("gemv.cc"), Path(__file__).with_name("paged_attention.cc"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.cc", "paged_attention.cc", "logits.cc"))
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("threads.h", "common.h", "float.h", "int4.h", "int8.h"))  # part of the cache key
-TARGETS = ("float_matmul", "weight_only_matmul", "i8i8_matmul", "paged_attention")
+TARGETS = ("float_matmul", "weight_only_matmul", "i8i8_matmul", "paged_attention", "logit_rows")
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}  # ISA level -> registered (False: the build failed, do not retry)
 

@@ -34,6 +34,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxinfer_gemv::at_layer;
+using jaxinfer_gemv::exp8;
 using jaxinfer_gemv::load8;
 using jaxinfer_gemv::parallel_chunks;
 using jaxinfer_gemv::to_bf16;
@@ -47,28 +48,6 @@ constexpr int64_t kSplitTokens = 256;  // context positions per work item
 constexpr int64_t kTile = 32;          // keys per tile (fewer at page ends)
 constexpr int64_t kPrefetchTokens = 64;  // how far ahead of the tile in use to prefetch keys and values
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// ---------------------------------------------------------------------------------------------------------------
-// exp(x) for 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (expf, ~1 ulp),
-// 2^n through the exponent bits. Lanes below ln(FLT_MIN) (-inf included) give 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3365447505531f), hi = _mm256_set1_ps(88.3762626647949f);
-  __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for an exact product
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Page values as f32. Quantized pages (int8; fp8 e4m3fn bit patterns in uint8) give their unscaled values, exactly;

@@ -2,7 +2,9 @@
 
 `full_path_sample` below is the sampler written the plain way, every step for every row (log_softmax over [B, V],
 -jnp.sort, vmap(jax.random.categorical), an argmax for greedy rows): `sample` must return the same token ids,
-logprobs and top logprobs, bit for bit, whichever path it takes.
+logprobs and top logprobs, bit for bit, whichever path it takes. With the native CPU row reductions
+(`pallas_kernels.cpu_gemv.logits`, on by default on CPU) the tokens and top logprobs stay bit for bit; the sampled
+token's logprob, whose log-sum-exp the kernel adds in another order, agrees to f32 rounding.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,11 +21,11 @@ from jaxinfer.engine import sampling
 from jaxinfer.engine.sampling import MAX_LOGPROBS, SamplingArrays, SamplingRow, apply_penalties, sample, sample_keys
 from jaxinfer.engine.sampling_math import sort_descending, token_logprobs
 from jaxinfer.sampling_params import SamplingParams as P
+from pallas_kernels import cpu_gemv
 
 V = 1000
 B = 16
 LIMIT = V - 37  # an embedding table padded past the tokenizer's vocabulary
-_sample = jax.jit(sample)
 W = 64  # penalty_width: >= every row's prompt plus output ids here (a runner passes its longest context)
 _build = functools.partial(SamplingArrays.build, penalty_width=W)
 RANDOM_PRIMITIVES = {"random_bits", "random_seed", "random_fold_in", "random_wrap", "threefry2x32"}
@@ -82,14 +85,24 @@ def _logits(seed: int) -> np.ndarray:
 @pytest.mark.parametrize("name, params", [("greedy", GREEDY), ("greedy, no penalties", [P(temperature=0)]),
                                           ("mixed", GREEDY + SAMPLED), ("sampled", SAMPLED)])
 @pytest.mark.parametrize("vocab_limit", [V, LIMIT])
-def test_sample_equals_the_full_path(name: str, params: list[P], vocab_limit: int) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native row reductions", "XLA"])
+def test_sample_equals_the_full_path(name: str, params: list[P], vocab_limit: int, native: bool) -> None:
+    with cpu_gemv.native_kernels(native):
+        sample_fn = lambda logits, s: sample(logits, s)  # noqa: E731 (a function of its own: traced under this setting)
+        jaxpr = jax.make_jaxpr(sample_fn)(_logits(0), _build(_rows(params, 0), B, V, vocab_limit))
+        sample_fn = jax.jit(sample_fn)
+    assert ("ffi_call" in str(jaxpr)) == (native and cpu_gemv.active())
     for seed in range(3):
         logits = _logits(seed)
         s = _build(_rows(params, seed, penalties=name != "greedy, no penalties"), B, V, vocab_limit)
-        out = _sample(logits, s)
+        with cpu_gemv.native_kernels(native):
+            out = sample_fn(logits, s)
         tokens, logprobs, top_values, top_ids, raw = map(np.asarray, _full(logits, s))
         np.testing.assert_array_equal(np.asarray(out.token_ids), tokens, err_msg=f"{name}, seed {seed}")
-        np.testing.assert_array_equal(np.asarray(out.logprobs), logprobs)
+        if native:
+            np.testing.assert_allclose(np.asarray(out.logprobs), logprobs, rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.asarray(out.logprobs), logprobs)
         if any(p.logprobs for p in params):
             np.testing.assert_array_equal(np.asarray(out.top_logprobs), top_values)
             np.testing.assert_array_equal(np.asarray(out.top_token_ids), top_ids)

@@ -1,0 +1,173 @@
+// Row summaries of a decode step's logits on x86 CPUs (AVX2 + FMA), called from jitted JAX code through XLA's
+// FFI: per row of f32 logits [B, V], the first index of the largest logit among the allowed tokens (greedy
+// sampling: ids below vocab_limit, not suppressed, their bit set in the row's token bitmask), and the raw row's
+// max and log-sum-exp over [0, vocab_limit) (the sampled token's log-probability). XLA:CPU runs these row
+// reductions one element at a time (~2-5 ns an element: 0.1-0.25 ms a row of SmolLM2's 49,152 logits, a tenth of a
+// quantized decode step); here they run in vectors, over both cores. Semantics: jaxinfer/engine/sampling.py
+// (`jnp.argmax` of the banned logits, `sampling_math.token_logprobs`); the Python wrapper is
+// pallas_kernels/cpu_gemv/logits.py.
+//
+// Work split: one item per (row, span of kSpan logits); spans sit at fixed offsets and are combined in span order,
+// so results do not depend on the number of threads. Each span's sum of exponentials is taken against the span's
+// own max and rescaled to the row's (the sums of the jnp reference run in another order: log-sum-exps agree to
+// f32 rounding). The argmax is exact: the first index of the largest value, a NaN counting as the largest (as
+// `jnp.argmax`), index 0 when every token is banned.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "common.h"
+#include "threads.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxinfer_gemv::exp8;
+using jaxinfer_gemv::hsum;
+using jaxinfer_gemv::parallel_chunks;
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "logits.cc needs AVX2 and FMA (build.py passes -mavx2 -mfma)"
+#endif
+
+constexpr int64_t kSpan = 8192;  // logits per work item (a multiple of 32: whole bitmask words)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Span {
+  float best = kNegInf;    // the largest allowed logit (NaN once an allowed NaN is seen)
+  int64_t best_at = -1;    // its first index; -1: no allowed logit above -inf
+  float max = kNegInf;     // the raw max over the span's ids below the vocab limit (NaN if one is NaN)
+  float sum = 0.f;         // sum of exp(x - max) over those ids (0 when max is -inf)
+};
+
+// 8 lanes' masks from 8 bits: lane i true iff bit i of `bits` is set.
+inline __m256 bit_lanes(uint32_t bits) {
+  const __m256i select = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256i b = _mm256_and_si256(_mm256_set1_epi32(int(bits)), select);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, select));
+}
+
+// Logits [lo, hi) of one row. `allowed`: the row's bitmask with the suppressed ids cleared (bit t % 32 of word
+// t / 32); ids >= `limit` are neither allowed nor counted.
+Span summarize(const float* x, const uint32_t* allowed, int64_t lo, int64_t hi, int64_t limit) {
+  Span s;
+  const int64_t end = std::min(hi, limit);
+  if (end <= lo) return s;
+  // Pass 1: per lane, the raw max and the allowed max with its first index (strict >: earlier indices win ties).
+  __m256 raw = _mm256_set1_ps(kNegInf), best = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps();
+  __m256i at = _mm256_set1_epi32(-1), index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i eight = _mm256_set1_epi32(8);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  index = _mm256_add_epi32(index, _mm256_set1_epi32(int32_t(lo)));
+  int64_t i = lo;
+  for (; i + 8 <= end; i += 8, index = _mm256_add_epi32(index, eight)) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    raw = _mm256_max_ps(raw, v);
+    __m256 a = _mm256_blendv_ps(neg_inf, v, bit_lanes(allowed[i >> 5] >> (i & 31)));
+    __m256 gt = _mm256_cmp_ps(a, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, a, gt);
+    at = _mm256_blendv_epi8(at, index, _mm256_castps_si256(gt));
+  }
+  alignas(32) float lanes[8], best_lanes[8];
+  alignas(32) int32_t at_lanes[8];
+  _mm256_store_ps(lanes, raw), _mm256_store_ps(best_lanes, best), _mm256_store_si256(reinterpret_cast<__m256i*>(at_lanes), at);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (int l = 0; l < 8; ++l) {
+    s.max = std::max(s.max, lanes[l]);
+    if (at_lanes[l] >= 0 && (best_lanes[l] > s.best || (best_lanes[l] == s.best && at_lanes[l] < s.best_at)))
+      s.best = best_lanes[l], s.best_at = at_lanes[l];
+  }
+  for (; i < end; ++i) {
+    has_nan = has_nan || std::isnan(x[i]);
+    s.max = std::max(s.max, x[i]);
+    if ((allowed[i >> 5] >> (i & 31)) & 1 && x[i] > s.best) s.best = x[i], s.best_at = i;
+  }
+  if (has_nan) {  // NaN: the raw max and sum are NaN; an allowed NaN is the argmax (its first index)
+    s.max = s.sum = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t j = lo; j < end; ++j)
+      if (std::isnan(x[j]) && ((allowed[j >> 5] >> (j & 31)) & 1)) {
+        s.best = x[j], s.best_at = j;
+        break;
+      }
+    return s;
+  }
+  if (s.max == kNegInf) return s;
+  // Pass 2: the sum of exp(x - max) over the span (the row is in L2 after pass 1).
+  const __m256 m = _mm256_set1_ps(s.max);
+  __m256 acc = _mm256_setzero_ps();
+  for (i = lo; i + 8 <= end; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m)));
+  s.sum = hsum(acc);
+  for (; i < end; ++i) s.sum += std::exp(x[i] - s.max);
+  return s;
+}
+
+// logits f32 [B, V], suppress i32 [B, S] (ids in [0, V), -1 pads), bitmask i32 [B, ceil(V / 32)], vocab_limit
+// i32 [] -> argmax i32 [B] (allowed ids), max f32 [B] and log_sum_exp f32 [B] (of exp(x - max) over [0, limit)).
+ffi::Error LogitRows(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> suppress, ffi::Buffer<ffi::S32> bitmask,
+                     ffi::Buffer<ffi::S32> vocab_limit, ffi::Result<ffi::Buffer<ffi::S32>> argmax,
+                     ffi::Result<ffi::Buffer<ffi::F32>> row_max, ffi::Result<ffi::Buffer<ffi::F32>> log_sum_exp) {
+  if (logits.dimensions().size() != 2 || suppress.dimensions().size() != 2 || bitmask.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("logit_rows: logits, suppress and bitmask must be 2-d");
+  const int64_t B = logits.dimensions()[0], V = logits.dimensions()[1], S = suppress.dimensions()[1];
+  const int64_t W = (V + 31) / 32;
+  if (suppress.dimensions()[0] != B || bitmask.dimensions()[0] != B || bitmask.dimensions()[1] != W)
+    return ffi::Error::InvalidArgument("logit_rows: suppress must be [B, S] and bitmask [B, ceil(V / 32)]");
+  const int64_t limit = std::min<int64_t>(V, std::max<int64_t>(0, vocab_limit.typed_data()[0]));
+  // Each row's allowed bits: its bitmask less its suppressed ids, as words (ids past V stay unset).
+  std::vector<uint32_t> allowed(B * W);  // spans start at multiples of 32: 8 lanes' bits lie in one word
+  for (int64_t b = 0; b < B; ++b) {
+    uint32_t* row = allowed.data() + b * W;
+    const int32_t* words = bitmask.typed_data() + b * W;
+    for (int64_t w = 0; w < W; ++w) row[w] = uint32_t(words[w]);
+    for (int64_t j = 0; j < S; ++j) {
+      int32_t id = suppress.typed_data()[b * S + j];
+      if (id >= 0 && id < V) row[id >> 5] &= ~(1u << (id & 31));
+    }
+  }
+  const int64_t spans = std::max<int64_t>(1, (V + kSpan - 1) / kSpan);
+  std::vector<Span> parts(B * spans);
+  parallel_chunks(B * spans, [&](int64_t item) {
+    const int64_t b = item / spans, lo = (item % spans) * kSpan;
+    parts[item] = summarize(logits.typed_data() + b * V, allowed.data() + b * W, lo, std::min(V, lo + kSpan),
+                            limit);
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    const Span* p = parts.data() + b * spans;
+    float best = kNegInf, top = kNegInf;
+    int64_t best_at = -1;
+    bool nan = false;
+    for (int64_t j = 0; j < spans; ++j) {
+      if (p[j].best_at >= 0 && best_at >= 0 && std::isnan(best)) continue;  // an earlier NaN stays the argmax
+      if (p[j].best_at >= 0 && (best_at < 0 || std::isnan(p[j].best) || p[j].best > best))
+        best = p[j].best, best_at = p[j].best_at;
+    }
+    for (int64_t j = 0; j < spans; ++j) nan = nan || std::isnan(p[j].max), top = std::max(top, p[j].max);
+    float total = 0.f;
+    for (int64_t j = 0; j < spans; ++j)
+      if (p[j].max != kNegInf) total += p[j].sum * std::exp(p[j].max - top);
+    argmax->typed_data()[b] = int32_t(best_at < 0 ? 0 : best_at);
+    // jnp's arithmetic gives NaN for a NaN below the limit, a +inf there (exp(inf - inf)) or every logit -inf
+    bool undefined = nan || std::isinf(top);
+    row_max->typed_data()[b] = undefined ? std::numeric_limits<float>::quiet_NaN() : top;
+    log_sum_exp->typed_data()[b] = undefined ? std::numeric_limits<float>::quiet_NaN() : std::log(total);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_logit_rows, LogitRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
