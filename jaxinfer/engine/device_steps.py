@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.engine.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
-from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, sample
+from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, sample_and_check
 from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
 from models.llama import AttentionMetadata, KVCache, Weights, forward
 from models.quant_matmul import native_unless_sharded
@@ -27,9 +27,10 @@ def _mirror(draft_weights: Weights | None, tokens: jax.Array, metadata: Attentio
 
 
 @native_unless_sharded
-def _sample(logits: jax.Array, sampling: SamplingArrays, *, mesh: jax.sharding.Mesh | None = None) -> SampleOutput:
-    """`sample`, with the native CPU row reductions only off a multi-device mesh (as the model's kernels)."""
-    return sample(logits, sampling)
+def _sample(logits: jax.Array, sampling: SamplingArrays, *,
+            mesh: jax.sharding.Mesh | None = None) -> tuple[SampleOutput, jax.Array]:
+    """`sample_and_check`, with the native CPU row reductions only off a multi-device mesh (as the model's kernels)."""
+    return sample_and_check(logits, sampling)
 
 
 def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
@@ -48,9 +49,9 @@ def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_ca
     if prompt is not None:
         rows = prompt_logprob_rows(logits, prompt[0], sampling.vocab_limit)
         logits = jnp.take(logits, prompt[1], axis=0)
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
     draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
-    return _sample(logits, sampling, mesh=model_kwargs.get("mesh")), finite, rows, kv_cache, draft_cache
+    out, finite = _sample(logits, sampling, mesh=model_kwargs.get("mesh"))
+    return out, finite, rows, kv_cache, draft_cache
 
 
 def verify_step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,

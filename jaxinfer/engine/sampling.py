@@ -379,7 +379,9 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
 
     A batch whose rows are all greedy (temperature 0, as padding rows are) takes a fast path decided on device,
     so that one compiled step serves every batch: the argmax after bans and penalties, without temperature,
-    truncation or random numbers. Either path gives the same tokens for the same rows.
+    truncation or random numbers. Either path gives the same tokens for the same rows. On CPU with the native
+    kernels allowed (`pallas_kernels.cpu_gemv.native_kernels`), the greedy argmax and the sampled token's
+    log-sum-exp come from `pallas_kernels.cpu_gemv.logits.logit_rows` (same tokens; logprobs to f32 rounding).
 
     Args:
       logits: f32[B, V] (other float dtypes are upcast).
@@ -388,9 +390,15 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     Returns:
       SampleOutput of B rows.
     """
+    return sample_and_check(logits, s)[0]
+
+
+def sample_and_check(logits: jax.Array, s: SamplingArrays) -> tuple[SampleOutput, jax.Array]:
+    """`sample`, and bool[B]: whether all V logits of row b are finite (from the same pass over the logits as the
+    sampling's row reductions where those are native)."""
     logits = logits.astype(jnp.float32)
     if cpu_gemv.native_allowed() and cpu_gemv.active():  # the row reductions in vectors (`logit_rows`)
-        argmax, row_max, log_sum_exp = logit_rows(logits, s.suppress, s.token_bitmask, s.vocab_limit)
+        argmax, row_max, log_sum_exp, finite = logit_rows(logits, s.suppress, s.token_bitmask, s.vocab_limit)
         greedy = lambda x, s: jax.lax.cond(_uses_bias_or_penalties(s), _greedy_token_ids, lambda *_: argmax, x, s)
         token_ids = jax.lax.cond(jnp.all(s.temperature == 0), greedy, _sampled_token_ids, logits, s).astype(jnp.int32)
         own = jnp.take_along_axis(limit_vocab(logits, s.vocab_limit), token_ids[:, None], axis=-1)[:, 0]
@@ -399,8 +407,9 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
         token_ids = jax.lax.cond(jnp.all(s.temperature == 0), _greedy_token_ids, _sampled_token_ids, logits, s)
         token_ids = token_ids.astype(jnp.int32)
         logprobs = token_logprobs(logits, token_ids, s.vocab_limit)
+        finite = jnp.all(jnp.isfinite(logits), axis=-1)
     # Raw log-probabilities over [B, V] (top ones, the sampled token's rank) only when some row asks for them.
     top_values, top_ids, ranks = jax.lax.cond(jnp.any(s.num_logprobs >= 0), _top_logprobs_of_logits,
                                               _no_top_logprobs, logits, s.vocab_limit, token_ids)
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_values, top_token_ids=top_ids,
-                        ranks=ranks)
+                        ranks=ranks), finite

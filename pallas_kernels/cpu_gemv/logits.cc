@@ -1,9 +1,9 @@
 // Row summaries of a decode step's logits on x86 CPUs (AVX2 + FMA), called from jitted JAX code through XLA's
 // FFI: per row of f32 logits [B, V], the first index of the largest logit among the allowed tokens (greedy
 // sampling: ids below vocab_limit, not suppressed, their bit set in the row's token bitmask), and the raw row's
-// max and log-sum-exp over [0, vocab_limit) (the sampled token's log-probability). XLA:CPU runs these row
-// reductions one element at a time (~2-5 ns an element: 0.1-0.25 ms a row of SmolLM2's 49,152 logits, a tenth of a
-// quantized decode step); here they run in vectors, over both cores. Semantics: jaxinfer/engine/sampling.py
+// max and log-sum-exp over [0, vocab_limit) (the sampled token's log-probability), and whether every logit of the
+// row is finite. XLA:CPU runs these row reductions one element at a time (~2-5 ns an element: 0.1-0.25 ms a row of
+// SmolLM2's 49,152 logits each, a tenth of a quantized decode step); here they run in vectors, over both cores. Semantics: jaxinfer/engine/sampling.py
 // (`jnp.argmax` of the banned logits, `sampling_math.token_logprobs`); the Python wrapper is
 // pallas_kernels/cpu_gemv/logits.py.
 //
@@ -43,7 +43,19 @@ struct Span {
   int64_t best_at = -1;    // its first index; -1: no allowed logit above -inf
   float max = kNegInf;     // the raw max over the span's ids below the vocab limit (NaN if one is NaN)
   float sum = 0.f;         // sum of exp(x - max) over those ids (0 when max is -inf)
+  bool finite = true;      // no NaN or inf in the whole span (ids past the limit included)
 };
+
+// Whether x[lo, hi) holds no NaN or inf.
+inline bool all_finite(const float* x, int64_t lo, int64_t hi) {
+  const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), big, _CMP_LE_OQ));
+  bool finite = _mm256_movemask_ps(ok) == 0xff;
+  for (; i < hi; ++i) finite = finite && std::isfinite(x[i]);
+  return finite;
+}
 
 // 8 lanes' masks from 8 bits: lane i true iff bit i of `bits` is set.
 inline __m256 bit_lanes(uint32_t bits) {
@@ -56,10 +68,11 @@ inline __m256 bit_lanes(uint32_t bits) {
 // t / 32); ids >= `limit` are neither allowed nor counted.
 Span summarize(const float* x, const uint32_t* allowed, int64_t lo, int64_t hi, int64_t limit) {
   Span s;
-  const int64_t end = std::min(hi, limit);
-  if (end <= lo) return s;
+  const int64_t end = std::max(lo, std::min(hi, limit));
+  s.finite = all_finite(x, end, hi);
+  if (end == lo) return s;
   // Pass 1: per lane, the raw max and the allowed max with its first index (strict >: earlier indices win ties).
-  __m256 raw = _mm256_set1_ps(kNegInf), best = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps();
+  __m256 raw = _mm256_set1_ps(kNegInf), best = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps(), low = _mm256_set1_ps(-kNegInf);
   __m256i at = _mm256_set1_epi32(-1), index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i eight = _mm256_set1_epi32(8);
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
@@ -68,26 +81,31 @@ Span summarize(const float* x, const uint32_t* allowed, int64_t lo, int64_t hi, 
   for (; i + 8 <= end; i += 8, index = _mm256_add_epi32(index, eight)) {
     __m256 v = _mm256_loadu_ps(x + i);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    low = _mm256_min_ps(low, v);
     raw = _mm256_max_ps(raw, v);
     __m256 a = _mm256_blendv_ps(neg_inf, v, bit_lanes(allowed[i >> 5] >> (i & 31)));
     __m256 gt = _mm256_cmp_ps(a, best, _CMP_GT_OQ);
     best = _mm256_blendv_ps(best, a, gt);
     at = _mm256_blendv_epi8(at, index, _mm256_castps_si256(gt));
   }
-  alignas(32) float lanes[8], best_lanes[8];
+  alignas(32) float lanes[8], best_lanes[8], low_lanes[8];
   alignas(32) int32_t at_lanes[8];
-  _mm256_store_ps(lanes, raw), _mm256_store_ps(best_lanes, best), _mm256_store_si256(reinterpret_cast<__m256i*>(at_lanes), at);
-  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  _mm256_store_ps(lanes, raw), _mm256_store_ps(best_lanes, best), _mm256_store_ps(low_lanes, low), _mm256_store_si256(reinterpret_cast<__m256i*>(at_lanes), at);
+  bool has_nan = _mm256_movemask_ps(nan) != 0, has_inf = false;
   for (int l = 0; l < 8; ++l) {
     s.max = std::max(s.max, lanes[l]);
+    if (end - lo >= 8)  // the lanes saw logits: +inf is the max, -inf the min
+      has_inf = has_inf || std::isinf(lanes[l]) || std::isinf(low_lanes[l]);
     if (at_lanes[l] >= 0 && (best_lanes[l] > s.best || (best_lanes[l] == s.best && at_lanes[l] < s.best_at)))
       s.best = best_lanes[l], s.best_at = at_lanes[l];
   }
   for (; i < end; ++i) {
     has_nan = has_nan || std::isnan(x[i]);
+    has_inf = has_inf || std::isinf(x[i]);
     s.max = std::max(s.max, x[i]);
     if ((allowed[i >> 5] >> (i & 31)) & 1 && x[i] > s.best) s.best = x[i], s.best_at = i;
   }
+  s.finite = s.finite && !has_nan && !has_inf;
   if (has_nan) {  // NaN: the raw max and sum are NaN; an allowed NaN is the argmax (its first index)
     s.max = s.sum = std::numeric_limits<float>::quiet_NaN();
     for (int64_t j = lo; j < end; ++j)
@@ -108,10 +126,12 @@ Span summarize(const float* x, const uint32_t* allowed, int64_t lo, int64_t hi, 
 }
 
 // logits f32 [B, V], suppress i32 [B, S] (ids in [0, V), -1 pads), bitmask i32 [B, ceil(V / 32)], vocab_limit
-// i32 [] -> argmax i32 [B] (allowed ids), max f32 [B] and log_sum_exp f32 [B] (of exp(x - max) over [0, limit)).
+// i32 [] -> argmax i32 [B] (allowed ids), max f32 [B], log_sum_exp f32 [B] (of exp(x - max) over [0, limit)) and
+// finite bool [B] (no NaN or inf in the row).
 ffi::Error LogitRows(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> suppress, ffi::Buffer<ffi::S32> bitmask,
                      ffi::Buffer<ffi::S32> vocab_limit, ffi::Result<ffi::Buffer<ffi::S32>> argmax,
-                     ffi::Result<ffi::Buffer<ffi::F32>> row_max, ffi::Result<ffi::Buffer<ffi::F32>> log_sum_exp) {
+                     ffi::Result<ffi::Buffer<ffi::F32>> row_max, ffi::Result<ffi::Buffer<ffi::F32>> log_sum_exp,
+                     ffi::Result<ffi::Buffer<ffi::PRED>> finite) {
   if (logits.dimensions().size() != 2 || suppress.dimensions().size() != 2 || bitmask.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("logit_rows: logits, suppress and bitmask must be 2-d");
   const int64_t B = logits.dimensions()[0], V = logits.dimensions()[1], S = suppress.dimensions()[1];
@@ -141,7 +161,9 @@ ffi::Error LogitRows(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> suppres
     const Span* p = parts.data() + b * spans;
     float best = kNegInf, top = kNegInf;
     int64_t best_at = -1;
-    bool nan = false;
+    bool nan = false, all = true;
+    for (int64_t j = 0; j < spans; ++j) all = all && p[j].finite;
+    finite->typed_data()[b] = all;
     for (int64_t j = 0; j < spans; ++j) {
       if (p[j].best_at >= 0 && best_at >= 0 && std::isnan(best)) continue;  // an earlier NaN stays the argmax
       if (p[j].best_at >= 0 && (best_at < 0 || std::isnan(p[j].best) || p[j].best > best))
@@ -170,4 +192,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_logit_rows, LogitRows,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>());

@@ -1,5 +1,5 @@
 """Native CPU row reductions of a decode step's logits (`logits.cc`, AVX2 + FMA, called through `jax.ffi`): the
-greedy token among the allowed ids and the raw row's max and log-sum-exp, in one call.
+greedy token among the allowed ids, the raw row's max and log-sum-exp, and whether the row is finite, in one call.
 
 XLA:CPU runs a row reduction (`jnp.argmax`, `jnp.max`, a sum of exponentials) one element at a time: over
 SmolLM2's 49,152 logits the sampling step took ~0.3 ms at batch 1, ~0.9 ms at batch 8 — a tenth of a quantized
@@ -16,8 +16,8 @@ from pallas_kernels import cpu_gemv
 
 
 def logit_rows(logits: jax.Array, suppress: jax.Array, bitmask: jax.Array,
-               vocab_limit: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Greedy tokens and log-softmax normalizers of B rows of logits, by the native kernel.
+               vocab_limit: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Greedy tokens, log-softmax normalizers and finiteness of B rows of logits, by the native kernel.
 
     Args:
       logits: f32[B, V] (other float dtypes are upcast).
@@ -33,6 +33,7 @@ def logit_rows(logits: jax.Array, suppress: jax.Array, bitmask: jax.Array,
         all are -inf (where the `jnp` log-sum-exp is NaN).
       log_sum_exp: f32[B], log(sum(exp(logits - row_max))) over [0, vocab_limit) (NaN where row_max is); agrees
         with the `jnp` expression to f32 rounding (sums in another order, a ~1-ulp exp).
+      finite: bool[B], whether all V logits of the row (past vocab_limit too) are finite.
 
     Raises:
       ValueError: at trace time, if the shapes do not fit each other.
@@ -45,6 +46,6 @@ def logit_rows(logits: jax.Array, suppress: jax.Array, bitmask: jax.Array,
     if bitmask.shape != (b, -(-v // 32)):
         raise ValueError(f"bitmask must be [B, ceil(V / 32)] = {(b, -(-v // 32))}, got {bitmask.shape}")
     outs = [jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
-            jax.ShapeDtypeStruct((b,), jnp.float32)]
+            jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.bool_)]
     return tuple(cpu_gemv._call("logit_rows", outs, logits, suppress.astype(jnp.int32), bitmask.astype(jnp.int32),
                                 jnp.asarray(vocab_limit, jnp.int32)))

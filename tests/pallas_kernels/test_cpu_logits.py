@@ -1,6 +1,6 @@
 """The native CPU row reductions of the logits (`pallas_kernels.cpu_gemv.logits.logit_rows`) against numpy: the
 greedy argmax among the allowed ids exactly (`np.argmax` of the logits with -inf at banned ids), the row max exactly
-and the log-sum-exp to f32 rounding of a float64 sum; NaN, -inf, ties across the kernel's spans of 8,192 logits,
+and the log-sum-exp to f32 rounding of a float64 sum, the rows' finiteness; NaN, -inf, ties across the kernel's spans of 8,192 logits,
 vocab limits and bans. The sampler's use of it: tests/jaxinfer/engine/test_sampling_fast.py."""
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def _allowed(bitmask: np.ndarray, suppress: np.ndarray, v: int, limit: int) -> n
 
 
 def _check(x: np.ndarray, suppress: np.ndarray, bitmask: np.ndarray, limit: int) -> None:
-    argmax, row_max, lse = map(np.asarray, _rows(x, suppress, bitmask, np.int32(limit)))
+    argmax, row_max, lse, finite = map(np.asarray, _rows(x, suppress, bitmask, np.int32(limit)))
     v = x.shape[1]
+    np.testing.assert_array_equal(finite, np.isfinite(x).all(-1))  # the whole row, past the limit too
     banned = np.where(_allowed(bitmask, suppress, v, limit), x, -np.inf)
     np.testing.assert_array_equal(argmax, np.argmax(banned, axis=-1))  # np.argmax: first max, NaN counts as max
     raw = np.where(np.arange(v) < limit, x, -np.inf).astype(np.float64)
@@ -83,6 +84,8 @@ def test_ties_nan_inf_and_bans() -> None:
     bitmask[7, 5] = 1  # a single allowed id: 160
     _check(x, suppress, bitmask, v)
     _check(x, suppress, bitmask, 9050)  # the limit inside a span: the NaN at 9100 no longer counts
+    x[7, 19999] = -np.inf  # past the limit: the row is not finite, its sums unchanged
+    _check(x, suppress, bitmask, 9050)
 
 
 def test_every_id_banned_gives_zero() -> None:

@@ -91,10 +91,16 @@ def test_sample_equals_the_full_path(name: str, params: list[P], vocab_limit: in
         sample_fn = lambda logits, s: sample(logits, s)  # noqa: E731 (a function of its own: traced under this setting)
         jaxpr = jax.make_jaxpr(sample_fn)(_logits(0), _build(_rows(params, 0), B, V, vocab_limit))
         sample_fn = jax.jit(sample_fn)
+        check_fn = jax.jit(lambda logits, s: sampling.sample_and_check(logits, s))
     assert ("ffi_call" in str(jaxpr)) == (native and cpu_gemv.active())
     for seed in range(3):
         logits = _logits(seed)
         s = _build(_rows(params, seed, penalties=name != "greedy, no penalties"), B, V, vocab_limit)
+        logits[seed, 3 + seed] = [np.nan, np.inf, -np.inf][seed]  # a row the step reports as not finite
+        with cpu_gemv.native_kernels(native):
+            out, finite = check_fn(logits, s)
+        np.testing.assert_array_equal(np.asarray(finite), np.isfinite(logits).all(-1))
+        logits[seed, 3 + seed] = 0.0
         with cpu_gemv.native_kernels(native):
             out = sample_fn(logits, s)
         tokens, logprobs, top_values, top_ids, raw = map(np.asarray, _full(logits, s))
