@@ -16,12 +16,20 @@ from jaxinfer.engine.sampling import SamplingArrays, SamplingRow, sample
 from jaxinfer.sampling_params import SamplingParams as P
 from jaxinfer.engine.spec_decode import verify as verify_module
 from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
+from pallas_kernels import cpu_gemv
 
 ALPHA = 0.001  # significance of every chi-square goodness-of-fit test here
 N = 20_000  # seeded rows per distribution test, one jitted call
 PENALTY_WIDTH = 64  # >= every row's prompt plus output ids here
 _verify = jax.jit(verify)
-_sample = jax.jit(sample)
+_sample_xla = jax.jit(lambda logits, s: sample(logits, s))
+
+
+def _sample(logits, s):
+    """`sample` on XLA's path, as `verify` computes (on CPU the step's sampler reduces rows natively: its logprobs
+    agree with these to f32 rounding, tests/jaxinfer/engine/test_sampling_fast.py)."""
+    with cpu_gemv.native_kernels(False):
+        return _sample_xla(logits, s)
 
 
 def _arrays(rows: list[SamplingRow], vocab: int, batch: int | None = None) -> SamplingArrays:
