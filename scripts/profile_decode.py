@@ -3,8 +3,9 @@ one weight format (a `jaxinfer bench quant` format name), aggregated from the tr
 
     .venv/bin/python scripts/profile_decode.py "int8 (w8a8)" --batch 1 [--unrolled] [--attention-backend reference]
 
-Prints the median step time untraced, then ms per step of each op kind (ffi_call = the native matmul kernels and,
-with the attention backend "auto", the native decode attention,
+Prints the median step time untraced, then ms per step of each op kind (ffi_call = the native kernels, then split
+by kernel: matmuls, with the attention backend "auto" the native decode attention, and the sampler's row
+reductions;
 while = loops, including the layer scan itself, so nested times add up to more than the step; copy / ynn fusions
 inside the attention loop are its page gathers and dots). Tracing slows the step; compare kinds, not totals.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import re
 import statistics
 import tempfile
 import time
@@ -33,7 +35,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "reference"),
                         help="auto: on CPU the native decode attention (an ffi_call per layer); reference: jnp")
     args = parser.parse_args()
-    _, step = decode_step(args.format, args.batch, scan_layers=not args.unrolled,
+    engine, step = decode_step(args.format, args.batch, scan_layers=not args.unrolled,
                           attention_backend=args.attention_backend)
     for _ in range(5):
         step()
@@ -50,7 +52,12 @@ def main() -> None:
         jax.profiler.stop_trace()
         (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
         data = _profile_data.ProfileData.from_file(path)
+    # each ffi_call instruction's kernel (its custom_call_target, less the jaxinfer_ prefix and the ISA suffix)
+    hlo = engine.runner.compile_step(*step.args).as_text()
+    target = {name: re.sub(r"^jaxinfer_|_(avx2|avx512_vnni)$", "", kernel) for name, kernel in
+              re.findall(r"%(ffi_call[.\w]*) = .*?custom_call_target=\"(\w+)\"", hlo)}
     total, count = collections.Counter(), collections.Counter()
+    by_kernel, kernels = collections.Counter(), collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
             if not line.name.startswith("tf_XLA"):
@@ -60,8 +67,13 @@ def main() -> None:
                     kind = event.name.split(".")[0]
                     total[kind] += event.duration_ns
                     count[kind] += 1
+                    if event.name in target:
+                        by_kernel[target[event.name]] += event.duration_ns
+                        kernels[target[event.name]] += 1
     for kind, ns in total.most_common(12):
         print(f"{ns / args.steps / 1e6:8.3f} ms/step  {count[kind] // args.steps:5d} per step  {kind}")
+    for kernel, ns in by_kernel.most_common():
+        print(f"{ns / args.steps / 1e6:8.3f} ms/step  {kernels[kernel] // args.steps:5d} per step  ffi_call {kernel}")
 
 
 if __name__ == "__main__":
