@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shlex
+import statistics
 import subprocess
 import tempfile
 from pathlib import Path
@@ -183,3 +184,17 @@ def run_peers(args: argparse.Namespace, model: Path, prompt: list[int], rows: li
         if result and "error" in result:
             logger.warning("%s peer: %s", name, result["error"])
     return hf, llama
+
+
+def merge_runs(runs: list[dict | None]) -> dict | None:
+    """One peer's several runs (`run_peers` results, each None or a JSON dict) as one: the first run that has
+    results, each weights' `decode_tok_s` replaced by the median over the runs that measured it, with those runs'
+    values in `decode_tok_s_runs`. None or the first error when no run has results."""
+    good = [r for r in runs if r and "results" in r]
+    if not good:
+        return next((r for r in runs if r), None)
+    merged = json.loads(json.dumps(good[0]))
+    for weights, res in merged["results"].items():
+        values = [r["results"][weights]["decode_tok_s"] for r in good if weights in r["results"]]
+        res["decode_tok_s"], res["decode_tok_s_runs"] = statistics.median(values), values
+    return merged

@@ -26,8 +26,9 @@ as stored (`--quantization gguf`; only for a GGUF model, such as the default), a
 4. **Native kernels on and off** (`--native both`): each format's engine twice, once with the native CPU matmul
    kernels where they apply (`pallas_kernels.cpu_gemv`, the engine's default on CPU) and once with XLA's dots only
    (`JAXINFER_NATIVE_KERNELS=0` around the engine's compile and every call), in the same interleaved rounds.
-5. **Peers** (`--peer-python`, `--llamacpp-python`; `jaxinfer.benchmarks.peers`), after the engines, at batch 1
-   on the same GGUF file and one random prompt of `CONTEXT` tokens (decode from it, `--peer-steps` timed steps):
+5. **Peers** (`--peer-python`, `--llamacpp-python`; `jaxinfer.benchmarks.peers`), after the engines' rounds (or
+   `--peer-rounds N` times between them, each peer's median run kept), at batch 1 on the same GGUF file and one
+   random prompt of `CONTEXT` tokens (decode from it, `--peer-steps` timed steps):
    llama.cpp re-quantized to each `--llamacpp-types` type (default Q4_0, Q8_0, BF16), HF transformers in bf16; each
    beside the roofline of its own bytes (llama.cpp: its tensors + an f16 KV cache of the decode context; HF: the
    bf16 row's weights + KV) at the same probe bandwidth.
@@ -35,15 +36,9 @@ as stored (`--quantization gguf`; only for a GGUF model, such as the default), a
    streaming a `--gemv-mib` MiB weight (bf16, int8 weight-only, int8 w8a8, int4 g32) at `--gemv-rows` rows, beside
    XLA's dot on the same weight and the roofline probe.
 
-Expected for SmolLM2-135M-Instruct, written before the first measurement (2 shared cores, ~45 GB/s; earlier
-measurement of the forward at 2 rows with random weights: f32 ~30 ms, bf16 ~19 ms, int8 w8a8 ~20 ms):
-- batch 1: bf16 and int8 about equal (~45-55 tok/s): XLA:CPU's int8 dot at 2 rows runs at ~12 GB/s of int8,
-  compute-bound, so halving the bytes again does not pay; f32 ~30 tok/s; int8 weight-only and fp8 slower than
-  bf16 (each dot first converts its weight to f32 in memory: ~1.5-4x the bf16 step). Far below llama.cpp's 217
-  tok/s (Q4_0) and below the int8 roofline (~330 tok/s): the step is not bandwidth-bound at batch 1 here.
-- batch 32: int8 w8a8 fastest (int8 GEMM ~1.5-3x bf16 per weight), ~1.3-2x bf16 tokens/s.
-- memory analysis: int8 w8a8 no full-precision copy; weight-only int8 and fp8 copies (one weight at a time for
-  int8; XLA:CPU upcasts fp8 arrays whole, before the loop).
+Expected for SmolLM2-135M-Instruct on XLA's dots, written before the first measurement (2 shared cores): batch 1
+bf16 ~ int8 (~45-55 tok/s; XLA's int8 dot at 2 rows is compute-bound), f32 ~30, weight-only int8 and fp8 slower
+than bf16 (each dot converts its weight first); batch 32 w8a8 ~1.3-2x bf16; no full-precision copy for w8a8.
 
 Expected with the native kernels (`--native both`), written before the first such run (AMD EPYC, AVX2
 only, 2 cores shared with other jobs, probe ~40 GB/s; a 4 MiB trial of the micro-benchmark under load: native
@@ -75,7 +70,7 @@ import logging
 import statistics
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -154,6 +149,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-rows", default="1,2,4,8", help="activation rows of the micro-benchmark's calls")
     parser.add_argument("--gemv-reps", type=int, default=5, help="timed calls per micro-benchmark cell (median)")
     parser.add_argument("--peer-steps", type=int, default=20, help="the peers' timed batch-1 decode steps (median)")
+    parser.add_argument("--peer-rounds", type=int, default=1,
+                        help="runs of the peers, spread evenly over the rounds (each peer's tok/s: the median of its "
+                             "runs), so that the engines and the peers are timed in the same minutes of a shared "
+                             "machine's load (default: one run, after the rounds)")
     peers.add_peer_arguments(parser)
     peers.add_llamacpp_arguments(parser)
     parser.set_defaults(llamacpp_types="Q4_0,Q8_0,BF16")
@@ -178,6 +177,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     batches, gemv_rows = _ints("--batches", args.batches), _ints("--gemv-rows", args.gemv_rows)
     if not batches or min(batches) < 1 or min(args.reps, args.peer_steps, args.gemv_reps, args.burst) < 1:
         raise ValueError("--batches needs integers >= 1; --reps, --burst, --peer-steps and --gemv-reps must be >= 1")
+    if not 1 <= args.peer_rounds <= args.reps:
+        raise ValueError(f"--peer-rounds {args.peer_rounds} must be in [1, --reps {args.reps}]")
     if args.max_model_len <= CONTEXT:
         raise ValueError(f"--max-model-len {args.max_model_len} must exceed the timed context ({CONTEXT} tokens)")
     if args.gemv and (not gemv_rows or not all(1 <= m <= cpu_gemv.MAX_ROWS for m in gemv_rows)
@@ -309,13 +310,15 @@ def native_kernels(allowed: bool, isa: str | None = None) -> Iterator[None]:
                 os.environ[variable] = value
 
 
-def measure(args: argparse.Namespace, formats: list[str], batches: list[int],
-            isas: list[str | None] = (None,)) -> tuple[list[dict], ModelConfig]:
+def measure(args: argparse.Namespace, formats: list[str], batches: list[int], isas: list[str | None] = (None,),
+            after_round: Callable[[int, ModelConfig], None] | None = None) -> tuple[list[dict], ModelConfig]:
     """Decode step times of every format, native setting (`--native`; native engines once per ISA level of `isas`)
     and batch, interleaved over `--reps` rounds (`--burst` calls of an engine in a row a round); each engine
     stays alive (weights ~0.1-0.5 GB each for SmolLM2), since building one per call is too
     slow to interleave. Every call of an engine built without the native kernels, its compile included, runs
     with `JAXINFER_NATIVE_KERNELS=0` (`native_kernels`), as a user turns them off.
+
+    `after_round(r, config)`, when given, runs after round r (0-based).
 
     Returns:
       (one row per format, native setting, ISA level and batch, the model's config).
@@ -330,7 +333,7 @@ def measure(args: argparse.Namespace, formats: list[str], batches: list[int],
             logger.info("%s (%s %s) ready in %.1f s", name, calls[0][1]["matmuls"], calls[0][1]["isa"] or "",
                         time.perf_counter() - t0)
     rng = np.random.default_rng(0)
-    for _ in range(args.reps):
+    for r in range(args.reps):
         for i in rng.permutation(len(setups)):
             fn, native, isa, row = setups[i]
             with native_kernels(native, isa):
@@ -340,6 +343,8 @@ def measure(args: argparse.Namespace, formats: list[str], batches: list[int],
                     t0 = time.perf_counter()
                     fn()
                     row["times"].append(time.perf_counter() - t0)
+        if after_round is not None:
+            after_round(r, cfg)
     rows = [row for *_, row in setups]
     for row in rows:
         times = row.pop("times")
@@ -374,10 +379,12 @@ def run(args: argparse.Namespace) -> Report:
     formats, batches, gemv_rows, isas = check_arguments(args)
     peers.check_peer_paths(args, model_setup.model_path(args.model))
     bandwidth = measure_bandwidth(args.bw_gib, args.bw_reps, others=False)
-    rows, cfg = measure(args, formats, batches, isas)
+    runs = []  # the peers' (HF, llama.cpp) results, one pair per run: after rounds spread evenly over --reps
+    rows, cfg = measure(args, formats, batches, isas, lambda r, cfg: runs.append(run_peers(args, cfg.vocab_size))
+                        if (r + 1) * args.peer_rounds // args.reps > r * args.peer_rounds // args.reps else None)
     data = {"bandwidth": bandwidth, "context": CONTEXT, "native": args.native, "rows": rows,
-            "kv_bytes_per_token_f16": model_setup.kv_bytes_per_token(cfg, 2)}
-    data["peer"], data["llamacpp"] = run_peers(args, cfg.vocab_size)
+            "kv_bytes_per_token_f16": model_setup.kv_bytes_per_token(cfg, 2), "peer_runs": len(runs)}
+    data["peer"], data["llamacpp"] = (peers.merge_runs([run[i] for run in runs]) for i in (0, 1))
     if args.gemv:
         data["gemv"] = []
         for isa in isas:

@@ -60,8 +60,8 @@ def peer_rows(data: dict) -> list[dict]:
     the jaxinfer bf16 batch-1 row's weight bytes + the same KV (no roofline when bf16 was not measured).
 
     Returns:
-      dicts of "peer", "weights", "context" (mean tokens), "tok_s", "bytes" (or None), "roofline_tok_s" and
-      "of_roofline" (None without bytes).
+      dicts of "peer", "weights", "context" (mean tokens), "tok_s" (the median of its runs), "runs" (each run's
+      tok/s), "bytes" (or None), "roofline_tok_s" and "of_roofline" (None without bytes).
     """
     out = []
     kv = data["kv_bytes_per_token_f16"]
@@ -75,6 +75,7 @@ def peer_rows(data: dict) -> list[dict]:
                 nbytes = None if bf16 is None else bf16["step_bytes"] - bf16["kv_bytes"] + kv * context
             roof = None if nbytes is None else data["roofline_gb_s"] * 1e9 / nbytes
             out.append({"peer": peer, "weights": weights, "context": context, "tok_s": res["decode_tok_s"],
+                        "runs": res.get("decode_tok_s_runs", [res["decode_tok_s"]]),
                         "bytes": nbytes, "roofline_tok_s": roof,
                         "of_roofline": None if roof is None else res["decode_tok_s"] / roof})
     return out
@@ -84,9 +85,10 @@ def _peer_table(prows: list[dict]) -> list[str]:
     if not prows:
         return []
     body = [[p["peer"], p["weights"], f"{p['context']:.0f}", "-" if p["bytes"] is None else f"{p['bytes'] / 1e6:.0f}",
-             f"{p['tok_s']:.1f}", "-" if p["roofline_tok_s"] is None else f"{p['roofline_tok_s']:.0f}",
+             f"{p['tok_s']:.1f}" + (f" ({min(p['runs']):.1f}-{max(p['runs']):.1f}, {len(p['runs'])} runs)"
+                                    if len(p["runs"]) > 1 else ""), "-" if p["roofline_tok_s"] is None else f"{p['roofline_tok_s']:.0f}",
              "-" if p["of_roofline"] is None else f"{p['of_roofline'] * 100:.0f}%"] for p in prows]
-    return ["", "Peers at batch 1 (same GGUF file; decode after a 128-token prompt, median of the timed steps):", "",
+    return ["", "Peers at batch 1 (same GGUF file; decode after a 128-token prompt, median of the timed steps; with several runs, the median run and the range):", "",
             table(["peer", "weights", "mean context", "MB per step", "tok/s", "roofline tok/s", "of roofline"],
                   body)]
 
@@ -139,7 +141,8 @@ def _findings(rows: list[dict], prows: list[dict]) -> list[str]:
     q4 = next((p for p in prows if p["peer"] == "llama.cpp" and p["weights"] == "Q4_0"), None)
     int4 = [r for f in INT4_FORMATS for r in native1 if r["format"] == f]
     if q4 and int4:
-        out.append(f"- Goal: int4 batch-1 decode >= llama.cpp Q4_0 ({q4['tok_s']:.1f} tok/s) in the same run: "
+        runs = f", the median of {len(q4['runs'])} runs between the rounds" if len(q4["runs"]) > 1 else ""
+        out.append(f"- Goal: int4 batch-1 decode >= llama.cpp Q4_0 ({q4['tok_s']:.1f} tok/s{runs}) in the same run: "
                    + "; ".join(f"{label(r)} {r['tok_s']:.1f} ({r['tok_s'] / q4['tok_s']:.2f}x)" for r in int4)
                    + f" ({'met' if all(r['tok_s'] >= q4['tok_s'] for r in int4) else 'not met'}).")
     return out

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxinfer.benchmarks import peers
 from jaxinfer.benchmarks.quant import CONTEXT, SECTION
 from pallas_kernels import cpu_features
 from jaxinfer.loading.hf import load_hf_weights
@@ -20,7 +21,8 @@ from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir
 def test_quant_report(tmp_path):
     model = make_tiny_model_dir(tmp_path / "tiny")
     report, written = run_bench(tmp_path, "quant", "--model", str(model), "--formats", "bf16;int8 (w8a8)",
-                                "--batches", "1", "--reps", "1", "--max-model-len", "256", "--bw-gib", "0.016",
+                                "--batches", "1", "--reps", "2", "--peer-rounds", "2", "--max-model-len", "256",
+                                "--bw-gib", "0.016",
                                 "--bw-reps", "1", "--burst", "3")
     data = report["data"]
     rows = {(r["format"], r["batch"]): r for r in data["rows"]}
@@ -53,6 +55,8 @@ def test_quant_report(tmp_path):
     (("--gemv-rows", "1,x"), "--gemv-rows '1,x' is not a list of integers"),
     (("--peer-steps", "0"), "--reps, --burst, --peer-steps and --gemv-reps must be >= 1"),
     (("--burst", "0"), "--reps, --burst, --peer-steps and --gemv-reps must be >= 1"),
+    (("--peer-rounds", "0"), "--peer-rounds 0 must be in [1, --reps 15]"),
+    (("--reps", "2", "--peer-rounds", "3"), "--peer-rounds 3 must be in [1, --reps 2]"),
     (("--llamacpp-types", "Q4_0,Q5_K"), "--llamacpp-types 'Q4_0,Q5_K': unknown Q5_K"),
     (("--llamacpp-python", "/nonexistent/python"), "--llamacpp-python /nonexistent/python: no such interpreter"),
     (("--formats", " ; "), "--formats ' ; ' names no format"),
@@ -152,7 +156,8 @@ def test_quant_native_both_peers_and_gemv(tmp_path):
     stub = ["--peer-python", sys.executable, "--peer-script", str(STUB_PEER), "--llamacpp-python", sys.executable,
             "--llamacpp-script", str(STUB_PEER), "--llamacpp-cache", str(tmp_path / "cache")]
     report, written = run_bench(tmp_path, "quant", "--model", str(model), "--formats", "int8 weight-only",
-                                "--batches", "1", "--reps", "1", "--max-model-len", "256", "--bw-gib", "0.016",
+                                "--batches", "1", "--reps", "2", "--peer-rounds", "2", "--max-model-len", "256",
+                                "--bw-gib", "0.016",
                                 "--bw-reps", "1", "--native", "both", "--gemv", "--gemv-mib", "0.25",
                                 "--gemv-rows", "1,8", "--gemv-reps", "1", "--peer-steps", "2", "--isa", "all", *stub)
     data = report["data"]
@@ -170,7 +175,8 @@ def test_quant_native_both_peers_and_gemv(tmp_path):
     peer_rows = {(p["peer"], p["weights"]): p for p in data["peer_rows"]}
     assert set(peer_rows) == {("llama.cpp", t) for t in ("Q4_0", "Q8_0", "BF16")} | {("HF transformers", "bfloat16")}
     q4 = peer_rows[("llama.cpp", "Q4_0")]
-    assert q4["tok_s"] == 20.0  # the stub's 50 ms step
+    assert q4["tok_s"] == 20.0 and q4["runs"] == [20.0, 20.0]  # the stub's 50 ms step, run after each round
+    assert data["peer_runs"] == 2
     assert q4["roofline_tok_s"] == pytest.approx(data["roofline_gb_s"] * 1e9 / (70e6 + kv_f16 * q4["context"]))
     assert peer_rows[("HF transformers", "bfloat16")]["roofline_tok_s"] is None  # no bf16 row to take bytes from
     assert [(g["isa"], g["kind"], g["rows"]) for g in data["gemv"]] == [
@@ -183,7 +189,7 @@ def test_quant_native_both_peers_and_gemv(tmp_path):
     begin, end = SECTION
     section = written[written.index(begin):written.index(end)]
     for expected in ("| int8 weight-only | XLA | 1 |",
-                     "| llama.cpp | Q4_0 | ", "Kernel micro-benchmark", "| int4 g32 (avx2) | 8 | [128, 4096] | 0 |",
+                     "| llama.cpp | Q4_0 | ", "| 20.0 (20.0-20.0, 2 runs) |", "Kernel micro-benchmark", "| int4 g32 (avx2) | 8 | [128, 4096] | 0 |",
                      "- Batch 1, native kernels over XLA (tok/s): int8 weight-only ",
                      "- Goal: >= 70% of the weight-read roofline"):
         assert expected in section, expected
@@ -211,3 +217,12 @@ def test_native_kernels_sets_the_users_switch_and_puts_it_back(monkeypatch, befo
     with native_kernels(True, "avx2"):
         assert os.environ["JAXINFER_NATIVE_ISA"] == "avx2" and os.environ.get(NATIVE_VARIABLE) == before
     assert os.environ.get(NATIVE_VARIABLE) == before and "JAXINFER_NATIVE_ISA" not in os.environ
+
+
+def test_merge_runs_takes_each_peers_median_run():
+    run = lambda tok_s: {"results": {"Q4_0": {"decode_tok_s": tok_s, "model_bytes": 7}}}  # noqa: E731
+    merged = peers.merge_runs([run(200.0), None, {"error": "peer exited with 1"}, run(100.0), run(250.0)])
+    assert merged["results"]["Q4_0"] == {"decode_tok_s": 200.0, "decode_tok_s_runs": [200.0, 100.0, 250.0],
+                                         "model_bytes": 7}
+    assert peers.merge_runs([None, {"error": "no model"}]) == {"error": "no model"}
+    assert peers.merge_runs([None]) is None
