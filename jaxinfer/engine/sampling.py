@@ -401,7 +401,8 @@ def sample_and_check(logits: jax.Array, s: SamplingArrays) -> tuple[SampleOutput
         argmax, row_max, log_sum_exp, finite = logit_rows(logits, s.suppress, s.token_bitmask, s.vocab_limit)
         greedy = lambda x, s: jax.lax.cond(_uses_bias_or_penalties(s), _greedy_token_ids, lambda *_: argmax, x, s)
         token_ids = jax.lax.cond(jnp.all(s.temperature == 0), greedy, _sampled_token_ids, logits, s).astype(jnp.int32)
-        own = jnp.take_along_axis(limit_vocab(logits, s.vocab_limit), token_ids[:, None], axis=-1)[:, 0]
+        own = jnp.where(token_ids < s.vocab_limit, jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0],
+                        -jnp.inf)  # limit_vocab's value at the token, without a [B, V] pass
         logprobs = own - row_max - log_sum_exp  # `token_logprobs`' arithmetic
     else:
         token_ids = jax.lax.cond(jnp.all(s.temperature == 0), _greedy_token_ids, _sampled_token_ids, logits, s)
