@@ -39,6 +39,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -52,7 +53,7 @@ from jaxinfer.request_limits import MAX_LOGIT_BIAS, SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from models import pytree
 from pallas_kernels import cpu_gemv
-from pallas_kernels.cpu_gemv.logits import logit_rows
+from pallas_kernels.cpu_gemv.logits import logit_rows, truncation_threshold
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
            "sample", "sample_keys", "top_logprobs"]
@@ -266,15 +267,26 @@ def _penalised(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return jax.lax.cond(_uses_bias_or_penalties(s), _bias_and_penalties, lambda x, _: x, _ban(logits, s), s)
 
 
-def _truncated(penalised: jax.Array, s: SamplingArrays) -> jax.Array:
-    """Steps f-i of f32[B, V] penalised logits."""
+def _native() -> bool:
+    """Whether the sampler traced now runs its row reductions natively (`pallas_kernels.cpu_gemv.logits`): on CPU
+    with the native kernels allowed (`cpu_gemv.native_kernels`; the step forbids them on a multi-device mesh)."""
+    return cpu_gemv.native_allowed() and cpu_gemv.active()
+
+
+def _truncate_native(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
+    """`_truncate` with its threshold from the native kernel (`truncation_threshold`: no sort of the rows)."""
+    return jnp.where(scaled >= truncation_threshold(scaled, s.top_k, s.top_p)[:, None], scaled, -jnp.inf)
+
+
+def _truncated(penalised: jax.Array, s: SamplingArrays, native: bool = False) -> jax.Array:
+    """Steps f-i of f32[B, V] penalised logits (top-k / top-p by `_truncate_native` when `native`)."""
     safe_t = jnp.where(s.temperature > 0, s.temperature, 1.0)
     scaled = penalised / safe_t[:, None]
     # min_p in log space: p_i >= min_p * p_max  <=>  l_i - l_max >= log(min_p); log(0) = -inf keeps everything.
     top = jnp.max(scaled, axis=-1, keepdims=True)
     scaled = jnp.where(scaled - top >= jnp.log(s.min_p)[:, None], scaled, -jnp.inf)
     needs_truncation = jnp.any((s.top_k < scaled.shape[-1]) | (s.top_p < 1))
-    return jax.lax.cond(needs_truncation, _truncate, lambda x, _: x, scaled, s)
+    return jax.lax.cond(needs_truncation, _truncate_native if native else _truncate, lambda x, _: x, scaled, s)
 
 
 def process_logits(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -353,14 +365,14 @@ def _greedy_token_ids(logits: jax.Array, s: SamplingArrays) -> jax.Array:
                         lambda x, s: jnp.argmax(_ban(x, s), axis=-1), logits, s)
 
 
-def _sampled_token_ids(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+def _sampled_token_ids(logits: jax.Array, s: SamplingArrays, native: bool = False) -> jax.Array:
     """i32[B] tokens of steps a-j: argmax for greedy rows, Gumbel-max over the truncated logits for the others.
 
     `jax.random.categorical(key, l)` is `argmax(gumbel(key, l.shape, l.dtype) + l)`; written out here so that
     greedy and sampled rows share one argmax. Same draws as `vmap(jax.random.categorical)(keys, truncated)`.
     """
     penalised = _penalised(logits, s)
-    truncated = _truncated(penalised, s)
+    truncated = _truncated(penalised, s, native)
     keys = sample_keys(s.seed, s.sample_index, s.step)
     noise = jax.vmap(lambda key: jax.random.gumbel(key, truncated.shape[-1:], truncated.dtype))(keys)  # [B, V]
     # Written out before the argmax: fused into the argmax's (value, index) reduction, XLA's CPU backend computes
@@ -397,10 +409,12 @@ def sample_and_check(logits: jax.Array, s: SamplingArrays) -> tuple[SampleOutput
     """`sample`, and bool[B]: whether all V logits of row b are finite (from the same pass over the logits as the
     sampling's row reductions where those are native)."""
     logits = logits.astype(jnp.float32)
-    if cpu_gemv.native_allowed() and cpu_gemv.active():  # the row reductions in vectors (`logit_rows`)
+    if _native():  # the row reductions in vectors (`logit_rows`, `truncation_threshold`)
         argmax, row_max, log_sum_exp, finite = logit_rows(logits, s.suppress, s.token_bitmask, s.vocab_limit)
         greedy = lambda x, s: jax.lax.cond(_uses_bias_or_penalties(s), _greedy_token_ids, lambda *_: argmax, x, s)
-        token_ids = jax.lax.cond(jnp.all(s.temperature == 0), greedy, _sampled_token_ids, logits, s).astype(jnp.int32)
+        # a function of its own: lax.cond caches a branch's trace by function, not by the native switch
+        sampled = functools.partial(_sampled_token_ids, native=True)
+        token_ids = jax.lax.cond(jnp.all(s.temperature == 0), greedy, sampled, logits, s).astype(jnp.int32)
         own = jnp.where(token_ids < s.vocab_limit, jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0],
                         -jnp.inf)  # limit_vocab's value at the token, without a [B, V] pass
         logprobs = own - row_max - log_sum_exp  # `token_logprobs`' arithmetic

@@ -14,8 +14,11 @@
 // `jnp.argmax`), index 0 when every token is banned.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <limits>
 #include <vector>
 
@@ -182,6 +185,102 @@ ffi::Error LogitRows(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> suppres
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Top-k / top-p: the threshold below which a row of temperature-scaled logits is dropped, as
+// jaxinfer/engine/sampling.py's `_truncate` computes it by sorting the row (kth = the k-th largest value; the
+// softmax of the top-k set; the kept prefix of the descending order whose mass before each token is < top_p, the
+// first token always; threshold = max(kth, the smallest kept value)), without sorting the row: a floor below the
+// max is lowered (1, 2, 4, ... 64, then none) until the logits above it number k (top-k) or hold top_p of the
+// top-k set's mass (top-p), and only those are selected or sorted. NaNs count as below every value (the sort puts
+// them last). The softmax's sum and the kept prefix's mass are summed in f64 (the sort path sums in f32, in
+// another order): a token whose mass-before lies within ~1e-6 of top_p can land on the other side.
+constexpr float kWindows[] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f, 64.f, std::numeric_limits<float>::infinity()};
+
+// How many of x [V] are >= floor, and the sum of e over them (e: nullptr for no sum).
+std::pair<int64_t, float> at_least(const float* x, const float* e, int64_t V, float floor) {
+  const __m256 f8 = _mm256_set1_ps(floor);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t count = 0, i = 0;
+  for (; i + 8 <= V; i += 8) {
+    __m256 ge = _mm256_cmp_ps(_mm256_loadu_ps(x + i), f8, _CMP_GE_OQ);
+    count += __builtin_popcount(_mm256_movemask_ps(ge));
+    if (e) sum = _mm256_add_ps(sum, _mm256_and_ps(ge, _mm256_loadu_ps(e + i)));
+  }
+  float total = e ? hsum(sum) : 0.f;
+  for (; i < V; ++i)
+    if (x[i] >= floor) ++count, total += e ? e[i] : 0.f;
+  return {count, total};
+}
+
+void collect(const float* x, int64_t V, float floor, std::vector<float>& out) {
+  out.clear();
+  for (int64_t i = 0; i < V; ++i)
+    if (x[i] >= floor) out.push_back(x[i]);  // false for NaN
+}
+
+float truncation_threshold(const float* x, int64_t V, int64_t k, float p, std::vector<float>& buf,
+                           std::vector<float>& e) {
+  float top = kNegInf;
+  for (int64_t i = 0; i < V; ++i) top = std::max(top, x[i]);  // std::max(a, NaN) keeps a
+  if (top == kNegInf) return kNegInf;  // every logit -inf (or NaN): nothing to drop
+  float kth = kNegInf;
+  if (k < V) {  // the k-th largest non-NaN value, among the fewest logits near the max that hold k of them
+    kth = std::numeric_limits<float>::quiet_NaN();  // fewer than k non-NaN values
+    for (float window : kWindows)
+      if (at_least(x, nullptr, V, top - window).first >= k) {
+        collect(x, V, top - window, buf);
+        std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), std::greater<float>());
+        kth = buf[k - 1];
+        break;
+      }
+    if (std::isnan(kth)) return kth;
+  }
+  if (p >= 1.f) return kth;
+  // the top-k set's softmax numerators exp(x - top) (0 elsewhere) and their sum, in vectors
+  e.resize(V);
+  const __m256 t8 = _mm256_set1_ps(top), k8 = _mm256_set1_ps(kth);
+  __m256d acc = _mm256_setzero_pd();  // sums in f64: a top-p prefix can hold tens of thousands of terms
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    __m256 ev = _mm256_and_ps(_mm256_cmp_ps(v, k8, _CMP_GE_OQ), exp8(_mm256_sub_ps(v, t8)));
+    _mm256_storeu_ps(e.data() + i, ev);
+    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(ev)),
+                                           _mm256_cvtps_pd(_mm256_extractf128_ps(ev, 1))));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, acc);
+  double z = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  for (; i < V; ++i) z += (e[i] = x[i] >= kth ? std::exp(x[i] - top) : 0.f);
+  for (float window : kWindows) {
+    const float floor = std::max(kth, top - window);
+    if (floor > kth && at_least(x, e.data(), V, floor).second < p * z) continue;  // too little mass above it
+    collect(x, V, floor, buf);
+    std::sort(buf.begin(), buf.end(), std::greater<float>());
+    double before = 0.;
+    float cutoff = buf[0];
+    size_t j = 0;
+    for (; j < buf.size() && (j == 0 || before < p); ++j) cutoff = buf[j], before += std::exp(buf[j] - top) / z;
+    if (j < buf.size() || before >= p || floor == kth) return std::max(kth, cutoff);  // the prefix ended inside
+  }
+  return kth;  // not reached: the last window holds the whole top-k set
+}
+
+// scaled f32 [B, V], top_k i32 [B] (in [1, V]; V: off), top_p f32 [B] -> threshold f32 [B].
+ffi::Error TruncationThreshold(ffi::Buffer<ffi::F32> scaled, ffi::Buffer<ffi::S32> top_k,
+                               ffi::Buffer<ffi::F32> top_p, ffi::Result<ffi::Buffer<ffi::F32>> threshold) {
+  if (scaled.dimensions().size() != 2 || top_k.element_count() != scaled.dimensions()[0] ||
+      top_p.element_count() != scaled.dimensions()[0])
+    return ffi::Error::InvalidArgument("truncation_threshold: scaled [B, V], top_k [B] and top_p [B]");
+  const int64_t B = scaled.dimensions()[0], V = scaled.dimensions()[1];
+  parallel_chunks(B, [&](int64_t b) {
+    thread_local std::vector<float> buf, e;
+    const int64_t k = std::clamp<int64_t>(top_k.typed_data()[b], 1, V);
+    threshold->typed_data()[b] = truncation_threshold(scaled.typed_data() + b * V, V, k, top_p.typed_data()[b], buf, e);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_logit_rows, LogitRows,
@@ -194,3 +293,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_logit_rows, LogitRows,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_truncation_threshold, TruncationThreshold,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -49,3 +49,35 @@ def logit_rows(logits: jax.Array, suppress: jax.Array, bitmask: jax.Array,
             jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.bool_)]
     return tuple(cpu_gemv._call("logit_rows", outs, logits, suppress.astype(jnp.int32), bitmask.astype(jnp.int32),
                                 jnp.asarray(vocab_limit, jnp.int32)))
+
+
+def truncation_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k then top-p of B rows of temperature-scaled logits, by the native kernel: the value below which each
+    row's logits are dropped.
+
+    The threshold `jaxinfer.engine.sampling`'s sort path keeps (`_truncate`: kth = the k-th largest logit, -inf
+    when top_k == V; the descending prefix of the top-k set's softmax whose mass before each token is below top_p,
+    its first token always; threshold = max(kth, that prefix's smallest logit)), found by sorting only the logits
+    within 20 of the row's max (all of the top-k set when those do not hold top_p of its mass). The prefix's mass
+    is summed in another order than the sort path's cumsum: a token whose mass-before is within f32 rounding of
+    top_p can fall on the other side.
+
+    Args:
+      scaled: f32[B, V], -inf where dropped already; NaN counts as below every value.
+      top_k: i32[B], in [1, V]; V keeps every token.
+      top_p: f32[B]; >= 1 keeps the top-k set whole.
+
+    Returns:
+      f32[B]: keep `scaled >= threshold` (-inf when the row is all -inf; NaN when the row has fewer than top_k
+      non-NaN logits, as the sort path's k-th entry is then a NaN).
+
+    Raises:
+      ValueError: at trace time, if the shapes do not fit each other.
+      RuntimeError: if the native kernels are not available (`cpu_gemv.active()` is false).
+    """
+    if scaled.ndim != 2 or top_k.shape != scaled.shape[:1] or top_p.shape != scaled.shape[:1]:
+        raise ValueError(f"scaled must be [B, V], top_k and top_p [B]; got {scaled.shape}, {top_k.shape}, "
+                         f"{top_p.shape}")
+    out = jax.ShapeDtypeStruct(scaled.shape[:1], jnp.float32)
+    return cpu_gemv._call("truncation_threshold", out, scaled.astype(jnp.float32), top_k.astype(jnp.int32),
+                          top_p.astype(jnp.float32))

@@ -1,11 +1,13 @@
-"""The native CPU row reductions of the logits (`pallas_kernels.cpu_gemv.logits.logit_rows`) against numpy: the
+"""The native CPU row reductions of the logits (`pallas_kernels.cpu_gemv.logits`) against numpy: `logit_rows`' 
 greedy argmax among the allowed ids exactly (`np.argmax` of the logits with -inf at banned ids), the row max exactly
 and the log-sum-exp to f32 rounding of a float64 sum, the rows' finiteness; NaN, -inf, ties across the kernel's spans of 8,192 logits,
-vocab limits and bans. The sampler's use of it: tests/jaxinfer/engine/test_sampling_fast.py."""
+vocab limits and bans; `truncation_threshold`'s kept set against the sampler's sort path (`sampling._truncate`).
+The sampler's use of them: tests/jaxinfer/engine/test_sampling_fast.py."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,7 +15,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels import cpu_gemv
 from pallas_kernels.cpu_gemv import build
-from pallas_kernels.cpu_gemv.logits import logit_rows
+from jaxinfer.engine import sampling
+from pallas_kernels.cpu_gemv.logits import logit_rows, truncation_threshold
 
 _rows = jax.jit(logit_rows)
 
@@ -110,3 +113,46 @@ def test_bad_shapes_are_refused() -> None:
         logit_rows(x, np.full((2, 1), -1, np.int32), np.zeros((2, 3), np.int32), 64)
     with pytest.raises(ValueError, match=r"logits must be \[B, V\] and suppress \[B, S\]"):
         logit_rows(x, np.full((3, 1), -1, np.int32), np.zeros((2, 2), np.int32), 64)
+
+
+def _check_truncation(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """The rows as the native threshold truncates them equal the sort path's (`sampling._truncate`); the
+    thresholds."""
+    s = type("S", (), {"top_k": jnp.asarray(top_k), "top_p": jnp.asarray(top_p)})()
+    threshold = np.asarray(jax.jit(truncation_threshold)(scaled, top_k, top_p))
+    with np.errstate(invalid="ignore"):
+        ours = np.where(scaled >= threshold[:, None], scaled, -np.inf)
+    np.testing.assert_array_equal(ours, np.asarray(jax.jit(lambda x: sampling._truncate(x, s))(scaled)))
+    return threshold
+
+
+@pytest.mark.parametrize("v", [7, 1000, 49152])
+def test_truncation_keeps_what_the_sort_path_keeps(v: int) -> None:
+    rng = np.random.default_rng(v)
+    b = 12
+    scaled = (rng.standard_normal((b, v)) * rng.uniform(0.5, 6, (b, 1))).astype(np.float32)
+    scaled[0, :5] += 30  # a peaked row: the first window holds the mass
+    scaled[1] = np.round(scaled[1])  # ties at the boundaries
+    scaled[2, rng.integers(0, v, v // 2)] = -np.inf  # banned ids
+    scaled[3, : v - 2] = -np.inf  # two live ids
+    top_k = rng.choice([1, 2, 5, 40, v // 2, v], b).astype(np.int32)
+    top_k[3] = 5  # more than the live ids: the k-th entry is -inf
+    top_p = rng.choice([0.05, 0.5, 0.9, 0.99, 1.0], b).astype(np.float32)
+    top_p[0] = 0.999
+    _check_truncation(scaled, top_k, top_p)
+
+
+def test_truncation_degenerate_rows() -> None:
+    scaled = np.full((3, 64), -np.inf, np.float32)
+    scaled[1, :60] = np.nan
+    scaled[1, 60:] = [1.0, 2.0, -np.inf, 0.5]  # four non-NaN values, top_k 5: the sort path's 5th entry is a NaN
+    scaled[2] = np.arange(64, dtype=np.float32)
+    scaled[2, 7] = np.nan  # a NaN counts below every value
+    top_k, top_p = np.array([3, 5, 60], np.int32), np.array([0.5, 1.0, 0.9999], np.float32)
+    threshold = _check_truncation(scaled, top_k, top_p)
+    assert threshold[0] == -np.inf and np.isnan(threshold[1])
+
+
+def test_truncation_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"scaled must be \[B, V\], top_k and top_p \[B\]"):
+        truncation_threshold(np.zeros((2, 8), np.float32), np.ones(3, np.int32), np.ones(2, np.float32))

@@ -188,7 +188,7 @@ def test_all_greedy_batch_runs_no_sort_and_no_random_bits() -> None:
 
 
 def test_only_batches_with_sampled_rows_enter_the_sampled_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(logits, s):
+    def refuse(logits, s, native=False):
         raise AssertionError("the sampled path ran")
 
     monkeypatch.setattr(sampling, "_sampled_token_ids", refuse)
