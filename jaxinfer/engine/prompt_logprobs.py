@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.sampling import top_logprobs_and_ranks
-from jaxinfer.engine.sampling_math import limit_vocab
+from jaxinfer.engine.sampling_math import limit_vocab, top_logprobs_and_ranks
 from jaxinfer.engine.step_results import entry
 from jaxinfer.outputs import Logprob
 from jaxinfer.scheduler.chunk import ScheduledChunk

@@ -47,8 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import sampling_host
-from jaxinfer.engine.sampling_math import (apply_logit_bias, apply_penalties, limit_vocab, scatter_ids, sort_descending,
-                                           token_logprobs, token_ranks, unpack_bitmask)
+from jaxinfer.engine.sampling_math import (apply_logit_bias, apply_penalties, limit_vocab, no_top_logprobs,
+                                           scatter_ids, sort_descending, token_logprobs, top_logprobs_and_ranks,
+                                           unpack_bitmask)
 from jaxinfer.request_limits import MAX_LOGIT_BIAS, SUPPRESS_WIDTH
 from jaxinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from models import pytree
@@ -56,7 +57,7 @@ from pallas_kernels import cpu_gemv
 from pallas_kernels.cpu_gemv.logits import logit_rows, truncation_threshold
 
 __all__ = ["MAX_LOGPROBS", "SampleOutput", "SamplingArrays", "SamplingRow", "apply_penalties", "process_logits",
-           "sample", "sample_keys", "top_logprobs"]
+           "sample", "sample_and_check", "sample_keys"]
 
 GREEDY_TEMPERATURE = 1e-5  # smallest temperature sampled as such; below it, argmax
 
@@ -307,42 +308,6 @@ def process_logits(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax
     return jax.nn.log_softmax(limit_vocab(logits, s.vocab_limit), axis=-1), penalised, _truncated(penalised, s)
 
 
-def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The MAX_LOGPROBS largest entries of each row of f32[B, V]; (-inf, -1) where fewer than that are in the vocab."""
-    k = min(MAX_LOGPROBS, raw_logprobs.shape[-1])
-    values, ids = jax.lax.top_k(raw_logprobs, k)
-    ids = jnp.where(values > -jnp.inf, ids, -1)  # ids >= vocab_limit
-    pad = ((0, 0), (0, MAX_LOGPROBS - k))
-    return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1)
-
-
-def top_logprobs_and_ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(top values f32[B, MAX_LOGPROBS], their ids i32[B, MAX_LOGPROBS], ranks of token_ids i32[B]) of f32[B, V]."""
-    return *_top_logprobs(raw_logprobs), token_ranks(raw_logprobs, token_ids)
-
-
-def _no_top_logprobs(x: jax.Array, *_) -> tuple[jax.Array, jax.Array, jax.Array]:
-    b = x.shape[0]
-    return (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.full((b, MAX_LOGPROBS), -1, jnp.int32),
-            jnp.zeros((b,), jnp.int32))
-
-
-def top_logprobs(raw_logprobs: jax.Array, num_logprobs: jax.Array,
-                 token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`SampleOutput.top_logprobs`, `.top_token_ids` and `.ranks` of raw log-probabilities f32[B, V].
-
-    Args:
-      raw_logprobs: f32[B, V], -inf at ids >= vocab_limit.
-      num_logprobs: i32[B], the top log-probabilities each row wants, -1 for none (`SamplingArrays`).
-      token_ids: i32[B], in [0, V): the token whose rank each row reports.
-
-    Returns:
-      f32[B, MAX_LOGPROBS], i32[B, MAX_LOGPROBS] and i32[B], filled only when some row has num_logprobs >= 0.
-    """
-    return jax.lax.cond(jnp.any(num_logprobs >= 0), top_logprobs_and_ranks, _no_top_logprobs, raw_logprobs,
-                        token_ids)
-
-
 def sample_keys(seed: jax.Array, sample_index: jax.Array, step: jax.Array) -> jax.Array:
     """Key[B] of each row's output token: `fold_in(fold_in(key(seed), sample_index), step)` (module docstring, j).
 
@@ -425,6 +390,6 @@ def sample_and_check(logits: jax.Array, s: SamplingArrays) -> tuple[SampleOutput
         finite = jnp.all(jnp.isfinite(logits), axis=-1)
     # Raw log-probabilities over [B, V] (top ones, the sampled token's rank) only when some row asks for them.
     top_values, top_ids, ranks = jax.lax.cond(jnp.any(s.num_logprobs >= 0), _top_logprobs_of_logits,
-                                              _no_top_logprobs, logits, s.vocab_limit, token_ids)
+                                              no_top_logprobs, logits, s.vocab_limit, token_ids)
     return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_values, top_token_ids=top_ids,
                         ranks=ranks), finite

@@ -6,6 +6,8 @@
 - Cheaper on XLA's CPU backend while returning what the plain jnp expression returns (the tests check each
   against it): `sort_descending`, the values of `-jnp.sort(-x, axis=-1)` sorted as int32 keys, and
   `token_logprobs`, one entry of `jax.nn.log_softmax` per row without the [B, V] result.
+- `top_logprobs` / `top_logprobs_and_ranks`: the MAX_LOGPROBS largest raw log-probabilities of each row and the
+  sampled token's rank (`SampleOutput`'s top logprobs and ranks).
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.sampling_params import MAX_LOGPROBS
+
 if TYPE_CHECKING:
     from jaxinfer.engine.sampling import SamplingArrays
 
-__all__ = ["BITMASK_BITS", "apply_logit_bias", "apply_penalties", "bitmask_words", "limit_vocab", "scatter_ids",
-           "sort_descending", "token_logprobs", "token_ranks", "unpack_bitmask"]
+__all__ = ["BITMASK_BITS", "apply_logit_bias", "apply_penalties", "bitmask_words", "limit_vocab", "no_top_logprobs",
+           "scatter_ids", "sort_descending", "token_logprobs", "token_ranks", "top_logprobs", "top_logprobs_and_ranks",
+           "unpack_bitmask"]
 
 BITMASK_BITS = 32  # tokens per word of a packed token bitmask
 
@@ -135,3 +140,40 @@ def apply_penalties(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     logits = jnp.where(seen & (r != 1), jnp.where(logits > 0, logits / r, logits * r), logits)
     penalty = s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
     return jnp.where(counts > 0, logits - penalty, logits)
+
+
+def _top_logprobs(raw_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MAX_LOGPROBS largest entries of each row of f32[B, V]; (-inf, -1) where fewer than that are in the vocab."""
+    k = min(MAX_LOGPROBS, raw_logprobs.shape[-1])
+    values, ids = jax.lax.top_k(raw_logprobs, k)
+    ids = jnp.where(values > -jnp.inf, ids, -1)  # ids >= vocab_limit
+    pad = ((0, 0), (0, MAX_LOGPROBS - k))
+    return jnp.pad(values, pad, constant_values=-jnp.inf), jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1)
+
+
+def top_logprobs_and_ranks(raw_logprobs: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(top values f32[B, MAX_LOGPROBS], their ids i32[B, MAX_LOGPROBS], ranks of token_ids i32[B]) of f32[B, V]."""
+    return *_top_logprobs(raw_logprobs), token_ranks(raw_logprobs, token_ids)
+
+
+def no_top_logprobs(x: jax.Array, *_) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`top_logprobs_and_ranks`' shapes, unfilled (zeros, ids -1, ranks 0), for B rows of x [B, ...]."""
+    b = x.shape[0]
+    return (jnp.zeros((b, MAX_LOGPROBS), jnp.float32), jnp.full((b, MAX_LOGPROBS), -1, jnp.int32),
+            jnp.zeros((b,), jnp.int32))
+
+
+def top_logprobs(raw_logprobs: jax.Array, num_logprobs: jax.Array,
+                 token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`SampleOutput.top_logprobs`, `.top_token_ids` and `.ranks` of raw log-probabilities f32[B, V].
+
+    Args:
+      raw_logprobs: f32[B, V], -inf at ids >= vocab_limit.
+      num_logprobs: i32[B], the top log-probabilities each row wants, -1 for none (`SamplingArrays`).
+      token_ids: i32[B], in [0, V): the token whose rank each row reports.
+
+    Returns:
+      f32[B, MAX_LOGPROBS], i32[B, MAX_LOGPROBS] and i32[B], filled only when some row has num_logprobs >= 0.
+    """
+    return jax.lax.cond(jnp.any(num_logprobs >= 0), top_logprobs_and_ranks, no_top_logprobs, raw_logprobs,
+                        token_ids)

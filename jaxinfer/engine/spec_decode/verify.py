@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.sampling import SamplingArrays, process_logits, sample_keys, top_logprobs
+from jaxinfer.engine.sampling import SamplingArrays, process_logits, sample_keys
+from jaxinfer.engine.sampling_math import top_logprobs
 from models import pytree
 
 __all__ = ["ACCEPT_STREAM", "VerifyOutput", "verify"]
