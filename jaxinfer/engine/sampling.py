@@ -358,7 +358,9 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     so that one compiled step serves every batch: the argmax after bans and penalties, without temperature,
     truncation or random numbers. Either path gives the same tokens for the same rows. On CPU with the native
     kernels allowed (`pallas_kernels.cpu_gemv.native_kernels`), the greedy argmax and the sampled token's
-    log-sum-exp come from `pallas_kernels.cpu_gemv.logits.logit_rows` (same tokens; logprobs to f32 rounding).
+    log-sum-exp come from `pallas_kernels.cpu_gemv.logits.logit_rows` (same tokens; logprobs to f32 rounding),
+    and top-k / top-p from `truncation_threshold` instead of a sort (the same kept set, but for a token whose
+    mass-before lies within ~1e-6 of top_p).
 
     Args:
       logits: f32[B, V] (other float dtypes are upcast).
