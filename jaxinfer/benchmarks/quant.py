@@ -127,11 +127,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="';'-separated weight formats (default: all: " + "; ".join(FORMATS) + ")")
     parser.add_argument("--batches", default="1,32", help="decode batch sizes")
     parser.add_argument("--reps", type=int, default=15, help="rounds: timed calls per format and batch")
-    parser.add_argument("--burst", type=int, default=1,
-                        help="calls of each engine in a row a round: 1 (default) times each call after the other "
-                             "engines' calls, its weights as far out of the caches as they left them; B > 1 runs "
-                             "one untimed call, then times B - 1 calls in a row (as the peers time their steps), "
-                             "which on a CPU whose last-level cache holds the weights is the speed of a lone engine")
+    parser.add_argument("--burst", type=int, default=1, help="calls of each engine in a row a round: 1 (default) "
+                        "times each call after the other engines' calls, its weights as far out of the caches as they "
+                        "left them; B > 1 runs one untimed call, then times B - 1 calls in a row (as the peers time "
+                        "their steps), on a CPU whose last-level cache holds the weights a lone engine's speed")
     parser.add_argument("--max-model-len", type=int, default=512,
                         help="each engine's context limit (sets the page-table width of the step)")
     parser.add_argument("--bw-gib", type=float, default=1.0, help="GiB the roofline probe reads")
@@ -149,10 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-rows", default="1,2,4,8", help="activation rows of the micro-benchmark's calls")
     parser.add_argument("--gemv-reps", type=int, default=5, help="timed calls per micro-benchmark cell (median)")
     parser.add_argument("--peer-steps", type=int, default=20, help="the peers' timed batch-1 decode steps (median)")
-    parser.add_argument("--peer-rounds", type=int, default=1,
-                        help="runs of the peers, spread evenly over the rounds (each peer's tok/s: the median of its "
-                             "runs), so that the engines and the peers are timed in the same minutes of a shared "
-                             "machine's load (default: one run, after the rounds)")
+    parser.add_argument("--peer-rounds", type=int, default=1, help="runs of the peers spread evenly over the rounds "
+                        "(each peer's tok/s: its median run), timing engines and peers in the same minutes of a "
+                        "shared machine's load (default: one run, after the rounds)")
     peers.add_peer_arguments(parser)
     peers.add_llamacpp_arguments(parser)
     parser.set_defaults(llamacpp_types="Q4_0,Q8_0,BF16")
@@ -163,10 +161,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     the options.
 
     Raises:
-      ValueError: an unknown format or llama.cpp type, a batch below 1, --reps / --peer-steps / --gemv-reps below
-        1, a context limit below 129 tokens, micro-benchmark rows outside [1, `cpu_gemv.MAX_ROWS`], a --gemv-mib
-        <= 0, or `--native both` where the native kernels are not available (turned off, not on CPU, or no
-        supported ISA level), an --isa level this CPU cannot run, --isa with --native off.
+      ValueError: naming the option: an unknown format or llama.cpp type, a count below 1, --peer-rounds outside
+        [1, --reps] or above 1 without a peer, a context limit below 129 tokens, micro-benchmark rows outside [1,
+        `cpu_gemv.MAX_ROWS`] or --gemv-mib <= 0, `--native both` without the native kernels, an --isa level this
+        CPU cannot run, --isa with --native off.
     """
     formats = list(dict.fromkeys(f.strip() for f in args.formats.split(";") if f.strip()))  # once each, in order
     unknown = [f for f in formats if f not in FORMATS]
@@ -175,10 +173,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     if unknown:
         raise ValueError(f"--formats: unknown {unknown}; known: {'; '.join(FORMATS)}")
     batches, gemv_rows = _ints("--batches", args.batches), _ints("--gemv-rows", args.gemv_rows)
-    if not batches or min(batches) < 1 or min(args.reps, args.peer_steps, args.gemv_reps, args.burst) < 1:
-        raise ValueError("--batches needs integers >= 1; --reps, --burst, --peer-steps and --gemv-reps must be >= 1")
-    if not 1 <= args.peer_rounds <= args.reps:
-        raise ValueError(f"--peer-rounds {args.peer_rounds} must be in [1, --reps {args.reps}]")
+    low = [f"--{o.replace('_', '-')} {v}" for o, v in (("batches", min(batches, default=0)), *(
+        (o, getattr(args, o)) for o in ("reps", "burst", "peer_steps", "gemv_reps"))) if v < 1]
+    if low:
+        raise ValueError(f"{', '.join(low)}: must be >= 1")
+    if not 1 <= args.peer_rounds <= (args.reps if args.peer_python or args.llamacpp_python else 1):
+        raise ValueError(f"--peer-rounds {args.peer_rounds} must be in [1, --reps {args.reps}] (1 without a peer)")
     if args.max_model_len <= CONTEXT:
         raise ValueError(f"--max-model-len {args.max_model_len} must exceed the timed context ({CONTEXT} tokens)")
     if args.gemv and (not gemv_rows or not all(1 <= m <= cpu_gemv.MAX_ROWS for m in gemv_rows)
