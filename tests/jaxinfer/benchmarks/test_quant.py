@@ -21,8 +21,7 @@ from tests.jaxinfer.engine.tiny_model import make_tiny_model_dir
 def test_quant_report(tmp_path):
     model = make_tiny_model_dir(tmp_path / "tiny")
     report, written = run_bench(tmp_path, "quant", "--model", str(model), "--formats", "bf16;int8 (w8a8)",
-                                "--batches", "1", "--reps", "2", "--peer-rounds", "2", "--max-model-len", "256",
-                                "--bw-gib", "0.016",
+                                "--batches", "1", "--reps", "1", "--max-model-len", "256", "--bw-gib", "0.016",
                                 "--bw-reps", "1", "--burst", "3")
     data = report["data"]
     rows = {(r["format"], r["batch"]): r for r in data["rows"]}
