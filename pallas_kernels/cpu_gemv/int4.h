@@ -234,7 +234,8 @@ inline void a8_block(const float* r, A8Pair& pair, int lane, int at) {
   if (_mm256_movemask_ps(finite8) != 0xff) {  // a row holding NaN or inf: NaN outputs (zero codes, NaN scale)
     std::fill(pair.even + at, pair.even + at + 16, int8_t(0));
     std::fill(pair.odd + at, pair.odd + at + 16, int8_t(0));
-    for (int i = 0; i < 4; ++i) pair.offset[lane + i] = 0, pair.scale[lane + i] = std::numeric_limits<float>::quiet_NaN();
+    for (int i = 0; i < 4; ++i)
+      pair.offset[lane + i] = 0, pair.scale[lane + i] = std::numeric_limits<float>::quiet_NaN();
     return;
   }
   float scale = amax > 0.f ? amax / 127.f : 1.f;

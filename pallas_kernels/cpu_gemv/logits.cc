@@ -3,9 +3,9 @@
 // sampling: ids below vocab_limit, not suppressed, their bit set in the row's token bitmask), and the raw row's
 // max and log-sum-exp over [0, vocab_limit) (the sampled token's log-probability), and whether every logit of the
 // row is finite. XLA:CPU runs these row reductions one element at a time (~2-5 ns an element: 0.1-0.25 ms a row of
-// SmolLM2's 49,152 logits each, a tenth of a quantized decode step); here they run in vectors, over both cores. Semantics: jaxinfer/engine/sampling.py
-// (`jnp.argmax` of the banned logits, `sampling_math.token_logprobs`); the Python wrapper is
-// pallas_kernels/cpu_gemv/logits.py.
+// SmolLM2's 49,152 logits each, a tenth of a quantized decode step); here they run in vectors, over both cores.
+// Semantics: jaxinfer/engine/sampling.py (`jnp.argmax` of the banned logits, `sampling_math.token_logprobs`); the
+// Python wrapper is pallas_kernels/cpu_gemv/logits.py. Below, a second kernel: the top-k / top-p threshold.
 //
 // Work split: one item per (row, span of kSpan logits); spans sit at fixed offsets and are combined in span order,
 // so results do not depend on the number of threads. Each span's sum of exponentials is taken against the span's
@@ -54,7 +54,8 @@ inline bool all_finite(const float* x, int64_t lo, int64_t hi) {
   const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
   __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
   int64_t i = lo;
-  for (; i + 8 <= hi; i += 8) ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), big, _CMP_LE_OQ));
+  for (; i + 8 <= hi; i += 8)
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), big, _CMP_LE_OQ));
   bool finite = _mm256_movemask_ps(ok) == 0xff;
   for (; i < hi; ++i) finite = finite && std::isfinite(x[i]);
   return finite;
@@ -75,7 +76,8 @@ Span summarize(const float* x, const uint32_t* allowed, int64_t lo, int64_t hi, 
   s.finite = all_finite(x, end, hi);
   if (end == lo) return s;
   // Pass 1: per lane, the raw max and the allowed max with its first index (strict >: earlier indices win ties).
-  __m256 raw = _mm256_set1_ps(kNegInf), best = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps(), low = _mm256_set1_ps(-kNegInf);
+  __m256 raw = _mm256_set1_ps(kNegInf), best = _mm256_set1_ps(kNegInf), nan = _mm256_setzero_ps();
+  __m256 low = _mm256_set1_ps(-kNegInf);
   __m256i at = _mm256_set1_epi32(-1), index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i eight = _mm256_set1_epi32(8);
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
@@ -93,7 +95,8 @@ Span summarize(const float* x, const uint32_t* allowed, int64_t lo, int64_t hi, 
   }
   alignas(32) float lanes[8], best_lanes[8], low_lanes[8];
   alignas(32) int32_t at_lanes[8];
-  _mm256_store_ps(lanes, raw), _mm256_store_ps(best_lanes, best), _mm256_store_ps(low_lanes, low), _mm256_store_si256(reinterpret_cast<__m256i*>(at_lanes), at);
+  _mm256_store_ps(lanes, raw), _mm256_store_ps(best_lanes, best), _mm256_store_ps(low_lanes, low);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(at_lanes), at);
   bool has_nan = _mm256_movemask_ps(nan) != 0, has_inf = false;
   for (int l = 0; l < 8; ++l) {
     s.max = std::max(s.max, lanes[l]);
