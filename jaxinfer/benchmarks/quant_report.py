@@ -86,9 +86,11 @@ def _peer_table(prows: list[dict]) -> list[str]:
         return []
     body = [[p["peer"], p["weights"], f"{p['context']:.0f}", "-" if p["bytes"] is None else f"{p['bytes'] / 1e6:.0f}",
              f"{p['tok_s']:.1f}" + (f" ({min(p['runs']):.1f}-{max(p['runs']):.1f}, {len(p['runs'])} runs)"
-                                    if len(p["runs"]) > 1 else ""), "-" if p["roofline_tok_s"] is None else f"{p['roofline_tok_s']:.0f}",
+                                    if len(p["runs"]) > 1 else ""),
+             "-" if p["roofline_tok_s"] is None else f"{p['roofline_tok_s']:.0f}",
              "-" if p["of_roofline"] is None else f"{p['of_roofline'] * 100:.0f}%"] for p in prows]
-    return ["", "Peers at batch 1 (same GGUF file; decode after a 128-token prompt, median of the timed steps; with several runs, the median run and the range):", "",
+    return ["", "Peers at batch 1 (same GGUF file; decode after a 128-token prompt, median of the timed steps; with "
+                "several runs, the median run and the range):", "",
             table(["peer", "weights", "mean context", "MB per step", "tok/s", "roofline tok/s", "of roofline"],
                   body)]
 

@@ -1,10 +1,12 @@
-"""Native CPU row reductions of a decode step's logits (`logits.cc`, AVX2 + FMA, called through `jax.ffi`): the
-greedy token among the allowed ids, the raw row's max and log-sum-exp, and whether the row is finite, in one call.
+"""Native CPU row reductions of a decode step's logits (`logits.cc`, AVX2 + FMA, called through `jax.ffi`):
+`logit_rows` (the greedy token among the allowed ids, the raw row's max and log-sum-exp, and whether the row is
+finite, in one call) and `truncation_threshold` (top-k / top-p without sorting the row).
 
-XLA:CPU runs a row reduction (`jnp.argmax`, `jnp.max`, a sum of exponentials) one element at a time: over
-SmolLM2's 49,152 logits the sampling step took ~0.3 ms at batch 1, ~0.9 ms at batch 8 — a tenth of a quantized
-decode step. The kernel reads each row twice in vectors, spread over the matmul kernels' threads.
-`jaxinfer.engine.sampling.sample` calls `logit_rows` when `cpu_gemv.active()` and the native kernels are allowed.
+XLA:CPU runs a row reduction (`jnp.argmax`, `jnp.max`, a sum of exponentials) one element at a time, and top-k /
+top-p by sorting the row: over SmolLM2's 49,152 logits the greedy sampling took ~0.4 ms at batch 1 (~1.2 ms at
+batch 8), a top-p sample call 3.2 ms (14.6 ms). The kernels read each row in vectors, spread over the matmul
+kernels' threads. `jaxinfer.engine.sampling.sample` calls them when `cpu_gemv.active()` and the native kernels are
+allowed.
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ def truncation_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) 
     The threshold `jaxinfer.engine.sampling`'s sort path keeps (`_truncate`: kth = the k-th largest logit, -inf
     when top_k == V; the descending prefix of the top-k set's softmax whose mass before each token is below top_p,
     its first token always; threshold = max(kth, that prefix's smallest logit)), found by sorting only the logits
-    within 20 of the row's max (all of the top-k set when those do not hold top_p of its mass). The prefix's mass
-    is summed in another order than the sort path's cumsum: a token whose mass-before is within f32 rounding of
-    top_p can fall on the other side.
+    above a floor lowered from the row's max (by 1, 2, 4, ... 64, then none) until they number top_k or hold top_p
+    of the top-k set's mass. The softmax sum and the prefix's mass run in f64, the sort path's in f32 in another
+    order: a token whose mass-before lies within ~1e-6 of top_p can fall on the other side.
 
     Args:
       scaled: f32[B, V], -inf where dropped already; NaN counts as below every value.
