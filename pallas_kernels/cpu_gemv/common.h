@@ -36,6 +36,37 @@ inline uint16_t to_bf16(float f) {
   return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// The weight-only kernels' activation rounding (int8_nk, q4_nk): a row to int16 at absmax / 32767, nearest even.
+// Returns 32767 / absmax (0 for an all-zero row or one holding NaN or inf) and sets `xs` to the row's scale (NaN
+// for a non-finite row: its outputs are NaN, as its float products would not be finite).
+inline float int16_inverse(const float* r, int64_t K, float& xs) {
+  const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(3.4028235e38f);
+  __m256 amax8 = _mm256_setzero_ps(), finite8 = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k));
+    amax8 = _mm256_max_ps(amax8, a);
+    finite8 = _mm256_and_ps(finite8, _mm256_cmp_ps(a, big, _CMP_LE_OQ));  // false for NaN and inf
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax8);
+  float amax = 0.f;
+  for (float l : lanes) amax = std::max(amax, l);
+  bool finite = _mm256_movemask_ps(finite8) == 0xff;
+  for (; k < K; ++k) {
+    float a = __builtin_fabsf(r[k]);
+    finite = finite && a <= 3.4028235e38f;
+    amax = std::max(amax, a);
+  }
+  xs = finite ? amax / 32767.f : __builtin_nanf("");
+  return finite && amax > 0.f ? 32767.f / amax : 0.f;
+}
+// 8 inputs times `inverse`, rounded to int32 in [-32767, 32767] (nearest even: the default MXCSR mode).
+inline __m256i round_i16x8(const float* p, __m256 inverse) {
+  const __m256 lim = _mm256_set1_ps(32767.f), nlim = _mm256_set1_ps(-32767.f);
+  return _mm256_cvtps_epi32(_mm256_max_ps(nlim, _mm256_min_ps(lim, _mm256_mul_ps(_mm256_loadu_ps(p), inverse))));
+}
+
 // The avx512_vnni level (build.py's flags for it): 512-bit kernels and the VNNI dot products. One test for it, so
 // every kernel switches on the same condition.
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)

@@ -55,6 +55,8 @@ namespace {
 
 using jaxinfer_gemv::at_layer;
 using jaxinfer_gemv::A8Pair;
+using jaxinfer_gemv::I16Pair;
+using jaxinfer_gemv::i16_pairs;
 using jaxinfer_gemv::float_kn_rows;
 using jaxinfer_gemv::i16_rows;
 using jaxinfer_gemv::i8_rows;
@@ -211,63 +213,22 @@ ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::Remai
   return ffi::Error::Success();
 }
 
-// Activation rows rounded to int16 (absmax / 32767, nearest even), with each row's scale: the weight-only kernels'
-// activations (int8_nk, q4_nk). `q4_layout`: each 64-input chunk in q4_nk's order (`q4_position`; K a multiple of
-// 64); `xsum` (when given, [M, G]): the rounded rows' sums per group of K / G inputs.
-std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, bool q4_layout, std::vector<float>& xs,
-                                std::vector<float>* xsum = nullptr, int64_t G = 1) {
+// Activation rows rounded to int16 (`int16_inverse`), in input order, with each row's scale: int8_nk's
+// activations (q4_nk's are laid out by `i16_pairs`).
+std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, std::vector<float>& xs) {
   std::vector<int16_t> q(M * K);
-  std::vector<int32_t> natural(q4_layout ? K : 0);
   xs.resize(M);
-  if (xsum) xsum->assign(M * G, 0.f);
-  const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * K;
-    __m256 amax8 = _mm256_setzero_ps(), finite8 = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-      __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k));
-      amax8 = _mm256_max_ps(amax8, a);
-      finite8 = _mm256_and_ps(finite8, _mm256_cmp_ps(a, big, _CMP_LE_OQ));  // false for NaN and inf
-    }
-    float amax = 0.f;
-    bool finite = _mm256_movemask_ps(finite8) == 0xff;
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, amax8);
-    for (float l : lanes) amax = std::max(amax, l);
-    for (; k < K; ++k) {
-      finite = finite && std::isfinite(r[k]);
-      amax = std::max(amax, std::fabs(r[k]));
-    }
-    // a row holding NaN or inf gives NaN outputs (its products would not be finite either)
-    float inverse = finite && amax > 0.f ? 32767.f / amax : 0.f;
-    xs[m] = finite ? amax / 32767.f : std::numeric_limits<float>::quiet_NaN();
+    float inverse = jaxinfer_gemv::int16_inverse(r, K, xs[m]);
+    const __m256 inv8 = _mm256_set1_ps(inverse);
     int16_t* out = q.data() + m * K;
-    const __m256 inv8 = _mm256_set1_ps(inverse), lim = _mm256_set1_ps(32767.f);
-    auto round = [&](int64_t k) {  // 8 inputs rounded to int32 (nearest even: the default MXCSR mode)
-      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(r + k), inv8);
-      return _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(lim, v)));
-    };
-    auto round1 = [&](int64_t k) {
-      return int32_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(r[k] * inverse))));
-    };
-    if (!q4_layout) {
-      for (k = 0; k + 16 <= K; k += 16) {  // packs interleaves lanes: permute back to input order
-        __m256i p = _mm256_packs_epi32(round(k), round(k + 8));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permute4x64_epi64(p, 0xd8));
-      }
-      for (; k < K; ++k) out[k] = int16_t(round1(k));
-      continue;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {  // packs interleaves lanes: permute back to input order
+      __m256i p = _mm256_packs_epi32(jaxinfer_gemv::round_i16x8(r + k, inv8), jaxinfer_gemv::round_i16x8(r + k + 8, inv8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permute4x64_epi64(p, 0xd8));
     }
-    for (k = 0; k + 8 <= K; k += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + k), round(k));
-    for (; k < K; ++k) natural[k] = round1(k);
-    jaxinfer_gemv::q4_layout_row(natural.data(), K, out);
-    if (xsum)
-      for (int64_t g = 0, size = K / G; g < G; ++g) {
-        int64_t total = 0;
-        for (int64_t i = g * size; i < (g + 1) * size; ++i) total += natural[i];
-        (*xsum)[m * G + g] = float(total);
-      }
+    for (; k < K; ++k) out[k] = int16_t(std::max(-32767.f, std::min(32767.f, std::nearbyint(r[k] * inverse))));
   }
   return q;
 }
@@ -323,8 +284,9 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   if (auto e = for_each_weight<ffi::F32>(weights, outs, 3, "weight_only_matmul", read); e.failure()) return e;
   std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
-  std::vector<int16_t> xq = int8_activations ? std::vector<int16_t>()
-      : int16_rows(xf, M, K, bits == 4, xs, bits == 4 && !symmetric ? &xsum : nullptr, parts[0].G);
+  std::vector<int16_t> xq = bits == 8 ? int16_rows(xf, M, K, xs) : std::vector<int16_t>();
+  std::vector<I16Pair> xp = bits == 4 && !int8_activations ? i16_pairs(xf, M, K, symmetric, parts[0].G, xs, xsum)
+                                                           : std::vector<I16Pair>();
   std::vector<A8Pair> xa = int8_activations ? a8_pairs(xf, M, K) : std::vector<A8Pair>();
   std::vector<int64_t> Ns;
   for (const Part& p : parts) Ns.push_back(p.N);
@@ -335,7 +297,7 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
     else if (bits == 8)
       i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, n0, n1);
     else
-      q4_rows(xq.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
+      q4_rows(xp.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
               p.y, p.N, n0, n1);
   });
   if (!int8_activations)  // q4a8_nk applies the activation scales itself
