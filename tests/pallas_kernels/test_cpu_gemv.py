@@ -149,6 +149,22 @@ def test_int4_packing_property(m, chunks, n, seed, asymmetric):
     _assert_sums_close(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x), w)
 
 
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_int4_activation_bytes_at_their_extremes(asymmetric):
+    """The int4 kernel splits each int16-rounded input into its signed high and unsigned low byte (x = 256 h + l):
+    inputs whose bytes sit at the ends of their ranges (±32767, ±256, ±255, ±1, 0, -128 x 256) give the exact
+    sums, in every lane position of a 128-input span and its 64-input tail."""
+    rng = np.random.default_rng(11)
+    m, k, n = 3, 192, 24  # one 128-input span and a 64-input tail
+    x, packed, scale, mins, w = _int4_case(rng, m, k, n, 32, asymmetric)
+    levels = np.array([32767, -32767, 256, -256, 255, -255, 1, -1, 0, -32768 + 256, 32512, -129, 128, -128])
+    q = rng.choice(levels, (m, k))
+    q[:, 0] = 32767  # each row's absmax is 1: the rounded inputs are the levels themselves
+    x = (q / 32767.0).astype(np.float32)
+    np.testing.assert_array_equal(np.round(x * np.float32(32767)), q)  # (the kernel's x * 32767 / absmax, in f32)
+    _assert_sums_close(jax.jit(cpu_gemv.int4_matmul)(x, packed, scale, mins), _int16_rows(x), w)
+
+
 def _int8_blocks(x: np.ndarray) -> np.ndarray:
     """w4a8's activations: each block of 32 inputs to int8 at absmax / 127 (1 for an all-zero block), x / scale
     rounded to nearest even, as float64 (GGUF Q8_0's rounding)."""
