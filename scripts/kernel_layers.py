@@ -6,6 +6,10 @@ median, in microseconds a layer. Weights are random (codes and scales), so only 
 
     .venv/bin/python scripts/kernel_layers.py w4a8 --rounds 5      # or int4, int8, w8a8
 
+`--baseline LIB` times an earlier build of the kernels beside this checkout's, in the same rounds and process: a
+library file from the build cache (`~/.cache/jaxinfer/native/jaxinfer_gemv_<level>_<hash>.so`, built by an older
+checkout; its level is in its name and only that level runs). `--rows M`: M activation rows (1-8).
+
 Weights total 30 x ~3.3 MB (int4) to ~6.4 MB (int8) per kind: on a CPU with a large last-level cache they stay
 in it, as a lone engine's weights do; the time then is the kernels' compute and hand-offs, not DRAM.
 """
@@ -13,15 +17,19 @@ in it, as a lone engine's weights do; the time then is the kernels' compute and 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import re
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_features, cpu_gemv
+from pallas_kernels.cpu_gemv import build
 
 LAYERS = 30
 SITES = {"q/k/v": [(576, 576), (192, 576), (192, 576)], "o": [(576, 576)], "gate/up": [(1536, 576), (1536, 576)],
@@ -36,10 +44,10 @@ def _weights(kind: str, n: int, k: int, rng: np.random.Generator) -> tuple:
             jnp.asarray(rng.random((LAYERS, n, 1), dtype=np.float32) * 0.01), None)
 
 
-def scan_of(kind: str, site: str, rng: np.random.Generator):
+def scan_of(kind: str, site: str, rng: np.random.Generator, rows: int = 1):
     """A jitted scan of `LAYERS` calls of the kind's kernel at the site's shapes (traced under the current ISA)."""
     ws = [_weights(kind, n, k, rng) for n, k in SITES[site]]
-    x = jnp.asarray(rng.standard_normal((1, SITES[site][0][1]), dtype=np.float32)).astype(jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, SITES[site][0][1]), dtype=np.float32)).astype(jnp.bfloat16)
 
     def body(carry, layer):
         if kind == "w8a8":
@@ -53,14 +61,31 @@ def scan_of(kind: str, site: str, rng: np.random.Generator):
     return jax.jit(lambda: jax.lax.scan(body, jnp.float32(0), jnp.arange(LAYERS, dtype=jnp.int32))[0])
 
 
+def register_baseline(path: Path) -> str:
+    """Registers the kernels of an earlier library under "baseline_" target names; returns its ISA level."""
+    match = re.fullmatch(r"jaxinfer_gemv_(\w+?)_[0-9a-f]+\.so", path.name)
+    if not path.is_file() or match is None or match.group(1) not in cpu_features.supported_levels():
+        raise SystemExit(f"--baseline {path}: not a kernels library of a level this CPU runs "
+                         f"(jaxinfer_gemv_<level>_<hash>.so; levels here: {cpu_features.supported_levels()})")
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for kernel in build.TARGETS:
+        jax.ffi.register_ffi_target("baseline_" + build.target_name(kernel, match.group(1)),
+                                    jax.ffi.pycapsule(getattr(lib, f"jaxinfer_{kernel}")), platform="cpu")
+    return match.group(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=("w4a8", "int4", "int8", "w8a8"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10, help="timed scans a site and level each round")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows, 1-8 (default 1)")
+    parser.add_argument("--baseline", type=Path, help="an earlier kernels library to time beside this one")
     args = parser.parse_args()
     if min(args.rounds, args.calls) < 1:
         parser.error("--rounds and --calls must be >= 1")
+    if not 1 <= args.rows <= cpu_gemv.MAX_ROWS:
+        parser.error(f"--rows must be in [1, {cpu_gemv.MAX_ROWS}]")
     try:
         cpu_features.check_environment()
     except ValueError as e:
@@ -68,13 +93,23 @@ def main() -> None:
     if not cpu_gemv.active():
         raise SystemExit("the native CPU kernels are not available here")
     rng = np.random.default_rng(0)
+    levels = cpu_features.supported_levels()
+    builds = ["this"]
+    if args.baseline is not None:
+        levels, builds = [register_baseline(args.baseline)], ["this", "baseline"]
     scans = {}
-    for level in cpu_features.supported_levels():
+    target_name = build.target_name
+    for level in levels:
         os.environ["JAXINFER_NATIVE_ISA"] = level
-        for site in SITES:
-            fn = scan_of(args.kind, site, rng)
-            fn().block_until_ready()  # compiles under this level
-            scans[(level, site)] = fn
+        for which in builds:
+            build.target_name = target_name if which == "this" else lambda *a: "baseline_" + target_name(*a)
+            try:
+                for site in SITES:
+                    fn = scan_of(args.kind, site, rng, args.rows)
+                    fn().block_until_ready()  # compiles under this level (and build)
+                    scans[(f"{level}{'' if which == 'this' else ' (baseline)'}", site)] = fn
+            finally:
+                build.target_name = target_name
     rounds: dict = {key: [] for key in scans}
     for _ in range(args.rounds):
         for key, fn in scans.items():
@@ -85,8 +120,12 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             rounds[key].append(statistics.median(times) / LAYERS * 1e6)
     for (level, site), us in rounds.items():
-        print(f"{args.kind:5s} {level:12s} {site:8s} {statistics.median(us):7.1f} us a layer "
-              f"(best round {min(us):.1f})")
+        line = (f"{args.kind:5s} {level:23s} {site:8s} {statistics.median(us):7.1f} us a layer "
+                f"(best round {min(us):.1f})")
+        if level.endswith("(baseline)"):
+            this = rounds[(level.removesuffix(" (baseline)"), site)]
+            line += f"; baseline / this, median of the rounds: {statistics.median(b / t for b, t in zip(us, this)):.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":
