@@ -22,7 +22,7 @@ import numpy as np
 from jaxinfer.benchmarks import model_setup
 from jaxinfer.benchmarks.decode_timing import PAGE_SIZE, pages_for
 from jaxinfer.benchmarks.probe import median, time_calls
-from jaxinfer.benchmarks.report import Report, machine_line, table
+from jaxinfer.benchmarks.report import Report, int_list, machine_line, table
 from models.config import ModelConfig
 from pallas_kernels.paged_attention import paged_attention_reference
 
@@ -39,16 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", default="512,4096", help="contexts in tokens")
     parser.add_argument("--batches", default="1,32", help="batch sizes")
     parser.add_argument("--reps", type=int, default=30, help="timed calls per shape")
-
-
-def _positive_ints(text: str, option: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{option} {text!r} is not a list of integers") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{option} {text!r}: give one or more integers >= 1")
-    return values
 
 
 def bench_attention(cfg: ModelConfig, dtypes: list[str], contexts: list[int], batches: list[int],
@@ -122,7 +112,7 @@ def run(args: argparse.Namespace) -> Report:
     """Times the reference decode attention for every shape of the options."""
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     dtypes = model_setup.parse_dtypes(args.dtypes)
-    contexts, batches = _positive_ints(args.contexts, "--contexts"), _positive_ints(args.batches, "--batches")
+    contexts, batches = int_list("--contexts", args.contexts), int_list("--batches", args.batches)
     if args.reps < 1:
         raise ValueError(f"--reps {args.reps} must be >= 1")
     cfg, _ = model_setup.load_host_weights(args.model)

@@ -33,7 +33,7 @@ from jaxinfer.benchmarks import dense_matmuls as dm
 from jaxinfer.benchmarks import model_setup
 from jaxinfer.benchmarks.decode_timing import PAGE_SIZE, PageIds, pages_for, run_step
 from jaxinfer.benchmarks.probe import median, time_calls
-from jaxinfer.benchmarks.report import Report, machine_line, table
+from jaxinfer.benchmarks.report import Report, int_list, machine_line, table
 from jaxinfer.benchmarks.step_breakdown import device_step
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import sample
@@ -99,12 +99,7 @@ def measure(runner: ModelRunner, chunks: list[ScheduledChunk], rounds: int) -> d
 
 def _shapes(args: argparse.Namespace) -> list[tuple[str, int, int]]:
     """(label, batch, new tokens per sequence) of every measured step."""
-    try:
-        batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    except ValueError:
-        raise ValueError(f"--batches {args.batches!r} is not a list of integers") from None
-    if not batches or min(batches) < 1:
-        raise ValueError(f"--batches {args.batches!r}: give one or more integers >= 1")
+    batches = int_list("--batches", args.batches)
     for option, value, least in (("--context", args.context, 1), ("--prefill-len", args.prefill_len, 0),
                                  ("--rounds", args.rounds, 1)):
         if value < least:

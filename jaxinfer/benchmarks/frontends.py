@@ -22,7 +22,7 @@ import platform
 
 from jaxinfer.benchmarks.load import add_server_arguments, serve_args
 from jaxinfer.benchmarks.load_client import run_load, server_under_test
-from jaxinfer.benchmarks.report import Report, machine_line, table
+from jaxinfer.benchmarks.report import Report, int_list, machine_line, table
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _concurrencies(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--concurrencies {text!r} must be comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"--concurrencies {text!r} must list integers >= 1")
-    return values
+    return int_list("--concurrencies", text)
 
 
 async def _run(args: argparse.Namespace, concurrencies: list[int]) -> tuple[list[dict], dict, int]:

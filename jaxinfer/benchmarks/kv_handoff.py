@@ -26,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from jaxinfer.benchmarks.report import Report, machine_line, table
+from jaxinfer.benchmarks.report import Report, int_list, machine_line, table
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.kv_handoff import WIRE_DTYPES, export_handoff, resolve_wire_dtype
@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> Report:
     Raises:
       ValueError: bad options.
     """
-    lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
+    lengths = int_list("--lengths", args.lengths)
     wires = [w.strip() for w in args.wire.split(",") if w.strip()]
-    if not lengths or min(lengths) < 1 or args.reps < 1 or any(w not in WIRE_DTYPES for w in wires):
+    if args.reps < 1 or any(w not in WIRE_DTYPES for w in wires):
         raise ValueError(f"--lengths must list lengths >= 1, --reps be >= 1 and --wire name some of "
                          f"{', '.join(WIRE_DTYPES)}")
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, warmup=False, enable_prefix_caching=False,

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from jaxinfer.benchmarks.peers import run_worker
 from jaxinfer.benchmarks.quality_runs import has_tokenizer, with_char_tokenizer
-from jaxinfer.benchmarks.report import Report, machine_line, table
+from jaxinfer.benchmarks.report import Report, int_list, machine_line, table
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,7 @@ def parse_lengths(option: str, text: str, limit: int) -> list[int]:
     Raises:
       ValueError: naming the option, for anything else.
     """
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = None
-    if values is None or not all(2 <= v <= limit for v in values):
-        raise ValueError(f"{option} {text!r}: expected comma-separated integers in [2, {limit}]")
-    return sorted(set(values))
+    return sorted(set(int_list(option, text, 2, limit, allow_empty=True)))
 
 
 def make_long_tiny_model(source: Path, folder: Path) -> Path:

@@ -56,7 +56,7 @@ from jaxinfer.benchmarks.prefix_measure import (BREAK_EVEN_PAGES, CHAT_MAX_TOKEN
                                                 HOST_PAGES, PREFIX_TOKENS, PS,
                                                 bench_break_even, bench_chat, bench_ttft)
 from jaxinfer.benchmarks.prefix_report import render
-from jaxinfer.benchmarks.report import Report
+from jaxinfer.benchmarks.report import Report, int_list
 from jaxinfer.loading import load_model
 from models.llama import KVCache
 
@@ -112,14 +112,7 @@ def _options(args: argparse.Namespace) -> tuple[int, ...]:
            args.host_pages) < 1:
         raise ValueError("--reps, --chat-convs, --chat-turns, --chat-passes, --chat-max-tokens, "
                          "--chat-system-tokens and --host-pages must be >= 1")
-    try:
-        pages = tuple(int(k) for k in args.break_even_pages.split(",") if k.strip())
-    except ValueError:
-        pages = ()
-    if not pages or min(pages) < 1 or max(pages) * PS + 20 >= MAX_MODEL_LEN:
-        raise ValueError(f"--break-even-pages {args.break_even_pages!r}: expected page counts in [1, "
-                         f"{(MAX_MODEL_LEN - 21) // PS}]")
-    return pages
+    return tuple(int_list("--break-even-pages", args.break_even_pages, 1, (MAX_MODEL_LEN - 21) // PS))
 
 
 def _chat_data(chat: dict) -> dict:

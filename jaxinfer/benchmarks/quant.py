@@ -77,7 +77,7 @@ import numpy as np
 from jaxinfer import SamplingParams
 from jaxinfer.benchmarks import gemv_stream, hlo, model_setup, peers, quant_report
 from jaxinfer.benchmarks.probe import measure_bandwidth, roofline_gb_s
-from jaxinfer.benchmarks.report import Report
+from jaxinfer.benchmarks.report import Report, int_list
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.sampling import SamplingRow
@@ -172,19 +172,18 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
         raise ValueError(f"--formats {args.formats!r} names no format; known: {'; '.join(FORMATS)}")
     if unknown:
         raise ValueError(f"--formats: unknown {unknown}; known: {'; '.join(FORMATS)}")
-    batches, gemv_rows = _ints("--batches", args.batches), _ints("--gemv-rows", args.gemv_rows)
-    low = [f"--{o.replace('_', '-')} {v}" for o, v in (("batches", min(batches, default=0)), *(
-        (o, getattr(args, o)) for o in ("reps", "burst", "peer_steps", "gemv_reps"))) if v < 1]
+    low = [f"--{o.replace('_', '-')} {getattr(args, o)}" for o in ("reps", "burst", "peer_steps", "gemv_reps")
+           if getattr(args, o) < 1]
     if low:
         raise ValueError(f"{', '.join(low)}: must be >= 1")
+    batches = int_list("--batches", args.batches)
+    gemv_rows = int_list("--gemv-rows", args.gemv_rows, 1, cpu_gemv.MAX_ROWS) if args.gemv else []
     if not 1 <= args.peer_rounds <= (args.reps if args.peer_python or args.llamacpp_python else 1):
         raise ValueError(f"--peer-rounds {args.peer_rounds} must be in [1, --reps {args.reps}] (1 without a peer)")
     if args.max_model_len <= CONTEXT:
         raise ValueError(f"--max-model-len {args.max_model_len} must exceed the timed context ({CONTEXT} tokens)")
-    if args.gemv and (not gemv_rows or not all(1 <= m <= cpu_gemv.MAX_ROWS for m in gemv_rows)
-                      or args.gemv_mib <= 0):
-        raise ValueError(f"--gemv-rows {args.gemv_rows!r} needs integers in [1, {cpu_gemv.MAX_ROWS}] and "
-                         f"--gemv-mib > 0 (got {args.gemv_mib})")
+    if args.gemv and args.gemv_mib <= 0:
+        raise ValueError(f"--gemv-mib must be > 0 (got {args.gemv_mib})")
     peers.check_llamacpp_types(args.llamacpp_types)
     if args.isa.strip() and args.native == "off":
         raise ValueError(f"--isa {args.isa!r} picks the native engines' ISA levels; --native off runs none")
@@ -207,13 +206,6 @@ def isa_levels(text: str) -> list[str | None]:
         raise ValueError(f"--isa: {bad} not among the levels this CPU runs ({', '.join(supported) or 'none'}; "
                          f"known: {', '.join(cpu_features.ISA_LEVELS)})")
     return [t for t in supported if t in wanted] or [None]
-
-
-def _ints(option: str, text: str) -> list[int]:
-    try:
-        return [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        raise ValueError(f"{option} {text!r} is not a list of integers") from None
 
 
 def step_bytes(engine: Engine, batch: int) -> float:

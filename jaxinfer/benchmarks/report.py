@@ -101,16 +101,20 @@ def machine_line(m: dict | None = None) -> str:
             f"{flags}), {m['mem_gib']:g} GiB, jax {m['jax']}")
 
 
-def int_list(option: str, text: str, lo: int, hi: int) -> list[int]:
-    """A workload option's comma-separated ints, each in [lo, hi].
+def int_list(option: str, text: str, lo: int = 1, hi: int | None = None, allow_empty: bool = False) -> list[int]:
+    """A workload option's comma-separated ints, each in [lo, hi] (no upper bound when `hi` is None); an empty
+    string is the empty list only with `allow_empty`.
 
     Raises:
-      ValueError: naming the option, for an empty list, a non-integer or a value out of range.
+      ValueError: naming the option and its text, for an empty list or item (`1,,2`), a non-integer or a value out
+        of range.
     """
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")] if text.strip() else []
     except ValueError:
-        values = []
-    if not values or not all(lo <= v <= hi for v in values):
-        raise ValueError(f"{option} {text!r}: expected comma-separated integers in [{lo}, {hi}]")
+        values = None
+    if values is None or (not values and not allow_empty) or not all(
+            lo <= v and (hi is None or v <= hi) for v in values):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{option} {text!r}: expected comma-separated integers {bound}")
     return values

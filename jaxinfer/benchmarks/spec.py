@@ -67,7 +67,7 @@ import time
 import jax
 
 from jaxinfer.benchmarks import corpus
-from jaxinfer.benchmarks.report import Report
+from jaxinfer.benchmarks.report import Report, int_list
 from jaxinfer.benchmarks.spec_measure import bench_single, bench_steps, bench_tput, step_shapes
 from jaxinfer.benchmarks.spec_prompts import CHAT_QUESTION, chat_prompt, copy_prompt, tput_prompts
 from jaxinfer.benchmarks.spec_report import render, suggest_max_step_tokens
@@ -126,14 +126,7 @@ def configs(num_layers: int, ngram_ks: tuple[int, ...] = NGRAM_KS, self_draft: b
 
 
 def _ints(args: argparse.Namespace, name: str, allow_empty: bool = False) -> tuple[int, ...]:
-    text = getattr(args, name)
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        values = None
-    if values is None or (not values and not allow_empty) or min(values, default=1) < 1:
-        raise ValueError(f"--{name.replace('_', '-')} {text!r}: expected comma-separated integers >= 1")
-    return values
+    return tuple(int_list(f"--{name.replace('_', '-')}", getattr(args, name), allow_empty=allow_empty))
 
 
 def _shapes(args: argparse.Namespace) -> list[tuple[str, int, int]]:

@@ -35,3 +35,25 @@ def test_help_texts_cite_no_tracker_issues(name):
     parser, _ = workload_parser(name)
     text = parser.format_help()
     assert not re.search(r"\bissue\b", text, re.IGNORECASE), re.findall(r".*\bissue\b.*", text, re.IGNORECASE)
+
+
+@pytest.mark.parametrize("text, kwargs, expected", [
+    ("1,8", {}, [1, 8]), (" 2, 3 ", {}, [2, 3]), ("", {"allow_empty": True}, []), ("4", {"lo": 2, "hi": 4}, [4]),
+])
+def test_int_lists_parse(text, kwargs, expected):
+    from jaxinfer.benchmarks.report import int_list
+
+    assert int_list("--opt", text, **kwargs) == expected
+
+
+@pytest.mark.parametrize("text, kwargs, message", [
+    ("1,,2", {}, "--opt '1,,2': expected comma-separated integers >= 1"),  # an empty item is no integer
+    ("", {}, "--opt '': expected comma-separated integers >= 1"),
+    ("1,x", {}, "--opt '1,x'"), ("0", {}, "--opt '0'"), ("5", {"lo": 2, "hi": 4}, "integers in [2, 4]"),
+    ("1,", {}, "--opt '1,'"),
+])
+def test_int_lists_name_what_is_wrong(text, kwargs, message):
+    from jaxinfer.benchmarks.report import int_list
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        int_list("--opt", text, **kwargs)

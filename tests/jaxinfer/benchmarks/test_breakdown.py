@@ -23,7 +23,7 @@ def test_breakdown_report(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--batches", "0"], "--batches '0': give one or more integers >= 1"),
+    (["--batches", "0"], "--batches '0': expected comma-separated integers >= 1"),
     (["--context", "0"], "--context 0 must be >= 1"),
     (["--prefill-len", "-5"], "--prefill-len -5 must be >= 0"),
     (["--context", "100000"], "exceed the model's context (256 tokens)"),

@@ -48,13 +48,14 @@ def test_quant_report(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (("--gemv", "--gemv-rows", "0,4"), "--gemv-rows '0,4' needs integers in [1, 8]"),
-    (("--gemv", "--gemv-rows", "9"), "--gemv-rows '9' needs integers in [1, 8]"),
-    (("--gemv", "--gemv-mib", "0"), "--gemv-mib > 0 (got 0.0)"),
-    (("--gemv-rows", "1,x"), "--gemv-rows '1,x' is not a list of integers"),
+    (("--gemv", "--gemv-rows", "0,4"), "--gemv-rows '0,4': expected comma-separated integers in [1, 8]"),
+    (("--gemv", "--gemv-rows", "9"), "--gemv-rows '9': expected comma-separated integers in [1, 8]"),
+    (("--gemv", "--gemv-mib", "0"), "--gemv-mib must be > 0 (got 0.0)"),
+    (("--gemv", "--gemv-rows", "1,x"), "--gemv-rows '1,x': expected comma-separated integers in [1, 8]"),
     (("--peer-steps", "0"), "--peer-steps 0: must be >= 1"),
     (("--burst", "0", "--reps", "-1"), "--reps -1, --burst 0: must be >= 1"),
-    (("--batches", "2,0"), "--batches 0: must be >= 1"),
+    (("--batches", "2,0"), "--batches '2,0': expected comma-separated integers >= 1"),
+    (("--batches", "1,,2"), "--batches '1,,2': expected comma-separated integers >= 1"),
     (("--peer-rounds", "0"), "--peer-rounds 0 must be in [1, --reps 15]"),
     (("--reps", "2", "--peer-rounds", "3", "--llamacpp-python", sys.executable),
      "--peer-rounds 3 must be in [1, --reps 2]"),
