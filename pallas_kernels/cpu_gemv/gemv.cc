@@ -13,8 +13,9 @@
 //   i8i8_nk    (int8.h) xq int8 [M, K], w int8 [N, K] (w8a8: values in [-127, 127])  y i32 = xq @ w.T (exact)
 //   q4_nk      (int4.h) w uint8 [N, K/2] (two 4-bit codes per byte, element 2j low nibble), scale f32 [N, G], x
 //              rounded here to int16 per row (as int8_nk) and multiplied exactly with the codes:
-//              y f32 = xs * (sum_blocks ws * (codes . xq) + corr), where corr (the -8 offset or the per-group min
-//              times the rounded activations' group sums) is added per group from `offset` [N, G] and `xsum` [M, G].
+//              y f32 = xs * (sum_blocks ws * ((codes - 8) . xq) + corr) for symmetric codes (the 8 taken off inside
+//              the integer sums), or with the codes and corr = the per-group min (`offset` [N, G]) times the
+//              rounded activations' group sums (`xsum` [M, G]); xq is split into its high and low bytes there.
 //   q4a8_nk    (int4.h) symmetric w as q4_nk with groups of 32, x quantized here to int8 per block of 32 inputs
 //              (w4a8: GGUF Q4_0 x Q8_0): y f32 = sum_blocks ws * xs_block * ((codes - 8) . xq_block).
 // int8_nk, q4_nk and q4a8_nk are called through one handler (weight_only_matmul), i8i8_nk through another; each
