@@ -61,16 +61,23 @@ def scan_of(kind: str, site: str, rng: np.random.Generator, rows: int = 1):
     return jax.jit(lambda: jax.lax.scan(body, jnp.float32(0), jnp.arange(LAYERS, dtype=jnp.int32))[0])
 
 
-def register_baseline(path: Path) -> str:
-    """Registers the kernels of an earlier library under "baseline_" target names; returns its ISA level."""
+def register_baseline(path: Path, kind: str) -> str:
+    """Registers the matmul kernel `kind` times of an earlier library under a "baseline_" target name; returns the
+    library's ISA level. Exits with a one-line message for a missing file, a name without a level this CPU runs,
+    or a file that is no kernels library (older builds lack later kernels; only the timed one must be there)."""
+    if not path.is_file():
+        raise SystemExit(f"--baseline {path}: no such file")
     match = re.fullmatch(r"jaxinfer_gemv_(\w+?)_[0-9a-f]+\.so", path.name)
-    if not path.is_file() or match is None or match.group(1) not in cpu_features.supported_levels():
+    if match is None or match.group(1) not in cpu_features.supported_levels():
         raise SystemExit(f"--baseline {path}: not a kernels library of a level this CPU runs "
                          f"(jaxinfer_gemv_<level>_<hash>.so; levels here: {cpu_features.supported_levels()})")
-    lib = ctypes.cdll.LoadLibrary(str(path))
-    for kernel in build.TARGETS:
-        jax.ffi.register_ffi_target("baseline_" + build.target_name(kernel, match.group(1)),
-                                    jax.ffi.pycapsule(getattr(lib, f"jaxinfer_{kernel}")), platform="cpu")
+    kernel = "i8i8_matmul" if kind == "w8a8" else "weight_only_matmul"
+    try:
+        symbol = getattr(ctypes.cdll.LoadLibrary(str(path)), f"jaxinfer_{kernel}")
+    except (OSError, AttributeError) as e:
+        raise SystemExit(f"--baseline {path}: not a kernels library with jaxinfer_{kernel} ({e})") from None
+    jax.ffi.register_ffi_target("baseline_" + build.target_name(kernel, match.group(1)), jax.ffi.pycapsule(symbol),
+                                platform="cpu")
     return match.group(1)
 
 
@@ -91,12 +98,13 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     if not cpu_gemv.active():
-        raise SystemExit("the native CPU kernels are not available here")
+        raise SystemExit("the native CPU kernels are not available here (turned off by JAXINFER_NATIVE_KERNELS=0, "
+                         "no compiler, or a CPU without AVX2 + FMA)")
     rng = np.random.default_rng(0)
     levels = cpu_features.supported_levels()
     builds = ["this"]
     if args.baseline is not None:
-        levels, builds = [register_baseline(args.baseline)], ["this", "baseline"]
+        levels, builds = [register_baseline(args.baseline, args.kind)], ["this", "baseline"]
     scans = {}
     target_name = build.target_name
     for level in levels:
@@ -120,7 +128,8 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             rounds[key].append(statistics.median(times) / LAYERS * 1e6)
     for (level, site), us in rounds.items():
-        line = (f"{args.kind:5s} {level:23s} {site:8s} {statistics.median(us):7.1f} us a layer "
+        line = (f"{args.kind:5s} {args.rows} row{'s' if args.rows > 1 else ' '} {level:23s} {site:8s} "
+                f"{statistics.median(us):7.1f} us a layer "
                 f"(best round {min(us):.1f})")
         if level.endswith("(baseline)"):
             this = rounds[(level.removesuffix(" (baseline)"), site)]

@@ -172,10 +172,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
         raise ValueError(f"--formats {args.formats!r} names no format; known: {'; '.join(FORMATS)}")
     if unknown:
         raise ValueError(f"--formats: unknown {unknown}; known: {'; '.join(FORMATS)}")
-    low = [f"--{o.replace('_', '-')} {getattr(args, o)}" for o in ("reps", "burst", "peer_steps", "gemv_reps")
-           if getattr(args, o) < 1]
+    low = [f"--{o.replace('_', '-')} {getattr(args, o)}" for o in ("reps", "burst", "peer_steps", "gemv_reps",
+                                                                    "bw_reps") if getattr(args, o) < 1]
     if low:
         raise ValueError(f"{', '.join(low)}: must be >= 1")
+    if not args.bw_gib > 0:
+        raise ValueError(f"--bw-gib {args.bw_gib} must be > 0 (GiB the roofline probe reads)")
     batches = int_list("--batches", args.batches)
     gemv_rows = int_list("--gemv-rows", args.gemv_rows, 1, cpu_gemv.MAX_ROWS) if args.gemv else []
     if not 1 <= args.peer_rounds <= (args.reps if args.peer_python or args.llamacpp_python else 1):

@@ -31,14 +31,17 @@ inline void store_even_odd(const __m256i q[4], bool as_unsigned, void* even, voi
   _mm_storeu_si128(static_cast<__m128i*>(odd), _mm256_extracti128_si256(bytes, 1));
 }
 
-// q4_nk: codes times activations rounded to int16 per row (`int16_inverse`), exactly. Each int16 input is split
-// as x = 256 h + l (h its signed high byte, l its unsigned low byte), so the codes multiply bytes: the unsigned
-// codes times h and the unsigned l times the codes (0..15 as signed bytes) by vpdpbusd (AVX-512 VNNI) or
-// vpmaddubsw (AVX2; a pair sum is at most 2 x 255 x 15, no saturation), and a block's sum is 256 x the first plus
-// the second. The activations are laid out once a call as A8Pair's (`I16Pair`): per 128-input span, each field's
-// byte 32 h + j holds input 2j (even fields) or 2j + 1 (odd fields) of the span's chunk h, as byte j of the chunk's
-// codes holds them in its low and high nibble, so each 32-input block sits in its own 128-bit lane, beside its
-// weight scale. Symmetric codes (w = s * (c - 8)) take the 8 off through `offset`, where each block's int32 sums
+#ifdef JAXINFER_AVX512_VNNI
+// q4_nk at the avx512_vnni level: codes times activations rounded to int16 per row (`int16_inverse`), exactly.
+// Each int16 input is split as x = 256 h + l (h its signed high byte, l its unsigned low byte), so the codes
+// multiply bytes: the unsigned codes times h and the unsigned l times the codes (0..15 as signed bytes) by
+// vpdpbusd, and a block's sum is 256 x the first plus the second (four byte dots, a shift and an add for 128
+// inputs, where widening the codes to int16 took ~6 more instructions: 1.01-1.17x faster at SmolLM2's shapes).
+// The avx2 level keeps the int16 form below (there, vpmaddubsw's byte dots took 1.2-1.3x the time at two or more
+// activation rows). The activations are laid out once a call as A8Pair's (`I16Pair`): per 128-input span, each
+// field's byte 32 h + j holds input 2j (even fields) or 2j + 1 (odd fields) of the span's chunk h, as byte j of the
+// chunk's codes holds them in its low and high nibble, so each 32-input block sits in its own 128-bit lane, beside
+// its weight scale. Symmetric codes (w = s * (c - 8)) take the 8 off through `offset`, where each block's int32 sums
 // start (-2 x the block's rounded input sum in each of its 4 lanes); codes with a min add min x (the rounded
 // inputs' group sum) per group at the row's end. The row's activation scale is applied by the caller.
 struct I16Pair {
@@ -84,16 +87,9 @@ inline __m256i q4_dot(__m256i lo, __m256i hi, const I16Pair& x, int64_t half) {
   auto load = [&](const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   __m256i he = load(x.h_even + 32 * half), ho = load(x.h_odd + 32 * half);
   __m256i le = load(x.l_even + 32 * half), lodd = load(x.l_odd + 32 * half), start = load(x.offset + 8 * half);
-#ifdef JAXINFER_AVX512_VNNI
   __m256i dh = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, he), hi, ho);
   __m256i dl = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, le, lo), lodd, hi);
   return _mm256_add_epi32(_mm256_slli_epi32(dh, 8), dl);
-#else
-  __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(lo, he), _mm256_maddubs_epi16(hi, ho));  // |.| <= 7680
-  __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(le, lo), _mm256_maddubs_epi16(lodd, hi));  // <= 15300
-  return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(ph, _mm256_set1_epi16(256)),
-                                           _mm256_madd_epi16(pl, _mm256_set1_epi16(1))), start);
-#endif
 }
 
 // MG activation rows by NR weight rows (MG = 1 with NR = 2 or 4, or NR = 1): each chunk's activations are shared
@@ -154,7 +150,6 @@ void q4_block(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t* w,
     }
 }
 
-#ifdef JAXINFER_AVX512_VNNI
 // q4_nk in 512-bit steps: 128 inputs (a cache line of codes, four blocks, one a 128-bit lane) a step. An odd last
 // chunk and the per-row end go to q4_block.
 template <int MG, int NR, bool kBlockScales, bool kSymmetric>
@@ -205,9 +200,6 @@ void q4_block512(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t*
   q4_block<MG, NR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m0, 2 * S, sums);
 }
 #define JAXINFER_Q4_BLOCK q4_block512
-#else
-#define JAXINFER_Q4_BLOCK q4_block
-#endif
 
 template <bool kBlockScales, bool kSymmetric>
 void q4_rows_of(const I16Pair* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
@@ -233,6 +225,128 @@ void q4_rows(const I16Pair* xp, const float* xsum, int64_t M, int64_t K, const u
   run(xp, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
 }
 #undef JAXINFER_Q4_BLOCK
+
+#else  // the avx2 level
+// q4_nk at the avx2 level: 64 inputs (32 bytes of codes) per step. Byte j holds input 2j in its low nibble and
+// 2j + 1 in its high one. Each nibble set is widened to int16 in place within its 128-bit lane (vpunpck{l,h}bw with zero as the low
+// byte, so a code c arrives as c * 256: one instruction per 16 codes, no lane crossing), which puts the chunk's
+// first 32-input block in the low lanes and its second in the high lanes; the caller lays out each 64-input chunk
+// of the int16 activations in that order (`q4_position`). vpmaddwd multiplies the codes exactly with the
+// activations; each block's int32 sums are scaled by its weight scale into the f32 totals (in units of the row's
+// activation scale / 256, applied by the caller). Symmetric codes subtract their 8 as bytes before widening;
+// asymmetric ones add min * (the rounded activations' group sums) per group at the end.
+inline int64_t q4_position(int64_t k, int64_t K) {  // where input k of a row of K goes in the activations' q4 layout
+  int64_t j = (k & 63) >> 1, byte = j & 15;
+  int64_t p = ((k & 1) * 2 + (byte >> 3)) * 16 + (j >> 4) * 8 + (byte & 7);  // within its 64-input chunk
+  return (k & ~int64_t(63)) + p;
+}
+
+// One row of int32 values (|v| <= 32767, K a multiple of 64) into int16 in the q4 layout: per 64-input chunk, the
+// eight runs of 8 outputs take inputs s, s + 2, ..., s + 14 for s = 0, 32, 16, 48 (even) and 1, 33, 17, 49 (odd),
+// each run stored where `q4_position` puts its first input. 16 inputs at a time: evens and odds split by permutes.
+inline void q4_layout_row(const int32_t* natural, int64_t K, int16_t* out) {
+  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int64_t k = 0; k < K; k += 16) {  // inputs k..k+15: the runs of even start k and odd start k + 1
+    __m256i a = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(natural + k)), split);
+    __m256i b = _mm256_permutevar8x32_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(natural + k + 8)), split);
+    __m256i packed = _mm256_permute4x64_epi64(  // int16 [8 evens, 8 odds]
+        _mm256_packs_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + q4_position(k, K)), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + q4_position(k + 1, K)), _mm256_extracti128_si256(packed, 1));
+  }
+}
+
+// MG activation rows by NR weight rows (MG = 1 with NR = 2 or 4, or NR = 1): each chunk's activations are shared
+// by the NR weight rows, and the per-row end (horizontal sums) is spread over NR rows' work. Chunks [c0, K / 64);
+// `sums` (when given, [NR][MG]): sums of earlier chunks, in the same units.
+template <int MG, int NR, bool kBlockScales, bool kSymmetric>
+void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+              const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0, int64_t c0 = 0,
+              const float* sums = nullptr) {
+  constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd chunks), half the FMA latency
+  const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), zero = _mm256_setzero_si256();
+  const int64_t blocks_per_group = K / G / 32;
+  __m256 acc[kChains][NR][MG];
+  for (int h = 0; h < kChains; ++h)
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < MG; ++i) acc[h][r][i] = _mm256_setzero_ps();
+  int64_t group = kBlockScales ? 0 : 2 * c0 / blocks_per_group, block_in_group = kBlockScales ? 0 : 2 * c0 % blocks_per_group;
+  for (int64_t c = c0; c < K / 64; ++c) {
+    // the two blocks' scale indices (no division in the loop: a runtime divide costs more than the chunk's work)
+    int64_t g0, g1;
+    if (kBlockScales) {  // one scale a 32-input block
+      g0 = 2 * c, g1 = 2 * c + 1;
+    } else {  // groups of several blocks (an odd count lets a chunk straddle two groups)
+      g0 = group;
+      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
+      g1 = group;
+      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
+      if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if (kSymmetric) lo = _mm256_sub_epi8(lo, eight), hi = _mm256_sub_epi8(hi, eight);
+      __m256i wv[4] = {_mm256_unpacklo_epi8(zero, lo), _mm256_unpackhi_epi8(zero, lo),
+                       _mm256_unpacklo_epi8(zero, hi), _mm256_unpackhi_epi8(zero, hi)};
+      const float* ws = scale + (n + r) * G;
+      __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(ws + g0)), _mm_broadcast_ss(ws + g1), 1);
+      for (int i = 0; i < MG; ++i) {
+        const __m256i* xc = reinterpret_cast<const __m256i*>(xq + (m0 + i) * K + 64 * c);
+        __m256i b = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xc)),
+                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xc + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xc + 2)),
+                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xc + 3))));
+        __m256& a = acc[kChains == 2 ? (c & 1) : 0][r][i];
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), sv, a);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MG; ++i) {
+      __m256 a = acc[0][r][i];
+      if (kChains == 2) a = _mm256_add_ps(a, acc[kChains - 1][r][i]);
+      float total = (hsum(a) + (sums ? sums[r * MG + i] : 0.f)) * (1.f / 256.f);
+      if (!kSymmetric) {  // + sum over groups of min * the group's rounded activation sum
+        const float *off = offset + (n + r) * G, *xg = xsum + (m0 + i) * G;
+        __m256 c8 = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
+        float corr = hsum(c8);
+        for (; g < G; ++g) corr += off[g] * xg[g];
+        total += corr;
+      }
+      y[(m0 + i) * N + n + r] = total;  // the row's activation scale: by the caller
+    }
+}
+
+
+template <bool kBlockScales, bool kSymmetric>
+void q4_rows_of(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+                const float* offset, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M == 1 && K <= 1024)  // short rows: 4 at once (measured: 4 beat 2 by ~5% at K = 576, 2 beat 4 by ~20% at 1536)
+    for (; n + 4 <= n1; n += 4) q4_block<1, 4, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+  if (M == 1)
+    for (; n + 2 <= n1; n += 2) q4_block<1, 2, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+  for (; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2)
+      q4_block<2, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
+    if (m < M) q4_block<1, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
+  }
+}
+
+void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+             const float* offset, bool symmetric, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
+  bool block_scales = K / G == 32;
+  auto run = block_scales ? (symmetric ? q4_rows_of<true, true> : q4_rows_of<true, false>)
+                          : (symmetric ? q4_rows_of<false, true> : q4_rows_of<false, false>);
+  run(xq, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
+}
+#endif  // JAXINFER_AVX512_VNNI (q4_nk)
 
 
 // ---------------------------------------------------------------------------------------------------------------
