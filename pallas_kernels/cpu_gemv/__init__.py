@@ -322,8 +322,8 @@ def int4_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, min: jax.Arra
 
     The weight is `models.quant4`'s: uint8 [N, K / 2], input 2j in the low nibble of byte j and 2j + 1 in the
     high one; w = scale * (q - 8) (symmetric) or scale * q + min per group of K / G inputs. The codes multiply the
-    int16 activations exactly (each split into its high and low byte: byte dot products, vpdpbusd or vpmaddubsw)
-    and the -8 offset or the min multiplies the rounded rows' group sums, so
+    int16 activations exactly (vpmaddwd at the avx2 level; at avx512_vnni each activation split into its high and
+    low byte, vpdpbusd) and the -8 offset or the min multiplies the rounded rows' group sums, so
     the result differs from the float weight-only product only by the activations' rounding (at most 1 / 65534 of
     the row's largest input each).
 

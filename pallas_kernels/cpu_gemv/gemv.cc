@@ -15,7 +15,8 @@
 //              rounded here to int16 per row (as int8_nk) and multiplied exactly with the codes:
 //              y f32 = xs * (sum_blocks ws * ((codes - 8) . xq) + corr) for symmetric codes (the 8 taken off inside
 //              the integer sums), or with the codes and corr = the per-group min (`offset` [N, G]) times the
-//              rounded activations' group sums (`xsum` [M, G]); xq is split into its high and low bytes there.
+//              rounded activations' group sums (`xsum` [M, G]); at avx512_vnni xq is split into its high and low
+//              bytes (`I16Pair`), at avx2 the codes are widened to int16 (`q4_position`).
 //   q4a8_nk    (int4.h) symmetric w as q4_nk with groups of 32, x quantized here to int8 per block of 32 inputs
 //              (w4a8: GGUF Q4_0 x Q8_0): y f32 = sum_blocks ws * xs_block * ((codes - 8) . xq_block).
 // int8_nk, q4_nk and q4a8_nk are called through one handler (weight_only_matmul), i8i8_nk through another; each
