@@ -31,6 +31,29 @@ inline void store_even_odd(const __m256i q[4], bool as_unsigned, void* even, voi
   _mm_storeu_si128(static_cast<__m128i*>(odd), _mm256_extracti128_si256(bytes, 1));
 }
 
+// The scale index of each 32-input block in turn, from block `first` on: groups of K / G inputs (one or several
+// blocks; an odd count lets a 64-input chunk straddle two groups). No division in the loop: a runtime divide costs
+// more than a chunk's work.
+struct BlockGroups {
+  int64_t per, group, in_group;
+  BlockGroups(int64_t K, int64_t G, int64_t first) : per(K / G / 32), group(first / per), in_group(first % per) {}
+  int64_t next() {
+    int64_t g = group;
+    if (++in_group == per) in_group = 0, ++group;
+    return g;
+  }
+};
+
+// Codes with a min: sum over the row's G groups of min x the group's rounded activation sum.
+inline float min_correction(const float* mins, const float* xsum, int64_t G) {
+  __m256 c8 = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(xsum + g), c8);
+  float corr = hsum(c8);
+  for (; g < G; ++g) corr += mins[g] * xsum[g];
+  return corr;
+}
+
 #ifdef JAXINFER_AVX512_VNNI
 // q4_nk at the avx512_vnni level: codes times activations rounded to int16 per row (`int16_inverse`), exactly.
 // Each int16 input is split as x = 256 h + l (h its signed high byte, l its unsigned low byte), so the codes
@@ -101,23 +124,14 @@ void q4_block(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t* w,
               const float* sums = nullptr) {
   constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd chunks), half the FMA latency
   const __m256i low4 = _mm256_set1_epi8(0x0f);
-  const int64_t blocks_per_group = K / G / 32, P = (K + 127) / 128;
+  const int64_t P = (K + 127) / 128;
   __m256 acc[kChains][NR][MG];
   for (int h = 0; h < kChains; ++h)
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < MG; ++i) acc[h][r][i] = _mm256_setzero_ps();
-  int64_t group = kBlockScales ? 0 : 2 * c0 / blocks_per_group, block_in_group = kBlockScales ? 0 : 2 * c0 % blocks_per_group;
+  BlockGroups groups(K, G, 2 * c0);
   for (int64_t c = c0; c < K / 64; ++c) {
-    // the two blocks' scale indices (no division in the loop: a runtime divide costs more than the chunk's work)
-    int64_t g0, g1;
-    if (kBlockScales) {  // one scale a 32-input block
-      g0 = 2 * c, g1 = 2 * c + 1;
-    } else {  // groups of several blocks (an odd count lets a chunk straddle two groups)
-      g0 = group;
-      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
-      g1 = group;
-      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
-    }
+    const int64_t g0 = kBlockScales ? 2 * c : groups.next(), g1 = kBlockScales ? 2 * c + 1 : groups.next();
     for (int r = 0; r < NR; ++r) {
       const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
       if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
@@ -137,15 +151,7 @@ void q4_block(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t* w,
       __m256 a = acc[0][r][i];
       if (kChains == 2) a = _mm256_add_ps(a, acc[kChains - 1][r][i]);
       float total = hsum(a) + (sums ? sums[r * MG + i] : 0.f);
-      if (!kSymmetric) {  // + sum over groups of min * the group's rounded activation sum
-        const float *off = offset + (n + r) * G, *xg = xsum + (m0 + i) * G;
-        __m256 c8 = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
-        float corr = hsum(c8);
-        for (; g < G; ++g) corr += off[g] * xg[g];
-        total += corr;
-      }
+      if (!kSymmetric) total += min_correction(offset + (n + r) * G, xsum + (m0 + i) * G, G);
       y[(m0 + i) * N + n + r] = total;  // the row's activation scale: by the caller
     }
 }
@@ -156,23 +162,16 @@ template <int MG, int NR, bool kBlockScales, bool kSymmetric>
 void q4_block512(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
                  const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const int64_t blocks_per_group = K / G / 32, S = K / 128, P = (K + 127) / 128;
+  const int64_t S = K / 128, P = (K + 127) / 128;
   __m512 acc[NR][MG];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < MG; ++i) acc[r][i] = _mm512_setzero_ps();
-  int64_t group = 0, block_in_group = 0;
+  BlockGroups groups(K, G, 0);
   for (int64_t s = 0; s < S; ++s) {
     __m512i lo[NR], hi[NR];
     __m512 ws[NR];
     int64_t g[4];
-    for (int b = 0; b < 4; ++b) {
-      if (kBlockScales) {
-        g[b] = 4 * s + b;
-      } else {
-        g[b] = group;
-        if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
-      }
-    }
+    for (int b = 0; b < 4; ++b) g[b] = kBlockScales ? 4 * s + b : groups.next();
     for (int r = 0; r < NR; ++r) {
       const uint8_t* row = w + (n + r) * (K / 2) + 64 * s;
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
@@ -199,42 +198,15 @@ void q4_block512(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t*
     for (int i = 0; i < MG; ++i) sums[r * MG + i] = _mm512_reduce_add_ps(acc[r][i]);
   q4_block<MG, NR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m0, 2 * S, sums);
 }
-#define JAXINFER_Q4_BLOCK q4_block512
-
-template <bool kBlockScales, bool kSymmetric>
-void q4_rows_of(const I16Pair* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
-                const float* offset, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  if (M == 1 && K <= 1024)  // short rows: 4 at once (measured: 4 beat 2 by ~5% at K = 576, 2 beat 4 by ~20% at 1536)
-    for (; n + 4 <= n1; n += 4) JAXINFER_Q4_BLOCK<1, 4, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, 0);
-  if (M == 1)
-    for (; n + 2 <= n1; n += 2) JAXINFER_Q4_BLOCK<1, 2, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, 0);
-  for (; n < n1; ++n) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2)
-      JAXINFER_Q4_BLOCK<2, 1, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
-    if (m < M) JAXINFER_Q4_BLOCK<1, 1, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
-  }
-}
-
-void q4_rows(const I16Pair* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
-             const float* offset, bool symmetric, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
-  bool block_scales = K / G == 32;
-  auto run = block_scales ? (symmetric ? q4_rows_of<true, true> : q4_rows_of<true, false>)
-                          : (symmetric ? q4_rows_of<false, true> : q4_rows_of<false, false>);
-  run(xp, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
-}
-#undef JAXINFER_Q4_BLOCK
-
 #else  // the avx2 level
 // q4_nk at the avx2 level: 64 inputs (32 bytes of codes) per step. Byte j holds input 2j in its low nibble and
-// 2j + 1 in its high one. Each nibble set is widened to int16 in place within its 128-bit lane (vpunpck{l,h}bw with zero as the low
-// byte, so a code c arrives as c * 256: one instruction per 16 codes, no lane crossing), which puts the chunk's
-// first 32-input block in the low lanes and its second in the high lanes; the caller lays out each 64-input chunk
-// of the int16 activations in that order (`q4_position`). vpmaddwd multiplies the codes exactly with the
-// activations; each block's int32 sums are scaled by its weight scale into the f32 totals (in units of the row's
-// activation scale / 256, applied by the caller). Symmetric codes subtract their 8 as bytes before widening;
-// asymmetric ones add min * (the rounded activations' group sums) per group at the end.
+// 2j + 1 in its high one. Each nibble set is widened to int16 in place within its 128-bit lane (vpunpck{l,h}bw
+// with zero as the low byte, so a code c arrives as c * 256: one instruction per 16 codes, no lane crossing),
+// which puts the chunk's first 32-input block in the low lanes and its second in the high lanes; the caller lays
+// out each 64-input chunk of the int16 activations in that order (`q4_position`). vpmaddwd multiplies the codes
+// exactly with the activations; each block's int32 sums are scaled by its weight scale into the f32 totals (in
+// units of the row's activation scale / 256, applied by the caller). Symmetric codes subtract their 8 as bytes
+// before widening; asymmetric ones add min * (the rounded activations' group sums) per group at the end.
 inline int64_t q4_position(int64_t k, int64_t K) {  // where input k of a row of K goes in the activations' q4 layout
   int64_t j = (k & 63) >> 1, byte = j & 15;
   int64_t p = ((k & 1) * 2 + (byte >> 3)) * 16 + (j >> 4) * 8 + (byte & 7);  // within its 64-input chunk
@@ -265,23 +237,13 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
               const float* sums = nullptr) {
   constexpr int kChains = NR == 1 ? 2 : 1;  // one weight row: two chains (even and odd chunks), half the FMA latency
   const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), zero = _mm256_setzero_si256();
-  const int64_t blocks_per_group = K / G / 32;
   __m256 acc[kChains][NR][MG];
   for (int h = 0; h < kChains; ++h)
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < MG; ++i) acc[h][r][i] = _mm256_setzero_ps();
-  int64_t group = kBlockScales ? 0 : 2 * c0 / blocks_per_group, block_in_group = kBlockScales ? 0 : 2 * c0 % blocks_per_group;
+  BlockGroups groups(K, G, 2 * c0);
   for (int64_t c = c0; c < K / 64; ++c) {
-    // the two blocks' scale indices (no division in the loop: a runtime divide costs more than the chunk's work)
-    int64_t g0, g1;
-    if (kBlockScales) {  // one scale a 32-input block
-      g0 = 2 * c, g1 = 2 * c + 1;
-    } else {  // groups of several blocks (an odd count lets a chunk straddle two groups)
-      g0 = group;
-      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
-      g1 = group;
-      if (++block_in_group == blocks_per_group) block_in_group = 0, ++group;
-    }
+    const int64_t g0 = kBlockScales ? 2 * c : groups.next(), g1 = kBlockScales ? 2 * c + 1 : groups.next();
     for (int r = 0; r < NR; ++r) {
       const uint8_t* row = w + (n + r) * (K / 2) + 32 * c;
       if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
@@ -309,44 +271,49 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
       __m256 a = acc[0][r][i];
       if (kChains == 2) a = _mm256_add_ps(a, acc[kChains - 1][r][i]);
       float total = (hsum(a) + (sums ? sums[r * MG + i] : 0.f)) * (1.f / 256.f);
-      if (!kSymmetric) {  // + sum over groups of min * the group's rounded activation sum
-        const float *off = offset + (n + r) * G, *xg = xsum + (m0 + i) * G;
-        __m256 c8 = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= G; g += 8) c8 = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xg + g), c8);
-        float corr = hsum(c8);
-        for (; g < G; ++g) corr += off[g] * xg[g];
-        total += corr;
-      }
+      if (!kSymmetric) total += min_correction(offset + (n + r) * G, xsum + (m0 + i) * G, G);
       y[(m0 + i) * N + n + r] = total;  // the row's activation scale: by the caller
     }
 }
 
 
+#endif  // JAXINFER_AVX512_VNNI (q4_nk)
+
+// q4_nk's rows [n0, n1) of y [M, N], in blocks of weight rows and activation rows; `xp`: the level's activations
+// (`I16Pair` at avx512_vnni, the int16 q4 layout at avx2).
+#ifdef JAXINFER_AVX512_VNNI
+using Q4Activations = I16Pair;
+#define JAXINFER_Q4_BLOCK q4_block512
+#else
+using Q4Activations = int16_t;
+#define JAXINFER_Q4_BLOCK q4_block
+#endif
+
 template <bool kBlockScales, bool kSymmetric>
-void q4_rows_of(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+void q4_rows_of(const Q4Activations* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
                 const float* offset, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (M == 1 && K <= 1024)  // short rows: 4 at once (measured: 4 beat 2 by ~5% at K = 576, 2 beat 4 by ~20% at 1536)
-    for (; n + 4 <= n1; n += 4) q4_block<1, 4, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+    for (; n + 4 <= n1; n += 4) JAXINFER_Q4_BLOCK<1, 4, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, 0);
   if (M == 1)
-    for (; n + 2 <= n1; n += 2) q4_block<1, 2, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, 0);
+    for (; n + 2 <= n1; n += 2) JAXINFER_Q4_BLOCK<1, 2, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, 0);
   for (; n < n1; ++n) {
     int64_t m = 0;
     for (; m + 2 <= M; m += 2)
-      q4_block<2, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
-    if (m < M) q4_block<1, 1, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m);
+      JAXINFER_Q4_BLOCK<2, 1, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
+    if (m < M) JAXINFER_Q4_BLOCK<1, 1, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
   }
 }
 
-void q4_rows(const int16_t* xq, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
-             const float* offset, bool symmetric, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
+inline void q4_rows(const Q4Activations* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
+                    const float* scale, const float* offset, bool symmetric, int64_t G, float* y, int64_t N,
+                    int64_t n0, int64_t n1) {
   bool block_scales = K / G == 32;
   auto run = block_scales ? (symmetric ? q4_rows_of<true, true> : q4_rows_of<true, false>)
                           : (symmetric ? q4_rows_of<false, true> : q4_rows_of<false, false>);
-  run(xq, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
+  run(xp, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
 }
-#endif  // JAXINFER_AVX512_VNNI (q4_nk)
+#undef JAXINFER_Q4_BLOCK
 
 
 // ---------------------------------------------------------------------------------------------------------------
