@@ -16,7 +16,7 @@
 //              y f32 = xs * (sum_blocks ws * ((codes - 8) . xq) + corr) for symmetric codes (the 8 taken off inside
 //              the integer sums), or with the codes and corr = the per-group min (`offset` [N, G]) times the
 //              rounded activations' group sums (`xsum` [M, G]); at avx512_vnni xq is split into its high and low
-//              bytes (`I16Pair`), at avx2 the codes are widened to int16 (`q4_position`).
+//              bytes (`I16Pair`), at avx2 the codes are widened to int16 (`q4_position`); `q4_activations` lays xq out.
 //   q4a8_nk    (int4.h) symmetric w as q4_nk with groups of 32, x quantized here to int8 per block of 32 inputs
 //              (w4a8: GGUF Q4_0 x Q8_0): y f32 = sum_blocks ws * xs_block * ((codes - 8) . xq_block).
 // int8_nk, q4_nk and q4a8_nk are called through one handler (weight_only_matmul), i8i8_nk through another; each
@@ -213,35 +213,18 @@ ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::Remai
   return ffi::Error::Success();
 }
 
-// Activation rows rounded to int16 (`int16_inverse`), with each row's scale: int8_nk's activations in input order;
-// with `q4_layout` (the avx2 level's q4_nk, K a multiple of 64) each 64-input chunk in q4_nk's order
-// (`q4_position`) and `xsum` [M, G] set to the rounded rows' sums per group of K / G inputs. (The avx512_vnni
-// level's q4_nk takes them as bytes, `i16_pairs`.)
-std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, std::vector<float>& xs, bool q4_layout = false,
-                                std::vector<float>* xsum = nullptr, int64_t G = 1) {
+// Activation rows rounded to int16 (`int16_inverse`), in input order, with each row's scale: int8_nk's
+// activations (q4_nk's are laid out by `q4_activations`).
+std::vector<int16_t> int16_rows(const float* x, int64_t M, int64_t K, std::vector<float>& xs) {
   using jaxinfer_gemv::round_i16x8;
   std::vector<int16_t> q(M * K);
-  std::vector<int32_t> natural(q4_layout ? K : 0);
   xs.resize(M);
-  if (xsum) xsum->assign(M * G, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const float* r = x + m * K;
     float inverse = jaxinfer_gemv::int16_inverse(r, K, xs[m]);
     const __m256 inv8 = _mm256_set1_ps(inverse);
     int16_t* out = q.data() + m * K;
     int64_t k = 0;
-    if (q4_layout) {
-      for (; k < K; k += 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + k), round_i16x8(r + k, inv8));
-#ifndef JAXINFER_AVX512_VNNI
-      jaxinfer_gemv::q4_layout_row(natural.data(), K, out);
-#endif
-      for (int64_t g = 0, size = K / G; xsum && g < G; ++g) {
-        int64_t total = 0;
-        for (int64_t i = g * size; i < (g + 1) * size; ++i) total += natural[i];
-        (*xsum)[m * G + g] = float(total);
-      }
-      continue;
-    }
     for (; k + 16 <= K; k += 16) {  // packs interleaves lanes: permute back to input order
       __m256i p = _mm256_packs_epi32(round_i16x8(r + k, inv8), round_i16x8(r + k + 8, inv8));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permute4x64_epi64(p, 0xd8));
@@ -302,14 +285,9 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   if (auto e = for_each_weight<ffi::F32>(weights, outs, 3, "weight_only_matmul", read); e.failure()) return e;
   std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
-  const bool q4 = bits == 4 && !int8_activations;
   std::vector<int16_t> xq = bits == 8 ? int16_rows(xf, M, K, xs) : std::vector<int16_t>();
-#ifdef JAXINFER_AVX512_VNNI
-  std::vector<jaxinfer_gemv::I16Pair> xp = q4 ? jaxinfer_gemv::i16_pairs(xf, M, K, symmetric, parts[0].G, xs, xsum)
-                                              : std::vector<jaxinfer_gemv::I16Pair>();
-#else
-  std::vector<int16_t> xp = q4 ? int16_rows(xf, M, K, xs, true, &xsum, parts[0].G) : std::vector<int16_t>();
-#endif
+  std::vector<jaxinfer_gemv::Q4Activations> xp;  // the level's q4_nk activations
+  if (bits == 4 && !int8_activations) xp = jaxinfer_gemv::q4_activations(xf, M, K, symmetric, parts[0].G, xs, xsum);
   std::vector<A8Pair> xa = int8_activations ? a8_pairs(xf, M, K) : std::vector<A8Pair>();
   std::vector<int64_t> Ns;
   for (const Part& p : parts) Ns.push_back(p.N);

@@ -76,7 +76,7 @@ struct I16Pair {
 // Rows x [M, K] (K a multiple of 64) rounded as `int16_inverse` into I16Pair [M, ceil(K / 128)] (an odd last chunk
 // fills half a pair), `xs` [M] the rows' scales, `xsum` [M, G] the rounded rows' sums per group of K / G inputs
 // (K / G a multiple of 32).
-inline std::vector<I16Pair> i16_pairs(const float* x, int64_t M, int64_t K, bool symmetric, int64_t G,
+inline std::vector<I16Pair> q4_activations(const float* x, int64_t M, int64_t K, bool symmetric, int64_t G,
                                       std::vector<float>& xs, std::vector<float>& xsum) {
   const int64_t P = (K + 127) / 128, group = K / G;
   std::vector<I16Pair> out(M * P);
@@ -228,6 +228,30 @@ inline void q4_layout_row(const int32_t* natural, int64_t K, int16_t* out) {
   }
 }
 
+// Rows x [M, K] (K a multiple of 64) rounded as `int16_inverse` into the q4 layout (`q4_position`), `xs` [M] the
+// rows' scales, `xsum` [M, G] the rounded rows' sums per group of K / G inputs for codes with a min (symmetric
+// codes: zeros; the kernel takes their 8 off itself).
+inline std::vector<int16_t> q4_activations(const float* x, int64_t M, int64_t K, bool symmetric, int64_t G,
+                                           std::vector<float>& xs, std::vector<float>& xsum) {
+  std::vector<int16_t> q(M * K);
+  std::vector<int32_t> natural(K);
+  xs.resize(M);
+  xsum.assign(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * K;
+    const __m256 inverse = _mm256_set1_ps(int16_inverse(r, K, xs[m]));
+    for (int64_t k = 0; k < K; k += 8)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + k), round_i16x8(r + k, inverse));
+    q4_layout_row(natural.data(), K, q.data() + m * K);
+    for (int64_t g = 0, size = K / G; !symmetric && g < G; ++g) {
+      int64_t total = 0;
+      for (int64_t k = g * size; k < (g + 1) * size; ++k) total += natural[k];
+      xsum[m * G + g] = float(total);
+    }
+  }
+  return q;
+}
+
 // MG activation rows by NR weight rows (MG = 1 with NR = 2 or 4, or NR = 1): each chunk's activations are shared
 // by the NR weight rows, and the per-row end (horizontal sums) is spread over NR rows' work. Chunks [c0, K / 64);
 // `sums` (when given, [NR][MG]): sums of earlier chunks, in the same units.
@@ -280,7 +304,7 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
 #endif  // JAXINFER_AVX512_VNNI (q4_nk)
 
 // q4_nk's rows [n0, n1) of y [M, N], in blocks of weight rows and activation rows; `xp`: the level's activations
-// (`I16Pair` at avx512_vnni, the int16 q4 layout at avx2).
+// (`q4_activations`: `I16Pair` at avx512_vnni, the int16 q4 layout at avx2).
 #ifdef JAXINFER_AVX512_VNNI
 using Q4Activations = I16Pair;
 #define JAXINFER_Q4_BLOCK q4_block512
