@@ -29,6 +29,8 @@
 #include <immintrin.h>
 
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -334,3 +336,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_weight_only_matmul, WeightOnlyMatmul,
                                   .Attr<int32_t>("bits")
                                   .Attr<bool>("symmetric")
                                   .Attr<bool>("int8_activations"));
+
+// Diagnostics of the thread pool (tests/pallas_kernels/test_cpu_gemv.py): runs `count` chunks through it from the
+// calling thread, each busy for `chunk_us` microseconds, and records per chunk the CPU it ran on (`cpu` [count])
+// and its thread id (`tid` [count]). Returns the threads a call may use, the caller included.
+extern "C" int64_t jaxinfer_threads_probe(int64_t count, int64_t chunk_us, int32_t* cpu, int64_t* tid) {
+  parallel_chunks(count, [&](int64_t c) {
+    auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(chunk_us);
+    while (std::chrono::steady_clock::now() < end) _mm_pause();
+    cpu[c] = sched_getcpu();
+    tid[c] = int64_t(syscall(SYS_gettid));
+  });
+  return max_threads();
+}

@@ -4,6 +4,8 @@
 
 #include <immintrin.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,6 +13,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -24,6 +27,13 @@ namespace jaxinfer_gemv {
 // matmul takes; they spin by yielding, so XLA's own threads still get the core whenever they have work. After the
 // spin they sleep until the next job. One job runs at a time; a call made while another
 // runs (XLA may run independent thunks concurrently) does its chunks alone.
+//
+// A worker and the calling thread must not share a CPU. In a VM, Linux sees a halted vCPU as busy (preempted),
+// so a woken thread lands on its waker's CPU, and an idle vCPU does not pull work until its next tick: a woken
+// worker then waited up to 4 ms (a scheduler tick) behind the caller while the other CPU idled, and a cold decode
+// step ran on one core (measured: the worker took 1-9 of 120 jobs a step). So each worker publishes the CPU it
+// spins on, and the caller, before it hands out a job, keeps off its own CPU every worker that is asleep or
+// spinning there (`sched_setaffinity` on the worker: a syscall only when they meet).
 constexpr auto kSpin = std::chrono::microseconds(300);
 
 struct Job {
@@ -66,6 +76,7 @@ class Workers {
       for (int64_t i = 0; i < count; ++i) f(i);
       return;
     }
+    keep_workers_off(sched_getcpu());
     Job job;
     job.count = count;
     job.call = [](const void* ctx, int64_t i) { (*static_cast<const F*>(ctx))(i); };
@@ -86,16 +97,42 @@ class Workers {
   }
 
  private:
-  explicit Workers(int64_t n) {
-    for (int64_t t = 0; t < n; ++t) threads_.emplace_back([this] { loop(); });
+  // Where a worker runs: its thread id, the CPU it last spun on, and the CPU its affinity leaves out (-1: none;
+  // read and written by the caller only, under submit_).
+  struct Seat {
+    std::atomic<pid_t> tid{0};
+    std::atomic<int> cpu{-1};
+    int excluded = -1;
+  };
+
+  explicit Workers(int64_t n) : seats_(new Seat[n]) {
+    if (sched_getaffinity(0, sizeof(allowed_), &allowed_) != 0) CPU_ZERO(&allowed_);
+    for (int64_t t = 0; t < n; ++t) threads_.emplace_back([this, t] { loop(seats_[t]); });
     for (auto& t : threads_) t.detach();
   }
 
-  void loop() {
+  // Keeps every worker that sleeps, or spins on `cpu`, off `cpu` (the caller's): its affinity becomes the
+  // process's CPUs less `cpu`. Failures (a CPU set changed since) leave the worker where it is.
+  void keep_workers_off(int cpu) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed_) || CPU_COUNT(&allowed_) < 2) return;
+    const bool asleep = sleepers_.load() > 0;
+    for (size_t t = 0; t < threads_.size(); ++t) {
+      Seat& seat = seats_[t];
+      pid_t tid = seat.tid.load();
+      if (tid == 0 || seat.excluded == cpu || (!asleep && seat.cpu.load(std::memory_order_relaxed) != cpu)) continue;
+      cpu_set_t set = allowed_;
+      CPU_CLR(cpu, &set);
+      if (sched_setaffinity(tid, sizeof(set), &set) == 0) seat.excluded = cpu;
+    }
+  }
+
+  void loop(Seat& seat) {
+    seat.tid.store(pid_t(syscall(SYS_gettid)));
     uint64_t seen = generation_.load();
     for (;;) {
       auto start = std::chrono::steady_clock::now();
       for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
+        seat.cpu.store(sched_getcpu(), std::memory_order_relaxed);
         sched_yield();  // polite: XLA's own threads (its parallel fusions) get this core when they need it
         if ((spins & 15) == 15 && std::chrono::steady_clock::now() - start > kSpin) {
           std::unique_lock<std::mutex> lock(sleep_);
@@ -113,6 +150,8 @@ class Workers {
   }
 
   std::vector<std::thread> threads_;
+  std::unique_ptr<Seat[]> seats_;
+  cpu_set_t allowed_;
   std::mutex submit_, sleep_;
   std::condition_variable wake_;
   std::atomic<Job*> job_{nullptr};

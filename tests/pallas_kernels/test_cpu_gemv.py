@@ -4,7 +4,11 @@ tests/models/test_quant_matmul_native.py."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -273,6 +277,36 @@ def test_thread_count_must_be_a_positive_integer(monkeypatch):
             cpu_gemv.check_environment()
     monkeypatch.setenv("JAXINFER_NATIVE_THREADS", "2")
     cpu_gemv.check_environment()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the kernels' worker threads need two CPUs")
+def test_worker_threads_keep_off_the_calling_threads_cpu(level):
+    """A worker woken from its sleep must not share the calling thread's CPU: in a VM Linux put it there (a halted
+    vCPU looks busy) and it waited a scheduler tick while the other CPU idled. The calling thread here is pinned to
+    one CPU; each call comes after the workers fell asleep (they spin 300 us after a job)."""
+    lib = ctypes.CDLL(str(build.library_path(level)))
+    probe = lib.jaxinfer_threads_probe
+    probe.restype = ctypes.c_int64
+    count = 400  # 50 us each: 20 ms of work a call, long enough for a woken worker to join on another CPU
+    cpu, tid = (ctypes.c_int32 * count)(), (ctypes.c_int64 * count)()
+    assert probe(count, 50, cpu, tid) >= 2  # the pool starts unpinned, with this process's CPUs
+    allowed = os.sched_getaffinity(0)
+    here = min(allowed)
+    caller, workers = threading.get_native_id(), {}
+    os.sched_setaffinity(0, {here})  # this thread only
+    try:
+        for _ in range(3):
+            time.sleep(0.02)
+            probe(count, 50, cpu, tid)
+            for c, t in zip(cpu, tid):
+                if t != caller:
+                    workers.setdefault(t, set()).add(c)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert workers, "no worker took a chunk"
+    for t, cpus in workers.items():
+        assert here not in cpus, f"worker {t} ran chunks on the caller's CPU {here}"
+        assert here not in os.sched_getaffinity(t)
 
 
 def test_isa_level_choice_is_checked(monkeypatch):
