@@ -7,7 +7,9 @@ The C++ sources ship with the package and are compiled at first use with the mac
 `~/.cache/jaxinfer/native`) under a name that hashes the sources, the flags, the compiler and the headers, so a
 changed source or jaxlib builds anew and concurrent processes never load a half-written file (each compiles to a
 temporary name and renames it into place). Without a compiler, or when the build fails, `load` logs one line and
-returns None: the callers fall back to XLA's dot.
+returns None: the callers fall back to XLA's dot. Each use marks its library as used (its modification time);
+after a build the folder keeps the `KEEP_BUILDS` most recently used libraries of that level and deletes the
+older ones (other checkouts or jaxlib versions sharing the folder rebuild theirs when they need them).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pallas_kernels.cpu_features import ISA_LEVELS, cpu_flags, supported_levels 
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.cc", "paged_attention.cc", "logits.cc"))
+KEEP_BUILDS = 4  # libraries kept a level in the cache folder, the newest used first (`_prune`)
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("threads.h", "common.h", "float.h", "int4.h", "int8.h"))  # part of the cache key
 TARGETS = ("float_matmul", "weight_only_matmul", "i8i8_matmul", "paged_attention", "logit_rows",
            "truncation_threshold")
@@ -73,6 +76,7 @@ def library_path(level: str) -> Path | None:
                                     header.read_text() if header.exists() else ""]).encode()).hexdigest()[:16]
     path = cache_dir() / f"jaxinfer_gemv_{level}_{key}.so"
     if path.exists():
+        _mark_used(path)
         return path
     logger.warning("compiling the native CPU matmul kernels (%s) into %s; once, about 10 s", level, path)
     try:
@@ -85,11 +89,41 @@ def library_path(level: str) -> Path | None:
                                result.stderr[-2000:])
                 return None
             os.replace(partial, path)
+        _prune(path)
     except OSError as e:  # an unwritable or missing cache folder (JAXINFER_NATIVE_CACHE)
         logger.warning("cannot build the native CPU matmul kernels into %s (%s): matmuls run on XLA's dot; set "
                        "JAXINFER_NATIVE_CACHE to a writable folder", path.parent, e)
         return None
     return path
+
+
+def _mark_used(path: Path) -> None:
+    """Sets `path`'s modification time to now (what `_prune` keeps by); a read-only cache is left as it is."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _prune(built: Path) -> None:
+    """Deletes the libraries of `built`'s level in its folder beyond the KEEP_BUILDS most recently used (`built`
+    always stays). A file that vanishes or cannot be deleted meanwhile is skipped."""
+    level = built.name[len("jaxinfer_gemv_"):].rsplit("_", 1)[0]
+    others = []
+    for p in built.parent.glob(f"jaxinfer_gemv_{level}_*.so"):
+        if p != built and p.name[len("jaxinfer_gemv_"):].rsplit("_", 1)[0] == level:
+            try:
+                others.append((p.stat().st_mtime, p))
+            except OSError:
+                continue
+    old = [p for _, p in sorted(others, reverse=True)[KEEP_BUILDS - 1:]]
+    for p in old:
+        try:
+            p.unlink()
+        except OSError:
+            continue
+    if old:
+        logger.info("native kernels cache: removed %d older %s build(s) from %s", len(old), level, built.parent)
 
 
 def load(level: str) -> bool:

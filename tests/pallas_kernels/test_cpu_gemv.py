@@ -321,12 +321,22 @@ def test_isa_level_choice_is_checked(monkeypatch):
 
 def test_build_into_a_fresh_cache_and_fallbacks(tmp_path, monkeypatch, caplog, level):
     monkeypatch.setenv("JAXINFER_NATIVE_CACHE", str(tmp_path))
+    other = next(name for name in build.ISA_LEVELS if name != level)
+    older = [tmp_path / f"jaxinfer_gemv_{level}_{i:016x}.so" for i in range(6)]  # earlier builds, used in turn
+    for i, p in enumerate([*older, tmp_path / f"jaxinfer_gemv_{other}_{0:016x}.so"]):
+        p.write_bytes(b"")
+        os.utime(p, (1e9 + i, 1e9 + i))
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         path = build.library_path(level)
     assert path is not None and path.parent == tmp_path and path.exists()
     assert "compiling the native CPU matmul kernels" in caplog.text
+    kept = sorted(p.name for p in tmp_path.glob("jaxinfer_gemv_*.so"))
+    assert kept == sorted([path.name, *(p.name for p in older[-(build.KEEP_BUILDS - 1):]),
+                           f"jaxinfer_gemv_{other}_{0:016x}.so"])  # the newest used of this level, the other level's
     caplog.clear()
+    os.utime(path, (1e9, 1e9))
     assert build.library_path(level) == path and "compiling" not in caplog.text  # cached: no second build
+    assert path.stat().st_mtime > time.time() - 60  # marked as used
     monkeypatch.setenv("CXX", "false")  # a compiler that fails: logged, no library, the callers use XLA
     monkeypatch.setattr(build, "SOURCES", (tmp_path / "changed.cc",))
     (tmp_path / "changed.cc").write_text("int broken(")
