@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from jaxinfer.benchmarks.report import name_list
+
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,11 +60,10 @@ def check_llamacpp_types(text: str) -> list[str]:
     Raises:
       ValueError: an empty list or an unknown type (named), before any minutes of measuring.
     """
-    names = [t.strip() for t in text.split(",") if t.strip()]
+    names = name_list("--llamacpp-types", text)
     unknown = [t for t in names if t not in LLAMACPP_TYPES]
-    if not names or unknown:
-        raise ValueError(f"--llamacpp-types {text!r}: unknown {', '.join(unknown) or 'empty list'} "
-                         f"(known: {', '.join(LLAMACPP_TYPES)})")
+    if unknown:
+        raise ValueError(f"--llamacpp-types {text!r}: unknown {', '.join(unknown)} (known: {', '.join(LLAMACPP_TYPES)})")
     return names
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from jaxinfer.benchmarks import corpus, quality_matrix
 from jaxinfer.benchmarks.quality_metrics import log_softmax, token_nll
 from jaxinfer.benchmarks.quality_runs import eval_logits, loadable, make_llm
-from jaxinfer.benchmarks.report import Report, table
+from jaxinfer.benchmarks.report import Report, name_list, table
 from jaxinfer.engine.config import KV_CACHE_DTYPE_NAMES
 from jaxinfer.llm import LLM
 from models import quant
@@ -142,10 +142,7 @@ def matrix_formats(args: argparse.Namespace) -> list[tuple[str, object]]:
     Raises:
       ValueError: an empty list or an entry that is neither unquantized, named, nor a valid quantization.
     """
-    entries = [f.strip() for f in (default_formats() if args.formats is None else args.formats).split(";")
-               if f.strip()]
-    if not entries:
-        raise ValueError("--formats is empty")
+    entries = name_list("--formats", default_formats() if args.formats is None else args.formats, ";")
     out = []
     for e in entries:
         if e in UNQUANTIZED or e in NAMED_FORMATS:

@@ -77,7 +77,7 @@ import numpy as np
 from jaxinfer import SamplingParams
 from jaxinfer.benchmarks import gemv_stream, hlo, model_setup, peers, quant_report
 from jaxinfer.benchmarks.probe import measure_bandwidth, roofline_gb_s
-from jaxinfer.benchmarks.report import Report, int_list
+from jaxinfer.benchmarks.report import Report, int_list, name_list
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.sampling import SamplingRow
@@ -164,12 +164,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
       ValueError: naming the option: an unknown format or llama.cpp type, a count below 1, --peer-rounds outside
         [1, --reps] or above 1 without a peer, a context limit below 129 tokens, micro-benchmark rows outside [1,
         `cpu_gemv.MAX_ROWS`] or --gemv-mib <= 0, `--native both` without the native kernels, an --isa level this
-        CPU cannot run, --isa with --native off.
+        CPU cannot run, --isa with --native off, an empty item in --formats or --isa.
     """
-    formats = list(dict.fromkeys(f.strip() for f in args.formats.split(";") if f.strip()))  # once each, in order
+    formats = name_list("--formats", args.formats, ";")
     unknown = [f for f in formats if f not in FORMATS]
-    if not formats:
-        raise ValueError(f"--formats {args.formats!r} names no format; known: {'; '.join(FORMATS)}")
     if unknown:
         raise ValueError(f"--formats: unknown {unknown}; known: {'; '.join(FORMATS)}")
     low = [f"--{o.replace('_', '-')} {getattr(args, o)}" for o in ("reps", "burst", "peer_steps", "gemv_reps",
@@ -199,10 +197,11 @@ def isa_levels(text: str) -> list[str | None]:
     """The `--isa` levels, lowest first: [None] (the default level) for ""; every level this CPU runs for "all".
 
     Raises:
-      ValueError: a level that is unknown or that this CPU cannot run.
+      ValueError: a level that is unknown or that this CPU cannot run, an empty item (`avx2,,avx512_vnni`).
     """
     supported = cpu_features.supported_levels()
-    wanted = supported if text.strip().lower() == "all" else [t.strip().lower() for t in text.split(",") if t.strip()]
+    wanted = (supported if text.strip().lower() == "all" else
+              [t.lower() for t in name_list("--isa", text)] if text.strip() else [])
     bad = [t for t in wanted if t not in supported]
     if bad:
         raise ValueError(f"--isa: {bad} not among the levels this CPU runs ({', '.join(supported) or 'none'}; "

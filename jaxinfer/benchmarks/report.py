@@ -101,6 +101,19 @@ def machine_line(m: dict | None = None) -> str:
             f"{flags}), {m['mem_gib']:g} GiB, jax {m['jax']}")
 
 
+def name_list(option: str, text: str, sep: str = ",") -> list[str]:
+    """A workload option's `sep`-separated names, stripped, each once in the order given.
+
+    Raises:
+      ValueError: naming the option and its text, for an empty list or an empty item (`a;;b`, a trailing `sep`).
+    """
+    names = [t.strip() for t in text.split(sep)]
+    if not all(names):
+        raise ValueError(f"{option} {text!r}: an empty {'list' if not text.strip() else 'item'}; expected "
+                         f"{sep!r}-separated names")
+    return list(dict.fromkeys(names))
+
+
 def int_list(option: str, text: str, lo: int = 1, hi: int | None = None, allow_empty: bool = False) -> list[int]:
     """A workload option's comma-separated ints, each in [lo, hi] (no upper bound when `hi` is None); an empty
     string is the empty list only with `allow_empty`.

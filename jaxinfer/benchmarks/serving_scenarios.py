@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from jaxinfer.benchmarks.report import name_list
 from jaxinfer.engine.step_inputs import page_bucket
 
 PAGE_SIZE = 16
@@ -144,9 +145,6 @@ def parse_scenarios(specs: str) -> list[Scenario]:
     """`;`-separated `parse_scenario` specs; the first is the headline.
 
     Raises:
-      ValueError: a malformed spec, or none at all.
+      ValueError: a malformed spec, none at all, or an empty one (`a;;b`).
     """
-    scenarios = [parse_scenario(x) for x in specs.split(";") if x.strip()]
-    if not scenarios:
-        raise ValueError("--scenarios is empty: give at least one name:n=..,in=..,out=..")
-    return scenarios
+    return [parse_scenario(x) for x in name_list("--scenarios", specs, ";")]

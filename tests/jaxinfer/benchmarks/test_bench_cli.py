@@ -57,3 +57,14 @@ def test_int_lists_name_what_is_wrong(text, kwargs, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         int_list("--opt", text, **kwargs)
+
+
+def test_name_lists_keep_order_drop_repeats_and_refuse_empty_items():
+    from jaxinfer.benchmarks.report import name_list
+
+    assert name_list("--opt", " b ;a;b", ";") == ["b", "a"]
+    assert name_list("--opt", "Q4_0") == ["Q4_0"]
+    for text, sep, message in (("a;;b", ";", "--opt 'a;;b': an empty item; expected ';'-separated names"),
+                               ("a,", ",", "--opt 'a,': an empty item"), (" ", ",", "--opt ' ': an empty list")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            name_list("--opt", text, sep)

@@ -62,7 +62,7 @@ def test_quality_matrix_options_are_checked(tiny, tmp_path, capsys):
                              (["--matrix", "--flips", "0"], "--flips, --flip-tokens and --flip-context"),
                              (["--text", str(text)], "--text names the same file twice"),
                              (["--text", str(GPL3)], "several --text files need --matrix"),
-                             (["--matrix", "--formats", ""], "--formats is empty"),  # not the default matrix
+                             (["--matrix", "--formats", ""], "--formats '': an empty list"),  # not the default matrix
                              (["--formats", "int4"], "--formats only apply with --matrix"),  # was ignored
                              (["--flips", "3", "--kv-dtypes", "int8"], "--kv-dtypes, --flips only apply with")):
         assert main(["bench", "quality", "--model", str(model), "--text", str(text), *options]) == 2

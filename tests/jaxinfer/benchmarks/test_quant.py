@@ -65,7 +65,9 @@ def test_quant_report(tmp_path):
     (("--peer-rounds", "2"), "--peer-rounds 2 must be in [1, --reps 15] (1 without a peer)"),
     (("--llamacpp-types", "Q4_0,Q5_K"), "--llamacpp-types 'Q4_0,Q5_K': unknown Q5_K"),
     (("--llamacpp-python", "/nonexistent/python"), "--llamacpp-python /nonexistent/python: no such interpreter"),
-    (("--formats", " ; "), "--formats ' ; ' names no format"),
+    (("--formats", " ; "), "--formats ' ; ': an empty item; expected ';'-separated names"),
+    (("--formats", "bf16;;f32"), "--formats 'bf16;;f32': an empty item"),  # was dropped silently
+    (("--isa", "avx2,,avx512_vnni"), "--isa 'avx2,,avx512_vnni': an empty item"),
     (("--formats", "bf16;int9"), "--formats: unknown ['int9']"),
     (("--isa", "avx2,sse9"), "--isa: ['sse9'] not among the levels this CPU runs"),
     (("--isa", "AVX2", "--native", "off"), "--isa 'AVX2' picks the native engines' ISA levels; --native off runs"),
