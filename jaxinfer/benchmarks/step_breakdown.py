@@ -55,9 +55,9 @@ def device_step(runner: ModelRunner, chunk: list[ScheduledChunk]) -> tuple[Calla
     inputs = jax.device_put((tokens, metadata, sampling))
 
     def step() -> None:
-        # The step returns (sampled tokens, finite flags, prompt logprob rows, KV cache, draft cache); the cache
-        # is donated.
-        out, _, _, runner.kv_cache, _ = runner._step(runner.weights, *inputs[:2], runner.kv_cache, inputs[2])
+        # The step returns (the sampled rows packed, prompt logprob rows, KV cache, draft cache); the cache is
+        # donated.
+        out, _, runner.kv_cache, _ = runner._step(runner.weights, *inputs[:2], runner.kv_cache, inputs[2])
         jax.block_until_ready(out)
 
     return step, inputs, rows

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxinfer.engine.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
 from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, sample_and_check
 from jaxinfer.engine.spec_decode.verify import VerifyOutput, verify
+from jaxinfer.engine.step_results import pack_rows
 from models.llama import AttentionMetadata, KVCache, Weights, forward
 from models.quant_matmul import native_unless_sharded
 
@@ -37,8 +38,9 @@ def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_ca
           sampling: SamplingArrays, prompt: tuple[jax.Array, jax.Array] | None = None,
           draft_weights: Weights | None = None, draft_cache: KVCache | None = None, *, draft_kwargs: dict | None = None,
           model: Callable = forward,
-          **model_kwargs) -> tuple[SampleOutput, jax.Array, PromptLogprobRows | None, KVCache, KVCache | None]:
-    """One step: the forward over the ragged batch, a sampled token per sequence, which rows were finite.
+          **model_kwargs) -> tuple[jax.Array, PromptLogprobRows | None, KVCache, KVCache | None]:
+    """One step: the forward over the ragged batch, a sampled token per sequence and whether its row was finite,
+    packed into one array for the host (`step_results.pack_rows`).
 
     model: the target's forward, `models.llama.forward` or `models.pipeline.pipeline_forward` (same signature).
     prompt: None, or for a step whose forward returns every token row's logits (prompt logprobs): (each row's
@@ -51,7 +53,7 @@ def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_ca
         logits = jnp.take(logits, prompt[1], axis=0)
     draft_cache = _mirror(draft_weights, tokens, metadata, draft_cache, draft_kwargs)
     out, finite = _sample(logits, sampling, mesh=model_kwargs.get("mesh"))
-    return out, finite, rows, kv_cache, draft_cache
+    return pack_rows(out, finite), rows, kv_cache, draft_cache
 
 
 def verify_step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,

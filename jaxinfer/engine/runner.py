@@ -33,7 +33,7 @@ from jaxinfer.engine.device_steps import step as _step
 from jaxinfer.engine.device_steps import verify_step as _verify_step
 from jaxinfer.engine.kv_cache import PagedKVCache
 from jaxinfer.engine.prompt_logprobs import PromptLogprobRows, chunk_targets
-from jaxinfer.engine.sampling import SampleOutput, SamplingArrays, SamplingRow
+from jaxinfer.engine.sampling import SamplingArrays, SamplingRow
 from jaxinfer.engine.spec_decode import draft as draft_lib
 from jaxinfer.engine.spec_decode.verify import VerifyOutput
 from jaxinfer.engine.step_inputs import (draft_inputs, min_rows, next_power_of_two, num_padded_tokens, prepare_step,
@@ -136,13 +136,13 @@ class ModelRunner:
             self._propose = jax.jit(functools.partial(draft_lib.propose, **draft_kwargs),
                                     static_argnames=("num_tokens", "with_probs"), donate_argnames=("kv_cache",),
                                     out_shardings=(replicated, replicated, propose_cache_out) if on_mesh else None)
-        step_out = (replicated, replicated, replicated, cache_out, None) if on_mesh else None
+        step_out = (replicated, replicated, cache_out, None) if on_mesh else None  # also verify's: its 4 results
         self._step = jax.jit(functools.partial(_step, draft_kwargs=draft_kwargs, model=self.model, **model_kwargs),
                              donate_argnames=("kv_cache", "draft_cache"), out_shardings=step_out)
         self._verify_step = jax.jit(functools.partial(_verify_step, draft_kwargs=draft_kwargs, model=self.model,
                                                       **model_kwargs),
                                     donate_argnames=("kv_cache", "draft_cache"),
-                                    out_shardings=step_out and step_out[:1] + step_out[2:])
+                                    out_shardings=step_out)
         self._forward_all = jax.jit(functools.partial(self.model, **model_kwargs), donate_argnames=("kv_cache",),
                                     out_shardings=(replicated, cache_out) if on_mesh else None)
 
@@ -218,12 +218,12 @@ class ModelRunner:
         return self.weights, tokens, metadata, cache, sampling, prompt, *self._draft_args()
 
     def run_step(self, tokens: np.ndarray, metadata: AttentionMetadata, sampling: SamplingArrays,
-                 prompt: tuple | None = None) -> tuple[SampleOutput, jax.Array, PromptLogprobRows | None]:
-        """Runs one step on its host arrays (leader and followers); returns (samples, finite rows, prompt logprob
-        rows or None) on device."""
-        out, finite, prompt_rows, self.kv_cache, self.draft_cache = self._call(
+                 prompt: tuple | None = None) -> tuple[jax.Array, PromptLogprobRows | None]:
+        """Runs one step on its host arrays (leader and followers); returns (the sampled rows packed as
+        `step_results.pack_rows`, prompt logprob rows or None) on device."""
+        rows, prompt_rows, self.kv_cache, self.draft_cache = self._call(
             "step", *self.step_args(tokens, metadata, sampling, prompt))
-        return out, finite, prompt_rows
+        return rows, prompt_rows
 
     def execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
                 prompt_logprobs: bool = False) -> StepResult:
@@ -245,11 +245,9 @@ class ModelRunner:
             raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} sequences")
         inputs = self.step_inputs(chunks, rows, prompt_logprobs)
         multihost.send(multihost.Op.STEP, inputs)
-        out, finite, prompt_rows = jax.device_get(self.run_step(*inputs))
-        n = len(chunks)
-        return StepResult(token_ids=out.token_ids[:n], logprobs=out.logprobs[:n], top_logprobs=out.top_logprobs[:n],
-                          top_token_ids=out.top_token_ids[:n], ranks=out.ranks[:n], finite=finite[:n],
-                          num_padded_tokens=num_padded_tokens(inputs[0], chunks), prompt_rows=prompt_rows)
+        rows, prompt_rows = self.run_step(*inputs)  # np.asarray reads a CPU buffer in place; device_get hops threads
+        return StepResult.unpack(np.asarray(rows), len(chunks), num_padded_tokens=num_padded_tokens(inputs[0], chunks),
+                                 prompt_rows=jax.device_get(prompt_rows))
 
     def compile_step(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> jax.stages.Compiled:
         """The compiled step `execute` runs for this batch's shapes, without running it: for XLA's memory analysis

@@ -7,12 +7,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.outputs import Logprob
 
 if TYPE_CHECKING:
     from jaxinfer.engine.prompt_logprobs import PromptLogprobRows
+    from jaxinfer.engine.sampling import SampleOutput
 
 TokenText = Callable[[int], str]
 
@@ -26,6 +29,23 @@ def entry(token_id: int, logprob: float, rank: int, top_ids: np.ndarray, top_val
         if t >= 0:
             out[t] = Logprob(v, position + 1, decode(t))
     return out
+
+
+def pack_rows(out: SampleOutput, finite: jax.Array) -> jax.Array:
+    """A step's sampling output as one array, so the host fetches one buffer a step (six took ~0.16 ms on CPU).
+
+    Args:
+      out: the sampled rows (`SampleOutput`: i32 ids and ranks, f32 logprobs, [B, k] top logprobs and ids).
+      finite: bool[B].
+
+    Returns:
+      i32[B, 4 + 2k], per row: token id, logprob (its f32 bits), rank, finite (0 / 1), the k top logprobs (f32
+      bits), their k ids. `StepResult.unpack` reads it.
+    """
+    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)  # noqa: E731
+    return jnp.concatenate([out.token_ids[:, None].astype(jnp.int32), bits(out.logprobs)[:, None],
+                            out.ranks[:, None].astype(jnp.int32), finite[:, None].astype(jnp.int32),
+                            bits(out.top_logprobs), out.top_token_ids.astype(jnp.int32)], axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +68,14 @@ class StepResult:
     finite: np.ndarray
     num_padded_tokens: int = 0  # token rows the step computed beyond the real tokens (bucket padding)
     prompt_rows: PromptLogprobRows | None = None  # a prompt-logprobs step's, one per token row (padded)
+
+    @classmethod
+    def unpack(cls, rows: np.ndarray, n: int, **extra) -> StepResult:
+        """The first `n` rows of `pack_rows`'s array (on the host); `extra`: num_padded_tokens, prompt_rows."""
+        r = np.asarray(rows)[:n]
+        k = (r.shape[1] - 4) // 2
+        return cls(token_ids=r[:, 0], logprobs=r[:, 1].view(np.float32), top_logprobs=r[:, 4:4 + k].view(np.float32),
+                   top_token_ids=r[:, 4 + k:], ranks=r[:, 2], finite=r[:, 3] != 0, **extra)
 
     def row_logprobs(self, row: int, n: int, decode: TokenText) -> dict[int, Logprob]:
         """{token id: Logprob} of the row's sampled token, then its top n raw tokens (`CompletionOutput.logprobs`);
