@@ -247,7 +247,7 @@ class ModelRunner:
         multihost.send(multihost.Op.STEP, inputs)
         rows, prompt_rows = self.run_step(*inputs)  # np.asarray reads a CPU buffer in place; device_get hops threads
         return StepResult.unpack(np.asarray(rows), len(chunks), num_padded_tokens=num_padded_tokens(inputs[0], chunks),
-                                 prompt_rows=jax.device_get(prompt_rows))
+                                 prompt_rows=jax.tree.map(np.asarray, prompt_rows))
 
     def compile_step(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> jax.stages.Compiled:
         """The compiled step `execute` runs for this batch's shapes, without running it: for XLA's memory analysis
@@ -383,7 +383,7 @@ class ModelRunner:
                              f"{len(chunks)} sequences")
         inputs = self.verify_inputs(chunks, rows, draft_token_ids, num_tokens, draft_probs_row, verify_len)
         multihost.send(multihost.Op.VERIFY, inputs)
-        out, finite = jax.device_get(self.run_verify(*inputs))
+        out, finite = jax.tree.map(np.asarray, self.run_verify(*inputs))  # in place, as `execute`
         n = len(chunks)
         return VerifyResult(num_accepted=out.num_accepted[:n], token_ids=out.token_ids[:n], logprobs=out.logprobs[:n],
                             top_logprobs=out.top_logprobs[:n], top_token_ids=out.top_token_ids[:n],
