@@ -31,7 +31,7 @@ namespace jaxinfer_gemv {
 // A worker and the calling thread must not share a CPU. In a VM, Linux sees a halted vCPU as busy (preempted),
 // so a woken thread lands on its waker's CPU, and an idle vCPU does not pull work until its next tick: a woken
 // worker then waited up to 4 ms (a scheduler tick) behind the caller while the other CPU idled, and a cold decode
-// step ran on one core (measured: the worker took 1-9 of 120 jobs a step). So each worker publishes the CPU it
+// step ran on one core (measured: the worker took 1-66 of 120 jobs a step). So each worker publishes the CPU it
 // spins on, and the caller, before it hands out a job, keeps off its own CPU every worker that is asleep or
 // spinning there (`sched_setaffinity` on the worker: a syscall only when they meet).
 constexpr auto kSpin = std::chrono::microseconds(300);
@@ -97,11 +97,12 @@ class Workers {
   }
 
  private:
-  // Where a worker runs: its thread id, the CPU it last spun on, and the CPU its affinity leaves out (-1: none;
-  // read and written by the caller only, under submit_).
+  // Where a worker runs: its thread id, the CPU it last spun on, whether it sleeps, and the CPU its affinity
+  // leaves out (-1: none; read and written by the caller only, under submit_).
   struct Seat {
     std::atomic<pid_t> tid{0};
     std::atomic<int> cpu{-1};
+    std::atomic<bool> asleep{false};
     int excluded = -1;
   };
 
@@ -115,11 +116,11 @@ class Workers {
   // process's CPUs less `cpu`. Failures (a CPU set changed since) leave the worker where it is.
   void keep_workers_off(int cpu) {
     if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed_) || CPU_COUNT(&allowed_) < 2) return;
-    const bool asleep = sleepers_.load() > 0;
     for (size_t t = 0; t < threads_.size(); ++t) {
       Seat& seat = seats_[t];
       pid_t tid = seat.tid.load();
-      if (tid == 0 || seat.excluded == cpu || (!asleep && seat.cpu.load(std::memory_order_relaxed) != cpu)) continue;
+      if (tid == 0 || seat.excluded == cpu || (!seat.asleep.load() && seat.cpu.load(std::memory_order_relaxed) != cpu))
+        continue;
       cpu_set_t set = allowed_;
       CPU_CLR(cpu, &set);
       if (sched_setaffinity(tid, sizeof(set), &set) == 0) seat.excluded = cpu;
@@ -137,7 +138,9 @@ class Workers {
         if ((spins & 15) == 15 && std::chrono::steady_clock::now() - start > kSpin) {
           std::unique_lock<std::mutex> lock(sleep_);
           sleepers_.fetch_add(1);
+          seat.asleep.store(true);
           wake_.wait(lock, [&] { return generation_.load() != seen; });
+          seat.asleep.store(false);
           sleepers_.fetch_sub(1);
           break;
         }
