@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from jaxinfer.benchmarks import corpus, peers
 from jaxinfer.benchmarks.probe import ROOFLINE_PROBE, measure_bandwidth, roofline_gb_s
-from jaxinfer.benchmarks.report import Report, machine
+from jaxinfer.benchmarks.report import Report, machine, name_list
 from jaxinfer.benchmarks.serving_driver import Recorder, compile_seconds, num_executables, run_scenario, summarize
 from jaxinfer.benchmarks.serving_probe import decode_probe
 from jaxinfer.benchmarks.serving_report import render
@@ -80,9 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> tuple[list[Scenario], list[str]]:
     """The parsed scenarios and dtypes. Raises ValueError naming a bad option."""
     scenarios = parse_scenarios(args.scenarios)
-    dtypes = [d for d in args.dtypes.split(",") if d]
+    dtypes = name_list("--dtypes", args.dtypes)
     bad = [d for d in dtypes if d not in DTYPES]
-    if bad or not dtypes:
+    if bad:
         raise ValueError(f"--dtypes {args.dtypes!r}: each must be one of {', '.join(DTYPES)}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError("--max-num-seqs must be >= 1")

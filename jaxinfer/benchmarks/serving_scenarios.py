@@ -51,14 +51,17 @@ def parse_scenario(spec: str) -> Scenario:
     """`name:n=32,in=128,out=128[,rate=2][,seed=0]`; lengths may be ranges `64-256`; rate `inf` = all at once.
 
     Raises:
-      ValueError: a missing or unknown key, a value that is not a number, a bad length range, n < 1 or rate <= 0.
+      ValueError: a missing, unknown, repeated or empty field, a value that is not a number, a bad length range,
+        n < 1 or rate <= 0.
     """
     name, _, body = spec.partition(":")
     fields: dict[str, str] = {}
-    for item in filter(None, body.split(",")):
+    for item in name_list(f"scenario {spec!r}", body) if body.strip() else []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"scenario {spec!r}: expected key=value, got {item!r}")
+        if key.strip() in fields:
+            raise ValueError(f"scenario {spec!r}: {key.strip()} given twice")
         fields[key.strip()] = value.strip()
 
     def length(key: str) -> tuple[int, int]:
@@ -145,6 +148,10 @@ def parse_scenarios(specs: str) -> list[Scenario]:
     """`;`-separated `parse_scenario` specs; the first is the headline.
 
     Raises:
-      ValueError: a malformed spec, none at all, or an empty one (`a;;b`).
+      ValueError: a malformed spec, none at all, an empty one (`a;;b`), two with one name (their rows would merge).
     """
-    return [parse_scenario(x) for x in name_list("--scenarios", specs, ";")]
+    scenarios = [parse_scenario(x) for x in name_list("--scenarios", specs, ";")]
+    names = [s.name for s in scenarios]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--scenarios {specs!r}: each scenario needs a name of its own (got {', '.join(names)})")
+    return scenarios

@@ -75,3 +75,19 @@ def test_bad_scenarios_are_value_errors():
             parse_scenario(spec)
     with pytest.raises(ValueError, match="empty"):
         parse_scenarios(" ; ")
+    for specs, words in (("a:n=2,in=8,out=4;a:n=3,in=16,out=6", "a name of its own"),  # rows would merge
+                         ("a:n=2,,in=8,out=4", "an empty item"), ("a:n=2,n=3,in=8,out=4", "n given twice")):
+        with pytest.raises(ValueError, match=words):
+            parse_scenarios(specs)
+
+
+def test_dtype_lists_are_checked_before_any_work(capsys):
+    from jaxinfer.cli import main
+
+    for dtypes, message in (("float32,,bfloat16", "--dtypes 'float32,,bfloat16': an empty item"),
+                            ("float16", "--dtypes 'float16': each must be one of")):
+        assert main(["bench", "serving", "--dtypes", dtypes]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["bench", "serving", "--dtypes", "float32, bfloat16", "--scenarios", "a:n=1,in=8,out=1;a:n=2,in=8,out=1",
+                 ]) == 2  # the spaced list parses; the repeated scenario name is refused, before any work
+    assert "a name of its own" in capsys.readouterr().err
