@@ -106,3 +106,32 @@ def time_decode(runner: ModelRunner, prompts: list[list[int]], pages: list[list[
     step = median(times[warmup:])
     return DecodeResult(batch=len(prompts), context=(done[0] - steps + 1, done[0]), step_ms=1e3 * step,
                         compile_s=max(times[0] - step, 0.0))
+
+
+class ChainedSteps:
+    """One decode step of fixed chunks per call, as the engine runs decode steps with async scheduling
+    (`jaxinfer.engine.run_ahead`): a call dispatches the next step, its tokens fed on device from the step before
+    (`ModelRunner.submit`), then reads the step before. In a run of calls, one call's time is one step of the
+    steady state; the first call of a run only dispatches, and `flush` reads the last step.
+
+    Args:
+      runner: the engine's runner.
+      chunks: one decode chunk per sequence, the same every call (the same KV slots rewritten).
+      rows: their sampling rows.
+    """
+
+    def __init__(self, runner: ModelRunner, chunks: list[ScheduledChunk], rows: list[SamplingRow]) -> None:
+        self.runner, self.chunks, self.rows = runner, chunks, rows
+        self.pending = None
+
+    def __call__(self) -> None:
+        fed = None if self.pending is None else (self.pending, list(range(len(self.chunks))))
+        step = self.runner.submit(self.chunks, self.rows, fed_from=fed)
+        self.flush()
+        self.pending = step
+
+    def flush(self) -> None:
+        """Waits for the step in flight, if any."""
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None

@@ -11,11 +11,12 @@ as stored (`--quantization gguf`; only for a GGUF model, such as the default), a
 (mxfp8 weight-only and w8a8, mxfp4, nvfp4; `models.mxfp`). Quantized formats run with bf16 activations.
 
 1. **Decode step time** at each `--batches` size (batch 1 runs one row with the native kernels, two without them,
-   as the runner does):
-   `ModelRunner.execute` of one decode token per sequence at context 128 (distinct pages per sequence), greedy;
-   one untimed call (compiles), then `--reps` timed calls, formats interleaved round by round so slow spells of
-   the shared VM hit all alike (`--burst B`: B calls of an engine in a row a round, the first untimed, as the
-   peers time their steps). Tokens/s = batch / median step time. `--isa`: each native engine once per ISA level.
+   as the runner does): one decode token per sequence at context 128 (distinct pages per sequence), greedy, the
+   steps chained as the engine's decode loop runs them (`decode_timing.ChainedSteps`; `--no-async-scheduling`:
+   each alone, `ModelRunner.execute`); a call compiles, then `--reps` timed calls, formats interleaved round by
+   round so slow spells of the shared VM hit all alike (`--burst B`: B calls of an engine in a row a round, the
+   first untimed, as the peers time their steps). Tokens/s = batch / median step time. `--isa`: each native
+   engine once per ISA level.
 2. **Roofline**: bytes a decode step must read = every weight byte except the embedding rows not gathered (a tied
    table is read whole by the LM head anyway) + the KV cache of the batch's context; roofline tokens/s = batch x
    bandwidth / bytes, with the roofline probe (`jaxinfer.benchmarks.probe`) measured at the start and at the end
@@ -76,6 +77,7 @@ import numpy as np
 
 from jaxinfer import SamplingParams
 from jaxinfer.benchmarks import gemv_stream, hlo, model_setup, peers, quant_report
+from jaxinfer.benchmarks.decode_timing import ChainedSteps
 from jaxinfer.benchmarks.probe import measure_bandwidth, roofline_gb_s
 from jaxinfer.benchmarks.report import Report, int_list, name_list
 from jaxinfer.engine.config import EngineConfig
@@ -131,6 +133,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "times each call after the other engines' calls, its weights as far out of the caches as they "
                         "left them; B > 1 runs one untimed call, then times B - 1 calls in a row (as the peers time "
                         "their steps), on a CPU whose last-level cache holds the weights a lone engine's speed")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="time each step alone, not chained as the engine's decode loop runs them (ChainedSteps)")
     parser.add_argument("--max-model-len", type=int, default=512,
                         help="each engine's context limit (sets the page-table width of the step)")
     parser.add_argument("--bw-gib", type=float, default=1.0, help="GiB the roofline probe reads")
@@ -268,8 +272,10 @@ def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]
     for batch in batches:
         chunks = _chunks(batch, pages, pages_per_seq, engine.runner.cfg.vocab_size)
         sampling = [SamplingRow(greedy, seed=i) for i in range(batch)]
-        fn = functools.partial(engine.runner.execute, chunks, sampling)
+        fn = (ChainedSteps(engine.runner, chunks, sampling) if args.async_scheduling
+              else functools.partial(engine.runner.execute, chunks, sampling))
         fn()  # compiles
+        getattr(fn, "flush", lambda: None)()
         row = {"format": name, "batch": batch, "model": engine.runner.cfg.name,
                "matmuls": "native" if native and cpu_gemv.active() else "XLA",
                "isa": cpu_gemv.isa_level() if native and cpu_gemv.active() else None,
@@ -330,12 +336,13 @@ def measure(args: argparse.Namespace, formats: list[str], batches: list[int], is
         for i in rng.permutation(len(setups)):
             fn, native, isa, row = setups[i]
             with native_kernels(native, isa):
-                if args.burst > 1:
-                    fn()  # back into the caches after the other engines' calls
+                if args.burst > 1 or args.async_scheduling:
+                    fn()  # back into the caches after the other engines' calls; or a chain's first step
                 for _ in range(max(1, args.burst - 1)):
                     t0 = time.perf_counter()
                     fn()
                     row["times"].append(time.perf_counter() - t0)
+                getattr(fn, "flush", lambda: None)()  # a chain's last step, before the next engine's
         if after_round is not None:
             after_round(r, cfg)
     rows = [row for *_, row in setups]

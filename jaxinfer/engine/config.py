@@ -175,6 +175,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _option(True, (
         "reuse the KV pages of earlier requests' identical prefixes (full pages, exact token match, per cache_salt; "
         "see jaxinfer.scheduler.prefix_cache)"), Flag(aliases=("--prefix-caching",)))
+    async_scheduling: bool = _option(True, (
+        "dispatch a step of decodes before the previous one's tokens are read, so that the host's work overlaps "
+        "the device's (vLLM's async scheduling; jaxinfer.engine.run_ahead). Not with speculative decoding; "
+        "sequences with a grammar, penalties or bad words of several tokens wait for their tokens"))
     kv_offload_bytes: int = _option(0, (
         "host-memory budget in bytes of the prefix cache's second tier: evicted cached pages are copied there and "
         "brought back on a hit instead of being recomputed (0: off)"))
@@ -263,7 +267,7 @@ class EngineConfig:
         if spec is not None and spec.method == "draft_model" and self.num_devices > 1:
             raise ValueError("speculative method 'draft_model' runs on one device; use tensor_parallel_size = "
                              "expert_parallel_size = pipeline_parallel_size = 1, or method 'ngram' / 'self_draft'")
-        for name in ("scan_layers", "warmup", "enable_prefix_caching"):
+        for name in ("scan_layers", "warmup", "enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -56,6 +56,21 @@ def step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_ca
     return pack_rows(out, finite), rows, kv_cache, draft_cache
 
 
+def fed_tokens(tokens: jax.Array, feed: jax.Array, rows: jax.Array) -> jax.Array:
+    """A step's tokens, some taken on device from an earlier step's sampled rows (async scheduling: the step is
+    dispatched before the earlier one's tokens reach the host; `ModelRunner.submit`).
+
+    Args:
+      tokens: i32[T], the host's token ids (placeholders where fed).
+      feed: i32[T], per position the row of `rows` whose sampled token goes there, or -1 to keep the host's.
+      rows: i32[R, 4 + 2k], the earlier step's `pack_rows` array (column 0: the sampled ids).
+
+    Returns:
+      i32[T].
+    """
+    return jnp.where(feed >= 0, rows[jnp.maximum(feed, 0), 0], tokens)
+
+
 def verify_step(weights: Weights, tokens: jax.Array, metadata: AttentionMetadata, kv_cache: KVCache,
                  sampling: SamplingArrays, draft_ids: jax.Array, draft_probs: jax.Array | None, num_drafts: jax.Array,
                  draft_weights: Weights | None = None, draft_cache: KVCache | None = None, *,

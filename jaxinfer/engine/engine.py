@@ -1,21 +1,19 @@
 """`Engine`: continuous batching over the paged KV cache: the request table and the step loop.
 
-1. `add_request` validates a request against the model (`jaxinfer.request_limits.check_against_model`: a
-   `ValueError` naming the field, before anything is queued), tokenizes it and hands `n` `Sequence`s to the
-   scheduler.
-2. `step` asks the scheduler for a plan: running decodes first, then prefill chunks within
-   `max_num_batched_tokens`, preempting (recompute) when pages run out. The plan's KV page moves run first.
+1. `add_request` checks a request against the model (`request_limits.check_against_model`: a `ValueError`
+   naming the field, before anything is queued), tokenizes it and hands `n` `Sequence`s to the scheduler.
+2. `step` asks the scheduler for a plan: running decodes first, then prefill chunks within the token budget,
+   preempting (recompute) when pages run out. The plan's KV page moves run first.
 3. The plan runs as one device call for all decodes and one for the prefill chunks (the CPU reference attention
-   pads every sequence to the longest query run, so keeping one-token decodes apart from long chunks saves work;
-   the Pallas kernels take both in one call). With speculative decoding (`jaxinfer.engine.spec_decode`), the
-   policy first picks how many drafts each decoding sequence may have this step; the scheduler reserves pages and
-   budget for them; the proposer drafts (n-gram lookup on the host, or the draft model on device); and the
-   decodes run as one verify call, which emits each sequence's accepted drafts plus one token of the target's own.
-4. A failing call is retried one sequence at a time so that only the sequence that fails is failed; rows whose
-   logits are not finite fail alone too.
-5. The scheduler appends sampled tokens (one at a time through the stop rules, also inside a verify window),
-   frees the pages of finished sequences and those of rejected drafts; `step` returns a `RequestOutput`
-   (cumulative text plus the new delta) for every request that moved.
+   pads every sequence to the longest query run, so one-token decodes stay apart from long chunks). With
+   speculative decoding (`jaxinfer.engine.spec_decode`) the policy picks each decoding sequence's drafts, the
+   scheduler reserves pages and budget for them, the proposer drafts (n-gram lookup on the host, or the draft
+   model on device), and the decodes run as one verify call, which emits each sequence's accepted drafts plus a
+   token of the target's own. Without it, a step of decodes only dispatches the next before its tokens are read
+   (`run_ahead`, async scheduling). A failing call is retried one sequence at a time (only the culprit fails);
+   rows whose logits are not finite fail alone too.
+4. The scheduler appends the sampled tokens through the stop rules (also inside a verify window) and frees the
+   pages of finished sequences and rejected drafts; `step` returns a `RequestOutput` for each request that moved.
 
 Start-up is `jaxinfer.engine.startup`, the counters `jaxinfer.engine.metrics`, the page moves `kv_cache`, the
 device calls of a step `step_groups`, admission and resuming with output so far `admission`, and the KV handoff of
@@ -109,7 +107,8 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.token_rules = TokenRules(self.tokenizer, self.model_config.vocab_size, self.runner.vocab_limit)
         self._groups = StepGroups(self.runner, self.scheduler, self.metrics, self.grammars, self.token_rules,
-                                  self._logprobs.decode, self._prompt_logprobs, self.spec_policy, self.prefix_cache)
+                                  self._logprobs.decode, self._prompt_logprobs, self.spec_policy, self.prefix_cache,
+                                  config.async_scheduling)
         self._auto_request_ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         # the start-up compile (None with warmup off); it may still be loading shapes in the background
@@ -324,6 +323,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns outputs of the requests that produced tokens or finished."""
         t_start = time.perf_counter()
+        self._groups.ahead.begin_step()
         spec_slots = None
         if self.spec_policy is not None:
             spec_slots = self.spec_policy.plan(s.seq_id for s in self.scheduler.running  # not constrained ones
@@ -351,7 +351,8 @@ class Engine:
         for group, probs_row in ((decodes, draft_probs_row), (prefills, None), (prompt_lp, None)):
             if group:
                 t0 = time.perf_counter()
-                self._groups.run(group, sampled, logprobs, probs_row)
+                self._groups.run(group, sampled, logprobs, probs_row, decodes=group is decodes,
+                                 launch=group is decodes and not prefills and not prompt_lp)
                 device_time += time.perf_counter() - t0
         self.scheduler.update(plan, sampled)  # skips sequences that failed or were aborted meanwhile
         if self.prefix_cache is not None:  # registering pages can free host-tier copies

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import multihost
+from jaxinfer.engine.compiled_calls import CompiledCalls
+from jaxinfer.engine.device_steps import fed_tokens
 from jaxinfer.engine.device_steps import step as _step
 from jaxinfer.engine.device_steps import verify_step as _verify_step
 from jaxinfer.engine.kv_cache import PagedKVCache
@@ -38,7 +40,7 @@ from jaxinfer.engine.spec_decode import draft as draft_lib
 from jaxinfer.engine.spec_decode.verify import VerifyOutput
 from jaxinfer.engine.step_inputs import (draft_inputs, min_rows, next_power_of_two, num_padded_tokens, prepare_step,
                                          verify_draft_ids)
-from jaxinfer.engine.step_results import StepResult, VerifyResult
+from jaxinfer.engine.step_results import PendingStep, StepResult, VerifyResult
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models.config import ModelConfig
 from models.llama import AttentionMetadata, KVCache, Weights, forward, unstack_layers
@@ -49,13 +51,6 @@ from sharding.mesh import pipeline_stages
 logger = logging.getLogger(__name__)
 
 _JITTED = {"step": "_step", "verify": "_verify_step", "propose": "_propose"}  # call kind -> jitted attribute
-
-
-def _shape_key(args: tuple) -> tuple:
-    """Pytree structure plus every leaf's shape and dtype of the arguments after the first (the weights, the same
-    for a runner's life; flattening them took ~0.1 ms a step): what a compiled call is specialised to."""
-    leaves, treedef = jax.tree.flatten(args[1:])
-    return treedef, tuple((np.shape(x), x.dtype if hasattr(x, "dtype") else np.result_type(x)) for x in leaves)
 
 
 class ModelRunner:
@@ -119,7 +114,7 @@ class ModelRunner:
         own_draft_cache = draft is not None and not draft.shares_target_cache
         self.kv = kv or PagedKVCache(cfg, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
                                      draft_cfg=draft.cfg if own_draft_cache else None)
-        self._compiled: dict[tuple, Callable] = {}  # ahead-of-time compiled calls by `_compiled_key`
+        self._compiled = CompiledCalls()  # ahead-of-time compiled calls
         self._draft_probs = None  # the last proposal's draft probabilities, on device, for the verify step
         self._jit_calls(scan_layers)
 
@@ -144,6 +139,7 @@ class ModelRunner:
                                                       **model_kwargs),
                                     donate_argnames=("kv_cache", "draft_cache"),
                                     out_shardings=step_out)
+        self._fed_tokens = jax.jit(fed_tokens, out_shardings=replicated if on_mesh else None)
         self._forward_all = jax.jit(functools.partial(self.model, **model_kwargs), donate_argnames=("kv_cache",),
                                     out_shardings=(replicated, cache_out) if on_mesh else None)
 
@@ -171,20 +167,13 @@ class ModelRunner:
 
     # --- the compiled-executable table ------------------------------------------------------------------------
 
-    @staticmethod
-    def _compiled_key(kind: str, args: tuple, static: dict) -> tuple:
-        return kind, _shape_key(args), tuple(sorted(static.items()))
-
     def compile_ahead(self, kind: str, args: tuple, **static) -> None:
-        """Compiles the "step", "verify" or "propose" call for these arguments' shapes (`lower().compile()`,
-        nothing runs) and keeps the executable: later calls with the same shapes run it directly."""
-        jitted = getattr(self, _JITTED[kind])
-        self._compiled[self._compiled_key(kind, args, static)] = jitted.lower(*args, **static).compile()
+        """Compiles the "step", "verify" or "propose" call for these arguments' shapes (nothing runs) and keeps the
+        executable: later calls with the same shapes run it directly (`CompiledCalls`)."""
+        self._compiled.add(kind, getattr(self, _JITTED[kind]), args, **static)
 
     def _call(self, kind: str, *args, **static):
-        """The `kind` call, through an ahead-of-time compiled executable when warm-up made one for these shapes."""
-        compiled = self._compiled.get(self._compiled_key(kind, args, static)) if self._compiled else None
-        return compiled(*args) if compiled is not None else getattr(self, _JITTED[kind])(*args, **static)
+        return self._compiled.call(kind, getattr(self, _JITTED[kind]), args, **static)
 
     # --- one step ---------------------------------------------------------------------------------------------
 
@@ -228,27 +217,43 @@ class ModelRunner:
 
     def execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
                 prompt_logprobs: bool = False) -> StepResult:
-        """Runs one step and samples the next token of every sequence.
-
-        Args:
-          chunks: the batch, one entry per sequence.
-          rows: per-sequence sampling inputs, same order.
-          prompt_logprobs: the forward returns every token row's logits, and the result carries their prompt
-            logprobs (`jaxinfer.engine.prompt_logprobs`); every chunk needs its sequence then.
-
-        Returns:
-          The step's sampling output on the host, one row per chunk (and `prompt_rows`, one per token row).
+        """Runs one step and samples the next token of every sequence (`submit`, then its `result`): one row per
+        chunk on the host. With `prompt_logprobs` the forward returns every token row's logits and the result
+        carries their prompt logprobs too (`prompt_rows`, `jaxinfer.engine.prompt_logprobs`); every chunk needs its
+        sequence then.
 
         Raises:
           ValueError: if a sequence has no new token or too few pages, or rows and chunks differ in length.
         """
+        return self.submit(chunks, rows, prompt_logprobs).result()
+
+    def submit(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow], prompt_logprobs: bool = False,
+               fed_from: tuple[PendingStep, Sequence[int]] | None = None) -> PendingStep:
+        """Dispatches one step (as `execute`) and returns without waiting for the device, so that the host can
+        prepare the next step meanwhile (async scheduling, as vLLM's and SGLang's overlap schedulers).
+
+        fed_from: (an earlier step, a row of it per chunk): chunk i's one token is that step's sampled token of
+        row i, taken on device (`device_steps.fed_tokens`); the chunk's own token id is a placeholder. One
+        process only (a multi-host follower replays host arrays).
+
+        Raises:
+          ValueError: as `execute`; `fed_from` in a multi-process run or with a chunk of several tokens.
+        """
         if len(rows) != len(chunks):
             raise ValueError(f"{len(rows)} sampling rows for {len(chunks)} sequences")
         inputs = self.step_inputs(chunks, rows, prompt_logprobs)
-        multihost.send(multihost.Op.STEP, inputs)
-        rows, prompt_rows = self.run_step(*inputs)  # np.asarray reads a CPU buffer in place; device_get hops threads
-        return StepResult.unpack(np.asarray(rows), len(chunks), num_padded_tokens=num_padded_tokens(inputs[0], chunks),
-                                 prompt_rows=jax.tree.map(np.asarray, prompt_rows))
+        padded = num_padded_tokens(inputs[0], chunks)
+        if fed_from is None:
+            multihost.send(multihost.Op.STEP, inputs)
+        else:
+            if multihost.is_multi_process() or any(len(c.token_ids) != 1 for c in chunks):
+                raise ValueError("a step fed from an earlier one runs in one process, one token per sequence")
+            earlier, source = fed_from
+            feed = np.full(len(inputs[0]), -1, np.int32)
+            feed[inputs[1].cu_q_lens[: len(chunks)]] = source
+            inputs = (self._fed_tokens(inputs[0], feed, earlier.rows), *inputs[1:])
+        rows, prompt_rows = self.run_step(*inputs)
+        return PendingStep(rows, prompt_rows, len(chunks), padded)
 
     def compile_step(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow]) -> jax.stages.Compiled:
         """The compiled step `execute` runs for this batch's shapes, without running it: for XLA's memory analysis

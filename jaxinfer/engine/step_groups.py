@@ -4,7 +4,8 @@ prefill chunks and prompt-logprob chunks).
 1. `sampling_rows` gives each chunk's sampler inputs: params, seed, output step, penalties' ids, the tokens banned
    before min_tokens, and the allowed-token bitmask of its grammar and token rules.
 2. `run` makes one device call for a group (a verify call when it carries drafts) and files each sequence's
-   sampled token(s) and logprobs.
+   sampled token(s) and logprobs. A step of decodes may take the rows of a step dispatched ahead, and may
+   dispatch the next one before reading its own (`run_ahead`, async scheduling).
 3. A failing call is retried one sequence at a time so that only the sequence that fails is failed; rows whose
    logits are not finite fail alone too, and their own pages are discarded (`discard_pages`).
 """
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from jaxinfer.engine.grammar import Grammars
 from jaxinfer.engine.metrics import EngineMetrics
 from jaxinfer.engine.prompt_logprobs import PromptLogprobs, wants
+from jaxinfer.engine.run_ahead import RunAhead
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.engine.spec_decode.policy import SpeculationPolicy
@@ -36,28 +38,36 @@ class StepGroups:
     Attributes:
       spec_policy: the engine's speculative decoding policy, or None; set per step.
       verify_len: this step's verify window bound (drafts per sequence + 1), 0 without drafts; set per step.
+      ahead: the decode steps dispatched ahead (`RunAhead`); enabled by `async_scheduling` without speculation.
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, metrics: EngineMetrics, grammars: Grammars,
                  token_rules: TokenRules, decode: Callable[[int], str], prompt_logprobs: PromptLogprobs,
-                 spec_policy: SpeculationPolicy | None, prefix_cache: PrefixCache | None) -> None:
+                 spec_policy: SpeculationPolicy | None, prefix_cache: PrefixCache | None,
+                 async_scheduling: bool = False) -> None:
         self.runner, self.scheduler, self.metrics = runner, scheduler, metrics
         self.grammars, self.token_rules, self._decode = grammars, token_rules, decode
         self._prompt_logprobs, self.spec_policy, self.prefix_cache = prompt_logprobs, spec_policy, prefix_cache
         self.verify_len = 0
+        self.ahead = RunAhead(runner, scheduler, grammars, token_rules, self.sampling_rows,
+                              enabled=async_scheduling and spec_policy is None)
 
     def run(self, chunks: list[ScheduledChunk], sampled: dict[int, int | list[int]],
-            logprobs: dict[int, list[dict[int, Logprob]]], draft_probs_row: int | None = None) -> None:
+            logprobs: dict[int, list[dict[int, Logprob]]], draft_probs_row: int | None = None,
+            decodes: bool = False, launch: bool = False) -> None:
         """Runs chunks in one device call; on an exception retries them one by one and fails only the culprit.
 
         sampled, logprobs: filled per seq_id with the sampled token (or a verify step's emitted list) and its
         logprobs entries (when asked for).
         draft_probs_row: where these chunks' draft probabilities start among the runner's last proposal's rows
         (`ModelRunner.execute_verify`), or None.
+        decodes: the step's decode chunks: they may take a step run ahead (`RunAhead.take`).
+        launch: they are the whole step: the next one may run ahead (`RunAhead.launch`).
         """
         try:
-            result = self._execute(chunks, draft_probs_row)
+            result = self._execute(chunks, draft_probs_row, decodes, launch)
         except Exception as e:  # noqa: BLE001 - isolate any failure of the step to the sequences that cause it
+            self.ahead.drop()
             if len(chunks) == 1:  # a ValueError is the request's own values (no traceback for a client's error)
                 (logger.warning if isinstance(e, ValueError) else logger.exception)(
                     "step failed for request %s: %s", chunks[0].seq.request_id, e)
@@ -103,27 +113,37 @@ class StepGroups:
         """A sequence's own pages may hold NaN K/V: no later request may find them in the prefix cache, and those
         nobody else holds are zeroed before reuse (a masked 0 * NaN is still NaN). Pages it read from the cache
         or from its sample 0 were computed by others from the same tokens and stay as they are."""
-        own = chunk.page_ids[chunk.seq.num_shared_pages:]
+        # and a page added for a step run ahead (`run_ahead`), which may have written there too
+        own = (chunk.page_ids + chunk.seq.page_ids[len(chunk.page_ids):])[chunk.seq.num_shared_pages:]
         if self.prefix_cache is not None:
             self.prefix_cache.forget_pages(own)
         self.runner.kv.clear_pages([p for p in own if self.scheduler.allocator.refcount(p) == 1])
 
-    def sampling_rows(self, chunks: list[ScheduledChunk]) -> list[SamplingRow]:
-        """Each chunk's `SamplingRow` (an `allowed` bitmask only for chunks that sample)."""
+    def sampling_rows(self, chunks: list[ScheduledChunk], ahead: int = 0) -> list[SamplingRow]:
+        """Each chunk's `SamplingRow` (an `allowed` bitmask only for chunks that sample); `ahead` > 0: as it will
+        be that many tokens later, for a sequence whose sampling does not depend on them (`run_ahead`)."""
         masks = self.grammars.allowed_many([c.seq.seq_id for c in chunks if c.samples])  # in parallel
         return [SamplingRow(params=c.seq.params, seed=c.seq.seed, sample_index=c.seq.sample_index,
-                            step=len(c.seq.output_token_ids), prompt_token_ids=c.seq.prompt_token_ids,
+                            step=len(c.seq.output_token_ids) + ahead, prompt_token_ids=c.seq.prompt_token_ids,
                             output_token_ids=c.seq.output_token_ids,
-                            suppress=(banned := self.scheduler.suppressed_token_ids(c.seq)),
+                            suppress=(banned := self.scheduler.suppressed_token_ids(c.seq, ahead)),
                             allowed=self.token_rules.allowed(c.seq.seq_id, c.seq.output_token_ids,
                                                              masks.get(c.seq.seq_id), banned)
                             if c.samples else None) for c in chunks]
 
-    def _execute(self, chunks: list[ScheduledChunk], draft_probs_row: int | None = None) -> StepResult | VerifyResult:
-        rows = self.sampling_rows(chunks)
-        self.metrics.num_device_calls += 1
+    def _execute(self, chunks: list[ScheduledChunk], draft_probs_row: int | None = None, decodes: bool = False,
+                 launch: bool = False) -> StepResult | VerifyResult:
         if any(c.num_draft_tokens for c in chunks):
-            return self.runner.execute_verify(chunks, rows, [c.token_ids[1:] for c in chunks],
+            self.metrics.num_device_calls += 1
+            return self.runner.execute_verify(chunks, self.sampling_rows(chunks), [c.token_ids[1:] for c in chunks],
                                               self.spec_policy.config.num_speculative_tokens, draft_probs_row,
                                               verify_len=self.verify_len)
-        return self.runner.execute(chunks, rows, prompt_logprobs=any(wants(c) for c in chunks))
+        self.metrics.num_device_calls += 1  # a step run ahead counts in the engine step that takes it
+        taken = self.ahead.take(chunks) if decodes else None
+        if taken is None:
+            taken = self.runner.submit(chunks, self.sampling_rows(chunks),
+                                       prompt_logprobs=any(wants(c) for c in chunks)), None
+        step, rows = taken
+        if launch:
+            self.ahead.launch(chunks, step, rows)
+        return step.result(rows)

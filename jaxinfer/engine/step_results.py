@@ -1,10 +1,10 @@
-"""What a device step hands back to the host: `StepResult` (one token per sequence) and `VerifyResult`
-(speculative decoding: each sequence's accepted drafts plus the target's own token)."""
+"""What a device step hands back to the host: `StepResult` (one token per sequence), `PendingStep` (a step still
+on device) and `VerifyResult` (speculative decoding: each sequence's accepted drafts plus the target's own token)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -82,6 +82,32 @@ class StepResult:
         decode(id) gives each entry's `decoded_token`."""
         return entry(int(self.token_ids[row]), float(self.logprobs[row]), int(self.ranks[row]),
                       self.top_token_ids[row, :n], self.top_logprobs[row, :n], decode)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step the device may still be running (`ModelRunner.submit`); `result` waits for it.
+
+    Attributes:
+      rows: i32[R, 4 + 2k] on device, `pack_rows`' array (R >= num_chunks, the padded rows); a later step can take
+        its sampled tokens (column 0) without a trip to the host (`ModelRunner.submit`'s `fed_from`).
+      prompt_rows: a prompt-logprobs step's rows on device, else None.
+      num_chunks: the step's sequences; row i is chunk i's.
+      num_padded_tokens: token rows computed beyond the real tokens.
+    """
+
+    rows: jax.Array
+    prompt_rows: PromptLogprobRows | None
+    num_chunks: int
+    num_padded_tokens: int = 0
+
+    def result(self, rows: Sequence[int] | None = None) -> StepResult:
+        """Waits for the step and returns its host copy: every chunk's row, or only `rows` (chunk indices, in that
+        order). np.asarray reads a CPU buffer in place (`jax.device_get` hands it to another thread first)."""
+        packed = np.asarray(self.rows)
+        packed = packed[: self.num_chunks] if rows is None else packed[np.asarray(rows, np.int64)]
+        return StepResult.unpack(packed, len(packed), num_padded_tokens=self.num_padded_tokens,
+                                 prompt_rows=jax.tree.map(np.asarray, self.prompt_rows))
 
 
 @dataclasses.dataclass(frozen=True)

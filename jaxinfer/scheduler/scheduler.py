@@ -167,14 +167,14 @@ class Scheduler:
         seq.error, seq.error_kind = error, kind
         self._finish(seq, "error", self._clock())
 
-    def suppressed_token_ids(self, seq: Sequence) -> list[int]:
-        """Ids the sampler must not pick for `seq` now: EOS (unless ignore_eos) and stop ids, until min_tokens.
+    def suppressed_token_ids(self, seq: Sequence, ahead: int = 0) -> list[int]:
+        """Ids the sampler must not pick for `seq` now (or `ahead` tokens later): EOS (unless ignore_eos) and stop
+        ids, until min_tokens.
 
         Returns:
-          Sorted ids; empty once `len(seq.output_token_ids) >= min_tokens`.
-        """
+          Sorted ids; empty once `len(seq.output_token_ids) + ahead >= min_tokens`."""
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        if len(seq.output_token_ids) + ahead >= p.min_tokens:
             return []
         eos = () if p.ignore_eos else self.eos_ids
         return sorted(set(eos) | set(p.stop_token_ids))

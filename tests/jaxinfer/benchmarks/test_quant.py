@@ -45,6 +45,7 @@ def test_quant_report(tmp_path):
     assert (w8a8["matmuls"], w8a8["isa"]) in [("native", cpu_features.supported_levels()[-1]), ("XLA", None)]
     cell = w8a8["matmuls"] + (f" ({w8a8['isa']})" if w8a8["isa"] else "")
     assert f"| int8 (w8a8) | {cell} | 1 |" in section and "2 in a row a round per engine after one untimed" in section and "- Batch 1: int8 (w8a8)" in section
+    assert "steps chained as the engine's decode loop runs them" in section
 
 
 @pytest.mark.parametrize("options, message", [

@@ -710,16 +710,16 @@ def nan_embedding(engine: Engine, token: int) -> Iterator[None]:
 def test_exception_in_step_fails_only_that_request(tiny: Engine, tiny_alone, monkeypatch) -> None:
     good = TINY_REQS[:4]
     marker = next(t for t in range(3, 128) if t not in {r.prompt[0] for r in good})
-    real_execute = tiny.runner.execute
+    real_submit = tiny.runner.submit  # every engine step's device call (`execute` is submit + result)
     calls = []
 
-    def flaky_execute(chunks, rows, **kwargs):
+    def flaky_submit(chunks, rows, **kwargs):
         calls.append(len(chunks))
         if any(c.num_computed_tokens == 0 and c.token_ids[0] == marker for c in chunks):
             raise RuntimeError("injected device failure")
-        return real_execute(chunks, rows, **kwargs)
+        return real_submit(chunks, rows, **kwargs)
 
-    monkeypatch.setattr(tiny.runner, "execute", flaky_execute)
+    monkeypatch.setattr(tiny.runner, "submit", flaky_submit)
     tiny.reset_prefix_cache()  # the good prompts ran before: the call counts below assume they are recomputed
     errors = tiny.metrics.num_errors
     bad = Req("bad", [marker] + TINY_PROMPTS[5][:10], mixed_params(0))

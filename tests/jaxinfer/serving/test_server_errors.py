@@ -164,7 +164,7 @@ def test_a_request_failing_after_admission_is_told_why_and_whose_fault(served_ti
     """The last response of a completion the engine failed carries finish_reason "error", its message and its kind
     (it carried no message before); the server goes on serving."""
     runner = served_tiny.engine.runner
-    real = runner.execute
+    real = runner.submit  # every engine step's device call (`execute` is submit + result)
     marker = 11  # the first prompt id of the failing request only
 
     def failing(chunks, *args, **kwargs):
@@ -172,7 +172,7 @@ def test_a_request_failing_after_admission_is_told_why_and_whose_fault(served_ti
             raise error
         return real(chunks, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", failing)
+    monkeypatch.setattr(runner, "submit", failing)
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[marker, 12, 13]),
                                  sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
     responses = list(served_tiny.stub.Generate(request, timeout=60))
