@@ -139,7 +139,7 @@ class ModelRunner:
                                                       **model_kwargs),
                                     donate_argnames=("kv_cache", "draft_cache"),
                                     out_shardings=step_out)
-        self._fed_tokens = jax.jit(fed_tokens, out_shardings=replicated if on_mesh else None)
+        self.fed_tokens = jax.jit(fed_tokens, out_shardings=replicated if on_mesh else None)
         self._forward_all = jax.jit(functools.partial(self.model, **model_kwargs), donate_argnames=("kv_cache",),
                                     out_shardings=(replicated, cache_out) if on_mesh else None)
 
@@ -251,7 +251,7 @@ class ModelRunner:
             earlier, source = fed_from
             feed = np.full(len(inputs[0]), -1, np.int32)
             feed[inputs[1].cu_q_lens[: len(chunks)]] = source
-            inputs = (self._fed_tokens(inputs[0], feed, earlier.rows), *inputs[1:])
+            inputs = (self.fed_tokens(inputs[0], feed, earlier.rows), *inputs[1:])
         rows, prompt_rows = self.run_step(*inputs)
         return PendingStep(rows, prompt_rows, len(chunks), padded)
 

@@ -27,9 +27,13 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jaxinfer.engine import compilation_cache, multihost
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.sampling import SamplingRow
+from jaxinfer.engine.sampling import MAX_LOGPROBS, SamplingRow
 from jaxinfer.engine.step_inputs import (MIN_PREFILL_TOKENS, NULL_PAGE, next_power_of_two, page_bucket,
                                          page_table_widths)
 from jaxinfer.sampling_params import SamplingParams
@@ -83,7 +87,13 @@ def _compile_step(runner: ModelRunner, kind: str, n: int, width: int, row: Sampl
         chunks = [ScheduledChunk([0] * n, context - n, [NULL_PAGE] * width)]
     else:
         chunks = [ScheduledChunk([0] * n, 0, [NULL_PAGE] * width)]
-    runner.compile_ahead("step", runner.step_args(*runner.step_inputs(chunks, [row] * len(chunks)), lowering=True))
+    inputs = runner.step_inputs(chunks, [row] * len(chunks))
+    runner.compile_ahead("step", runner.step_args(*inputs, lowering=True))
+    if kind == "decode":  # a decode step run ahead takes its tokens from the one before (`run_ahead`)
+        tokens, sampling = inputs[0], inputs[2]
+        shape = (len(sampling.temperature), 4 + 2 * MAX_LOGPROBS)  # `pack_rows`' array, placed as a step's output
+        rows = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=runner.kv.replicated)()
+        runner.fed_tokens(tokens, np.full(len(tokens), -1, np.int32), rows).block_until_ready()
 
 
 def _compile_spec(runner: ModelRunner, kind: str, batch: int, drafts: int, num_spec_tokens: int, width: int,
