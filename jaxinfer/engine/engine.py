@@ -297,14 +297,13 @@ class Engine:
             self.scheduler.pages.release(held[1])
 
     def stats(self) -> dict[str, float | int]:
-        """A snapshot of the engine's gauges and counters (for logs and the metrics exporter).
-
-        Keys: running, waiting (sequences), kv_pages_used, kv_pages_total, preemptions, steps, device_calls,
-        prefill_tokens, decode_tokens, tokens_per_step, finished, errors, host_time_share (host time over
-        step time), ttft_s_mean, tpot_s_mean, queue_time_s_mean (seconds, over finished requests); with prefix
-        caching also prefix_cache_queried_tokens / _hit_tokens / _hit_rate (tokens of admitted sequences),
-        prefix_cache_pages (device pages holding cached prefixes), prefix_cache_evictions,
-        prefix_cache_host_pages (pages in the host tier) and prefix_cache_host_hits (pages brought back).
+        """A snapshot of the engine's gauges and counters (for logs and the metrics exporter). Keys: running, waiting (sequences), kv_pages_used, kv_pages_total, preemptions, steps, device_calls,
+        prefill_tokens, decode_tokens, tokens_per_step, finished, errors, host_time_share (host time over step
+        time), ttft_s_mean, tpot_s_mean, queue_time_s_mean (seconds, over finished requests), run_ahead_steps /
+        run_ahead_dropped_steps (async scheduling's steps dispatched ahead / not taken); with prefix caching also
+        prefix_cache_queried_tokens / _hit_tokens / _hit_rate (tokens of admitted sequences), prefix_cache_pages
+        (device pages holding cached prefixes), prefix_cache_evictions, prefix_cache_host_pages (pages in the
+        host tier) and prefix_cache_host_hits (pages brought back).
         """
         return engine_stats(self.metrics, self.scheduler, self.page_allocator, self.prefix_cache, self.spec_policy)
 

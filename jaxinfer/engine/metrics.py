@@ -16,6 +16,23 @@ from jaxinfer.scheduler.sequence import Sequence
 
 
 @dataclasses.dataclass
+class RunAheadStats:
+    """Counters of async scheduling (`jaxinfer.engine.run_ahead`).
+
+    Attributes:
+      launched: steps dispatched ahead.
+      used: of them, steps whose rows the next step took (all or some).
+      dropped: steps nobody took (a sequence joined, was preempted, aborted, or every one stopped).
+      dropped_rows: rows computed ahead and not taken (in used and dropped steps).
+    """
+
+    launched: int = 0
+    used: int = 0
+    dropped: int = 0
+    dropped_rows: int = 0
+
+
+@dataclasses.dataclass
 class EngineMetrics:
     """Counters and latency samples gathered by the engine (seconds and token counts).
 
@@ -37,6 +54,7 @@ class EngineMetrics:
     step_time_s: float = 0.0
     host_time_s: float = 0.0
     steps_by_num_tokens: dict[int, int] = dataclasses.field(default_factory=dict)
+    run_ahead: RunAheadStats = dataclasses.field(default_factory=RunAheadStats)
 
     def record_step(self, prefill_tokens: int, decode_tokens: int, step_s: float, device_s: float) -> None:
         """Counts one engine step: its prefill and decode tokens, its wall time and the part spent in device
@@ -98,6 +116,8 @@ def engine_stats(m: EngineMetrics, scheduler: Scheduler, page_allocator: PageAll
         "ttft_s_mean": _mean(m.ttft_s),
         "tpot_s_mean": _mean(m.tpot_s),
         "queue_time_s_mean": _mean(m.queue_time_s),
+        "run_ahead_steps": m.run_ahead.launched,
+        "run_ahead_dropped_steps": m.run_ahead.dropped,
         **_prefix_cache_stats(prefix_cache, page_allocator),
         **(spec_policy.stats.as_dict() if spec_policy is not None else {}),
     }

@@ -13,17 +13,17 @@ the outputs) overlaps the device's instead of adding to it (vLLM's async schedul
 3. A step runs ahead only when its sequences' next sampling does not depend on the token just sampled (no
    grammar, no penalties, no bad word of several tokens) and none of them can end by length at step N; one
    process only (a multi-host follower replays host arrays). A sequence that stops on EOS or a stop string
-   costs its row of the step in flight (`RunAheadStats.dropped_rows`).
+   costs its row of the step in flight (`metrics.RunAheadStats.dropped_rows`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
 from jaxinfer.engine import multihost
 from jaxinfer.engine.grammar import Grammars
+from jaxinfer.engine.metrics import RunAheadStats
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.engine.step_results import PendingStep
@@ -35,23 +35,6 @@ from jaxinfer.scheduler.sequence import SequenceStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class RunAheadStats:
-    """Counters of `RunAhead`.
-
-    Attributes:
-      launched: steps dispatched ahead.
-      used: of them, steps whose rows the next step took (all or some).
-      dropped: steps nobody took (a sequence joined, was preempted, aborted, or every one stopped).
-      dropped_rows: rows computed ahead and not taken (in used and dropped steps).
-    """
-
-    launched: int = 0
-    used: int = 0
-    dropped: int = 0
-    dropped_rows: int = 0
-
-
 class RunAhead:
     """Dispatches a decode step before the previous one's tokens reach the host (module docstring).
 
@@ -60,13 +43,15 @@ class RunAhead:
       sampling_rows: (chunks, ahead) -> their `SamplingRow`s as they will be `ahead` tokens later
         (`StepGroups.sampling_rows`).
       enabled: False: `launch` never dispatches (`EngineConfig.async_scheduling`).
+      stats: the engine's counters to update (`EngineMetrics.run_ahead`).
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, grammars: Grammars, token_rules: TokenRules,
-                 sampling_rows: Callable[[list[ScheduledChunk], int], list[SamplingRow]], enabled: bool) -> None:
+                 sampling_rows: Callable[[list[ScheduledChunk], int], list[SamplingRow]], enabled: bool,
+                 stats: RunAheadStats) -> None:
         self.runner, self.scheduler, self.grammars, self.token_rules = runner, scheduler, grammars, token_rules
         self._sampling_rows, self.enabled = sampling_rows, enabled
-        self.stats = RunAheadStats()
+        self.stats = stats
         self._pending: PendingStep | None = None
         self._rows: dict[tuple, int] = {}  # the step in flight's chunks: (seq_id, start, pages) -> row
         self._step = self._launched_at = 0

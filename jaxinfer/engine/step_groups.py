@@ -50,7 +50,7 @@ class StepGroups:
         self._prompt_logprobs, self.spec_policy, self.prefix_cache = prompt_logprobs, spec_policy, prefix_cache
         self.verify_len = 0
         self.ahead = RunAhead(runner, scheduler, grammars, token_rules, self.sampling_rows,
-                              enabled=async_scheduling and spec_policy is None)
+                              enabled=async_scheduling and spec_policy is None, stats=metrics.run_ahead)
 
     def run(self, chunks: list[ScheduledChunk], sampled: dict[int, int | list[int]],
             logprobs: dict[int, list[dict[int, Logprob]]], draft_probs_row: int | None = None,

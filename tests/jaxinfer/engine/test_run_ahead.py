@@ -134,6 +134,7 @@ def test_a_step_ahead_nobody_takes_is_dropped(engines):
         assert _view(_drive(ahead, arrivals, aborts)) == _view(_drive(waits, arrivals, aborts))
         launched.append(stats.launched - before)
     assert stats.dropped - dropped == 3
+    assert ahead.stats()["run_ahead_steps"] == stats.launched and ahead.stats()["run_ahead_dropped_steps"] == stats.dropped
     assert min(launched[:3] + launched[4:]) > 0 and launched[3] == 0, launched  # [3]: the one with penalties
 
 

@@ -15,7 +15,8 @@ from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.serving.metrics import ServerMetrics, buckets_1_2_5, buckets_powers_of_2
 from jaxinfer.serving.metrics_port import MetricsPort
 
-STATS = {"running": 1, "waiting": 2, "kv_pages_used": 3, "kv_pages_total": 12, "preemptions": 4, "steps": 7}
+STATS = {"running": 1, "waiting": 2, "kv_pages_used": 3, "kv_pages_total": 12, "preemptions": 4, "steps": 7,
+         "run_ahead_steps": 5, "run_ahead_dropped_steps": 1}
 PROMPT = [5, 6, 7]
 
 
@@ -113,7 +114,8 @@ def test_engine_gauges_and_counters_have_vllm_names_and_the_model_name():
     for name, value in (("jaxinfer:num_requests_running", 1), ("jaxinfer:num_requests_waiting", 2),
                         ("jaxinfer:kv_cache_usage_perc", 3 / 12), ("jaxinfer:kv_pages_used", 3),
                         ("jaxinfer:kv_pages_total", 12), ("jaxinfer:num_preemptions_total", 4),
-                        ("jaxinfer:engine_steps_total", 7)):
+                        ("jaxinfer:engine_steps_total", 7), ("jaxinfer:run_ahead_steps_total", 5),
+                        ("jaxinfer:run_ahead_dropped_steps_total", 1)):
         assert samples[(name, label)] == pytest.approx(value), name
     assert all(dict(labels).get("model_name") == "tiny-model" for _, labels in samples)
     assert not any(name.startswith("jaxinfer:prefix_cache") for name, _ in samples)  # prefix caching off
