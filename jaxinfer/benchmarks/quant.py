@@ -13,10 +13,10 @@ as stored (`--quantization gguf`; only for a GGUF model, such as the default), a
 1. **Decode step time** at each `--batches` size (batch 1 runs one row with the native kernels, two without them,
    as the runner does): one decode token per sequence at context 128 (distinct pages per sequence), greedy, the
    steps chained as the engine's decode loop runs them (`decode_timing.ChainedSteps`; `--no-async-scheduling`:
-   each alone, `ModelRunner.execute`); a call compiles, then `--reps` timed calls, formats interleaved round by
-   round so slow spells of the shared VM hit all alike (`--burst B`: B calls of an engine in a row a round, the
-   first untimed, as the peers time their steps). Tokens/s = batch / median step time. `--isa`: each native
-   engine once per ISA level.
+   each alone, `ModelRunner.execute`; a chain's sample is a round's mean call); a call compiles, then `--reps`
+   timed calls, formats interleaved round by round so slow spells of the shared VM hit all alike (`--burst B`: B
+   calls of an engine in a row a round, the first untimed, as the peers time their steps). Tokens/s = batch /
+   median step time. `--isa`: each native engine once per ISA level.
 2. **Roofline**: bytes a decode step must read = every weight byte except the embedding rows not gathered (a tied
    table is read whole by the LM head anyway) + the KV cache of the batch's context; roofline tokens/s = batch x
    bandwidth / bytes, with the roofline probe (`jaxinfer.benchmarks.probe`) measured at the start and at the end
@@ -77,7 +77,7 @@ import numpy as np
 
 from jaxinfer import SamplingParams
 from jaxinfer.benchmarks import gemv_stream, hlo, model_setup, peers, quant_report
-from jaxinfer.benchmarks.decode_timing import ChainedSteps
+from jaxinfer.benchmarks.decode_timing import ChainedSteps, timed_calls
 from jaxinfer.benchmarks.probe import measure_bandwidth, roofline_gb_s
 from jaxinfer.benchmarks.report import Report, int_list, name_list
 from jaxinfer.engine.config import EngineConfig
@@ -274,7 +274,7 @@ def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]
         sampling = [SamplingRow(greedy, seed=i) for i in range(batch)]
         fn = (ChainedSteps(engine.runner, chunks, sampling) if args.async_scheduling
               else functools.partial(engine.runner.execute, chunks, sampling))
-        fn()  # compiles
+        fn(), fn()  # compiles (a chain's second step: its token feed too)
         getattr(fn, "flush", lambda: None)()
         row = {"format": name, "batch": batch, "model": engine.runner.cfg.name,
                "matmuls": "native" if native and cpu_gemv.active() else "XLA",
@@ -338,11 +338,7 @@ def measure(args: argparse.Namespace, formats: list[str], batches: list[int], is
             with native_kernels(native, isa):
                 if args.burst > 1 or args.async_scheduling:
                     fn()  # back into the caches after the other engines' calls; or a chain's first step
-                for _ in range(max(1, args.burst - 1)):
-                    t0 = time.perf_counter()
-                    fn()
-                    row["times"].append(time.perf_counter() - t0)
-                getattr(fn, "flush", lambda: None)()  # a chain's last step, before the next engine's
+                row["times"] += timed_calls(fn, max(1, args.burst - 1))
         if after_round is not None:
             after_round(r, cfg)
     rows = [row for *_, row in setups]

@@ -161,8 +161,9 @@ def render(data: dict, args: argparse.Namespace, elapsed_s: float) -> str:
         f"`{args.command}` ({args.date}; {machine_line()}; {elapsed_s:.0f} s). {rows[0]['model']}, one decode token "
         f"per sequence at context {data['context']}, "
         + ("steps chained as the engine's decode loop runs them (each dispatched before the previous one is read: "
-           "async scheduling)" if getattr(args, "async_scheduling", True) else "each step alone "
-           "(`--no-async-scheduling`)") + ", device step + sampling + host, median "
+           "async scheduling; a sample is a round's calls' mean, the chain's throughput)"
+           if getattr(args, "async_scheduling", True) else "each step alone (`--no-async-scheduling`)")
+        + ", device step + sampling + host, median "
         "of the timed calls (min-max), "
         + ("one a round per engine, after the other engines' calls (`--burst 1`: the weights as far out of the "
            "caches as those left them)" if getattr(args, "burst", 1) == 1 else

@@ -94,7 +94,8 @@ class RunAhead:
         if not self.enabled or multihost.is_multi_process() or not all(self._continues(c) for c in chunks):
             return
         pages = self.scheduler.pages
-        need = sum(self.scheduler.config.pages_for(c.num_computed_tokens + 2) - len(c.seq.page_ids) for c in chunks)
+        need = sum(max(0, self.scheduler.config.pages_for(c.num_computed_tokens + 2) - len(c.seq.page_ids))
+                   for c in chunks)
         if need > self.scheduler.allocator.num_free_pages:
             return
         for c in chunks:  # the page the next position starts, now instead of at the next schedule
