@@ -25,6 +25,7 @@ setup(
         "tokenizers>=0.21",
         "jinja2>=3.1",
         "psutil>=5.9",
+        "filelock>=3.12",  # the compilation cache's lock across processes (jaxinfer.engine.compilation_cache)
         "tqdm>=4.66",
         "grpcio>=1.85.1",
         "grpcio-health-checking>=1.85.1",

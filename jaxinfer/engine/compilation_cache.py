@@ -13,6 +13,7 @@ supported jax, `scripts/ci_kernels_min_jax.sh`) can turn the cache on too.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 from jaxinfer.cache_dirs import COMPILATION_CACHE_VARIABLE as CACHE_VARIABLE  # noqa: F401 - this cache's variable
 from jaxinfer.cache_dirs import compilation_cache_dir, folder_problem
 
+MAX_CACHE_BYTES = 8 << 30  # least recently used entries go beyond it
 _HIT, _MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"  # jax.monitoring events
 
 _lock = threading.Lock()
@@ -55,7 +57,8 @@ def enable_compilation_cache(configured: str | os.PathLike | None = None) -> Pat
 
     A cache folder already set in this process (by the user through `jax_compilation_cache_dir`, or by an earlier
     engine) wins: jax opens its cache once per process, so a different folder asked later is logged and ignored.
-    Every compile is stored, however short (`jax_persistent_cache_min_compile_time_secs` = 0). A folder from
+    Every compile is stored, however short (`jax_persistent_cache_min_compile_time_secs` = 0); with `filelock`
+    installed the cache is bounded (`MAX_CACHE_BYTES`) and locked across processes. A folder from
     `$JAXINFER_COMPILATION_CACHE` or the default that cannot be used (a file, not writable) is logged and the cache
     stays off; a `configured` one was checked by `EngineConfig` (a `ValueError`).
     """
@@ -83,4 +86,9 @@ def enable_compilation_cache(configured: str | os.PathLike | None = None) -> Pat
     if wanted is not None:
         jax.config.update("jax_compilation_cache_dir", str(wanted))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        if importlib.util.find_spec("filelock") is not None:
+            # A bounded cache reads and writes its entries under a file lock: unbounded, jax writes an entry in
+            # place while another process (a test worker, a replica, a second server) may read it half written,
+            # which crashed a deserialization (a segfault) when two processes compiled one step at once.
+            jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
     return wanted

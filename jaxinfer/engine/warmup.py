@@ -28,7 +28,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine import compilation_cache, multihost
@@ -87,12 +86,18 @@ def _compile_step(runner: ModelRunner, kind: str, n: int, width: int, row: Sampl
         chunks = [ScheduledChunk([0] * n, context - n, [NULL_PAGE] * width)]
     else:
         chunks = [ScheduledChunk([0] * n, 0, [NULL_PAGE] * width)]
-    inputs = runner.step_inputs(chunks, [row] * len(chunks))
-    runner.compile_ahead("step", runner.step_args(*inputs, lowering=True))
-    if kind == "decode":  # a decode step run ahead takes its tokens from the one before (`run_ahead`)
-        tokens, sampling = inputs[0], inputs[2]
-        shape = (len(sampling.temperature), 4 + 2 * MAX_LOGPROBS)  # `pack_rows`' array, placed as a step's output
-        rows = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=runner.kv.replicated)()
+    runner.compile_ahead("step", runner.step_args(*runner.step_inputs(chunks, [row] * len(chunks)), lowering=True))
+
+
+def warm_token_feed(runner: ModelRunner, batches: list[int]) -> None:
+    """Runs the token feed of a decode step run ahead (`run_ahead`: its tokens taken on device from the step before,
+    `ModelRunner.submit`) once at each decode batch size, so that its compile (0.1-0.2 s on CPU) does not stall the
+    first such step. The feed's inputs are placed as a step's are (the previous step's rows as its output)."""
+    row = SamplingRow(SamplingParams(temperature=0), seed=0)
+    for n in sorted(set(batches)):
+        tokens, _, sampling, _ = runner.step_inputs([ScheduledChunk([0], 0, [NULL_PAGE])] * n, [row] * n)
+        rows = np.zeros((len(sampling.temperature), 4 + 2 * MAX_LOGPROBS), np.int32)  # `pack_rows`' array
+        rows = jax.device_put(rows, runner.kv.replicated)  # None: uncommitted, as a jitted step's output
         runner.fed_tokens(tokens, np.full(len(tokens), -1, np.int32), rows).block_until_ready()
 
 
@@ -198,6 +203,7 @@ class Warmup:
         self._thread: threading.Thread | None = None
         self.seconds = 0.0
         self.cache_hits = self.cache_misses = 0
+        self.token_feed = num_drafts_for is None  # decode steps may run ahead (`start_warmup`: async scheduling)
 
     def _compile(self, shape: Shape) -> None:
         _compile_shape(self.runner, shape, self.rows, self.num_drafts_for, self.num_spec_tokens)
@@ -206,6 +212,8 @@ class Warmup:
         """Compiles the first shape, then the rest in the foreground or (a warm cache, `allow_background`) in a
         background thread; see the class docstring."""
         t0 = time.perf_counter()
+        if self.token_feed:  # not counted below: the counts are the step shapes
+            warm_token_feed(self.runner, [n for kind, n, _, _ in self.shapes if kind == "decode"])
         hits0, misses0 = compilation_cache.counts()
         self._compile(self.shapes[0])
         hits, misses = compilation_cache.counts()
@@ -300,6 +308,7 @@ def start_warmup(runner: ModelRunner, config, spec_policy) -> Warmup | None:
     w = Warmup(runner, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                num_drafts_for=None if spec is None else spec_policy.step_k,
                num_spec_tokens=0 if spec is None else spec.num_speculative_tokens)
+    w.token_feed = config.async_scheduling and spec is None and not multihost.is_multi_process()
     w.start(allow_background=not multihost.is_multi_process())
     return w
 

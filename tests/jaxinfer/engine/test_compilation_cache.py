@@ -47,6 +47,9 @@ for name, model, options in [("first", base, {}), ("again", base, {}), ("other w
     runs[name] = {"shapes": len(engine.warmup.shapes), "hits": engine.warmup.cache_hits,
                   "misses": engine.warmup.cache_misses, "background": engine.warmup.background,
                   "tokens": engine.runner.num_pages}
+import jax
+runs["lock"] = {"max_size": jax.config.jax_compilation_cache_max_size,
+                "lockfile": (tmp / "xla" / ".lockfile").exists()}
 print(json.dumps(runs))
 """
 
@@ -79,3 +82,11 @@ def test_the_same_config_compiles_nothing_again(runs, name):
 def test_a_changed_dtype_mesh_or_model_config_reuses_no_entry(runs, name):
     run = runs[name]
     assert run["hits"] == 0 and run["misses"] == run["shapes"] > 0 and not run["background"]
+
+
+def test_the_cache_is_bounded_and_locked_across_processes(runs):
+    """Unbounded, jax writes an entry in place while another process may read it half written (a test worker
+    crashed deserializing one); bounded, its reads and writes take a file lock (filelock is installed here)."""
+    from jaxinfer.engine.compilation_cache import MAX_CACHE_BYTES
+
+    assert runs["lock"] == {"max_size": MAX_CACHE_BYTES, "lockfile": True}
