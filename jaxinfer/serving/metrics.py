@@ -128,10 +128,11 @@ class _EngineCollector(Collector):
         yield self._family(gauge, "kv_pages_total", "KV cache pages (the null page excluded)", s["kv_pages_total"])
         yield self._family(counter, "num_preemptions", "sequences preempted (recomputed later)", s["preemptions"])
         yield self._family(counter, "engine_steps", "engine steps run", s["steps"])
-        yield self._family(counter, "run_ahead_steps", "decode steps dispatched before the previous step's tokens "
-                           "were read (async scheduling)", s["run_ahead_steps"])
-        yield self._family(counter, "run_ahead_dropped_steps", "of those, steps the next step could not take (a "
-                           "sequence stopped, joined, was aborted or preempted)", s["run_ahead_dropped_steps"])
+        if "run_ahead_steps" in s:  # an engine's; a stand-in's stats may lack them
+            yield self._family(counter, "run_ahead_steps", "decode steps dispatched before the previous step's "
+                               "tokens were read (async scheduling)", s["run_ahead_steps"])
+            yield self._family(counter, "run_ahead_dropped_steps", "of those, steps the next step could not take "
+                               "(a sequence stopped, joined, was aborted or preempted)", s["run_ahead_dropped_steps"])
         yield self._iteration_tokens()
         if "prefix_cache_hit_tokens" in s:  # prefix caching on
             for family, name, key, doc in _PREFIX_CACHE_METRICS:
