@@ -35,6 +35,7 @@ from pathlib import Path
 from jaxinfer.benchmarks.peers import run_worker
 from jaxinfer.benchmarks.quality_runs import has_tokenizer, with_char_tokenizer
 from jaxinfer.benchmarks.report import Report, int_list, machine_line, table
+from jaxinfer.loading import read_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +234,8 @@ def run(args: argparse.Namespace) -> Report:
         raise ValueError("--runs, --max-num-batched-tokens and --timeout must be >= 1")
     if not lengths and not tiny_lengths:
         raise ValueError("--lengths and --tiny-lengths are both empty: nothing to measure")
+    if lengths and (context := read_model_config(args.model).max_position_embeddings) < max(lengths):
+        raise ValueError(f"--lengths {max(lengths)} is past the model's context ({context} tokens)")
     args.load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     t0 = time.perf_counter()
     rows = []

@@ -39,7 +39,7 @@ def test_longctx_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("option, value", [("--tiny-lengths", str(TINY_MAX_POSITIONS + 1)), ("--lengths", "1"),
-                                           ("--lengths", "8k")])
+                                           ("--lengths", "8k"), ("--lengths", "64,9000")])  # SmolLM2: 8192
 def test_bad_lengths_are_usage_errors(tmp_path, capsys, option, value):
     assert main(["bench", "longctx", option, value, "--json", str(tmp_path / "r.json")]) == 2
     err = capsys.readouterr().err
