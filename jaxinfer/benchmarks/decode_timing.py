@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxinfer.benchmarks.probe import median
+from jaxinfer.benchmarks.probe import median, time_calls
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.sampling import SamplingRow
 from jaxinfer.sampling_params import SamplingParams
@@ -143,12 +143,7 @@ def timed_calls(fn: Callable[[], object], n: int) -> list[float]:
     early, the next wait for two steps), one sample: the calls' mean, the chain's throughput; its last step is read
     afterwards, untimed."""
     if not isinstance(fn, ChainedSteps):
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return times
+        return time_calls(fn, n, warmup=0)
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
