@@ -68,18 +68,23 @@ class RunAhead:
             return None
         picked = [rows.get(_key(c)) for c in chunks] if self._launched_at == self._step - 1 else [None]
         if None in picked:
-            self.stats.dropped += 1
-            self.stats.dropped_rows += pending.num_chunks
+            self._pending = pending
+            self.drop()
             return None
         self.stats.used += 1
         self.stats.dropped_rows += pending.num_chunks - len(picked)
         return pending, picked
 
     def drop(self) -> None:
-        """Forgets the step in flight (its step N failed)."""
+        """Forgets the step in flight, once it has run: nothing of ours runs on the device while a later call
+        compiles or loads a program (loading one the running step also runs crashed a test process)."""
         if self._pending is not None:
             self.stats.dropped += 1
             self.stats.dropped_rows += self._pending.num_chunks
+            try:
+                self._pending.rows.block_until_ready()
+            except Exception:  # noqa: BLE001 - a failed step ahead is dropped all the same; the step itself reports
+                logger.debug("a dropped step ahead failed", exc_info=True)
         self._pending, self._rows = None, {}
 
     def launch(self, chunks: list[ScheduledChunk], step: PendingStep, rows: list[int] | None) -> None:

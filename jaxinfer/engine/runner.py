@@ -115,6 +115,7 @@ class ModelRunner:
         self.kv = kv or PagedKVCache(cfg, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
                                      draft_cfg=draft.cfg if own_draft_cache else None)
         self._compiled = CompiledCalls()  # ahead-of-time compiled calls
+        self._fed_shapes: set[tuple] = set()  # step shapes `submit` has fed tokens to
         self._draft_probs = None  # the last proposal's draft probabilities, on device, for the verify step
         self._jit_calls(scan_layers)
 
@@ -218,13 +219,9 @@ class ModelRunner:
     def execute(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow],
                 prompt_logprobs: bool = False) -> StepResult:
         """Runs one step and samples the next token of every sequence (`submit`, then its `result`): one row per
-        chunk on the host. With `prompt_logprobs` the forward returns every token row's logits and the result
-        carries their prompt logprobs too (`prompt_rows`, `jaxinfer.engine.prompt_logprobs`); every chunk needs its
-        sequence then.
-
-        Raises:
-          ValueError: if a sequence has no new token or too few pages, or rows and chunks differ in length.
-        """
+        chunk on the host; with `prompt_logprobs` (every chunk with its sequence) their prompt logprobs too
+        (`prompt_rows`, `jaxinfer.engine.prompt_logprobs`). Raises ValueError if a sequence has no new token or too
+        few pages, or rows and chunks differ in length."""
         return self.submit(chunks, rows, prompt_logprobs).result()
 
     def submit(self, chunks: Sequence[ScheduledChunk], rows: Sequence[SamplingRow], prompt_logprobs: bool = False,
@@ -234,7 +231,9 @@ class ModelRunner:
 
         fed_from: (an earlier step, a row of it per chunk): chunk i's one token is that step's sampled token of
         row i, taken on device (`device_steps.fed_tokens`); the chunk's own token id is a placeholder. One
-        process only (a multi-host follower replays host arrays).
+        process only (a multi-host follower replays host arrays). The first such step of a shape waits for the
+        earlier one: jit keys a device token apart from a host one, and its compile, or its load of the same
+        program from the persistent cache, must not run beside that program.
 
         Raises:
           ValueError: as `execute`; `fed_from` in a multi-process run or with a chunk of several tokens.
@@ -249,6 +248,9 @@ class ModelRunner:
             if multihost.is_multi_process() or any(len(c.token_ids) != 1 for c in chunks):
                 raise ValueError("a step fed from an earlier one runs in one process, one token per sequence")
             earlier, source = fed_from
+            if (key := self._compiled.key("step", self.step_args(*inputs), {})) not in self._fed_shapes:
+                earlier.rows.block_until_ready()
+                self._fed_shapes.add(key)
             feed = np.full(len(inputs[0]), -1, np.int32)
             feed[inputs[1].cu_q_lens[: len(chunks)]] = source
             inputs = (self.fed_tokens(inputs[0], feed, earlier.rows), *inputs[1:])

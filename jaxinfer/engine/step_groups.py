@@ -139,6 +139,8 @@ class StepGroups:
                                               self.spec_policy.config.num_speculative_tokens, draft_probs_row,
                                               verify_len=self.verify_len)
         self.metrics.num_device_calls += 1  # a step run ahead counts in the engine step that takes it
+        if not decodes:
+            self.ahead.drop()  # a step ahead no decode group took (this step has none): not running meanwhile
         taken = self.ahead.take(chunks) if decodes else None
         if taken is None:
             taken = self.runner.submit(chunks, self.sampling_rows(chunks),
