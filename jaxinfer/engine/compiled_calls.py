@@ -1,6 +1,8 @@
 """`CompiledCalls`: a runner's ahead-of-time compiled executables, by call kind and argument shapes. Start-up's
-warm-up fills it (`jaxinfer.engine.warmup`); a call whose shapes it holds runs its executable directly, any other
-goes through its jitted function (which compiles on a new shape)."""
+warm-up fills it (`jaxinfer.engine.warmup`); a call of shapes it lacks compiles them first (`jitted.lower().compile()`)
+and keeps the executable too. So each shape is one executable, whatever kind of array carries an argument: jit's own
+cache keys a device array apart from a host one (a step fed its tokens on device by async scheduling), which loaded
+the same program a second time."""
 
 from __future__ import annotations
 
@@ -29,7 +31,13 @@ class CompiledCalls(dict):
         """Compiles `jitted` for these arguments' shapes (`lower().compile()`, nothing runs) and keeps it."""
         self[self.key(kind, args, static)] = jitted.lower(*args, **static).compile()
 
-    def call(self, kind: str, jitted: Callable, args: tuple, **static):
-        """Runs the `kind` call: its compiled executable when the table holds one for these shapes, else `jitted`."""
-        compiled = self.get(self.key(kind, args, static)) if self else None
-        return compiled(*args) if compiled is not None else jitted(*args, **static)
+    def call(self, kind: str, jitted: Callable, args: tuple, before_compile: Callable[[], None] = lambda: None,
+             **static):
+        """Runs the `kind` call on its compiled executable for these shapes; a new shape first runs
+        `before_compile()`, then is compiled (or loaded from the persistent cache) and kept."""
+        key = self.key(kind, args, static)
+        compiled = self.get(key)
+        if compiled is None:
+            before_compile()
+            compiled = self[key] = jitted.lower(*args, **static).compile()
+        return compiled(*args)

@@ -50,7 +50,8 @@ from sharding.mesh import pipeline_stages
 
 logger = logging.getLogger(__name__)
 
-_JITTED = {"step": "_step", "verify": "_verify_step", "propose": "_propose"}  # call kind -> jitted attribute
+# call kind -> jitted attribute (`CompiledCalls` keys by the shapes after the first argument: weights; feed's tokens)
+_JITTED = {"step": "_step", "verify": "_verify_step", "propose": "_propose", "feed": "fed_tokens"}
 
 
 class ModelRunner:
@@ -115,7 +116,6 @@ class ModelRunner:
         self.kv = kv or PagedKVCache(cfg, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, mesh=mesh,
                                      draft_cfg=draft.cfg if own_draft_cache else None)
         self._compiled = CompiledCalls()  # ahead-of-time compiled calls
-        self._fed_shapes: set[tuple] = set()  # step shapes `submit` has fed tokens to
         self._draft_probs = None  # the last proposal's draft probabilities, on device, for the verify step
         self._jit_calls(scan_layers)
 
@@ -169,12 +169,17 @@ class ModelRunner:
     # --- the compiled-executable table ------------------------------------------------------------------------
 
     def compile_ahead(self, kind: str, args: tuple, **static) -> None:
-        """Compiles the "step", "verify" or "propose" call for these arguments' shapes (nothing runs) and keeps the
-        executable: later calls with the same shapes run it directly (`CompiledCalls`)."""
+        """Compiles the "step", "verify", "propose" or "feed" call for these arguments' shapes (nothing runs) and
+        keeps the executable: later calls with the same shapes run it directly (`CompiledCalls`)."""
         self._compiled.add(kind, getattr(self, _JITTED[kind]), args, **static)
 
     def _call(self, kind: str, *args, **static):
-        return self._compiled.call(kind, getattr(self, _JITTED[kind]), args, **static)
+        return self._compiled.call(kind, getattr(self, _JITTED[kind]), args, self._idle, **static)
+
+    def _idle(self) -> None:
+        """Waits for every step this runner dispatched (each writes the KV cache): a compile, or a load from the
+        persistent cache, never runs beside a step of ours (one that did crashed a test process)."""
+        jax.block_until_ready((self.kv_cache, self.draft_cache))
 
     # --- one step ---------------------------------------------------------------------------------------------
 
@@ -231,9 +236,7 @@ class ModelRunner:
 
         fed_from: (an earlier step, a row of it per chunk): chunk i's one token is that step's sampled token of
         row i, taken on device (`device_steps.fed_tokens`); the chunk's own token id is a placeholder. One
-        process only (a multi-host follower replays host arrays). The first such step of a shape waits for the
-        earlier one: jit keys a device token apart from a host one, and its compile, or its load of the same
-        program from the persistent cache, must not run beside that program.
+        process only (a multi-host follower replays host arrays).
 
         Raises:
           ValueError: as `execute`; `fed_from` in a multi-process run or with a chunk of several tokens.
@@ -248,12 +251,9 @@ class ModelRunner:
             if multihost.is_multi_process() or any(len(c.token_ids) != 1 for c in chunks):
                 raise ValueError("a step fed from an earlier one runs in one process, one token per sequence")
             earlier, source = fed_from
-            if (key := self._compiled.key("step", self.step_args(*inputs), {})) not in self._fed_shapes:
-                earlier.rows.block_until_ready()
-                self._fed_shapes.add(key)
             feed = np.full(len(inputs[0]), -1, np.int32)
             feed[inputs[1].cu_q_lens[: len(chunks)]] = source
-            inputs = (self.fed_tokens(inputs[0], feed, earlier.rows), *inputs[1:])
+            inputs = (self._call("feed", inputs[0], feed, earlier.rows), *inputs[1:])
         rows, prompt_rows = self.run_step(*inputs)
         return PendingStep(rows, prompt_rows, len(chunks), padded)
 

@@ -90,15 +90,15 @@ def _compile_step(runner: ModelRunner, kind: str, n: int, width: int, row: Sampl
 
 
 def warm_token_feed(runner: ModelRunner, batches: list[int]) -> None:
-    """Runs the token feed of a decode step run ahead (`run_ahead`: its tokens taken on device from the step before,
-    `ModelRunner.submit`) once at each decode batch size, so that its compile (0.1-0.2 s on CPU) does not stall the
-    first such step. The feed's inputs are placed as a step's are (the previous step's rows as its output)."""
+    """Compiles the token feed of a decode step run ahead (`run_ahead`: its tokens taken on device from the step
+    before, `ModelRunner.submit`) at each decode batch size, so that its compile (0.1-0.2 s on CPU) does not stall
+    the first such step. The feed's inputs are placed as a step's are (the previous step's rows as its output)."""
     row = SamplingRow(SamplingParams(temperature=0), seed=0)
     for n in sorted(set(batches)):
         tokens, _, sampling, _ = runner.step_inputs([ScheduledChunk([0], 0, [NULL_PAGE])] * n, [row] * n)
         rows = np.zeros((len(sampling.temperature), 4 + 2 * MAX_LOGPROBS), np.int32)  # `pack_rows`' array
         rows = jax.device_put(rows, runner.kv.replicated)  # None: uncommitted, as a jitted step's output
-        runner.fed_tokens(tokens, np.full(len(tokens), -1, np.int32), rows).block_until_ready()
+        runner.compile_ahead("feed", (tokens, np.full(len(tokens), -1, np.int32), rows))
 
 
 def _compile_spec(runner: ModelRunner, kind: str, batch: int, drafts: int, num_spec_tokens: int, width: int,

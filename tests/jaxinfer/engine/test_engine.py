@@ -389,11 +389,11 @@ def test_stop_ids_and_min_tokens_compile_no_new_step_shape(tiny: Engine) -> None
     of the same shape used: the banned-id array has one width."""
     prompt = TINY_PROMPTS[2]
     plain = run(tiny, [Req("plain", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))])
-    compiled = tiny.runner._step._cache_size()
+    compiled = len(tiny.runner._compiled)
     stop_ids = list(range(64, 64 + 32))
     banning = SamplingParams(temperature=0, max_tokens=3, min_tokens=3, stop_token_ids=stop_ids)
     out = run(tiny, [Req("banning", prompt, banning)]).final["banning"].outputs[0]
-    assert tiny.runner._step._cache_size() == compiled
+    assert len(tiny.runner._compiled) == compiled
     assert len(out.token_ids) == 3 and not set(out.token_ids) & (set(stop_ids) | tiny.tokenizer.eos_ids)
     assert plain.final["plain"].outputs[0].finish_reason == "length"
 

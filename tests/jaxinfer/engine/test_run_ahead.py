@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import SamplingParams
+from jaxinfer.engine.compiled_calls import CompiledCalls
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.sampling import SamplingRow
@@ -154,8 +155,35 @@ def test_a_fed_token_is_the_earlier_steps_sampled_token(engines):
     assert len(set(sampled.tolist())) > 1  # distinct tokens: a wrong row would show
     np.testing.assert_array_equal(fed.token_ids, by_host.token_ids)
     np.testing.assert_array_equal(fed.logprobs, by_host.logprobs)
+    # One executable for both: jit's own cache, which keys a device token apart from a host one (the same program
+    # loaded twice), holds none; every call ran an executable of the runner's table.
+    assert runner._step._cache_size() == 0 and runner.fed_tokens._cache_size() == 0
+    assert _kinds(runner).count("feed") >= 1
     with pytest.raises(ValueError, match="one token per sequence"):
         runner.submit([ScheduledChunk([1, 2], 0, pages[0])], rows[:1], fed_from=(first, [0]))
+
+
+def _kinds(runner) -> list[str]:
+    return [key[0] for key in runner._compiled]
+
+
+def test_a_new_shape_compiles_once_after_the_runners_steps_have_run(engines):
+    """A call of a new shape first waits for every step the runner dispatched (nothing of ours runs beside a compile
+    or a load from the persistent cache), then compiles once: the same shapes again run the kept executable."""
+    runner = engines[False, 96].runner
+    events = []
+    calls = CompiledCalls()
+    fake = types.SimpleNamespace(lower=lambda *a: events.append("lower") or types.SimpleNamespace(
+        compile=lambda: (lambda *args: len(args))))
+    for shape in (3, 3, 4, 3):
+        assert calls.call("step", fake, (None, np.zeros(shape)), lambda: events.append("wait")) == 2
+    assert events == ["wait", "lower", "wait", "lower"]
+    prompt = random_prompts(1, seed=11, min_len=37, max_len=37)[0]  # a prefill shape no other test runs
+    row = [SamplingRow(SamplingParams(temperature=0.0), seed=0)]
+    pending = runner.submit([ScheduledChunk(prompt, 0, [1, 2, 3, 4, 5])], row)
+    runner._idle()
+    assert pending.rows.is_ready()
+    pending.result()
 
 
 def test_discarding_a_failed_sequences_pages_includes_one_added_for_a_step_ahead(engines, monkeypatch):

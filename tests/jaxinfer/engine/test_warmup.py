@@ -31,17 +31,19 @@ def warm(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     return engine
 
 
-def _executables(engine: Engine) -> tuple[int, int, int]:
-    """(shapes the jitted step compiled on first use, executables warm-up compiled ahead of time, shapes of the
-    token feed of decode steps run ahead, which warm-up runs once each)."""
-    return engine.runner._step._cache_size(), len(engine.runner._compiled), engine.runner.fed_tokens._cache_size()
+def _executables(engine: Engine) -> tuple[int, int]:
+    """(step executables, executables of the token feed of decode steps run ahead) the runner holds: warm-up's,
+    and any a call compiled since (a new shape compiles and joins them)."""
+    kinds = [key[0] for key in engine.runner._compiled]
+    return kinds.count("step"), kinds.count("feed")
 
 
 def test_warmup_compiles_each_shape_with_and_without_penalties(warm: Engine) -> None:
     shapes = warmup_shapes(warm.runner, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
     plain = {s[:3] for s in shapes if not s[3]}
     assert plain and {s[:3] for s in shapes if s[3]} == plain
-    assert _executables(warm)[:2] == (0, len(shapes))  # every shape its own executable, none compiled by a call
+    decode_batches = {n for kind, n, _, _ in shapes if kind == "decode"}
+    assert _executables(warm) == (len(shapes), len(decode_batches))  # every shape its own executable
 
 
 def test_penalised_requests_after_warmup_compile_nothing(warm: Engine) -> None:
@@ -94,10 +96,10 @@ def test_compile_prompt_compiles_every_step_of_a_long_prompts_chunked_prefill(tm
     assert [(kind, n, width) for kind, n, width, _ in shapes] == [("prefill", 32, 8), ("prefill", 32, 32),
                                                                   ("prefill", 8, 32)]
     compile_prompt(engine.runner, 200, 32)
-    assert _executables(engine)[:2] == (0, 3)
+    assert _executables(engine) == (3, 0)
     (prompt,) = random_prompts(1, seed=9, min_len=200, max_len=200)
     out = run(engine, [Req("long", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))])
     assert len(out.tokens()["long"][0]) == 1
-    assert _executables(engine)[:2] == (0, 3)  # every step ran an executable compiled ahead
+    assert _executables(engine) == (3, 0)  # every step ran an executable compiled ahead
     with pytest.raises(ValueError, match="exceeds the context"):
         prompt_shapes(engine.runner, 257, 32)
