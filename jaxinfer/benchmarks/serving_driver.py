@@ -57,9 +57,9 @@ class Step:
 
 
 def num_executables(runner) -> int:
-    """Step executables a runner holds: jit-cache entries plus ahead-of-time compiled ones (warm-up). Reads
-    `ModelRunner` internals (`_step`'s jit cache, `_compiled`), like `_hook_runner_internals`."""
-    return runner._step._cache_size() + len(getattr(runner, "_compiled", ()))
+    """Executables a runner holds: its table of compiled calls, warm-up's and those a new shape added. Reads
+    `ModelRunner` internals (`_compiled`), like `_hook_runner_internals`."""
+    return len(runner._compiled)
 
 
 def _hook_runner_internals(runner, on_prepare: Callable, on_step: Callable) -> None:

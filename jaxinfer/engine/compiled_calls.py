@@ -36,8 +36,7 @@ class CompiledCalls(dict):
         """Runs the `kind` call on its compiled executable for these shapes; a new shape first runs
         `before_compile()`, then is compiled (or loaded from the persistent cache) and kept."""
         key = self.key(kind, args, static)
-        compiled = self.get(key)
-        if compiled is None:
+        if key not in self:
             before_compile()
-            compiled = self[key] = jitted.lower(*args, **static).compile()
-        return compiled(*args)
+            self.add(kind, jitted, args, **static)
+        return self[key](*args)
