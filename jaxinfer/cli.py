@@ -36,7 +36,7 @@ import os
 import sys
 
 from jaxinfer.benchmarks import cli as bench_cli
-from jaxinfer.cli_parser import Parser, print_error
+from jaxinfer.cli_parser import Parser, parse_command_line, print_error
 from jaxinfer.commands import chat, convert, generate, serve, tune
 from jaxinfer.commands.version import VersionAction
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if given and given[0].startswith("-") and given[0] not in ("-h", "--help", "--version"):
         names = ", ".join([*COMMANDS, "bench"])
         parser.error(f"unknown option {given[0]}: the command comes first ({names}), then its options")
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     for noisy in ("jax", "absl", "orbax"):

@@ -5,6 +5,7 @@ on stderr with exit status 2."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 EXIT_BAD_INPUT = 2
@@ -29,4 +30,28 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:
+        if message.startswith(UNRECOGNIZED):
+            message += self.suggestions(message[len(UNRECOGNIZED):].split())
         self.exit(EXIT_BAD_INPUT, error_line(f"{message} (see {self.prog} --help)"))
+
+    def suggestions(self, given: list[str]) -> str:
+        """", did you mean --x?" for the given options that are near misses of this parser's (difflib's ratio >=
+        0.75, as `--temprature` for `--temperature`); "" when none is."""
+        known = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        near = []
+        for option in (g.split("=", 1)[0] for g in given if g.startswith("--")):
+            near += difflib.get_close_matches(option, known, n=1, cutoff=0.75)
+        return f", did you mean {' or '.join(dict.fromkeys(near))}?" if near else ""
+
+
+UNRECOGNIZED = "unrecognized arguments: "
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args(argv)` for a parser with subcommands, where options the chosen subcommand does not know
+    are that subcommand's usage error (its --help and its near misses), not the top-level parser's."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        commands.get(getattr(args, "command", None), parser).error(UNRECOGNIZED + " ".join(extra))
+    return args

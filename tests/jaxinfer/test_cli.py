@@ -104,6 +104,23 @@ def test_abbreviated_options_are_refused(argv: list[str], unrecognized: str, cap
     assert e.value.code == 2 and err.startswith("jaxinfer: error: unrecognized arguments: " + unrecognized), err
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["generate", "--prompt", "x", "--temprature", "0"],
+     "unrecognized arguments: --temprature 0, did you mean --temperature? (see jaxinfer generate --help)"),
+    (["serve", "--prot", "8000", "--max-num-seq=3"], "unrecognized arguments: --prot 8000 --max-num-seq=3, did you "
+                                                       "mean --port or --max-num-seqs? (see jaxinfer serve --help)"),
+    (["bench", "quant", "--batchs", "1"],
+     "unrecognized arguments: --batchs 1, did you mean --batches? (see jaxinfer bench quant --help)"),
+    (["generate", "--prompt", "x", "stray", "--zzz"], "unrecognized arguments: stray --zzz (see jaxinfer generate --help)"),
+])
+def test_unknown_options_name_the_commands_help_and_near_misses(argv: list[str], line: str, capsys) -> None:
+    from jaxinfer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err == f"jaxinfer: error: {line}\n"
+
+
 def test_an_option_before_the_command_is_named(capsys) -> None:
     from jaxinfer.cli import main
 
