@@ -80,6 +80,8 @@ def validation_message(e: ValidationError, model: type[BaseModel]) -> tuple[str,
         return f"unknown field {name_hint(field, model.model_fields) if len(loc) == 1 else repr(path)}", field
     if err["type"] == "missing":
         return f"{path} is required", field
+    if err["type"] == "int_parsing_size":  # pydantic's own text says "Unable to parse input string"
+        return f"{path}: {err.get('input')} is too large for an integer", field
     info = model.model_fields.get(field) if field is not None else None
     expected = str(info.annotation).replace("typing.", "").replace(" | None", "") if info is not None else ""
     if " | " in expected and len(loc) > 1 and isinstance(loc[1], str):
