@@ -22,8 +22,31 @@ if TYPE_CHECKING:
     from models.llama import LayerWeights, Weights
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis in one fixed order per row: the row zero-padded to a power of two, then halved by
+    elementwise adds (a pairwise tree). XLA's own reductions change their order with the number of rows (XLA:CPU
+    from 8 rows, where it vectorizes across them), so a row's sum, and with it a greedy token, would depend on the
+    other sequences of the batch; elementwise adds do not.
+
+    Args:
+      x: [..., C], a float dtype.
+
+    Returns:
+      [..., 1] in x's dtype.
+    """
+    c = x.shape[-1]
+    width = 1 << max(c - 1, 0).bit_length()
+    if width != c:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - c)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm over the last axis, computed in f32, returned in x's dtype.
+    """RMSNorm over the last axis, computed in f32, returned in x's dtype; the mean square in a fixed order per
+    row (`row_sum`), so a token's norm does not depend on the batch it is in.
 
     Args:
       x: [..., C], any float dtype.
@@ -32,7 +55,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) ->
       offset: 0 for Llama-style norms, 1 for Gemma's (`ModelConfig.norm_weight_offset`).
     """
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x32.shape[-1] + eps)
     gain = (scale.astype(jnp.float32) + offset) if offset else scale.astype(jnp.float32)
     return (x32 * gain).astype(x.dtype)
 

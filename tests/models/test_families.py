@@ -20,6 +20,7 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ from jaxinfer.loading.hf import load_hf_weights
 from jaxinfer.scheduler.chunk import ScheduledChunk
 from models import quant
 from models.config import Activation, ModelConfig
-from models.layer import gate_activation, rms_norm, soft_cap_logits
+from models.layer import gate_activation, rms_norm, row_sum, soft_cap_logits
 from models.llama import check_weights
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -218,6 +219,24 @@ def test_rms_norm_offset_scales_by_one_plus_w():
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6)), normed * w,
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [576, 64, 7, 1])
+def test_rms_norm_gives_a_row_the_same_bits_in_any_batch(width):
+    """A token's norm does not depend on how many other rows share the call (XLA:CPU's own row reductions change
+    their order from 8 rows, which flipped bf16 greedy tokens beside 7 other requests), and the fixed-order sum is
+    the float64 sum to f32 rounding."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, width)).astype(np.float32) * 3
+    w = rng.normal(size=width).astype(np.float32)
+    norm = jax.jit(lambda x: rms_norm(x, jnp.asarray(w), 1e-6))
+    for rows in (2, 3, 5, 8, 16, 64):
+        together = np.asarray(norm(jnp.asarray(x[:rows])))
+        for r in range(rows):
+            alone = np.asarray(norm(jnp.asarray(x[[r, r]])))[0]
+            np.testing.assert_array_equal(together[r], alone, err_msg=f"row {r} of {rows}")
+    sums = np.asarray(row_sum(jnp.asarray(x)))[:, 0]
+    np.testing.assert_allclose(sums, x.astype(np.float64).sum(-1), rtol=2e-6, atol=2e-6 * np.abs(x).sum(-1).max())
 
 
 # --- the HF goldens through chunked prefill, the engine, and norm folding -------------------------------------
