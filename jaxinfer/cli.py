@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     if given and given[0].startswith("-") and given[0] not in ("-h", "--help", "--version"):
         names = ", ".join([*COMMANDS, "bench"])
-        parser.error(f"unknown option {given[0]}: the command comes first ({names}), then its options")
+        parser.error(f"unknown option {given[0]}: the command comes first ({names}), then its options"
+                     f"{parser.suggestions(given[:1])}")
     args = parse_command_line(parser, argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

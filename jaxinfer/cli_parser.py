@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 
 EXIT_BAD_INPUT = 2
@@ -32,6 +33,10 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         if message.startswith(UNRECOGNIZED):
             message += self.suggestions(message[len(UNRECOGNIZED):].split())
+        elif choice := _INVALID_CHOICE.search(message):  # a misspelt command or workload: argparse lists them all
+            near = difflib.get_close_matches(choice[1], [c.strip("'") for c in choice[2].split(", ")], n=1,
+                                             cutoff=0.75)
+            message += f", did you mean {near[0]}?" if near else ""
         self.exit(EXIT_BAD_INPUT, error_line(f"{message} (see {self.prog} --help)"))
 
     def suggestions(self, given: list[str]) -> str:
@@ -45,6 +50,7 @@ class Parser(argparse.ArgumentParser):
 
 
 UNRECOGNIZED = "unrecognized arguments: "
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -121,6 +121,20 @@ def test_unknown_options_name_the_commands_help_and_near_misses(argv: list[str],
     assert e.value.code == 2 and capsys.readouterr().err == f"jaxinfer: error: {line}\n"
 
 
+@pytest.mark.parametrize("argv, hint", [(["genrate", "--prompt", "x"], ", did you mean generate? (see jaxinfer --help)"),
+                                        (["bench", "quantt"], ", did you mean quant? (see jaxinfer bench --help)"),
+                                        (["--versoin"], ", did you mean --version? (see jaxinfer --help)"),
+                                        (["xyz"], ") (see jaxinfer --help)")])
+def test_a_misspelt_command_or_workload_gets_its_near_miss(argv: list[str], hint: str, capsys) -> None:
+    from jaxinfer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("jaxinfer: error: ") and err.endswith(hint + "\n"), err
+    assert err.count("\n") == 1
+
+
 def test_an_option_before_the_command_is_named(capsys) -> None:
     from jaxinfer.cli import main
 
