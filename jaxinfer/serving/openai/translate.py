@@ -138,7 +138,12 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
     _check(body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
            f"top_logprobs={show(body.top_logprobs)} must be in [0, {MAX_LOGPROBS}]")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    try:
+        return _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    except ValueError as e:  # name the field the client sent
+        if body.max_completion_tokens is None or not str(e).startswith("max_tokens"):
+            raise
+        raise ValueError(str(e).replace("max_tokens", "max_completion_tokens")) from None
 
 
 def _content_text(content: object, name: str) -> object:

@@ -226,6 +226,10 @@ BAD = {
     # Found by this file: a 400 whose message said neither "JSON" nor the number (int conversion's own text).
     "a number of 5000 digits": (COMPLETIONS, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400,
                                 "invalid_request_error", None, ["JSON", "digits"]),
+    # Found by a fresh-user trial: a bad max_completion_tokens was named max_tokens, a field the client never sent.
+    "chat max_completion_tokens -1": (CHAT, {"messages": HI, "max_completion_tokens": -1}, 400,
+                                      "invalid_request_error", "max_completion_tokens",
+                                      ["max_completion_tokens=-1 must be an integer >= 1"]),
     # Found by a fresh-user trial: pydantic's text for a float past int64 said "Unable to parse input string".
     "max_tokens 1e30": (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 1e30}', 400, "invalid_request_error",
                         "max_tokens", ["max_tokens: 1e+30 is too large for an integer"]),
