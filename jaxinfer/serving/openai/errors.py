@@ -86,8 +86,15 @@ def validation_message(e: ValidationError, model: type[BaseModel]) -> tuple[str,
     expected = str(info.annotation).replace("typing.", "").replace(" | None", "") if info is not None else ""
     if " | " in expected and len(loc) > 1 and isinstance(loc[1], str):
         # a union (prompt, stop, ...): pydantic names the first alternative it tried; name them all
-        return f"{field} must be {expected}, got {type(err.get('input')).__name__}", field
+        return f"{field} must be {expected}, got {_kind(err.get('input'))}", field
     return f"{path}: {err['msg']}", field
+
+
+def _kind(value: object) -> str:
+    """A JSON value's type for an error message, a list's with its items' ("list of float", "list of list")."""
+    if isinstance(value, list) and value:
+        return "list of " + " and ".join(sorted({type(v).__name__ for v in value}))
+    return "empty list" if isinstance(value, list) else type(value).__name__
 
 
 # Fields whose name starts a `SamplingParams` / translation / token-id error ("temperature=...", "prompt[1]: ...",

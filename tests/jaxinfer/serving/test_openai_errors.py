@@ -226,6 +226,9 @@ BAD = {
     # Found by this file: a 400 whose message said neither "JSON" nor the number (int conversion's own text).
     "a number of 5000 digits": (COMPLETIONS, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400,
                                 "invalid_request_error", None, ["JSON", "digits"]),
+    # Found by a fresh-user trial: a prompt of floats was "got list".
+    "a prompt of floats": (COMPLETIONS, {"prompt": [1.5]}, 400, "invalid_request_error", "prompt",
+                           ["prompt must be str | list[str] | list[int] | list[list[int]], got list of float"]),
     # Found by a fresh-user trial: a bad max_completion_tokens was named max_tokens, a field the client never sent.
     "chat max_completion_tokens -1": (CHAT, {"messages": HI, "max_completion_tokens": -1}, 400,
                                       "invalid_request_error", "max_completion_tokens",
