@@ -32,6 +32,12 @@ from jaxinfer.scheduler.prefix_cache import PrefixCache
 logger = logging.getLogger(__name__)
 
 
+class _AfterTheStep(Exception):
+    """Raised from `StepGroups._execute` for a failure after the step's own device call (launching the next step
+    ahead: its page, the prefix cache's offloads): the engine's state, not these requests' values; `run` re-raises
+    its cause to the engine loop instead of retrying the chunks one by one."""
+
+
 class StepGroups:
     """Runs an engine's chunk groups on its runner; the arguments are the engine's parts.
 
@@ -66,6 +72,9 @@ class StepGroups:
         """
         try:
             result = self._execute(chunks, draft_probs_row, decodes, launch)
+        except _AfterTheStep as e:
+            self.ahead.drop()
+            raise e.__cause__ from None
         except Exception as e:  # noqa: BLE001 - isolate any failure of the step to the sequences that cause it
             self.ahead.drop()
             if len(chunks) == 1:  # a ValueError is the request's own values (no traceback for a client's error)
@@ -147,5 +156,8 @@ class StepGroups:
                                        prompt_logprobs=any(wants(c) for c in chunks)), None
         step, rows = taken
         if launch:
-            self.ahead.launch(chunks, step, rows)
+            try:
+                self.ahead.launch(chunks, step, rows)  # its own dispatch's failures it handles itself
+            except Exception as e:
+                raise _AfterTheStep() from e
         return step.result(rows)
