@@ -20,6 +20,12 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512_vnni": (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                      "-mavx512vnni"),
                     ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
+    # the above + Intel AMX tiles (bf16 and int8 tile dot products: Sapphire Rapids and later); Linux must also
+    # grant the process the tile state (`amx_permitted`)
+    "amx": (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+             "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile",
+             "amx_bf16", "amx_int8")),
 }
 _OFF = ("0", "off", "false", "no")
 _ON = ("", "1", "on", "true", "yes")
@@ -38,10 +44,27 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether Linux grants this process the AMX tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`, kernel
+    5.16 and later; asked once, and the grant holds for the whole process). False off Linux or x86-64."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
 def supported_levels() -> list[str]:
-    """The ISA levels this CPU can run, lowest first."""
+    """The ISA levels this CPU can run, lowest first (`amx` only where Linux grants the tiles: `amx_permitted`)."""
     flags = cpu_flags()
-    return [level for level, (_, needs) in ISA_LEVELS.items() if set(needs) <= flags]
+    return [level for level, (_, needs) in ISA_LEVELS.items()
+            if set(needs) <= flags and (level != "amx" or amx_permitted())]
 
 
 def check_environment() -> None:

@@ -4,11 +4,11 @@ stacked layers that passes the stack and the layer index, as the engine's layer 
 alternating rounds (the shared VM's slow spells hit all alike); prints the median over rounds of each round's
 median, in microseconds a layer. Weights are random (codes and scales), so only the time means anything.
 
-    .venv/bin/python scripts/kernel_layers.py w4a8 --rounds 5      # or int4, int8, w8a8
+    .venv/bin/python scripts/kernel_layers.py w4a8 --rounds 5      # or int4, int8, w8a8, bf16
 
 `--baseline LIB` times an earlier build of the kernels beside this checkout's, in the same rounds and process: a
 library file from the build cache (`~/.cache/jaxinfer/native/jaxinfer_gemv_<level>_<hash>.so`, built by an older
-checkout; its level is in its name and only that level runs). `--rows M`: M activation rows (1-8).
+checkout; its level is in its name and only that level runs). `--rows M`: M activation rows (1 to `cpu_gemv.MAX_ROWS`).
 
 Weights total 30 x ~3.3 MB (int4) to ~6.4 MB (int8) per kind: on a CPU with a large last-level cache they stay
 in it, as a lone engine's weights do; the time then is the kernels' compute and hand-offs, not DRAM.
@@ -37,6 +37,8 @@ SITES = {"q/k/v": [(576, 576), (192, 576), (192, 576)], "o": [(576, 576)], "gate
 
 
 def _weights(kind: str, n: int, k: int, rng: np.random.Generator) -> tuple:
+    if kind == "bf16":  # the model's plain layout, input-major [K, N]
+        return (jnp.asarray(rng.standard_normal((LAYERS, k, n), dtype=np.float32), jnp.bfloat16), None, None)
     if kind in ("w4a8", "int4"):
         return (jnp.asarray(rng.integers(0, 256, (LAYERS, n, k // 2), dtype=np.uint8)),
                 jnp.asarray(rng.random((LAYERS, n, k // 32), dtype=np.float32) * 0.01), None)
@@ -50,7 +52,9 @@ def scan_of(kind: str, site: str, rng: np.random.Generator, rows: int = 1):
     x = jnp.asarray(rng.standard_normal((rows, SITES[site][0][1]), dtype=np.float32)).astype(jnp.bfloat16)
 
     def body(carry, layer):
-        if kind == "w8a8":
+        if kind == "bf16":
+            ys = cpu_gemv.float_matmuls(x + carry.astype(x.dtype), [w[0] for w in ws], input_major=True, layer=layer)
+        elif kind == "w8a8":
             xq = jnp.clip(jnp.round(x.astype(jnp.float32) * 10), -127, 127).astype(jnp.int8) + carry.astype(jnp.int8)
             ys = cpu_gemv.i8i8_matmuls(xq, [w[0] for w in ws], layer=layer)
         else:
@@ -71,7 +75,7 @@ def register_baseline(path: Path, kind: str) -> str:
     if match is None or match.group(1) not in cpu_features.supported_levels():
         raise SystemExit(f"--baseline {path}: not a kernels library of a level this CPU runs "
                          f"(jaxinfer_gemv_<level>_<hash>.so; levels here: {cpu_features.supported_levels()})")
-    kernel = "i8i8_matmul" if kind == "w8a8" else "weight_only_matmul"
+    kernel = {"w8a8": "i8i8_matmul", "bf16": "float_matmul"}.get(kind, "weight_only_matmul")
     try:
         symbol = getattr(ctypes.cdll.LoadLibrary(str(path)), f"jaxinfer_{kernel}")
     except (OSError, AttributeError) as e:
@@ -83,7 +87,7 @@ def register_baseline(path: Path, kind: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("w4a8", "int4", "int8", "w8a8"))
+    parser.add_argument("kind", choices=("w4a8", "int4", "int8", "w8a8", "bf16"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10, help="timed scans a site and level each round")
     parser.add_argument("--rows", type=int, default=1, help="activation rows, 1-8 (default 1)")

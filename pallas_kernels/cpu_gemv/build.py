@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gemv.cc", "paged_attention.cc", "logits.cc"))
 KEEP_BUILDS = 4  # libraries kept a level in the cache folder, the newest used first (`_prune`)
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("threads.h", "common.h", "float.h", "int4.h", "int8.h"))  # part of the cache key
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("threads.h", "common.h", "float.h", "int4.h", "int8.h",
+                                                   "amx.h"))  # part of the cache key
 TARGETS = ("float_matmul", "weight_only_matmul", "i8i8_matmul", "paged_attention", "logit_rows",
            "truncation_threshold")
 _lock = threading.Lock()

@@ -52,6 +52,7 @@
 #include "float.h"
 #include "int4.h"
 #include "int8.h"
+#include "amx.h"
 
 namespace ffi = xla::ffi;
 
@@ -84,10 +85,15 @@ template <typename F>
 void split_rows(const std::vector<int64_t>& Ns, const F& f) {
   int64_t total = 0;
   for (int64_t n : Ns) total += n;
-  int64_t rows = rows_per_chunk(total, 8, 16), chunks = 0;
+#ifdef JAXINFER_AMX
+  constexpr int64_t align = 16;  // nk_amx's strips
+#else
+  constexpr int64_t align = 8;
+#endif
+  int64_t rows = rows_per_chunk(total, align, 16), chunks = 0;
   std::vector<int64_t> per(Ns.size()), first(Ns.size());
   for (size_t i = 0; i < Ns.size(); ++i) {
-    per[i] = std::min(rows, (Ns[i] + 7) / 8 * 8), first[i] = chunks;
+    per[i] = std::min(rows, (Ns[i] + align - 1) / align * align), first[i] = chunks;
     chunks += (Ns[i] + per[i] - 1) / per[i];
   }
   parallel_chunks(chunks, [&](int64_t c) {
@@ -179,6 +185,60 @@ void float_call(const float* x, int64_t M, int64_t K, const std::vector<FloatPar
   });
 }
 
+#ifdef JAXINFER_AMX
+// The amx level's bf16 x bf16 products (amx.h), when the activations and every weight are bf16, M <= 16 and, for
+// [N, K] weights, K is a multiple of 32; false (nothing done) otherwise. [K, N]: the same block split as
+// float_call, in blocks of a multiple of 32 rows; [N, K]: 16-row strips, any rows left over on the 256-bit path.
+bool amx_float_call(const ffi::AnyBuffer& x, int64_t M, int64_t K, const std::vector<FloatPart>& parts, bool kn,
+                    const float* xf) {
+  if (x.element_type() != ffi::BF16 || M > jaxinfer_gemv::kAmxMaxRows || (!kn && K % 32) ||
+      !jaxinfer_gemv::amx_permitted())
+    return false;
+  for (const FloatPart& p : parts)
+    if (!p.bf16) return false;
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  if (!kn) {
+    std::vector<uint16_t> packed = jaxinfer_gemv::pack_columns(xb, M, K);
+    std::vector<int64_t> Ns;
+    for (const FloatPart& p : parts) Ns.push_back(p.N);
+    split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
+      const FloatPart& p = parts[i];
+      const uint16_t* w = static_cast<const uint16_t*>(p.w);
+      int64_t tiled = n0 + (n1 - n0) / 16 * 16;
+      jaxinfer_gemv::nk_amx(packed.data(), M, K, w, p.y, p.N, n0, tiled);
+      if (tiled < n1) nk_rows(xf, M, K, w, p.y, p.N, tiled, n1);
+    });
+    return true;
+  }
+  int64_t Kp = (K + 31) / 32 * 32;
+  std::vector<uint16_t> xp(M * Kp, 0);
+  for (int64_t m = 0; m < M; ++m) std::copy(xb + m * K, xb + (m + 1) * K, xp.data() + m * Kp);
+  int64_t rows = std::max<int64_t>(64, (K / (2 * max_threads()) + 31) / 32 * 32);
+  int64_t blocks = (K + rows - 1) / rows;
+  std::vector<int64_t> offset(parts.size() + 1, 0), N16(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i)
+    N16[i] = (parts[i].N + 15) / 16 * 16, offset[i + 1] = offset[i] + blocks * M * N16[i];
+  std::vector<float> partial(offset.back());
+  parallel_chunks(int64_t(parts.size()) * blocks, [&](int64_t c) {
+    size_t i = c / blocks;
+    int64_t b = c % blocks, k0 = b * rows, k1 = std::min(K, k0 + rows);
+    jaxinfer_gemv::float_kn_amx(xp.data(), M, Kp, static_cast<const uint16_t*>(parts[i].w), parts[i].N,
+                                partial.data() + offset[i] + b * M * N16[i], k0, k1);
+  });
+  for (size_t i = 0; i < parts.size(); ++i) {
+    int64_t N = parts[i].N, size = M * N16[i];
+    const float* sums = partial.data() + offset[i];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        float v = sums[m * N16[i] + n];
+        for (int64_t b = 1; b < blocks; ++b) v += sums[b * size + m * N16[i] + n];
+        parts[i].y[m * N + n] = v;
+      }
+  }
+  return true;
+}
+#endif
+
 // Activations as f32 [M, K]: f32 ones in place, bf16 ones converted into `tmp`.
 const float* activations_f32(const ffi::AnyBuffer& x, std::vector<float>& tmp) {
   if (x.element_type() == ffi::F32) return reinterpret_cast<const float*>(x.untyped_data());
@@ -211,7 +271,11 @@ ffi::Error FloatMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::Remai
   };
   if (auto e = for_each_weight<ffi::F32>(weights, outs, 1, "float_matmul", read); e.failure()) return e;
   std::vector<float> tmp;
-  float_call(activations_f32(x, tmp), M, K, parts, kn);
+  const float* xf = activations_f32(x, tmp);
+#ifdef JAXINFER_AMX
+  if (amx_float_call(x, M, K, parts, kn, xf)) return ffi::Error::Success();
+#endif
+  float_call(xf, M, K, parts, kn);
   return ffi::Error::Success();
 }
 
@@ -250,6 +314,17 @@ ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::
   };
   if (auto e = for_each_weight<ffi::S32>(weights, outs, 1, "i8i8_matmul", read); e.failure()) return e;
   std::vector<uint8_t> xu = jaxinfer_gemv::i8_unsigned(x.typed_data(), M * K);
+#ifdef JAXINFER_AMX
+  if (M <= jaxinfer_gemv::kAmxMaxRows && K % 64 == 0 && jaxinfer_gemv::amx_permitted()) {
+    std::vector<int8_t> packed = jaxinfer_gemv::pack_columns(x.typed_data(), M, K);
+    split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {  // 16-row strips on tiles, the rest as below
+      int64_t tiled = n0 + (n1 - n0) / 16 * 16;
+      jaxinfer_gemv::nk_amx(packed.data(), M, K, ws[i], ys[i], Ns[i], n0, tiled);
+      if (tiled < n1) i8_rows(x.typed_data(), xu.data(), M, K, ws[i], ys[i], Ns[i], tiled, n1);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
     i8_rows(x.typed_data(), xu.data(), M, K, ws[i], ys[i], Ns[i], n0, n1);
   });
@@ -293,8 +368,64 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   std::vector<A8Pair> xa = int8_activations ? a8_pairs(xf, M, K) : std::vector<A8Pair>();
   std::vector<int64_t> Ns;
   for (const Part& p : parts) Ns.push_back(p.N);
+#ifdef JAXINFER_AMX
+  // int8 on tiles (amx.h, i16_amx) when every weight's groups are a multiple of 32 inputs: the int16 rows split
+  // into their high and low bytes, packed as tile B once a call; rows past the last 16-row strip as below
+  // (and int4 when all weights share their groups: q4_amx, the int16 rows in its code order, per group the rows'
+  // sums of rounded inputs `xsum_t` [G, 16])
+  int64_t step = 0;
+  bool q4 = bits == 4 && !int8_activations;
+  if ((bits == 8 || q4) && M <= jaxinfer_gemv::kAmxMaxRows && jaxinfer_gemv::amx_permitted()) {
+    step = 64;
+    for (const Part& p : parts) {
+      step = std::min<int64_t>(step, (K / p.G) % 64 == 0 ? 64 : (K / p.G) % 32 == 0 ? 32 : 0);
+      if (q4 && p.G != parts[0].G) step = 0;
+    }
+  }
+  std::vector<int8_t> xh, xhp;
+  std::vector<uint8_t> xl, xlp;
+  std::vector<float> xsum_t;
+  if (step) {
+    if (q4) {  // the int16 rows (as q4_activations rounds them), their group sums, then q4_amx's order
+      std::vector<float> same;  // the scales q4_activations set in xs
+      xq = int16_rows(xf, M, K, same);
+      const int64_t G = parts[0].G, group = K / G;
+      xsum_t.assign(G * jaxinfer_gemv::kAmxMaxRows, 0.f);
+      std::vector<int16_t> ordered(M * K);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t g = 0; g < G; ++g) {
+          int64_t sum = 0;
+          for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += xq[m * K + k];
+          xsum_t[g * jaxinfer_gemv::kAmxMaxRows + m] = float(sum);
+        }
+        for (int64_t k = 0; k < K; ++k) ordered[m * K + k] = xq[m * K + k / 64 * 64 + jaxinfer_gemv::q4_order(k % 64)];
+      }
+      xq.swap(ordered);
+    }
+    xh.resize(M * K), xl.resize(M * K);
+    for (int64_t j = 0; j < M * K; ++j) xh[j] = int8_t(xq[j] >> 8), xl[j] = uint8_t(xq[j] & 0xff);
+    xhp = jaxinfer_gemv::pack_columns(xh.data(), M, K, step), xlp = jaxinfer_gemv::pack_columns(xl.data(), M, K, step);
+  }
+#endif
   split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
     const Part& p = parts[i];
+#ifdef JAXINFER_AMX
+    if (step) {
+      int64_t tiled = n0 + (n1 - n0) / 16 * 16;
+      if (q4) {
+        jaxinfer_gemv::q4_amx(xhp.data(), xlp.data(), xsum_t.data(), M, K, static_cast<const uint8_t*>(p.w),
+                              p.scale, p.offset, symmetric, p.G, step, p.y, p.N, n0, tiled);
+        if (tiled < n1)
+          q4_rows(xp.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
+                  p.y, p.N, tiled, n1);
+        return;
+      }
+      jaxinfer_gemv::i16_amx(xhp.data(), xlp.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, step,
+                             p.y, p.N, n0, tiled);
+      if (tiled < n1) i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, tiled, n1);
+      return;
+    }
+#endif
     if (int8_activations)
       q4a8_rows(xa.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.y, p.N, n0, n1);
     else if (bits == 8)

@@ -21,7 +21,9 @@ from pallas_kernels import cpu_gemv
 from pallas_kernels.cpu_gemv import build
 
 LEVELS = build.supported_levels()
-SHAPES = [(576, 1536), (1536, 576), (64, 13), (128, 1), (192, 100)]  # (K, N): SmolLM2's, odd and tiny N
+# (K, N): SmolLM2's, odd and tiny N; 200: K not a multiple of 32 (the amx level's [N, K] bf16 kernel leaves it to
+# the 256-bit one)
+SHAPES = [(576, 1536), (1536, 576), (64, 13), (128, 1), (192, 100), (200, 40)]
 ROWS = [1, 2, 3, 4, 5, 8]
 
 
@@ -70,7 +72,8 @@ def test_float_kernels_both_layouts(k, n, m):
                             r) < 1e-5
 
 
-@pytest.mark.parametrize("k,n", [s for s in SHAPES if s[0] % 32 == 0] + [(4160, 3), (96, 5)])  # 4160: past 2048 a sum; 96: a half step
+# 4160: past 2048 a sum; 96: a half step; 16448: past the amx level's 16,384 inputs a sum
+@pytest.mark.parametrize("k,n", [s for s in SHAPES if s[0] % 32 == 0] + [(4160, 3), (96, 5), (16448, 17)])
 @pytest.mark.parametrize("m", ROWS)
 def test_int8_weight_only_and_w8a8(k, n, m):
     rng = np.random.default_rng(k + n * 7 + m)
@@ -317,6 +320,26 @@ def test_isa_level_choice_is_checked(monkeypatch):
     monkeypatch.setenv("JAXINFER_NATIVE_ISA", "future")
     with pytest.raises(ValueError, match="cannot run it"):
         cpu_gemv.isa_level()
+
+
+def test_amx_level_needs_the_flags_and_the_kernels_grant(monkeypatch):
+    """`amx` is a level only where the CPU lists the AMX flags and Linux grants the tile state; else forcing it is
+    refused by name, like any level the CPU cannot run."""
+    from pallas_kernels import cpu_features
+
+    needs = set(build.ISA_LEVELS["amx"][1])
+    with_flags = frozenset(build.ISA_LEVELS["avx512_vnni"][1]) | needs
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: with_flags)
+    monkeypatch.setattr(cpu_features, "amx_permitted", lambda: True)
+    assert cpu_features.supported_levels() == ["avx2", "avx512_vnni", "amx"]
+    monkeypatch.setattr(cpu_features, "amx_permitted", lambda: False)  # a kernel before 5.16, or a refusal
+    assert cpu_features.supported_levels() == ["avx2", "avx512_vnni"]
+    monkeypatch.setenv("JAXINFER_NATIVE_ISA", "amx")
+    with pytest.raises(ValueError, match="cannot run it"):
+        cpu_gemv.isa_level()
+    monkeypatch.setattr(cpu_features, "amx_permitted", lambda: True)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: with_flags - {"amx_int8"})
+    assert cpu_features.supported_levels() == ["avx2", "avx512_vnni"]
 
 
 def test_build_into_a_fresh_cache_and_fallbacks(tmp_path, monkeypatch, caplog, level):

@@ -1,0 +1,376 @@
+// The amx level's kernels (gemv.cc; build.py's flags for the level): Intel AMX tile matmuls for 1-16 activation
+// rows, where the 512-bit dot products of the avx512_vnni level run out of arithmetic as the rows grow (a row more
+// costs them one more dot per weight vector; a tile op takes up to 16 rows at the same cost).
+//
+//   float_kn_amx  bf16 x [M, K] times bf16 w [K, N] (input-major): x is tile A (M rows x 32 inputs) and each
+//                 16-column strip of 32 weight rows tile B, its rows interleaved in pairs (k, k + 1) as
+//                 tdpbf16ps wants them (`pack_pairs`, one 512-bit permute per 32 weights, into an L2-resident
+//                 buffer), the partial sums [M, N] tile C.
+//   nk_amx        w [N, K] row-major (a tied embedding as LM head in bf16, w8a8's int8 weights) times x: the
+//                 transposed product y.T = w . x.T, so 16 weight rows load as tile A in place (no repacking: each
+//                 row is 64 contiguous bytes at the weight's row stride) and the activations, laid out once a call
+//                 in pairs (bf16) or fours (int8) of inputs (`pack_columns`), are tile B; tile C is 16 outputs x M
+//                 rows. bf16: tdpbf16ps; int8: tdpbssd (signed x signed, exact int32 sums as the other levels).
+//
+// Sums: tdpbf16ps multiplies bf16 exactly and adds in f32 (denormal inputs count as zero, denormal results flush
+// to zero: Intel SDM, "TDPBF16PS"), in its own order; tdpbssd's int32 sums are exact and wrap as the others.
+//
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM; kernel 5.16 and
+// later): `amx_permitted` asks once; where it is refused every kernel takes its avx512_vnni path. Each chunk of
+// work configures the tiles on its thread and releases them at its end (a thread holding tile state makes each
+// context switch save 8 KiB more).
+#ifndef JAXINFER_CPU_GEMV_AMX_H_
+#define JAXINFER_CPU_GEMV_AMX_H_
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define JAXINFER_AMX 1
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+
+namespace jaxinfer_gemv {
+
+constexpr int64_t kAmxMaxRows = 16;  // activation rows a tile takes
+
+// Whether this process may use the AMX tiles (asked once; Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA).
+inline bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// A tile configuration (palette 1): `shape[t]` = {rows, bytes a row} of tile t, unused tiles zero.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void set(int t, int r, int bytes) { rows[t] = uint8_t(r), colsb[t] = uint16_t(bytes); }
+};
+static_assert(sizeof(TileConfig) == 64, "the tile configuration is 64 bytes");
+
+// Configures the tiles for one chunk of work and releases them when it ends.
+class Tiles {
+ public:
+  explicit Tiles(const TileConfig& c) { _tile_loadconfig(&c); }
+  ~Tiles() { _tile_release(); }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// float_kn_amx. Rows [k, k + 32) of w [K, N] (rows at or past `k_end` read as zero) into `buf`: per 16-column strip
+// s, 16 rows of 64 bytes, row p holding (w[k + 2p, n], w[k + 2p + 1, n]) for the strip's 16 columns n (columns
+// past N zero), i.e. tile B of tdpbf16ps.
+inline void pack_pairs(const uint16_t* w, int64_t N, int64_t k, int64_t k_end, uint16_t* buf) {
+  alignas(64) static const int16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLo);  // the pairs of columns 0-15 of rows a and b
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const int64_t strips = (N + 15) / 16;
+  for (int64_t p = 0; p < 16; ++p) {
+    int64_t r0 = k + 2 * p, r1 = r0 + 1;
+    const uint16_t* a = w + r0 * N;
+    const uint16_t* b = w + r1 * N;
+    uint16_t* out = buf + p * 32;
+    int64_t n = 0;
+    for (; n + 32 <= N; n += 32) {
+      if ((n & 31) == 0) {
+        if (r0 < k_end) _mm_prefetch(reinterpret_cast<const char*>(a + n) + kPrefetchBytes, _MM_HINT_T0);
+        if (r1 < k_end) _mm_prefetch(reinterpret_cast<const char*>(b + n) + kPrefetchBytes, _MM_HINT_T0);
+      }
+      __m512i va = r0 < k_end ? _mm512_loadu_si512(a + n) : _mm512_setzero_si512();
+      __m512i vb = r1 < k_end ? _mm512_loadu_si512(b + n) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + (n / 16) * 512, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(out + (n / 16 + 1) * 512, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+    if (n < N) {  // the last < 32 columns, masked; the strips' columns past N are zero
+      __mmask32 mask = _cvtu32_mask32((1u << (N - n)) - 1u);
+      __m512i va = r0 < k_end ? _mm512_maskz_loadu_epi16(mask, a + n) : _mm512_setzero_si512();
+      __m512i vb = r1 < k_end ? _mm512_maskz_loadu_epi16(mask, b + n) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + (n / 16) * 512, _mm512_permutex2var_epi16(va, lo, vb));
+      if (n / 16 + 1 < strips) _mm512_storeu_si512(out + (n / 16 + 1) * 512, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+
+// Rows [k0, k1) of w into the partial sums y [M, N16] (N16 = N rounded up to 16; zeroed here), x bf16 [M, Kp]
+// with Kp a multiple of 32 (zero past K), k0 a multiple of 32, M <= 16.
+inline void float_kn_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* w, int64_t N, float* y,
+                         int64_t k0, int64_t k1) {
+  const int64_t strips = (N + 15) / 16, N16 = strips * 16;
+  std::fill(y, y + M * N16, 0.f);
+  thread_local std::vector<uint16_t> buf;
+  buf.resize(strips * 512);
+  TileConfig c;
+  c.set(0, int(M), 64);  // A: x
+  c.set(1, int(M), 64);  // C: 16 partial sums a row
+  c.set(2, 16, 64);      // B: a strip's 16 pairs of rows
+  Tiles tiles(c);
+  for (int64_t k = k0; k < k1; k += 32) {
+    pack_pairs(w, N, k, k1, buf.data());
+    _tile_loadd(0, x + k, Kp * 2);
+    for (int64_t s = 0; s < strips; ++s) {
+      _tile_loadd(1, y + s * 16, N16 * 4);
+      _tile_loadd(2, buf.data() + s * 512, 64);
+      _tile_dpbf16ps(1, 0, 2);
+      _tile_stored(1, y + s * 16, N16 * 4);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// nk_amx, i16_amx. The activations as tile B of the transposed product: for each `step` bytes of K (64: 32 bf16
+// or 64 int8 inputs; 32 for int8 groups of 32 inputs), step / 4 rows of M groups of 4 / sizeof(T) consecutive
+// inputs (pairs of bf16, fours of int8), M x 4 bytes a row.
+template <typename T>
+std::vector<T> pack_columns(const T* x, int64_t M, int64_t K, int64_t step = 64) {
+  constexpr int64_t G = 4 / sizeof(T);
+  const int64_t per = step / sizeof(T), rows = step / 4;
+  std::vector<T> b(K / per * rows * M * G);
+  for (int64_t s = 0; s < K / per; ++s)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(&b[((s * rows + r) * M + m) * G], x + m * K + s * per + r * G, 4);
+  return b;
+}
+
+// Weight rows [n0, n1) of w [N, K] (n1 - n0 a multiple of 16, K a multiple of 64 bytes) times the packed
+// activations `xb` (`pack_columns`) into y [M, N]: f32 sums (bf16 w) or exact int32 sums (int8 w). Four strips of
+// 16 rows at a time share each tile B load and keep four independent tile C chains.
+template <typename T, typename R>
+void nk_amx(const T* xb, int64_t M, int64_t K, const T* w, R* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t kStep = 64 / sizeof(T);
+  const int64_t steps = K / kStep;
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.set(t, 16, int(4 * M));  // C: 16 outputs x M rows
+  c.set(4, 16, 64);                                      // A: 16 weight rows x 64 bytes (two, alternating)
+  c.set(5, 16, 64);
+  c.set(6, 16, int(4 * M));                              // B: the activations
+  Tiles tiles(c);
+  alignas(64) R out[16 * kAmxMaxRows];
+  auto store = [&](int64_t n) {  // tile C (16 outputs x M rows) into y's columns [n, n + 16)
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  int64_t n = n0;
+  for (; n + 64 <= n1; n += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const T* rows = w + n * K;
+    for (int64_t s = 0; s < steps; ++s) {
+      const T* a = rows + s * kStep;
+      for (int64_t r = 64; r < 128; ++r)  // the next 64 rows' lines at this step: one group ahead
+        _mm_prefetch(reinterpret_cast<const char*>(a + r * K), _MM_HINT_T0);
+      _tile_loadd(6, xb + s * 16 * M * (4 / sizeof(T)), 4 * M);
+#define JAXINFER_NK_STRIP(t, at)                                           \
+      _tile_loadd(at, a + (t) * 16 * K, K * sizeof(T));                    \
+      if constexpr (sizeof(T) == 2) _tile_dpbf16ps(t, at, 6);              \
+      else _tile_dpbssd(t, at, 6);
+      JAXINFER_NK_STRIP(0, 4)
+      JAXINFER_NK_STRIP(1, 5)
+      JAXINFER_NK_STRIP(2, 4)
+      JAXINFER_NK_STRIP(3, 5)
+#undef JAXINFER_NK_STRIP
+    }
+    _tile_stored(0, out, 4 * M);
+    store(n);
+    _tile_stored(1, out, 4 * M);
+    store(n + 16);
+    _tile_stored(2, out, 4 * M);
+    store(n + 32);
+    _tile_stored(3, out, 4 * M);
+    store(n + 48);
+  }
+  for (; n + 16 <= n1; n += 16) {
+    _tile_zero(0);
+    const T* rows = w + n * K;
+    for (int64_t s = 0; s < steps; ++s) {
+      _tile_loadd(6, xb + s * 16 * M * (4 / sizeof(T)), 4 * M);
+      _tile_loadd(4, rows + s * kStep, K * sizeof(T));
+      if constexpr (sizeof(T) == 2) _tile_dpbf16ps(0, 4, 6);
+      else _tile_dpbssd(0, 4, 6);
+    }
+    _tile_stored(0, out, 4 * M);
+    store(n);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// i16_amx: int8_nk on tiles. The activations, rounded to int16 per row as on the other levels, are split into
+// bytes, x = 256 h + l (h signed, l unsigned; `hi`, `lo` packed by pack_columns with `step` bytes a tile step: 64,
+// or 32 for groups of 32 inputs), and each 16-row strip of weights (tile A, in place) multiplies both: tdpbssd
+// into one int32 tile, tdpbsud into another. At each group end (and every 16,384 inputs: no int32 overflows) the
+// two sums go to f32 as 256 h-sum + l-sum, times the group's scale, into the totals. Weight rows [n0, n1), n1 - n0
+// a multiple of 16, groups of a multiple of `step` inputs; y f32 [M, N] before the rows' activation scales.
+inline void i16_amx(const int8_t* hi, const uint8_t* lo, int64_t M, int64_t K, const int8_t* w, const float* scale,
+                    int64_t G, int64_t step, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t group = K / G, span = std::min<int64_t>(group, 16384), rows = step / 4;
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.set(t, 16, int(4 * M));  // C: h and l sums of two strips
+  c.set(4, 16, int(step));                                // A: the two strips' weights
+  c.set(5, 16, int(step));
+  c.set(6, int(rows), int(4 * M));                        // B: h, l
+  c.set(7, int(rows), int(4 * M));
+  Tiles tiles(c);
+  const __mmask16 lanes = _cvtu32_mask16((1u << M) - 1u);
+  const __m512 f256 = _mm512_set1_ps(256.f);
+  alignas(64) int32_t sh[16 * kAmxMaxRows], sl[16 * kAmxMaxRows];
+  alignas(64) float total[32][kAmxMaxRows];
+  auto fold = [&](bool second, int64_t n, int64_t g, float* t) {  // a strip's sums into its totals
+    if (second) {
+      _tile_stored(2, sh, 4 * M);
+      _tile_stored(3, sl, 4 * M);
+    } else {
+      _tile_stored(0, sh, 4 * M);
+      _tile_stored(1, sl, 4 * M);
+    }
+    for (int64_t r = 0; r < 16; ++r) {
+      __m512 v = _mm512_fmadd_ps(f256, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sh + r * M)),
+                                 _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sl + r * M)));
+      __m512 acc = _mm512_maskz_loadu_ps(lanes, t + r * kAmxMaxRows);
+      _mm512_mask_storeu_ps(t + r * kAmxMaxRows, lanes,
+                            _mm512_fmadd_ps(v, _mm512_set1_ps(scale[(n + r) * G + g]), acc));
+    }
+  };
+  for (int64_t n = n0; n < n1; n += 32) {
+    const bool two = n + 32 <= n1;
+    std::fill(&total[0][0], &total[0][0] + 32 * kAmxMaxRows, 0.f);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += span) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = k0; k < std::min(k0 + span, (g + 1) * group); k += step) {
+          const int8_t* a = w + n * K + k;
+          if (k % 64 == 0)  // the next two strips' lines at this step
+            for (int64_t r = 32; r < 64; ++r) _mm_prefetch(reinterpret_cast<const char*>(a + r * K), _MM_HINT_T0);
+          _tile_loadd(6, hi + k / step * rows * M * 4, 4 * M);
+          _tile_loadd(7, lo + k / step * rows * M * 4, 4 * M);
+          _tile_loadd(4, a, K);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbsud(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, a + 16 * K, K);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbsud(3, 5, 7);
+          }
+        }
+        fold(false, n, g, total[0]);
+        if (two) fold(true, n + 16, g, total[16]);
+      }
+    for (int64_t r = 0; r < (two ? 32 : 16); ++r)
+      for (int64_t m = 0; m < M; ++m) y[m * N + n + r] = total[r][m];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// q4_amx: q4_nk on tiles, as i16_amx with the 4-bit codes as tile A: each 64-input chunk of a weight row (32 bytes,
+// input 2j in the low nibble of byte j) is unpacked once into 64 unsigned bytes in the order [low nibbles of
+// bytes 0-15, their high nibbles, low nibbles of bytes 16-31, their high nibbles] (`q4_order`), so each 32-input
+// block stays whole in its half; the activations are packed in that order (`q4_order` applied to the int16 rows
+// before their split into bytes). tdpbusd (codes x h) and tdpbuud (codes x l) sum the codes times the rounded
+// inputs; each group then adds, per output row, scale x (256 h-sum + l-sum) and its correction: -8 x scale
+// (symmetric codes) or the min, times the group's rounded input sum (`xsum_t` [G, 16]: per group, the rows' sums).
+//
+// The input a position of a 64-input chunk holds in q4_order (its own inverse is not needed: the activations are
+// gathered through it).
+inline int64_t q4_order(int64_t p) {
+  const int64_t block = p / 32, q = p % 32;
+  return 32 * block + (q < 16 ? 2 * q : 2 * (q - 16) + 1);
+}
+
+inline void q4_amx(const int8_t* hi, const uint8_t* lo, const float* xsum_t, int64_t M, int64_t K, const uint8_t* w,
+                   const float* scale, const float* offset, bool symmetric, int64_t G, int64_t step, float* y,
+                   int64_t N, int64_t n0, int64_t n1) {
+  const int64_t group = K / G, span = std::min<int64_t>(group, 16384), rows = step / 4, half = K / 2;
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.set(t, 16, int(4 * M));  // C: h and l sums of two strips
+  c.set(4, 16, int(step));                                // A: the two strips' unpacked codes
+  c.set(5, 16, int(step));
+  c.set(6, int(rows), int(4 * M));                        // B: h, l
+  c.set(7, int(rows), int(4 * M));
+  Tiles tiles(c);
+  const __mmask16 lanes = _cvtu32_mask16((1u << M) - 1u);
+  const __m512 f256 = _mm512_set1_ps(256.f);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  alignas(64) int32_t sh[16 * kAmxMaxRows], sl[16 * kAmxMaxRows];
+  alignas(64) float total[32][kAmxMaxRows];
+  alignas(64) uint8_t codes[32][64];
+  auto unpack = [&](int64_t n, int64_t chunk, int64_t count) {  // rows [n, n + count) of chunk `chunk`
+    for (int64_t r = 0; r < count; ++r) {
+      const uint8_t* src = w + (n + r) * half + 32 * chunk;
+      _mm_prefetch(reinterpret_cast<const char*>(src + 32 * half), _MM_HINT_T0);  // the next two strips' line
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      __m256i l4 = _mm256_and_si256(v, low4), h4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r]), _mm256_permute2x128_si256(l4, h4, 0x20));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r] + 32), _mm256_permute2x128_si256(l4, h4, 0x31));
+    }
+  };
+  auto fold = [&](bool second, int64_t n, int64_t g, bool last, float* t) {  // a strip's sums into its totals
+    if (second) {
+      _tile_stored(2, sh, 4 * M);
+      _tile_stored(3, sl, 4 * M);
+    } else {
+      _tile_stored(0, sh, 4 * M);
+      _tile_stored(1, sl, 4 * M);
+    }
+    const __m512 xsum = _mm512_maskz_loadu_ps(lanes, xsum_t + g * kAmxMaxRows);
+    for (int64_t r = 0; r < 16; ++r) {
+      const float s = scale[(n + r) * G + g];
+      __m512 v = _mm512_fmadd_ps(f256, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sh + r * M)),
+                                 _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sl + r * M)));
+      __m512 acc = _mm512_fmadd_ps(v, _mm512_set1_ps(s), _mm512_maskz_loadu_ps(lanes, t + r * kAmxMaxRows));
+      if (last)
+        acc = _mm512_fmadd_ps(xsum, _mm512_set1_ps(symmetric ? -8.f * s : offset[(n + r) * G + g]), acc);
+      _mm512_mask_storeu_ps(t + r * kAmxMaxRows, lanes, acc);
+    }
+  };
+  for (int64_t n = n0; n < n1; n += 32) {
+    const bool two = n + 32 <= n1;
+    std::fill(&total[0][0], &total[0][0] + 32 * kAmxMaxRows, 0.f);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += span) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const int64_t k1 = std::min(k0 + span, (g + 1) * group);
+        for (int64_t k = k0; k < k1; k += step) {
+          if (k % 64 == 0) unpack(n, k / 64, two ? 32 : 16);
+          _tile_loadd(6, hi + k / step * rows * M * 4, 4 * M);
+          _tile_loadd(7, lo + k / step * rows * M * 4, 4 * M);
+          _tile_loadd(4, codes[0] + k % 64, 64);
+          _tile_dpbusd(0, 4, 6);
+          _tile_dpbuud(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, codes[16] + k % 64, 64);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbuud(3, 5, 7);
+          }
+        }
+        const bool last = k1 == (g + 1) * group;
+        fold(false, n, g, last, total[0]);
+        if (two) fold(true, n + 16, g, last, total[16]);
+      }
+    for (int64_t r = 0; r < (two ? 32 : 16); ++r)
+      for (int64_t m = 0; m < M; ++m) y[m * N + n + r] = total[r][m];
+  }
+}
+
+}  // namespace jaxinfer_gemv
+
+#endif  // AMX
+#endif  // JAXINFER_CPU_GEMV_AMX_H_
