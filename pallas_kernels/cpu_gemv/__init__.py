@@ -2,7 +2,8 @@
 
 XLA:CPU reads a weight at a fraction of the memory bandwidth when only one or a few activation rows multiply it
 (a 1-row bf16 dot streams ~2 GB/s; weight-only int8 first writes a full-precision copy of the weight), and decode is
-exactly that shape. These kernels (`gemv.cc`, AVX2 + FMA; 512-bit integer variants with AVX-512 VNNI) stream the
+exactly that shape. These kernels (`gemv.cc`, AVX2 + FMA; 512-bit integer variants with AVX-512 VNNI; AMX tile
+variants for bf16 and int8 weights at 4-16 rows where the CPU has AMX, `amx.h`) stream the
 weight once, keep the outputs in registers and split the work over persistent worker threads (`threads.h`).
 `float_matmuls`, `weight_only_matmuls` and `i8i8_matmuls` run several weights that share their activations (q, k
 and v; gate and up) as one call. `models.quant_matmul.qeinsum` routes a matmul here when `active()` and the shapes
@@ -18,7 +19,7 @@ fit; everything else stays on XLA.
 | `weight_only_matmuls(..., int8_activations=True)` | symmetric int4, groups of 32 | int8 per block of 32 (w4a8) | f32 |
 
 Environment (`pallas_kernels.cpu_features`; read when a matmul is traced, validated by `check_environment`): `JAXINFER_NATIVE_KERNELS=0` turns the
-kernels off (XLA everywhere); `JAXINFER_NATIVE_ISA=avx2` (or `avx512_vnni`) picks an ISA level (default: the highest this CPU runs;
+kernels off (XLA everywhere); `JAXINFER_NATIVE_ISA=avx2` (or `avx512_vnni`, `amx`) picks an ISA level (default: the highest this CPU runs;
 `build.ISA_LEVELS`); `JAXINFER_NATIVE_THREADS=N` (a positive integer) caps the threads per call (default: the
 CPUs this process may use; read once per process). The library is compiled at first use (`build`).
 """

@@ -25,7 +25,9 @@
 //
 // ISA levels (pallas_kernels/cpu_features.py): avx2 builds every kernel on 256-bit vectors; avx512_vnni adds
 // 512-bit variants of int8_nk, i8i8_nk, q4_nk and q4a8_nk (vpdpwssd / vpdpbusd; same integer sums, f32 totals
-// added in another order) and builds the rest with 32 vector registers.
+// added in another order) and builds the rest with 32 vector registers; amx adds Intel AMX tile variants (amx.h) of
+// float_kn / float_nk for bf16 weights with bf16 activations, i8i8_nk, int8_nk and q4_nk (up to 16 rows), the
+// rest as avx512_vnni.
 #include <immintrin.h>
 
 #include <sched.h>
@@ -191,7 +193,8 @@ void float_call(const float* x, int64_t M, int64_t K, const std::vector<FloatPar
 // float_call, in blocks of a multiple of 32 rows; [N, K]: 16-row strips, any rows left over on the 256-bit path.
 bool amx_float_call(const ffi::AnyBuffer& x, int64_t M, int64_t K, const std::vector<FloatPart>& parts, bool kn,
                     const float* xf) {
-  if (x.element_type() != ffi::BF16 || M > jaxinfer_gemv::kAmxMaxRows || (!kn && K % 32) ||
+  if (x.element_type() != ffi::BF16 || M < jaxinfer_gemv::kAmxMinRowsFloat || M > jaxinfer_gemv::kAmxMaxRows ||
+      (!kn && K % 32) ||
       !jaxinfer_gemv::amx_permitted())
     return false;
   for (const FloatPart& p : parts)
@@ -315,7 +318,8 @@ ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::
   if (auto e = for_each_weight<ffi::S32>(weights, outs, 1, "i8i8_matmul", read); e.failure()) return e;
   std::vector<uint8_t> xu = jaxinfer_gemv::i8_unsigned(x.typed_data(), M * K);
 #ifdef JAXINFER_AMX
-  if (M <= jaxinfer_gemv::kAmxMaxRows && K % 64 == 0 && jaxinfer_gemv::amx_permitted()) {
+  if (M >= jaxinfer_gemv::kAmxMinRowsI8I8 && M <= jaxinfer_gemv::kAmxMaxRows && K % 64 == 0 &&
+      jaxinfer_gemv::amx_permitted()) {
     std::vector<int8_t> packed = jaxinfer_gemv::pack_columns(x.typed_data(), M, K);
     split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {  // 16-row strips on tiles, the rest as below
       int64_t tiled = n0 + (n1 - n0) / 16 * 16;
@@ -371,37 +375,15 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
 #ifdef JAXINFER_AMX
   // int8 on tiles (amx.h, i16_amx) when every weight's groups are a multiple of 32 inputs: the int16 rows split
   // into their high and low bytes, packed as tile B once a call; rows past the last 16-row strip as below
-  // (and int4 when all weights share their groups: q4_amx, the int16 rows in its code order, per group the rows'
-  // sums of rounded inputs `xsum_t` [G, 16])
   int64_t step = 0;
-  bool q4 = bits == 4 && !int8_activations;
-  if ((bits == 8 || q4) && M <= jaxinfer_gemv::kAmxMaxRows && jaxinfer_gemv::amx_permitted()) {
+  if (bits == 8 && M >= jaxinfer_gemv::kAmxMinRowsInt8 && M <= jaxinfer_gemv::kAmxMaxRows &&
+      jaxinfer_gemv::amx_permitted()) {
     step = 64;
-    for (const Part& p : parts) {
-      step = std::min<int64_t>(step, (K / p.G) % 64 == 0 ? 64 : (K / p.G) % 32 == 0 ? 32 : 0);
-      if (q4 && p.G != parts[0].G) step = 0;
-    }
+    for (const Part& p : parts) step = std::min<int64_t>(step, (K / p.G) % 64 == 0 ? 64 : (K / p.G) % 32 == 0 ? 32 : 0);
   }
   std::vector<int8_t> xh, xhp;
   std::vector<uint8_t> xl, xlp;
-  std::vector<float> xsum_t;
   if (step) {
-    if (q4) {  // the int16 rows (as q4_activations rounds them), their group sums, then q4_amx's order
-      std::vector<float> same;  // the scales q4_activations set in xs
-      xq = int16_rows(xf, M, K, same);
-      const int64_t G = parts[0].G, group = K / G;
-      xsum_t.assign(G * jaxinfer_gemv::kAmxMaxRows, 0.f);
-      std::vector<int16_t> ordered(M * K);
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t g = 0; g < G; ++g) {
-          int64_t sum = 0;
-          for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += xq[m * K + k];
-          xsum_t[g * jaxinfer_gemv::kAmxMaxRows + m] = float(sum);
-        }
-        for (int64_t k = 0; k < K; ++k) ordered[m * K + k] = xq[m * K + k / 64 * 64 + jaxinfer_gemv::q4_order(k % 64)];
-      }
-      xq.swap(ordered);
-    }
     xh.resize(M * K), xl.resize(M * K);
     for (int64_t j = 0; j < M * K; ++j) xh[j] = int8_t(xq[j] >> 8), xl[j] = uint8_t(xq[j] & 0xff);
     xhp = jaxinfer_gemv::pack_columns(xh.data(), M, K, step), xlp = jaxinfer_gemv::pack_columns(xl.data(), M, K, step);
@@ -412,14 +394,6 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
 #ifdef JAXINFER_AMX
     if (step) {
       int64_t tiled = n0 + (n1 - n0) / 16 * 16;
-      if (q4) {
-        jaxinfer_gemv::q4_amx(xhp.data(), xlp.data(), xsum_t.data(), M, K, static_cast<const uint8_t*>(p.w),
-                              p.scale, p.offset, symmetric, p.G, step, p.y, p.N, n0, tiled);
-        if (tiled < n1)
-          q4_rows(xp.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
-                  p.y, p.N, tiled, n1);
-        return;
-      }
       jaxinfer_gemv::i16_amx(xhp.data(), xlp.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, step,
                              p.y, p.N, n0, tiled);
       if (tiled < n1) i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, tiled, n1);
