@@ -26,6 +26,12 @@ def pytest_configure(config):
     environment too (`JAXINFER_COMPILATION_CACHE`, which `enable_compilation_cache` reads), so the child processes
     that tests start (CLI runs, servers, the 8-device and multi-host checks, which run this conftest again when
     they are pytest) share it."""
+    # A crashed test process ends the run (its test failed, named) instead of being replaced, unless
+    # --max-worker-restart says otherwise: pytest-xdist 3.8's `--dist loadfile` re-queues a crashed worker's
+    # finished files as empty work and can then wait forever with every worker idle (pytest-xdist issue 1378;
+    # seen here after a segfault). xdist reads the option in its own, later `pytest_configure`.
+    if getattr(config.option, "maxworkerrestart", "") is None:
+        config.option.maxworkerrestart = "0"
     os.environ.setdefault("JAXINFER_MODEL_CACHE", str(TEST_MODEL_CACHE))  # children inherit it too
     path = os.environ.setdefault("JAXINFER_COMPILATION_CACHE", str(TEST_COMPILATION_CACHE))
     if not path:
