@@ -76,62 +76,75 @@ class Tiles {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// float_kn_amx. Rows [k, k + 32) of w [K, N] (rows at or past `k_end` read as zero) into `buf`: per 16-column strip
-// s, 16 rows of 64 bytes, row p holding (w[k + 2p, n], w[k + 2p + 1, n]) for the strip's 16 columns n (columns
-// past N zero), i.e. tile B of tdpbf16ps.
-inline void pack_pairs(const uint16_t* w, int64_t N, int64_t k, int64_t k_end, uint16_t* buf) {
+// float_kn_amx. Rows [k, k + 32) of w [K, N], columns [c0, c1) (c0 a multiple of 32; rows at or past `k_end` read
+// as zero) into `buf`: per 16-column strip s of them, 16 rows of 64 bytes, row p holding (w[k + 2p, n],
+// w[k + 2p + 1, n]) for the strip's 16 columns n (columns past c1 zero), i.e. tile B of tdpbf16ps.
+inline void pack_pairs(const uint16_t* w, int64_t N, int64_t k, int64_t k_end, int64_t c0, int64_t c1,
+                       uint16_t* buf) {
   alignas(64) static const int16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i lo = _mm512_load_si512(kLo);  // the pairs of columns 0-15 of rows a and b
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  const int64_t strips = (N + 15) / 16;
+  const int64_t strips = (c1 - c0 + 15) / 16;
   for (int64_t p = 0; p < 16; ++p) {
-    int64_t r0 = k + 2 * p, r1 = r0 + 1;
+    const int64_t r0 = k + 2 * p, r1 = r0 + 1;
     const uint16_t* a = w + r0 * N;
     const uint16_t* b = w + r1 * N;
     uint16_t* out = buf + p * 32;
-    int64_t n = 0;
-    for (; n + 32 <= N; n += 32) {
-      if ((n & 31) == 0) {
-        if (r0 < k_end) _mm_prefetch(reinterpret_cast<const char*>(a + n) + kPrefetchBytes, _MM_HINT_T0);
-        if (r1 < k_end) _mm_prefetch(reinterpret_cast<const char*>(b + n) + kPrefetchBytes, _MM_HINT_T0);
-      }
-      __m512i va = r0 < k_end ? _mm512_loadu_si512(a + n) : _mm512_setzero_si512();
-      __m512i vb = r1 < k_end ? _mm512_loadu_si512(b + n) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + (n / 16) * 512, _mm512_permutex2var_epi16(va, lo, vb));
-      _mm512_storeu_si512(out + (n / 16 + 1) * 512, _mm512_permutex2var_epi16(va, hi, vb));
-    }
-    if (n < N) {  // the last < 32 columns, masked; the strips' columns past N are zero
-      __mmask32 mask = _cvtu32_mask32((1u << (N - n)) - 1u);
+    for (int64_t n = c0; n < c1; n += 32) {
+      const int64_t s = (n - c0) / 16;
+      __mmask32 mask = c1 - n >= 32 ? _cvtu32_mask32(~0u) : _cvtu32_mask32((1u << (c1 - n)) - 1u);
+      if (r0 < k_end) _mm_prefetch(reinterpret_cast<const char*>(a + n) + kPrefetchBytes, _MM_HINT_T0);
+      if (r1 < k_end) _mm_prefetch(reinterpret_cast<const char*>(b + n) + kPrefetchBytes, _MM_HINT_T0);
       __m512i va = r0 < k_end ? _mm512_maskz_loadu_epi16(mask, a + n) : _mm512_setzero_si512();
       __m512i vb = r1 < k_end ? _mm512_maskz_loadu_epi16(mask, b + n) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + (n / 16) * 512, _mm512_permutex2var_epi16(va, lo, vb));
-      if (n / 16 + 1 < strips) _mm512_storeu_si512(out + (n / 16 + 1) * 512, _mm512_permutex2var_epi16(va, hi, vb));
+      _mm512_storeu_si512(out + s * 512, _mm512_permutex2var_epi16(va, lo, vb));
+      if (s + 1 < strips) _mm512_storeu_si512(out + (s + 1) * 512, _mm512_permutex2var_epi16(va, hi, vb));
     }
   }
 }
 
 // Rows [k0, k1) of w into the partial sums y [M, N16] (N16 = N rounded up to 16; zeroed here), x bf16 [M, Kp]
-// with Kp a multiple of 32 (zero past K), k0 a multiple of 32, M <= 16.
+// with Kp a multiple of 32 (zero past K), k0 a multiple of 32, M <= 16. Each 32-row step goes through the columns
+// in chunks of kStrips strips, packed into an L1-resident buffer; two tile C / tile B pairs alternate, so
+// consecutive strips' tile ops do not wait on each other.
 inline void float_kn_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* w, int64_t N, float* y,
                          int64_t k0, int64_t k1) {
+  constexpr int64_t kStrips = 16;  // 256 columns: 16 KiB of tile B
   const int64_t strips = (N + 15) / 16, N16 = strips * 16;
   std::fill(y, y + M * N16, 0.f);
-  thread_local std::vector<uint16_t> buf;
-  buf.resize(strips * 512);
+  alignas(64) uint16_t buf[kStrips * 512];
   TileConfig c;
   c.set(0, int(M), 64);  // A: x
-  c.set(1, int(M), 64);  // C: 16 partial sums a row
-  c.set(2, 16, 64);      // B: a strip's 16 pairs of rows
+  c.set(1, int(M), 64);  // C: 16 partial sums a row (two, alternating)
+  c.set(3, int(M), 64);
+  c.set(2, 16, 64);      // B: a strip's 16 pairs of rows (two, alternating)
+  c.set(4, 16, 64);
   Tiles tiles(c);
   for (int64_t k = k0; k < k1; k += 32) {
-    pack_pairs(w, N, k, k1, buf.data());
     _tile_loadd(0, x + k, Kp * 2);
-    for (int64_t s = 0; s < strips; ++s) {
-      _tile_loadd(1, y + s * 16, N16 * 4);
-      _tile_loadd(2, buf.data() + s * 512, 64);
-      _tile_dpbf16ps(1, 0, 2);
-      _tile_stored(1, y + s * 16, N16 * 4);
+    for (int64_t s0 = 0; s0 < strips; s0 += kStrips) {
+      const int64_t s1 = std::min(strips, s0 + kStrips);
+      pack_pairs(w, N, k, k1, 16 * s0, std::min(N, 16 * s1), buf);
+      int64_t s = s0;
+      for (; s + 2 <= s1; s += 2) {
+        float* ya = y + s * 16;
+        float* yb = ya + 16;
+        _tile_loadd(1, ya, N16 * 4);
+        _tile_loadd(2, buf + (s - s0) * 512, 64);
+        _tile_loadd(3, yb, N16 * 4);
+        _tile_loadd(4, buf + (s + 1 - s0) * 512, 64);
+        _tile_dpbf16ps(1, 0, 2);
+        _tile_dpbf16ps(3, 0, 4);
+        _tile_stored(1, ya, N16 * 4);
+        _tile_stored(3, yb, N16 * 4);
+      }
+      if (s < s1) {
+        _tile_loadd(1, y + s * 16, N16 * 4);
+        _tile_loadd(2, buf + (s - s0) * 512, 64);
+        _tile_dpbf16ps(1, 0, 2);
+        _tile_stored(1, y + s * 16, N16 * 4);
+      }
     }
   }
 }
