@@ -5,8 +5,8 @@
 //
 //   float_kn_amx  bf16 x [M, K] times bf16 w [K, N] (input-major): x is tile A (M rows x 32 inputs) and each
 //                 16-column strip of 32 weight rows tile B, its rows interleaved in pairs (k, k + 1) as
-//                 tdpbf16ps wants them (`pack_pairs`, one 512-bit permute per 32 weights, into an L2-resident
-//                 buffer), the partial sums [M, N] tile C.
+//                 tdpbf16ps wants them (`pack_pairs`, one 512-bit permute per 32 weights, 256 columns at a time
+//                 into an L1-resident buffer), the partial sums [M, N] tile C.
 //   nk_amx        w [N, K] row-major (a tied embedding as LM head in bf16, w8a8's int8 weights) times x: the
 //                 transposed product y.T = w . x.T, so 16 weight rows load as tile A in place (no repacking: each
 //                 row is 64 contiguous bytes at the weight's row stride) and the activations, laid out once a call
