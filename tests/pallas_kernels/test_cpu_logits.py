@@ -48,10 +48,10 @@ def _check(x: np.ndarray, suppress: np.ndarray, bitmask: np.ndarray, limit: int)
     with np.errstate(invalid="ignore"):
         ref = np.log(np.exp(raw - top[:, None]).sum(-1))
     np.testing.assert_array_equal(row_max, np.where(np.isinf(top), np.nan, top).astype(np.float32))
-    # NaN where the reference is NaN. The kernel sums each 8-lane vector's exps in f32, ~V / 8 terms a lane: a
-    # random walk of their roundings (and exp's ~1 ulp) moves the sum by ~sqrt(V / 8) * 2^-24 relative; allow 4 of
-    # those (hypothesis found 3.7e-6 at V = 4395 against a fixed 2e-6 + 2e-6 relative)
-    np.testing.assert_allclose(lse, ref, rtol=2e-6, atol=2e-6 + 4 * np.sqrt(v / 8) * 2.0**-24)
+    # NaN where the reference is NaN. The kernel sums each 8-lane vector's exps in f32, ~V / 8 terms a lane, and
+    # with integer logits (many equal terms) their roundings need not cancel: up to (V / 8) * 2^-24 of the sum
+    # (hypothesis found 3.7e-6 at V = 4395 and 1.0e-5 at V = 5834, relative to sums of ~2.2)
+    np.testing.assert_allclose(lse, ref, rtol=2e-6, atol=2e-6 + (v / 8) * 2.0**-24)
 
 
 def _case(rng: np.random.Generator, b: int, v: int, dense: float = 0.9, s: int = 3):
@@ -103,7 +103,8 @@ def test_every_id_banned_gives_zero() -> None:
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(1, 4), v=st.integers(1, 9000), dense=st.sampled_from([0.01, 0.5, 1.0]),
        limit_frac=st.floats(0.01, 1.0), seed=st.integers(0, 2**31))
-@example(b=2, v=4395, dense=0.01, limit_frac=1.0, seed=518)  # a sum 3.7e-6 off in f32 (2026-12-06)
+@example(b=2, v=4395, dense=0.01, limit_frac=1.0, seed=518)  # sums 3.7e-6 and 1.0e-5 off in f32 (2026-12-06)
+@example(b=2, v=5834, dense=0.01, limit_frac=1.0, seed=518)
 def test_property_random_rows(b: int, v: int, dense: float, limit_frac: float, seed: int) -> None:
     rng = np.random.default_rng(seed)
     x, suppress, bitmask = _case(rng, b, v, dense)
