@@ -11,7 +11,7 @@ Matmul paths (`qeinsum`):
   XLA:TPU fuse that convert into the matmul; XLA:CPU has no fused convert-dot and materializes one weight at a time
   as a temporary (XLA's memory analysis in BENCHMARKS.md shows the size).
 - **native CPU kernels** (`pallas_kernels.cpu_gemv`): on the CPU backend, a matmul with at most
-  `cpu_gemv.MAX_ROWS` activation rows (decode) and a weight the kernels read (bf16 / f32, int8 weight-only and
+  `cpu_gemv.row_limit(kind)` activation rows (decode: 8 to 32 by weight kind and ISA level) and a weight the kernels read (bf16 / f32, int8 weight-only and
   w8a8, packed int4) runs through them instead of XLA's dot, which streams such shapes far below the memory
   bandwidth. bf16 / f32 and w8a8: the same results up to f32 summation order (w8a8: the same int32 sums); int8
   weight-only and int4 round the activation rows to int16 (1 / 65534 of a row's largest input at most) and
@@ -163,7 +163,8 @@ class _Plan(NamedTuple):
 
 def _plan(eq: str, x: jax.Array, w: jax.Array | QuantizedWeight | LayerRef) -> _Plan | None:
     """The einsum as a 2-D matmul for the native or Pallas kernels, or None where none applies: not on CPU (or a
-    Pallas platform), turned off, more than `MAX_ROWS` activation rows, an equation that is not "batch axes +
+    Pallas platform), turned off, more than `MAX_ROWS` activation rows (a kind's own `row_limit` is checked by
+    `_kernel_operands`), an equation that is not "batch axes +
     contracted axes, weight -> batch axes + weight's kept axes"."""
     if not cpu_gemv.native_allowed():
         return None
@@ -240,20 +241,23 @@ def _kernel_operands(plan: _Plan) -> tuple[tuple, object] | None:
     bf16 / f32 weight as [K, N] ("kn") or [N, K]; ("weight_only", values dtype, with a min, w4a8) with (values
     [N, K] or [N, K / 2], f32 scale [N, G], min or None) for int8 weight-only and int4; ("w8a8",) with int8 values
     [N, K]; None for other weights or sizes."""
-    w, k = plan.w, plan.k
+    w, k, rows = plan.w, plan.k, plan.x.shape[0]
     src = w if plan.ref is None else plan.ref.stacked
     if not isinstance(w, QuantizedWeight):
-        if w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if plan.layout == "kn" else 8):
+        bf16 = w.dtype == plan.x.dtype == jnp.bfloat16
+        if (w.dtype not in (jnp.bfloat16, jnp.float32) or k % (4 if plan.layout == "kn" else 8)
+                or rows > cpu_gemv.row_limit("bf16" if bf16 else "f32")):
             return None
         return ("float", plan.layout), _flat(plan, src, k, -1) if plan.layout == "kn" else _flat(plan, src, -1, k)
     if w.scale.dtype != jnp.float32:
         return None
     n, groups = math.prod(w.scale.shape[:-1]), w.scale.shape[-1]
     if w.format == "int8" and w.quantize_activations:
-        ok = not w.activation_group_size and groups == 1 and k % 32 == 0
+        ok = not w.activation_group_size and groups == 1 and k % 32 == 0 and rows <= cpu_gemv.row_limit("w8a8")
         return (("w8a8",), _flat(plan, src.values, n, k)) if ok else None
-    if w.quantize_activations and (w.format != "int4"
-                                   or not quant4.takes_int8_activations(w.group_size, w.min is not None)):
+    if rows > cpu_gemv.row_limit("weight_only") or (
+            w.quantize_activations and (w.format != "int4"
+                                        or not quant4.takes_int8_activations(w.group_size, w.min is not None))):
         return None
     kind = ("weight_only", w.values.dtype, w.min is not None, w.quantize_activations)
     scale = _flat(plan, src.scale, n, groups)

@@ -3,11 +3,11 @@
 XLA:CPU reads a weight at a fraction of the memory bandwidth when only one or a few activation rows multiply it
 (a 1-row bf16 dot streams ~2 GB/s; weight-only int8 first writes a full-precision copy of the weight), and decode is
 exactly that shape. These kernels (`gemv.cc`, AVX2 + FMA; 512-bit integer variants with AVX-512 VNNI; AMX tile
-variants for bf16 and int8 weights at 4-16 rows where the CPU has AMX, `amx.h`) stream the
+variants for bf16 and int8 weights from 4-6 rows where the CPU has AMX, `amx.h`) stream the
 weight once, keep the outputs in registers and split the work over persistent worker threads (`threads.h`).
 `float_matmuls`, `weight_only_matmuls` and `i8i8_matmuls` run several weights that share their activations (q, k
 and v; gate and up) as one call. `models.quant_matmul.qeinsum` routes a matmul here when `active()` and the shapes
-fit; everything else stays on XLA.
+fit, up to `row_limit(kind)` activation rows; everything else stays on XLA.
 
 | function        | weight                                     | activations                        | result       |
 |-----------------|--------------------------------------------|------------------------------------|--------------|
@@ -37,7 +37,14 @@ import numpy as np
 from pallas_kernels.cpu_features import check_environment, isa_level  # noqa: F401 (re-exported)
 from pallas_kernels.cpu_gemv import build
 
-MAX_ROWS = 8  # activation rows up to which the kernels beat XLA's dot (BENCHMARKS.md, "native kernels")
+MAX_ROWS = 32  # the most activation rows a kernel takes; `row_limit` gives each kind's, where it beats XLA's dot
+# Per kind and ISA level, the activation rows up to which a decode step ran faster with the kernel than with XLA's
+# dot (BENCHMARKS.md, "Decode past 8 rows"): weight-only int8 / int4 (XLA converts the whole weight every step)
+# at every level; bf16 and w8a8 on AMX tiles (16 rows a tile op) beyond where the vector dots run out.
+_ROW_LIMITS = {"weight_only": {"avx2": 32, "avx512_vnni": 32, "amx": 32},
+               "w8a8": {"avx2": 8, "avx512_vnni": 16, "amx": 32},
+               "bf16": {"avx2": 8, "avx512_vnni": 8, "amx": 32},
+               "f32": {}}
 _native_allowed = contextvars.ContextVar("native_kernels", default=True)
 
 
@@ -65,6 +72,21 @@ def active() -> bool:
     check_environment()
     level = isa_level()
     return level is not None and build.load(level)
+
+
+def row_limit(kind: str, level: str | None = None) -> int:
+    """The most activation rows for which a decode step runs kernel `kind` rather than XLA's dot, at ISA `level`
+    (default: the level traced now, `isa_level`); 8 where nothing else was measured better.
+
+    kind: "weight_only" (int8 weight-only, int4, w4a8), "w8a8", "bf16" (bf16 weights and activations) or "f32"
+    (f32 weights or activations).
+
+    Raises:
+      ValueError: an unknown kind.
+    """
+    if kind not in _ROW_LIMITS:
+        raise ValueError(f"unknown kernel kind {kind!r} (one of {sorted(_ROW_LIMITS)})")
+    return _ROW_LIMITS[kind].get(isa_level() if level is None else level, 8)
 
 
 def _call(kernel: str, out: jax.ShapeDtypeStruct | list[jax.ShapeDtypeStruct], *args: jax.Array, **attrs) -> jax.Array:

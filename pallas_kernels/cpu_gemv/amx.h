@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -47,6 +48,15 @@ constexpr int64_t kAmxMaxRows = 16;  // activation rows a tile takes
 // 0.76x, int8 weight-only 1.07 / 0.96 / 0.83 / - / 0.59x. (int4 with its codes unpacked into tile A took
 // 1.0-1.6x the time even at 8 rows, its 32-input groups each a fold of two tiles into f32: not used.)
 constexpr int64_t kAmxMinRowsFloat = 6, kAmxMinRowsI8I8 = 6, kAmxMinRowsInt8 = 4;
+
+// More rows than a tile takes run as blocks of rows, each its own pass of the kernel over the weight rows of a
+// chunk (the second pass finds them in L2): ceil(M / 16) blocks of near-equal size, as (first row, rows) pairs.
+inline std::vector<std::pair<int64_t, int64_t>> tile_row_blocks(int64_t M) {
+  const int64_t count = (M + kAmxMaxRows - 1) / kAmxMaxRows, per = (M + count - 1) / count;
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int64_t m0 = 0; m0 < M; m0 += per) blocks.emplace_back(m0, std::min(per, M - m0));
+  return blocks;
+}
 
 // Whether this process may use the AMX tiles (asked once; Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA).
 inline bool amx_permitted() {

@@ -1,4 +1,4 @@
-// Matrix times a few activation rows (decode's GEMV, M <= 8) on x86 CPUs, called from jitted JAX code through
+// Matrix times a few activation rows (decode's GEMV, M <= 32) on x86 CPUs, called from jitted JAX code through
 // XLA's FFI (jax.ffi.ffi_call). Built by pallas_kernels/cpu_gemv/build.py, once per ISA level, with the compiler
 // on the machine; the Python wrappers in pallas_kernels/cpu_gemv/__init__.py give the shapes and dtypes.
 //
@@ -188,27 +188,31 @@ void float_call(const float* x, int64_t M, int64_t K, const std::vector<FloatPar
 }
 
 #ifdef JAXINFER_AMX
-// The amx level's bf16 x bf16 products (amx.h), when the activations and every weight are bf16, M <= 16 and, for
-// [N, K] weights, K is a multiple of 32; false (nothing done) otherwise. [K, N]: the same block split as
-// float_call, in blocks of a multiple of 32 rows; [N, K]: 16-row strips, any rows left over on the 256-bit path.
+// The amx level's bf16 x bf16 products (amx.h), when the activations and every weight are bf16 and, for [N, K]
+// weights, K is a multiple of 32; false (nothing done) otherwise. Rows in blocks of at most 16
+// (`tile_row_blocks`). [K, N]: the same block split as float_call, in blocks of a multiple of 32 rows; [N, K]:
+// 16-row strips, any rows left over on the 256-bit path.
 bool amx_float_call(const ffi::AnyBuffer& x, int64_t M, int64_t K, const std::vector<FloatPart>& parts, bool kn,
                     const float* xf) {
-  if (x.element_type() != ffi::BF16 || M < jaxinfer_gemv::kAmxMinRowsFloat || M > jaxinfer_gemv::kAmxMaxRows ||
-      (!kn && K % 32) ||
+  if (x.element_type() != ffi::BF16 || M < jaxinfer_gemv::kAmxMinRowsFloat || (!kn && K % 32) ||
       !jaxinfer_gemv::amx_permitted())
     return false;
   for (const FloatPart& p : parts)
     if (!p.bf16) return false;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto row_blocks = jaxinfer_gemv::tile_row_blocks(M);
   if (!kn) {
-    std::vector<uint16_t> packed = jaxinfer_gemv::pack_columns(xb, M, K);
+    std::vector<std::vector<uint16_t>> packed;
+    for (auto [m0, rows] : row_blocks) packed.push_back(jaxinfer_gemv::pack_columns(xb + m0 * K, rows, K));
     std::vector<int64_t> Ns;
     for (const FloatPart& p : parts) Ns.push_back(p.N);
     split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
       const FloatPart& p = parts[i];
       const uint16_t* w = static_cast<const uint16_t*>(p.w);
       int64_t tiled = n0 + (n1 - n0) / 16 * 16;
-      jaxinfer_gemv::nk_amx(packed.data(), M, K, w, p.y, p.N, n0, tiled);
+      for (size_t r = 0; r < row_blocks.size(); ++r)
+        jaxinfer_gemv::nk_amx(packed[r].data(), row_blocks[r].second, K, w, p.y + row_blocks[r].first * p.N, p.N,
+                              n0, tiled);
       if (tiled < n1) nk_rows(xf, M, K, w, p.y, p.N, tiled, n1);
     });
     return true;
@@ -225,8 +229,9 @@ bool amx_float_call(const ffi::AnyBuffer& x, int64_t M, int64_t K, const std::ve
   parallel_chunks(int64_t(parts.size()) * blocks, [&](int64_t c) {
     size_t i = c / blocks;
     int64_t b = c % blocks, k0 = b * rows, k1 = std::min(K, k0 + rows);
-    jaxinfer_gemv::float_kn_amx(xp.data(), M, Kp, static_cast<const uint16_t*>(parts[i].w), parts[i].N,
-                                partial.data() + offset[i] + b * M * N16[i], k0, k1);
+    for (auto [m0, m] : row_blocks)
+      jaxinfer_gemv::float_kn_amx(xp.data() + m0 * Kp, m, Kp, static_cast<const uint16_t*>(parts[i].w), parts[i].N,
+                                  partial.data() + offset[i] + (b * M + m0) * N16[i], k0, k1);
   });
   for (size_t i = 0; i < parts.size(); ++i) {
     int64_t N = parts[i].N, size = M * N16[i];
@@ -318,12 +323,15 @@ ffi::Error I8I8Matmul(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S32> layer, ffi::
   if (auto e = for_each_weight<ffi::S32>(weights, outs, 1, "i8i8_matmul", read); e.failure()) return e;
   std::vector<uint8_t> xu = jaxinfer_gemv::i8_unsigned(x.typed_data(), M * K);
 #ifdef JAXINFER_AMX
-  if (M >= jaxinfer_gemv::kAmxMinRowsI8I8 && M <= jaxinfer_gemv::kAmxMaxRows && K % 64 == 0 &&
-      jaxinfer_gemv::amx_permitted()) {
-    std::vector<int8_t> packed = jaxinfer_gemv::pack_columns(x.typed_data(), M, K);
+  if (M >= jaxinfer_gemv::kAmxMinRowsI8I8 && K % 64 == 0 && jaxinfer_gemv::amx_permitted()) {
+    const auto row_blocks = jaxinfer_gemv::tile_row_blocks(M);
+    std::vector<std::vector<int8_t>> packed;
+    for (auto [m0, rows] : row_blocks) packed.push_back(jaxinfer_gemv::pack_columns(x.typed_data() + m0 * K, rows, K));
     split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {  // 16-row strips on tiles, the rest as below
       int64_t tiled = n0 + (n1 - n0) / 16 * 16;
-      jaxinfer_gemv::nk_amx(packed.data(), M, K, ws[i], ys[i], Ns[i], n0, tiled);
+      for (size_t r = 0; r < row_blocks.size(); ++r)
+        jaxinfer_gemv::nk_amx(packed[r].data(), row_blocks[r].second, K, ws[i], ys[i] + row_blocks[r].first * Ns[i],
+                              Ns[i], n0, tiled);
       if (tiled < n1) i8_rows(x.typed_data(), xu.data(), M, K, ws[i], ys[i], Ns[i], tiled, n1);
     });
     return ffi::Error::Success();
@@ -376,17 +384,21 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   // int8 on tiles (amx.h, i16_amx) when every weight's groups are a multiple of 32 inputs: the int16 rows split
   // into their high and low bytes, packed as tile B once a call; rows past the last 16-row strip as below
   int64_t step = 0;
-  if (bits == 8 && M >= jaxinfer_gemv::kAmxMinRowsInt8 && M <= jaxinfer_gemv::kAmxMaxRows &&
-      jaxinfer_gemv::amx_permitted()) {
+  if (bits == 8 && M >= jaxinfer_gemv::kAmxMinRowsInt8 && jaxinfer_gemv::amx_permitted()) {
     step = 64;
     for (const Part& p : parts) step = std::min<int64_t>(step, (K / p.G) % 64 == 0 ? 64 : (K / p.G) % 32 == 0 ? 32 : 0);
   }
-  std::vector<int8_t> xh, xhp;
-  std::vector<uint8_t> xl, xlp;
+  const auto row_blocks = jaxinfer_gemv::tile_row_blocks(M);
+  std::vector<std::vector<int8_t>> xhp;  // per block of rows
+  std::vector<std::vector<uint8_t>> xlp;
   if (step) {
-    xh.resize(M * K), xl.resize(M * K);
+    std::vector<int8_t> xh(M * K);
+    std::vector<uint8_t> xl(M * K);
     for (int64_t j = 0; j < M * K; ++j) xh[j] = int8_t(xq[j] >> 8), xl[j] = uint8_t(xq[j] & 0xff);
-    xhp = jaxinfer_gemv::pack_columns(xh.data(), M, K, step), xlp = jaxinfer_gemv::pack_columns(xl.data(), M, K, step);
+    for (auto [m0, rows] : row_blocks) {
+      xhp.push_back(jaxinfer_gemv::pack_columns(xh.data() + m0 * K, rows, K, step));
+      xlp.push_back(jaxinfer_gemv::pack_columns(xl.data() + m0 * K, rows, K, step));
+    }
   }
 #endif
   split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
@@ -394,8 +406,9 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
 #ifdef JAXINFER_AMX
     if (step) {
       int64_t tiled = n0 + (n1 - n0) / 16 * 16;
-      jaxinfer_gemv::i16_amx(xhp.data(), xlp.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, step,
-                             p.y, p.N, n0, tiled);
+      for (size_t r = 0; r < row_blocks.size(); ++r)
+        jaxinfer_gemv::i16_amx(xhp[r].data(), xlp[r].data(), row_blocks[r].second, K, static_cast<const int8_t*>(p.w),
+                               p.scale, p.G, step, p.y + row_blocks[r].first * p.N, p.N, n0, tiled);
       if (tiled < n1) i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, tiled, n1);
       return;
     }

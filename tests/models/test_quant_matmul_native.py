@@ -29,12 +29,14 @@ def test_qeinsum_routes_decode_shapes_and_matches_xla(fmt):
     w = jnp.asarray(rng.standard_normal((128, 4, 64)), jnp.bfloat16)  # [D, N, H] as wq
     wq = {"bf16": w, "int8": quantize(w, "int8", (-3,)), "w8a8": quantize(w, "int8", (-3,), quantize_activations=True),
           "int4": quantize(w, "int4", (-3,), group_size=32)}[fmt]
-    for rows in (1, 8, 9):
+    limit = cpu_gemv.row_limit({"bf16": "bf16", "w8a8": "w8a8"}.get(fmt, "weight_only"))
+    assert 8 <= limit <= cpu_gemv.MAX_ROWS
+    for rows in sorted({1, 8, 9, limit, limit + 1}):
         x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16)
         y, native = _routed("td,dnh->tnh", x, wq)
         with native_matmuls(False):
             ref, xla_native = _routed("td,dnh->tnh", x, wq)
-        assert native == (rows <= cpu_gemv.MAX_ROWS) and not xla_native
+        assert native == (rows <= limit) and not xla_native
         # w8a8 exact (the same int32 sums); int8 weight-only and int4 round activation rows to int16
         tolerance = {"w8a8": 0.0, "int8": 1e-4, "int4": 1e-2}.get(fmt, 1e-5)  # int4: XLA rounds its weight to bf16
         assert _rel_err(y, np.asarray(ref, np.float64)) <= tolerance
@@ -112,7 +114,7 @@ def test_qeinsums_reads_stacked_layers_in_place():
 def test_qeinsums_without_the_kernels_and_bad_input():
     rng = np.random.default_rng(5)
     ws = [quantize(w, "int4", (-3,), group_size=32) for w in _qkv(rng)]
-    x = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)  # more rows than the kernels take: XLA
+    x = jnp.asarray(rng.standard_normal((cpu_gemv.MAX_ROWS + 1, 128)), jnp.float32)  # more rows than any kernel takes
     for y, eq, w in zip(qeinsums(_QKV, x, ws), _QKV, ws):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(qeinsum(eq, x, w)))
     with native_matmuls(False):

@@ -24,7 +24,7 @@ LEVELS = build.supported_levels()
 # (K, N): SmolLM2's, odd and tiny N; 200: K not a multiple of 32 (the amx level's [N, K] bf16 kernel leaves it to
 # the 256-bit one)
 SHAPES = [(576, 1536), (1536, 576), (64, 13), (128, 1), (192, 100), (200, 40)]
-ROWS = [1, 2, 3, 4, 5, 6, 8]  # 6: the amx level's bf16 and w8a8 tiles start there
+ROWS = [1, 2, 3, 4, 5, 6, 8, 17, 32]  # 6: the amx level's bf16 and w8a8 tiles start; 17: two tile blocks (9 + 8)
 
 
 @pytest.fixture(params=LEVELS or ["none"], autouse=True)
@@ -111,7 +111,7 @@ INT4_CASES = [(k, n, group, asym) for k, n in [(576, 1536), (1536, 576), (1152, 
 
 
 @pytest.mark.parametrize("k,n,group,asymmetric", INT4_CASES)
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 32])
 def test_int4_equals_the_weight_on_int16_rounded_activations(k, n, m, group, asymmetric):
     rng = np.random.default_rng(k + n + m + group)
     x, packed, scale, mins, w = _int4_case(rng, m, k, n, group, asymmetric)
@@ -182,7 +182,7 @@ def _int8_blocks(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (1, 1536, 576), (3, 64, 13), (8, 576, 7), (5, 128, 1)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (1, 1536, 576), (3, 64, 13), (8, 576, 7), (5, 128, 1), (32, 576, 70)])
 def test_int4_with_int8_activation_blocks_w4a8(m, k, n):
     rng = np.random.default_rng(m + k + n)
     x, packed, scale, mins, w = _int4_case(rng, m, k, n, 32, False)
