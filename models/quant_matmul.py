@@ -255,7 +255,7 @@ def _kernel_operands(plan: _Plan) -> tuple[tuple, object] | None:
     if w.format == "int8" and w.quantize_activations:
         ok = not w.activation_group_size and groups == 1 and k % 32 == 0 and rows <= cpu_gemv.row_limit("w8a8")
         return (("w8a8",), _flat(plan, src.values, n, k)) if ok else None
-    if rows > cpu_gemv.row_limit("weight_only") or (
+    if rows > cpu_gemv.row_limit("int8" if w.format == "int8" else "int4") or (
             w.quantize_activations and (w.format != "int4"
                                         or not quant4.takes_int8_activations(w.group_size, w.min is not None))):
         return None

@@ -38,12 +38,14 @@ from pallas_kernels.cpu_features import check_environment, isa_level  # noqa: F4
 from pallas_kernels.cpu_gemv import build
 
 MAX_ROWS = 32  # the most activation rows a kernel takes; `row_limit` gives each kind's, where it beats XLA's dot
-# Per kind and ISA level, the activation rows up to which a decode step ran faster with the kernel than with XLA's
-# dot (BENCHMARKS.md, "Decode past 8 rows"): weight-only int8 / int4 (XLA converts the whole weight every step)
-# at every level; bf16 and w8a8 on AMX tiles (16 rows a tile op) beyond where the vector dots run out.
-_ROW_LIMITS = {"weight_only": {"avx2": 32, "avx512_vnni": 32, "amx": 32},
-               "w8a8": {"avx2": 8, "avx512_vnni": 16, "amx": 32},
-               "bf16": {"avx2": 8, "avx512_vnni": 8, "amx": 32},
+# Per kind and ISA level, the activation rows up to which SmolLM2's decode step ran faster with the kernels than
+# with XLA's dots (BENCHMARKS.md, "Decode past 8 rows"); 8 where nothing more was measured faster. XLA converts a
+# weight-only int8 / int4 weight in full every step, so those kernels win far past 8 rows; bf16 and w8a8 gain
+# from AMX tiles (16 rows a tile op) and w8a8 from VNNI's 512-bit dots.
+_ROW_LIMITS = {"int4": {"avx2": 32, "avx512_vnni": 32, "amx": 32},
+               "int8": {"avx2": 16, "avx512_vnni": 32, "amx": 32},
+               "w8a8": {"avx512_vnni": 16, "amx": 16},
+               "bf16": {"amx": 16},
                "f32": {}}
 _native_allowed = contextvars.ContextVar("native_kernels", default=True)
 
@@ -78,8 +80,8 @@ def row_limit(kind: str, level: str | None = None) -> int:
     """The most activation rows for which a decode step runs kernel `kind` rather than XLA's dot, at ISA `level`
     (default: the level traced now, `isa_level`); 8 where nothing else was measured better.
 
-    kind: "weight_only" (int8 weight-only, int4, w4a8), "w8a8", "bf16" (bf16 weights and activations) or "f32"
-    (f32 weights or activations).
+    kind: "int8" (weight-only), "int4" (weight-only or w4a8), "w8a8", "bf16" (bf16 weights and activations) or
+    "f32" (f32 weights or activations).
 
     Raises:
       ValueError: an unknown kind.

@@ -29,7 +29,7 @@ def test_qeinsum_routes_decode_shapes_and_matches_xla(fmt):
     w = jnp.asarray(rng.standard_normal((128, 4, 64)), jnp.bfloat16)  # [D, N, H] as wq
     wq = {"bf16": w, "int8": quantize(w, "int8", (-3,)), "w8a8": quantize(w, "int8", (-3,), quantize_activations=True),
           "int4": quantize(w, "int4", (-3,), group_size=32)}[fmt]
-    limit = cpu_gemv.row_limit({"bf16": "bf16", "w8a8": "w8a8"}.get(fmt, "weight_only"))
+    limit = cpu_gemv.row_limit(fmt)
     assert 8 <= limit <= cpu_gemv.MAX_ROWS
     for rows in sorted({1, 8, 9, limit, limit + 1}):
         x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16)

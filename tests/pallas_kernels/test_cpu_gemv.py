@@ -228,7 +228,6 @@ def test_all_zero_activation_blocks():
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: cpu_gemv.float_matmul(jnp.ones((9, 8)), jnp.ones((8, 4)), input_major=True), "1 <= M <= 8"),
     (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8)), jnp.ones((6, 4)), input_major=True), "K=8"),
     (lambda: cpu_gemv.float_matmul(jnp.ones((1, 6)), jnp.ones((6, 4)), input_major=True), "multiple of 4"),
     (lambda: cpu_gemv.float_matmul(jnp.ones((1, 8)), jnp.ones((8, 4), jnp.int8), input_major=True), "bf16 or f32"),
@@ -258,6 +257,8 @@ def test_all_zero_activation_blocks():
     (lambda: cpu_gemv.weight_only_matmuls(jnp.ones((1, 64)), [(jnp.ones((4, 64), jnp.int8), jnp.ones((4, 1)), None),
                                                              (jnp.ones((4, 32), jnp.int8), jnp.ones((4, 1)), None)]),
      "K=64, the weight 32"),
+    (lambda: cpu_gemv.float_matmul(jnp.ones((33, 8)), jnp.ones((8, 4)), input_major=True), "1 <= M <= 32"),
+    (lambda: cpu_gemv.row_limit("int2"), "unknown kernel kind 'int2'"),
 ])
 def test_bad_arguments_name_the_problem(call, message):
     with pytest.raises(ValueError, match=message):

@@ -43,7 +43,7 @@ def _native(on: bool):
             os.environ["JAXINFER_NATIVE_KERNELS"] = old
 
 
-def _both(model, fmt: str, prompts: list[list[int]], max_tokens: int, max_model_len: int):
+def _both(model, fmt: str, prompts: list[list[int]], max_tokens: int, max_model_len: int, max_num_seqs: int = 8):
     """(with the native kernels, without) per prompt: greedy tokens, their logprobs and each step's top-1 minus
     top-2 logprob (its margin). One engine; its jitted steps are traced anew (`jax.clear_caches`) for the second
     run, which picks its matmuls while the environment switches the kernels off."""
@@ -52,7 +52,7 @@ def _both(model, fmt: str, prompts: list[list[int]], max_tokens: int, max_model_
     # attention on the reference in both runs, so the matmuls alone differ (w8a8's int8 activation rounding turns
     # the native attention's f32 summation order into logprob steps of ~0.1; test_native_attention.py covers it)
     llm = LLM(model, dtype=dtype, quantization=quantization, warmup=False, max_model_len=max_model_len,
-              kv_cache_memory_bytes=32 << 20, max_num_seqs=8, attention_backend="reference")
+              kv_cache_memory_bytes=32 << 20, max_num_seqs=max_num_seqs, attention_backend="reference")
     results = []
     for native in (True, False):
         jax.clear_caches()
@@ -103,3 +103,20 @@ def test_smollm2_golden_prompts_greedy_equal_with_and_without_native_kernels(smo
     prompts = [c["prompt_token_ids"] for c in smollm2_golden["cases"]]
     on, off = _both(None, fmt, prompts, 24, max_model_len=384)
     assert assert_same_greedy(on, off, LOGPROB_TOLERANCE[fmt]) >= 3 * 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,kind,num_prompts", [("int8 weight-only", "int8", 12), ("int4", "int4", 20),
+                                                  ("int8 w8a8", "w8a8", 12)])
+def test_smollm2_decode_batches_past_8_rows_greedy_equal(smollm2_golden, fmt, kind, num_prompts):
+    """Decode batches of 16 and 32 rows (12 and 20 sequences), where `cpu_gemv.row_limit` lets the kernels run past
+    8 rows: int8 weight-only and int4 at every level, w8a8 from avx512_vnni (the AMX tile kernels in blocks of 16
+    rows at 32), against XLA's dots."""
+    rows = 16 if num_prompts <= 16 else 32
+    if kind != "w8a8":  # int8 and int4 run on the kernels at these rows on every level (w8a8 from avx512_vnni)
+        assert cpu_gemv.row_limit(kind) >= rows
+    text = smollm2_golden["cases"][-1]["prompt_token_ids"]
+    prompts = [text[12 * i : 12 * i + 24] for i in range(num_prompts)]  # distinct 24-token windows
+    on, off = _both(None, fmt, prompts, 8, max_model_len=64, max_num_seqs=32)
+    assert len({tuple(t) for t, _, _ in off}) > num_prompts // 2
+    assert assert_same_greedy(on, off, LOGPROB_TOLERANCE[fmt]) >= num_prompts * 4
