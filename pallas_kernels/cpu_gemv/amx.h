@@ -1,7 +1,7 @@
-// The amx level's kernels (gemv.cc; build.py's flags for the level): Intel AMX tile matmuls for 4-6 to 16
-// activation rows, where the 512-bit dot products of the avx512_vnni level run out of arithmetic as the rows grow
-// (a row more costs them one more dot per weight vector; a tile op takes up to 16 rows at the same cost). Below
-// `kAmxMinRows*` rows the avx512_vnni kernels stay faster and run.
+// The amx level's kernels (gemv.cc; build.py's flags for the level): Intel AMX tile matmuls from 4-16 activation
+// rows on (more than 16 in blocks of 16), where the 512-bit dot products of the avx512_vnni level run out of
+// arithmetic as the rows grow (a row more costs them one more dot per weight vector; a tile op takes up to 16 rows
+// at the same cost). Below `kAmxMinRows*` rows the avx512_vnni kernels stay faster and run.
 //
 //   float_kn_amx  bf16 x [M, K] times bf16 w [K, N] (input-major): x is tile A (M rows x 32 inputs) and each
 //                 16-column strip of 32 weight rows tile B, its rows interleaved in pairs (k, k + 1) as
@@ -13,6 +13,7 @@
 //                 in pairs (bf16) or fours (int8) of inputs (`pack_columns`), are tile B; tile C is 16 outputs x M
 //                 rows. bf16: tdpbf16ps; int8: tdpbssd (signed x signed, exact int32 sums as the other levels).
 //   i16_amx       int8 weight-only: nk_amx's layout, the int16-rounded activations split into bytes (below).
+//   q4_amx        int4 weight-only as i16_amx, each 64-input chunk of codes unpacked into bytes as tile A.
 //
 // Sums: tdpbf16ps multiplies bf16 exactly and adds in f32 (denormal inputs count as zero, denormal results flush
 // to zero: Intel SDM, "TDPBF16PS"), in its own order; tdpbssd's int32 sums are exact and wrap as the others.
@@ -46,8 +47,12 @@ constexpr int64_t kAmxMaxRows = 16;  // activation rows a tile takes
 // and 8 rows, loses): a SmolLM2 layer's calls (scripts/kernel_layers.py, Emerald Rapids, 2 cores) took with tiles
 // bf16 1.82 / 1.49 / 1.12 / 0.86 / 0.73x the time at 1 / 2 / 4 / 6 / 8 rows, w8a8 1.18 / 1.08 / 1.06 / 0.83 /
 // 0.76x, int8 weight-only 1.07 / 0.96 / 0.83 / - / 0.59x. (int4 with its codes unpacked into tile A took
-// 1.0-1.6x the time even at 8 rows, its 32-input groups each a fold of two tiles into f32: not used.)
+// 1.0-1.6x the time even at 8 rows, its 32-input groups each a fold of two tiles into f32: q4_amx runs from 16 rows, below.)
 constexpr int64_t kAmxMinRowsFloat = 6, kAmxMinRowsI8I8 = 6, kAmxMinRowsInt8 = 4;
+// int4 weight-only on tiles (q4_amx) from 16 rows and up to 1,024 inputs: against the avx512_vnni kernels (session
+// 27, scripts/kernel_layers.py int4) 1.0-1.7x faster at 16 rows and 1.4-2.5x at 32 for K = 576, but at K = 1536
+// (its tile B rows then outgrow L1) 1.27x / 1.45x where the 512-bit kernel's four-row blocks gained 1.76x / 1.84x.
+constexpr int64_t kAmxMinRowsInt4 = 16, kAmxMaxKInt4 = 1024;
 
 // More rows than a tile takes run as blocks of rows, each its own pass of the kernel over the weight rows of a
 // chunk (the second pass finds them in L2): ceil(M / 16) blocks of near-equal size, as (first row, rows) pairs.
@@ -305,6 +310,134 @@ inline void i16_amx(const int8_t* hi, const uint8_t* lo, int64_t M, int64_t K, c
     for (int64_t r = 0; r < (two ? 32 : 16); ++r)
       for (int64_t m = 0; m < M; ++m) y[m * N + n + r] = total[r][m];
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// q4_amx: q4_nk on tiles, as i16_amx with the 4-bit codes as tile A: each 64-input chunk of a weight row (32 bytes,
+// input 2j in the low nibble of byte j) is unpacked once into 64 unsigned bytes in the order [low nibbles of
+// bytes 0-15, their high nibbles, low nibbles of bytes 16-31, their high nibbles] (`q4_order`), so each 32-input
+// block stays whole in its half; the activations are packed in that order (`q4_order` applied to the int16 rows
+// before their split into bytes). tdpbusd (codes x h) and tdpbuud (codes x l) sum the codes times the rounded
+// inputs; each group then adds, per output row, scale x (256 h-sum + l-sum) and its correction: -8 x scale
+// (symmetric codes) or the min, times the group's rounded input sum (`xsum_t` [G, 16]: per group, the rows' sums).
+//
+// The input a position of a 64-input chunk holds in q4_order (its own inverse is not needed: the activations are
+// gathered through it).
+inline int64_t q4_order(int64_t p) {
+  const int64_t block = p / 32, q = p % 32;
+  return 32 * block + (q < 16 ? 2 * q : 2 * (q - 16) + 1);
+}
+
+inline void q4_amx(const int8_t* hi, const uint8_t* lo, const float* xsum_t, int64_t M, int64_t K, const uint8_t* w,
+                   const float* scale, const float* offset, bool symmetric, int64_t G, int64_t step, float* y,
+                   int64_t N, int64_t n0, int64_t n1) {
+  const int64_t group = K / G, span = std::min<int64_t>(group, 16384), rows = step / 4, half = K / 2;
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.set(t, 16, int(4 * M));  // C: h and l sums of two strips
+  c.set(4, 16, int(step));                                // A: the two strips' unpacked codes
+  c.set(5, 16, int(step));
+  c.set(6, int(rows), int(4 * M));                        // B: h, l
+  c.set(7, int(rows), int(4 * M));
+  Tiles tiles(c);
+  const __mmask16 lanes = _cvtu32_mask16((1u << M) - 1u);
+  const __m512 f256 = _mm512_set1_ps(256.f);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  alignas(64) int32_t sh[16 * kAmxMaxRows], sl[16 * kAmxMaxRows];
+  alignas(64) float total[32][kAmxMaxRows];
+  alignas(64) uint8_t codes[32][64];
+  auto unpack = [&](int64_t n, int64_t chunk, int64_t count) {  // rows [n, n + count) of chunk `chunk`
+    for (int64_t r = 0; r < count; ++r) {
+      const uint8_t* src = w + (n + r) * half + 32 * chunk;
+      _mm_prefetch(reinterpret_cast<const char*>(src + 32 * half), _MM_HINT_T0);  // the next two strips' line
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      __m256i l4 = _mm256_and_si256(v, low4), h4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r]), _mm256_permute2x128_si256(l4, h4, 0x20));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r] + 32), _mm256_permute2x128_si256(l4, h4, 0x31));
+    }
+  };
+  auto fold = [&](bool second, int64_t n, int64_t g, bool last, float* t) {  // a strip's sums into its totals
+    if (second) {
+      _tile_stored(2, sh, 4 * M);
+      _tile_stored(3, sl, 4 * M);
+    } else {
+      _tile_stored(0, sh, 4 * M);
+      _tile_stored(1, sl, 4 * M);
+    }
+    const __m512 xsum = _mm512_maskz_loadu_ps(lanes, xsum_t + g * kAmxMaxRows);
+    for (int64_t r = 0; r < 16; ++r) {
+      const float s = scale[(n + r) * G + g];
+      __m512 v = _mm512_fmadd_ps(f256, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sh + r * M)),
+                                 _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sl + r * M)));
+      __m512 acc = _mm512_fmadd_ps(v, _mm512_set1_ps(s), _mm512_maskz_loadu_ps(lanes, t + r * kAmxMaxRows));
+      if (last)
+        acc = _mm512_fmadd_ps(xsum, _mm512_set1_ps(symmetric ? -8.f * s : offset[(n + r) * G + g]), acc);
+      _mm512_mask_storeu_ps(t + r * kAmxMaxRows, lanes, acc);
+    }
+  };
+  for (int64_t n = n0; n < n1; n += 32) {
+    const bool two = n + 32 <= n1;
+    std::fill(&total[0][0], &total[0][0] + 32 * kAmxMaxRows, 0.f);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += span) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const int64_t k1 = std::min(k0 + span, (g + 1) * group);
+        for (int64_t k = k0; k < k1; k += step) {
+          if (k % 64 == 0) unpack(n, k / 64, two ? 32 : 16);
+          _tile_loadd(6, hi + k / step * rows * M * 4, 4 * M);
+          _tile_loadd(7, lo + k / step * rows * M * 4, 4 * M);
+          _tile_loadd(4, codes[0] + k % 64, 64);
+          _tile_dpbusd(0, 4, 6);
+          _tile_dpbuud(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, codes[16] + k % 64, 64);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbuud(3, 5, 7);
+          }
+        }
+        const bool last = k1 == (g + 1) * group;
+        fold(false, n, g, last, total[0]);
+        if (two) fold(true, n + 16, g, last, total[16]);
+      }
+    for (int64_t r = 0; r < (two ? 32 : 16); ++r)
+      for (int64_t m = 0; m < M; ++m) y[m * N + n + r] = total[r][m];
+  }
+}
+
+
+// The activations of i16_amx / q4_amx for each block of rows (`tile_row_blocks`): the int16 rows xq [M, K] split
+// into their high and low bytes (q4: in q4_order within each 64-input chunk), packed as tile B with `step` bytes a
+// tile step; q4 also the block's rows' sums of rounded inputs per group, [G, 16] (from `xsum` [M, G]).
+struct TileActivations {
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  std::vector<std::vector<int8_t>> hi;
+  std::vector<std::vector<uint8_t>> lo;
+  std::vector<std::vector<float>> xsum_t;
+};
+
+inline TileActivations tile_activations(const int16_t* xq, const float* xsum, int64_t M, int64_t K, int64_t G,
+                                        int64_t step, bool q4) {
+  TileActivations t;
+  t.blocks = tile_row_blocks(M);
+  std::vector<int8_t> xh(M * K);
+  std::vector<uint8_t> xl(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const int16_t v = xq[m * K + (q4 ? k / 64 * 64 + q4_order(k % 64) : k)];
+      xh[m * K + k] = int8_t(v >> 8), xl[m * K + k] = uint8_t(v & 0xff);
+    }
+  for (auto [m0, rows] : t.blocks) {
+    t.hi.push_back(pack_columns(xh.data() + m0 * K, rows, K, step));
+    t.lo.push_back(pack_columns(xl.data() + m0 * K, rows, K, step));
+    if (!q4) continue;
+    std::vector<float> sums(G * kAmxMaxRows, 0.f);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t g = 0; g < G; ++g) sums[g * kAmxMaxRows + m] = xsum[(m0 + m) * G + g];
+    t.xsum_t.push_back(std::move(sums));
+  }
+  return t;
 }
 
 }  // namespace jaxinfer_gemv

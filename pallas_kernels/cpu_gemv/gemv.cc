@@ -381,24 +381,25 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   std::vector<int64_t> Ns;
   for (const Part& p : parts) Ns.push_back(p.N);
 #ifdef JAXINFER_AMX
-  // int8 on tiles (amx.h, i16_amx) when every weight's groups are a multiple of 32 inputs: the int16 rows split
+  // int8 (i16_amx, from kAmxMinRowsInt8 rows) and int4 weight-only (q4_amx, from kAmxMinRowsInt4 rows, all weights
+  // with the same groups) on tiles when every weight's groups are a multiple of 32 inputs: the int16 rows split
   // into their high and low bytes, packed as tile B once a call; rows past the last 16-row strip as below
+  const bool q4 = bits == 4 && !int8_activations;
   int64_t step = 0;
-  if (bits == 8 && M >= jaxinfer_gemv::kAmxMinRowsInt8 && jaxinfer_gemv::amx_permitted()) {
+  if (((bits == 8 && M >= jaxinfer_gemv::kAmxMinRowsInt8) || (q4 && M >= jaxinfer_gemv::kAmxMinRowsInt4 &&
+                                                               K <= jaxinfer_gemv::kAmxMaxKInt4)) &&
+      jaxinfer_gemv::amx_permitted()) {
     step = 64;
-    for (const Part& p : parts) step = std::min<int64_t>(step, (K / p.G) % 64 == 0 ? 64 : (K / p.G) % 32 == 0 ? 32 : 0);
-  }
-  const auto row_blocks = jaxinfer_gemv::tile_row_blocks(M);
-  std::vector<std::vector<int8_t>> xhp;  // per block of rows
-  std::vector<std::vector<uint8_t>> xlp;
-  if (step) {
-    std::vector<int8_t> xh(M * K);
-    std::vector<uint8_t> xl(M * K);
-    for (int64_t j = 0; j < M * K; ++j) xh[j] = int8_t(xq[j] >> 8), xl[j] = uint8_t(xq[j] & 0xff);
-    for (auto [m0, rows] : row_blocks) {
-      xhp.push_back(jaxinfer_gemv::pack_columns(xh.data() + m0 * K, rows, K, step));
-      xlp.push_back(jaxinfer_gemv::pack_columns(xl.data() + m0 * K, rows, K, step));
+    for (const Part& p : parts) {
+      step = std::min<int64_t>(step, (K / p.G) % 64 == 0 ? 64 : (K / p.G) % 32 == 0 ? 32 : 0);
+      if (q4 && p.G != parts[0].G) step = 0;
     }
+  }
+  jaxinfer_gemv::TileActivations xt;
+  if (step) {
+    std::vector<float> same;  // q4: the int16 rows, rounded as q4_activations rounded them (the same scales)
+    if (q4) xq = int16_rows(xf, M, K, same);
+    xt = jaxinfer_gemv::tile_activations(xq.data(), xsum.data(), M, K, parts[0].G, step, q4);
   }
 #endif
   split_rows(Ns, [&](size_t i, int64_t n0, int64_t n1) {
@@ -406,10 +407,21 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
 #ifdef JAXINFER_AMX
     if (step) {
       int64_t tiled = n0 + (n1 - n0) / 16 * 16;
-      for (size_t r = 0; r < row_blocks.size(); ++r)
-        jaxinfer_gemv::i16_amx(xhp[r].data(), xlp[r].data(), row_blocks[r].second, K, static_cast<const int8_t*>(p.w),
-                               p.scale, p.G, step, p.y + row_blocks[r].first * p.N, p.N, n0, tiled);
-      if (tiled < n1) i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, tiled, n1);
+      for (size_t r = 0; r < xt.blocks.size(); ++r) {
+        auto [m0, rows] = xt.blocks[r];
+        if (q4)
+          jaxinfer_gemv::q4_amx(xt.hi[r].data(), xt.lo[r].data(), xt.xsum_t[r].data(), rows, K,
+                                static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G, step,
+                                p.y + m0 * p.N, p.N, n0, tiled);
+        else
+          jaxinfer_gemv::i16_amx(xt.hi[r].data(), xt.lo[r].data(), rows, K, static_cast<const int8_t*>(p.w), p.scale,
+                                 p.G, step, p.y + m0 * p.N, p.N, n0, tiled);
+      }
+      if (tiled < n1 && q4)
+        q4_rows(xp.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
+                p.y, p.N, tiled, n1);
+      else if (tiled < n1)
+        i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, tiled, n1);
       return;
     }
 #endif

@@ -111,7 +111,7 @@ INT4_CASES = [(k, n, group, asym) for k, n in [(576, 1536), (1536, 576), (1152, 
 
 
 @pytest.mark.parametrize("k,n,group,asymmetric", INT4_CASES)
-@pytest.mark.parametrize("m", [1, 3, 8, 32])
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32])
 def test_int4_equals_the_weight_on_int16_rounded_activations(k, n, m, group, asymmetric):
     rng = np.random.default_rng(k + n + m + group)
     x, packed, scale, mins, w = _int4_case(rng, m, k, n, group, asymmetric)
