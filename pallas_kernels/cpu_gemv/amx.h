@@ -47,7 +47,8 @@ constexpr int64_t kAmxMaxRows = 16;  // activation rows a tile takes
 // and 8 rows, loses): a SmolLM2 layer's calls (scripts/kernel_layers.py, Emerald Rapids, 2 cores) took with tiles
 // bf16 1.82 / 1.49 / 1.12 / 0.86 / 0.73x the time at 1 / 2 / 4 / 6 / 8 rows, w8a8 1.18 / 1.08 / 1.06 / 0.83 /
 // 0.76x, int8 weight-only 1.07 / 0.96 / 0.83 / - / 0.59x. (int4 with its codes unpacked into tile A took
-// 1.0-1.6x the time even at 8 rows, its 32-input groups each a fold of two tiles into f32: q4_amx runs from 16 rows, below.)
+// 1.0-1.6x the time even at 8 rows, its 32-input groups each a fold of two tiles into f32: q4_amx runs from 16
+// rows, below.)
 constexpr int64_t kAmxMinRowsFloat = 6, kAmxMinRowsI8I8 = 6, kAmxMinRowsInt8 = 4;
 // int4 weight-only on tiles (q4_amx) from 16 rows and up to 1,024 inputs: against the avx512_vnni kernels (session
 // 27, scripts/kernel_layers.py int4) 1.0-1.7x faster at 16 rows and 1.4-2.5x at 32 for K = 576, but at K = 1536

@@ -340,7 +340,8 @@ void q4_rows_of(const Q4Activations* xp, const float* xsum, int64_t M, int64_t K
       int64_t m = 0;
       for (; m + 2 <= M; m += 2)
         JAXINFER_Q4_BLOCK<2, kQ4WideNR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
-      if (m < M) JAXINFER_Q4_BLOCK<1, kQ4WideNR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
+      if (m < M)
+        JAXINFER_Q4_BLOCK<1, kQ4WideNR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
     }
   for (; n < n1; ++n) {
     int64_t m = 0;
