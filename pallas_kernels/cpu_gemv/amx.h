@@ -12,8 +12,8 @@
 //                 row is 64 contiguous bytes at the weight's row stride) and the activations, laid out once a call
 //                 in pairs (bf16) or fours (int8) of inputs (`pack_columns`), are tile B; tile C is 16 outputs x M
 //                 rows. bf16: tdpbf16ps; int8: tdpbssd (signed x signed, exact int32 sums as the other levels).
-//   i16_amx       int8 weight-only: nk_amx's layout, the int16-rounded activations split into bytes (below).
-//   q4_amx        int4 weight-only as i16_amx, each 64-input chunk of codes unpacked into bytes as tile A.
+//   weight_only_amx  int8 weight-only (i16_amx): nk_amx's layout, the int16-rounded activations split into bytes;
+//                 int4 weight-only (q4_amx) the same with each 64-input chunk of codes unpacked into bytes as tile A.
 //
 // Sums: tdpbf16ps multiplies bf16 exactly and adds in f32 (denormal inputs count as zero, denormal results flush
 // to zero: Intel SDM, "TDPBF16PS"), in its own order; tdpbssd's int32 sums are exact and wrap as the others.
@@ -245,15 +245,33 @@ void nk_amx(const T* xb, int64_t M, int64_t K, const T* w, R* y, int64_t N, int6
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// i16_amx: int8_nk on tiles. The activations, rounded to int16 per row as on the other levels, are split into
-// bytes, x = 256 h + l (h signed, l unsigned; `hi`, `lo` packed by pack_columns with `step` bytes a tile step: 64,
-// or 32 for groups of 32 inputs), and each 16-row strip of weights (tile A, in place) multiplies both: tdpbssd
-// into one int32 tile, tdpbsud into another. At each group end (and every 16,384 inputs: no int32 overflows) the
-// two sums go to f32 as 256 h-sum + l-sum, times the group's scale, into the totals. Weight rows [n0, n1), n1 - n0
-// a multiple of 16, groups of a multiple of `step` inputs; y f32 [M, N] before the rows' activation scales.
-inline void i16_amx(const int8_t* hi, const uint8_t* lo, int64_t M, int64_t K, const int8_t* w, const float* scale,
-                    int64_t G, int64_t step, float* y, int64_t N, int64_t n0, int64_t n1) {
+// weight_only_amx<false> (int8_nk, "i16_amx") and <true> (q4_nk, "q4_amx") on tiles. The activations, rounded
+// to int16 per row as on the other levels, are split into bytes, x = 256 h + l (h signed, l unsigned; `hi`, `lo`
+// packed by pack_columns with `step` bytes a tile step: 64, or 32 for groups of 32 inputs), and each 16-row strip
+// of weights (tile A) multiplies both into two int32 tiles: int8 weights load in place (tdpbssd, tdpbsud); int4
+// codes are unpacked, each 64-input chunk of a row (32 bytes, input 2j in the low nibble of byte j) once into 64
+// unsigned bytes ordered [low nibbles of bytes 0-15, their high nibbles, low nibbles of bytes 16-31, their high nibbles]
+// (`q4_order`: each 32-input block stays whole in its half; the activations are packed in that order), then
+// tdpbusd, tdpbuud. At each group end (and every 16,384 inputs: no int32 overflows) the two sums go to f32 as
+// 256 h-sum + l-sum, times the group's scale, into the totals; int4 adds its correction there: -8 x scale
+// (symmetric codes) or the min, times the group's rounded input sum (`xsum_t` [G, 16]: per group, the rows' sums).
+// Weight rows [n0, n1), n1 - n0 a multiple of 16, groups of a multiple of `step` inputs; y f32 [M, N] before the
+// rows' activation scales.
+//
+// The input a position of a 64-input chunk holds in q4_order (its own inverse is not needed: the activations are
+// gathered through it).
+inline int64_t q4_order(int64_t p) {
+  const int64_t block = p / 32, q = p % 32;
+  return 32 * block + (q < 16 ? 2 * q : 2 * (q - 16) + 1);
+}
+
+template <bool kInt4>
+void weight_only_amx(const int8_t* hi, const uint8_t* lo, const float* xsum_t, int64_t M, int64_t K, const void* w,
+                     const float* scale, const float* offset, bool symmetric, int64_t G, int64_t step, float* y,
+                     int64_t N, int64_t n0, int64_t n1) {
   const int64_t group = K / G, span = std::min<int64_t>(group, 16384), rows = step / 4;
+  const int8_t* w8 = static_cast<const int8_t*>(w);
+  const uint8_t* w4 = static_cast<const uint8_t*>(w);
   TileConfig c;
   for (int t = 0; t < 4; ++t) c.set(t, 16, int(4 * M));  // C: h and l sums of two strips
   c.set(4, 16, int(step));                                // A: the two strips' weights
@@ -265,91 +283,12 @@ inline void i16_amx(const int8_t* hi, const uint8_t* lo, int64_t M, int64_t K, c
   const __m512 f256 = _mm512_set1_ps(256.f);
   alignas(64) int32_t sh[16 * kAmxMaxRows], sl[16 * kAmxMaxRows];
   alignas(64) float total[32][kAmxMaxRows];
-  auto fold = [&](bool second, int64_t n, int64_t g, float* t) {  // a strip's sums into its totals
-    if (second) {
-      _tile_stored(2, sh, 4 * M);
-      _tile_stored(3, sl, 4 * M);
-    } else {
-      _tile_stored(0, sh, 4 * M);
-      _tile_stored(1, sl, 4 * M);
-    }
-    for (int64_t r = 0; r < 16; ++r) {
-      __m512 v = _mm512_fmadd_ps(f256, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sh + r * M)),
-                                 _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sl + r * M)));
-      __m512 acc = _mm512_maskz_loadu_ps(lanes, t + r * kAmxMaxRows);
-      _mm512_mask_storeu_ps(t + r * kAmxMaxRows, lanes,
-                            _mm512_fmadd_ps(v, _mm512_set1_ps(scale[(n + r) * G + g]), acc));
-    }
-  };
-  for (int64_t n = n0; n < n1; n += 32) {
-    const bool two = n + 32 <= n1;
-    std::fill(&total[0][0], &total[0][0] + 32 * kAmxMaxRows, 0.f);
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += span) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t k = k0; k < std::min(k0 + span, (g + 1) * group); k += step) {
-          const int8_t* a = w + n * K + k;
-          if (k % 64 == 0)  // the next two strips' lines at this step
-            for (int64_t r = 32; r < 64; ++r) _mm_prefetch(reinterpret_cast<const char*>(a + r * K), _MM_HINT_T0);
-          _tile_loadd(6, hi + k / step * rows * M * 4, 4 * M);
-          _tile_loadd(7, lo + k / step * rows * M * 4, 4 * M);
-          _tile_loadd(4, a, K);
-          _tile_dpbssd(0, 4, 6);
-          _tile_dpbsud(1, 4, 7);
-          if (two) {
-            _tile_loadd(5, a + 16 * K, K);
-            _tile_dpbssd(2, 5, 6);
-            _tile_dpbsud(3, 5, 7);
-          }
-        }
-        fold(false, n, g, total[0]);
-        if (two) fold(true, n + 16, g, total[16]);
-      }
-    for (int64_t r = 0; r < (two ? 32 : 16); ++r)
-      for (int64_t m = 0; m < M; ++m) y[m * N + n + r] = total[r][m];
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// q4_amx: q4_nk on tiles, as i16_amx with the 4-bit codes as tile A: each 64-input chunk of a weight row (32 bytes,
-// input 2j in the low nibble of byte j) is unpacked once into 64 unsigned bytes in the order [low nibbles of
-// bytes 0-15, their high nibbles, low nibbles of bytes 16-31, their high nibbles] (`q4_order`), so each 32-input
-// block stays whole in its half; the activations are packed in that order (`q4_order` applied to the int16 rows
-// before their split into bytes). tdpbusd (codes x h) and tdpbuud (codes x l) sum the codes times the rounded
-// inputs; each group then adds, per output row, scale x (256 h-sum + l-sum) and its correction: -8 x scale
-// (symmetric codes) or the min, times the group's rounded input sum (`xsum_t` [G, 16]: per group, the rows' sums).
-//
-// The input a position of a 64-input chunk holds in q4_order (its own inverse is not needed: the activations are
-// gathered through it).
-inline int64_t q4_order(int64_t p) {
-  const int64_t block = p / 32, q = p % 32;
-  return 32 * block + (q < 16 ? 2 * q : 2 * (q - 16) + 1);
-}
-
-inline void q4_amx(const int8_t* hi, const uint8_t* lo, const float* xsum_t, int64_t M, int64_t K, const uint8_t* w,
-                   const float* scale, const float* offset, bool symmetric, int64_t G, int64_t step, float* y,
-                   int64_t N, int64_t n0, int64_t n1) {
-  const int64_t group = K / G, span = std::min<int64_t>(group, 16384), rows = step / 4, half = K / 2;
-  TileConfig c;
-  for (int t = 0; t < 4; ++t) c.set(t, 16, int(4 * M));  // C: h and l sums of two strips
-  c.set(4, 16, int(step));                                // A: the two strips' unpacked codes
-  c.set(5, 16, int(step));
-  c.set(6, int(rows), int(4 * M));                        // B: h, l
-  c.set(7, int(rows), int(4 * M));
-  Tiles tiles(c);
-  const __mmask16 lanes = _cvtu32_mask16((1u << M) - 1u);
-  const __m512 f256 = _mm512_set1_ps(256.f);
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
-  alignas(64) int32_t sh[16 * kAmxMaxRows], sl[16 * kAmxMaxRows];
-  alignas(64) float total[32][kAmxMaxRows];
-  alignas(64) uint8_t codes[32][64];
-  auto unpack = [&](int64_t n, int64_t chunk, int64_t count) {  // rows [n, n + count) of chunk `chunk`
+  alignas(64) uint8_t codes[32][64];  // int4: the two strips' unpacked chunk
+  auto unpack = [&](int64_t n, int64_t chunk, int64_t count) {  // int4 rows [n, n + count) of chunk `chunk`
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (int64_t r = 0; r < count; ++r) {
-      const uint8_t* src = w + (n + r) * half + 32 * chunk;
-      _mm_prefetch(reinterpret_cast<const char*>(src + 32 * half), _MM_HINT_T0);  // the next two strips' line
+      const uint8_t* src = w4 + (n + r) * (K / 2) + 32 * chunk;
+      _mm_prefetch(reinterpret_cast<const char*>(src + 16 * K), _MM_HINT_T0);  // the next two strips' line
       __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
       __m256i l4 = _mm256_and_si256(v, low4), h4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r]), _mm256_permute2x128_si256(l4, h4, 0x20));
@@ -364,14 +303,14 @@ inline void q4_amx(const int8_t* hi, const uint8_t* lo, const float* xsum_t, int
       _tile_stored(0, sh, 4 * M);
       _tile_stored(1, sl, 4 * M);
     }
-    const __m512 xsum = _mm512_maskz_loadu_ps(lanes, xsum_t + g * kAmxMaxRows);
     for (int64_t r = 0; r < 16; ++r) {
       const float s = scale[(n + r) * G + g];
       __m512 v = _mm512_fmadd_ps(f256, _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sh + r * M)),
                                  _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(lanes, sl + r * M)));
       __m512 acc = _mm512_fmadd_ps(v, _mm512_set1_ps(s), _mm512_maskz_loadu_ps(lanes, t + r * kAmxMaxRows));
-      if (last)
-        acc = _mm512_fmadd_ps(xsum, _mm512_set1_ps(symmetric ? -8.f * s : offset[(n + r) * G + g]), acc);
+      if (kInt4 && last)
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, xsum_t + g * kAmxMaxRows),
+                              _mm512_set1_ps(symmetric ? -8.f * s : offset[(n + r) * G + g]), acc);
       _mm512_mask_storeu_ps(t + r * kAmxMaxRows, lanes, acc);
     }
   };
@@ -386,16 +325,30 @@ inline void q4_amx(const int8_t* hi, const uint8_t* lo, const float* xsum_t, int
         _tile_zero(3);
         const int64_t k1 = std::min(k0 + span, (g + 1) * group);
         for (int64_t k = k0; k < k1; k += step) {
-          if (k % 64 == 0) unpack(n, k / 64, two ? 32 : 16);
+          if (kInt4 && k % 64 == 0) unpack(n, k / 64, two ? 32 : 16);
+          if (!kInt4 && k % 64 == 0)  // the next two strips' lines at this step
+            for (int64_t r = 32; r < 64; ++r)
+              _mm_prefetch(reinterpret_cast<const char*>(w8 + (n + r) * K + k), _MM_HINT_T0);
           _tile_loadd(6, hi + k / step * rows * M * 4, 4 * M);
           _tile_loadd(7, lo + k / step * rows * M * 4, 4 * M);
-          _tile_loadd(4, codes[0] + k % 64, 64);
-          _tile_dpbusd(0, 4, 6);
-          _tile_dpbuud(1, 4, 7);
-          if (two) {
+          if constexpr (kInt4) {
+            _tile_loadd(4, codes[0] + k % 64, 64);
+            _tile_dpbusd(0, 4, 6);
+            _tile_dpbuud(1, 4, 7);
+          } else {
+            _tile_loadd(4, w8 + n * K + k, K);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbsud(1, 4, 7);
+          }
+          if (!two) continue;
+          if constexpr (kInt4) {
             _tile_loadd(5, codes[16] + k % 64, 64);
             _tile_dpbusd(2, 5, 6);
             _tile_dpbuud(3, 5, 7);
+          } else {
+            _tile_loadd(5, w8 + (n + 16) * K + k, K);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbsud(3, 5, 7);
           }
         }
         const bool last = k1 == (g + 1) * group;
@@ -406,7 +359,6 @@ inline void q4_amx(const int8_t* hi, const uint8_t* lo, const float* xsum_t, int
       for (int64_t m = 0; m < M; ++m) y[m * N + n + r] = total[r][m];
   }
 }
-
 
 // The activations of i16_amx / q4_amx for each block of rows (`tile_row_blocks`): the int16 rows xq [M, K] split
 // into their high and low bytes (q4: in q4_order within each 64-input chunk), packed as tile B with `step` bytes a

@@ -381,9 +381,10 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   std::vector<int64_t> Ns;
   for (const Part& p : parts) Ns.push_back(p.N);
 #ifdef JAXINFER_AMX
-  // int8 (i16_amx, from kAmxMinRowsInt8 rows) and int4 weight-only (q4_amx, from kAmxMinRowsInt4 rows, all weights
-  // with the same groups) on tiles when every weight's groups are a multiple of 32 inputs: the int16 rows split
-  // into their high and low bytes, packed as tile B once a call; rows past the last 16-row strip as below
+  // int8 (from kAmxMinRowsInt8 rows) and int4 weight-only (from kAmxMinRowsInt4 rows and up to kAmxMaxKInt4 inputs,
+  // all weights with the same groups) on tiles (amx.h, weight_only_amx) when every weight's groups are a multiple
+  // of 32 inputs: the int16 rows split into their high and low bytes, packed as tile B once a call; rows past the
+  // last 16-row strip as below
   const bool q4 = bits == 4 && !int8_activations;
   int64_t step = 0;
   if (((bits == 8 && M >= jaxinfer_gemv::kAmxMinRowsInt8) || (q4 && M >= jaxinfer_gemv::kAmxMinRowsInt4 &&
@@ -409,13 +410,9 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
       int64_t tiled = n0 + (n1 - n0) / 16 * 16;
       for (size_t r = 0; r < xt.blocks.size(); ++r) {
         auto [m0, rows] = xt.blocks[r];
-        if (q4)
-          jaxinfer_gemv::q4_amx(xt.hi[r].data(), xt.lo[r].data(), xt.xsum_t[r].data(), rows, K,
-                                static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G, step,
-                                p.y + m0 * p.N, p.N, n0, tiled);
-        else
-          jaxinfer_gemv::i16_amx(xt.hi[r].data(), xt.lo[r].data(), rows, K, static_cast<const int8_t*>(p.w), p.scale,
-                                 p.G, step, p.y + m0 * p.N, p.N, n0, tiled);
+        auto kernel = q4 ? jaxinfer_gemv::weight_only_amx<true> : jaxinfer_gemv::weight_only_amx<false>;
+        kernel(xt.hi[r].data(), xt.lo[r].data(), q4 ? xt.xsum_t[r].data() : nullptr, rows, K, p.w, p.scale, p.offset,
+               symmetric, p.G, step, p.y + m0 * p.N, p.N, n0, tiled);
       }
       if (tiled < n1 && q4)
         q4_rows(xp.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
