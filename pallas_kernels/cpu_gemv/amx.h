@@ -250,8 +250,8 @@ void nk_amx(const T* xb, int64_t M, int64_t K, const T* w, R* y, int64_t N, int6
 // packed by pack_columns with `step` bytes a tile step: 64, or 32 for groups of 32 inputs), and each 16-row strip
 // of weights (tile A) multiplies both into two int32 tiles: int8 weights load in place (tdpbssd, tdpbsud); int4
 // codes are unpacked, each 64-input chunk of a row (32 bytes, input 2j in the low nibble of byte j) once into 64
-// unsigned bytes ordered [low nibbles of bytes 0-15, their high nibbles, low nibbles of bytes 16-31, their high nibbles]
-// (`q4_order`: each 32-input block stays whole in its half; the activations are packed in that order), then
+// unsigned bytes ordered [low nibbles of bytes 0-15, their high nibbles, low nibbles of bytes 16-31, their high
+// nibbles] (`q4_order`: each 32-input block stays whole in its half; the activations are packed in that order), then
 // tdpbusd, tdpbuud. At each group end (and every 16,384 inputs: no int32 overflows) the two sums go to f32 as
 // 256 h-sum + l-sum, times the group's scale, into the totals; int4 adds its correction there: -8 x scale
 // (symmetric codes) or the min, times the group's rounded input sum (`xsum_t` [G, 16]: per group, the rows' sums).
