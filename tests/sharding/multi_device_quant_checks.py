@@ -13,10 +13,19 @@ from models.config import ModelConfig
 from models.llama import KVCache, Weights, forward, init_weights
 from models.partition import shard_model
 from models.quant import QuantizationConfig, QuantizedWeight
+from models.quant_matmul import native_matmuls
 from models.quant_sharding import quantize_sharded
 from sharding.mesh import make_mesh
 from sharding.rules import logical_to_spec
 from tests.sharding.multi_device_checks import NUM_PAGES, PAGE_SIZE, TINY, _batch
+
+
+@pytest.fixture(autouse=True)
+def _xla_dots():
+    """The single-device references on XLA's dots, as the meshes run them: the native CPU kernels (off on a mesh)
+    round int8 / int4 activation rows to int16, and take steps of up to 32 rows (`cpu_gemv.row_limit`)."""
+    with native_matmuls(False):
+        yield
 
 
 @pytest.mark.parametrize("qcfg,tp", [(qcfg, tp) for qcfg in (
