@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("kind", choices=("w4a8", "int4", "int8", "w8a8", "bf16"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10, help="timed scans a site and level each round")
-    parser.add_argument("--rows", type=int, default=1, help="activation rows, 1-8 (default 1)")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows, 1 to cpu_gemv.MAX_ROWS (default 1)")
     parser.add_argument("--baseline", type=Path, help="an earlier kernels library to time beside this one")
     args = parser.parse_args()
     if min(args.rounds, args.calls) < 1:
