@@ -4,8 +4,9 @@ the sampling step's row reductions) once per ISA level, into one library in a ca
 The C++ sources ship with the package and are compiled at first use with the machine's C++ compiler (`$CXX`, else
 `g++`, else `c++`) against jaxlib's FFI headers (`jax.ffi.include_dir()`), then registered with
 `jax.ffi.register_ffi_target` for the CPU platform. The library lands in `$JAXINFER_NATIVE_CACHE` (default
-`~/.cache/jaxinfer/native`) under a name that hashes the sources, the flags, the compiler and the headers, so a
-changed source or jaxlib builds anew and concurrent processes never load a half-written file (each compiles to a
+`~/.cache/jaxinfer/native`) under a name that hashes the sources, the flags, the compiler and the headers (their
+contents, not their paths: checkouts that share the folder share the build; `build_key`), so a changed source or
+jaxlib builds anew and concurrent processes never load a half-written file (each compiles to a
 temporary name and renames it into place). Without a compiler, or when the build fails, `load` logs one line and
 returns None: the callers fall back to XLA's dot. Each use marks its library as used (its modification time);
 after a build the folder keeps the `KEEP_BUILDS` most recently used libraries of that level and deletes the
@@ -59,9 +60,25 @@ def _compiler() -> str | None:
     return None
 
 
-def _command(cxx: str, level: str, output: Path) -> list[str]:
+def _command(cxx: str, level: str, output: Path, include_dir: str | None = None,
+             sources: tuple[str, ...] | None = None) -> list[str]:
+    """The compiler's command line (`include_dir`, `sources`: jaxlib's FFI headers and the source paths by default)."""
+    include_dir = jax.ffi.include_dir() if include_dir is None else include_dir
+    sources = tuple(map(str, SOURCES)) if sources is None else sources
     return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-attributes", "-Wno-return-type",
-            *ISA_LEVELS[level][0], "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(output)]
+            *ISA_LEVELS[level][0], "-I", include_dir, *sources, "-o", str(output)]
+
+
+def build_key(cxx: str, level: str) -> str:
+    """16 hex digits of a hash of what the library is built from: the sources' and headers' contents, the flags,
+    the compiler's version and jaxlib's FFI header; not their places, so checkouts and venvs with the same ones
+    share a build."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "ffi.h"
+    command = _command("cxx", level, Path("o"), include_dir="", sources=tuple(s.name for s in SOURCES))
+    return hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *(h.read_text() for h in HEADERS),
+                                      " ".join(command), version,
+                                      header.read_text() if header.exists() else ""]).encode()).hexdigest()[:16]
 
 
 def library_path(level: str) -> Path | None:
@@ -70,12 +87,7 @@ def library_path(level: str) -> Path | None:
     if cxx is None:
         logger.warning("no C++ compiler found (g++ or $CXX): matmuls run on XLA's dot")
         return None
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "ffi.h"
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), *(h.read_text() for h in HEADERS),
-                                    " ".join(_command("cxx", level, Path("o"))), version,
-                                    header.read_text() if header.exists() else ""]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"jaxinfer_gemv_{level}_{key}.so"
+    path = cache_dir() / f"jaxinfer_gemv_{level}_{build_key(cxx, level)}.so"
     if path.exists():
         _mark_used(path)
         return path

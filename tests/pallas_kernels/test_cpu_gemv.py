@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -371,6 +372,20 @@ def test_build_into_a_fresh_cache_and_fallbacks(tmp_path, monkeypatch, caplog, l
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert build.library_path(level) is None
     assert "no C++ compiler" in caplog.text
+
+
+def test_the_build_key_is_the_sources_contents_not_their_place(tmp_path, monkeypatch, level):
+    """Another checkout of the same sources finds the same library (its key once held the source paths, so each
+    clone built its own and pushed other checkouts' builds out of the shared cache folder)."""
+    here, cxx = build.library_path(level), build._compiler()
+    key = build.build_key(cxx, level)
+    for f in (*build.SOURCES, *build.HEADERS):
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(build, "SOURCES", tuple(tmp_path / f.name for f in build.SOURCES))
+    monkeypatch.setattr(build, "HEADERS", tuple(tmp_path / f.name for f in build.HEADERS))
+    assert build.build_key(cxx, level) == key and build.library_path(level) == here
+    (tmp_path / "amx.h").write_text((tmp_path / "amx.h").read_text() + "\n")  # a changed header: another key
+    assert build.build_key(cxx, level) != key
 
 
 def test_an_unusable_cache_folder_or_compiler_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog, level):
