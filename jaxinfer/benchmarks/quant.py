@@ -149,7 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv", action="store_true",
                         help="also the kernel micro-benchmark: GB/s of one native call over a large weight vs XLA")
     parser.add_argument("--gemv-mib", type=float, default=256, help="MiB of the micro-benchmark's weight values")
-    parser.add_argument("--gemv-rows", default="1,2,4,8", help="activation rows of the micro-benchmark's calls")
+    parser.add_argument("--gemv-rows", default="1,2,4,8",
+                        help=f"activation rows of the micro-benchmark's calls, each 1 to {cpu_gemv.MAX_ROWS} "
+                             "(default 1,2,4,8)")
     parser.add_argument("--gemv-reps", type=int, default=5, help="timed calls per micro-benchmark cell (median)")
     parser.add_argument("--peer-steps", type=int, default=20, help="the peers' timed batch-1 decode steps (median)")
     parser.add_argument("--peer-rounds", type=int, default=1, help="runs of the peers spread evenly over the rounds "
@@ -181,7 +183,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], lis
     if not args.bw_gib > 0:
         raise ValueError(f"--bw-gib {args.bw_gib} must be > 0 (GiB the roofline probe reads)")
     batches = int_list("--batches", args.batches)
-    gemv_rows = int_list("--gemv-rows", args.gemv_rows, 1, cpu_gemv.MAX_ROWS) if args.gemv else []
+    gemv_rows = int_list("--gemv-rows", args.gemv_rows, 1, cpu_gemv.MAX_ROWS)  # checked with or without --gemv
     if not 1 <= args.peer_rounds <= (args.reps if args.peer_python or args.llamacpp_python else 1):
         raise ValueError(f"--peer-rounds {args.peer_rounds} must be in [1, --reps {args.reps}] (1 without a peer)")
     if args.max_model_len <= CONTEXT:

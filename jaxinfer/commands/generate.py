@@ -25,13 +25,22 @@ if TYPE_CHECKING:
 EXIT_REQUEST_FAILED = 1  # the engine failed the request (finish_reason "error")
 
 
+class _Once(argparse.Action):
+    """A flag that may be given once: a second --prompt used to replace the first without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} given twice: one prompt a run (several: --input-file, one JSON line each)")
+        setattr(namespace, self.dest, values)
+
+
 def add_parser(sub) -> None:
     """Adds the `generate` subcommand to the subparsers `sub`."""
     gen = sub.add_parser("generate", help="generate text from a prompt or a JSONL file of prompts",
                          description="Generate text from one prompt (text streams to stdout), or from every line of "
                                      "a JSONL file (--input-file; one JSON line out per line in, in order).")
     source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="prompt text (a user message with --chat)")
+    source.add_argument("--prompt", action=_Once, help="prompt text (a user message with --chat)")
     source.add_argument("--input-file", metavar="PATH",
                         help='JSONL, one request per line: {"prompt": TEXT} or {"messages": [...]}, optionally "id" '
                              '/ "custom_id" and SamplingParams fields (max_tokens, temperature, ...) overriding the '

@@ -46,6 +46,7 @@ def test_generate_json_and_stream_match_the_api(smollm2_llm: LLM) -> None:
     (["--prompt", "x", "--max-tokens", "0"], "max_tokens"),
     (["--prompt", "x", "--model", "/does/not/exist.gguf"], "does not exist"),
     (["--prompt", "x", "--model", __file__], "not a model"),
+    (["--prompt", "first", "--prompt", "second"], "--prompt given twice"),  # once ran the second alone, silently
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     done = _jaxinfer("generate", *args)

@@ -53,6 +53,7 @@ def test_quant_report(tmp_path):
     (("--gemv", "--gemv-rows", "33"), "--gemv-rows '33': expected comma-separated integers in [1, 32]"),
     (("--gemv", "--gemv-mib", "0"), "--gemv-mib must be > 0 (got 0.0)"),
     (("--gemv", "--gemv-rows", "1,x"), "--gemv-rows '1,x': expected comma-separated integers in [1, 32]"),
+    (("--gemv-rows", "33"), "--gemv-rows '33': expected comma-separated integers in [1, 32]"),  # without --gemv
     (("--peer-steps", "0"), "--peer-steps 0: must be >= 1"),
     (("--burst", "0", "--reps", "-1"), "--reps -1, --burst 0: must be >= 1"),
     (("--bw-reps", "0"), "--bw-reps 0: must be >= 1"),
