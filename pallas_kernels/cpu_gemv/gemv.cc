@@ -26,8 +26,8 @@
 // ISA levels (pallas_kernels/cpu_features.py): avx2 builds every kernel on 256-bit vectors; avx512_vnni adds
 // 512-bit variants of int8_nk, i8i8_nk, q4_nk and q4a8_nk (vpdpwssd / vpdpbusd; same integer sums, f32 totals
 // added in another order) and builds the rest with 32 vector registers; amx adds Intel AMX tile variants (amx.h) of
-// float_kn / float_nk for bf16 weights with bf16 activations and of i8i8_nk (from 6 rows) and int8_nk (from 4
-// rows), the rest as avx512_vnni.
+// float_kn / float_nk for bf16 weights with bf16 activations and of i8i8_nk (from 6 rows), int8_nk (from 4 rows)
+// and q4_nk (from 16 rows, K <= 1024), more than 16 rows in blocks of 16; the rest as avx512_vnni.
 #include <immintrin.h>
 
 #include <sched.h>

@@ -315,9 +315,9 @@ using Q4Activations = int16_t;
 
 // Several activation rows, one weight row at a time, stream the rows' activations from L1 once per weight row;
 // when they outgrow L1 (more than kQ4WideBytes), q4_rows_of takes kQ4WideNR weight rows at a time so that each
-// activation load serves all of them. A SmolLM2 layer's calls at avx512_vnni (scripts/kernel_layers.py int4):
-// 0.95x the time at K = 576 with 8 and 16 rows (20-26 KiB of activations), 1.25x faster at 32 rows (51 KiB),
-// 1.2-1.8x at K = 1536 from 8 rows.
+// activation load serves all of them. A SmolLM2 layer's calls at avx512_vnni (scripts/kernel_layers.py int4,
+// against one weight row at a time): 1.26-1.29x faster at K = 576 with 32 rows (51 KiB of activations), 1.76x /
+// 1.84x at K = 1536 with 16 / 32 rows; with 8 and 16 rows at K = 576 (13-26 KiB, in L1) the blocks took 0.95x.
 constexpr int64_t kQ4WideBytes = 28 << 10;
 #ifdef JAXINFER_AVX512_VNNI
 constexpr int kQ4WideNR = 4;
