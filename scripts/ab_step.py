@@ -9,7 +9,8 @@ sampling, host), and the best round.
 
 A setting is VAR=VALUE[,VAR=VALUE...]; an empty string ("") is the environment as it is. Variables read once per
 process (`JAXINFER_NATIVE_THREADS`: the kernels' thread pool) cannot differ between settings: compare those in
-separate runs.
+separate runs. `--chained` times the steps chained as the engine's decode loop runs them (async scheduling:
+`decode_timing.ChainedSteps`, a round's mean call) instead of one `execute` at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import statistics
 import time
 from collections.abc import Iterator
 
+from jaxinfer.benchmarks.decode_timing import ChainedSteps
 from jaxinfer.benchmarks.quant import FORMATS, decode_step
 from pallas_kernels.cpu_features import check_environment
 
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("settings", nargs="+", help="VAR=VALUE[,VAR=VALUE...] per engine")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10, help="timed steps an engine a round")
+    parser.add_argument("--chained", action="store_true", help="steps chained as the engine's decode loop runs them")
     args = parser.parse_args()
     if any(p and "=" not in p for s in args.settings for p in s.split(",")):
         parser.error("each setting is VAR=VALUE[,VAR=VALUE...]")
@@ -66,14 +69,25 @@ def main() -> None:
     steps = []
     for setting in args.settings:
         with variables(setting):
-            _, step = decode_step(args.format, args.batch)
+            engine, step = decode_step(args.format, args.batch)
+            if args.chained:
+                step = ChainedSteps(engine.runner, *step.args)
             step()  # compiles under the setting's variables
+            if args.chained:
+                step.flush()
         steps.append(step)
     medians: list[list[float]] = [[] for _ in steps]
     for _ in range(args.rounds):
         for i, step in enumerate(steps):
             with variables(args.settings[i]):
                 step()
+                if args.chained:  # a round's mean call: a chained call may return early and the next wait for two
+                    t0 = time.perf_counter()
+                    for _ in range(args.steps):
+                        step()
+                    step.flush()
+                    medians[i].append(1e3 * (time.perf_counter() - t0) / args.steps)
+                    continue
                 times = []
                 for _ in range(args.steps):
                     t0 = time.perf_counter()

@@ -9,6 +9,9 @@ median, in microseconds a layer. Weights are random (codes and scales), so only 
 `--baseline LIB` times an earlier build of the kernels beside this checkout's, in the same rounds and process: a
 library file from the build cache (`~/.cache/jaxinfer/native/jaxinfer_gemv_<level>_<hash>.so`, built by an older
 checkout; its level is in its name and only that level runs). `--rows M`: M activation rows (1 to `cpu_gemv.MAX_ROWS`).
+Caution (session 28): a baseline library built with a kernel that returns at once ran at this build's speed, its
+target name in the compiled program all the same; the cause is not found, so a `--baseline` ratio near 1.0x proves
+nothing. Compare a change behind an environment variable read per call instead (one library, toggled between rounds).
 
 Weights total 30 x ~3.3 MB (int4) to ~6.4 MB (int8) per kind: on a CPU with a large last-level cache they stay
 in it, as a lone engine's weights do; the time then is the kernels' compute and hand-offs, not DRAM.
@@ -17,11 +20,13 @@ in it, as a lone engine's weights do; the time then is the kernels' compute and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -65,24 +70,38 @@ def scan_of(kind: str, site: str, rng: np.random.Generator, rows: int = 1):
     return jax.jit(lambda: jax.lax.scan(body, jnp.float32(0), jnp.arange(LAYERS, dtype=jnp.int32))[0])
 
 
-def register_baseline(path: Path, kind: str) -> str:
-    """Registers the matmul kernel `kind` times of an earlier library under a "baseline_" target name; returns the
+def register_baseline(path: Path, kernels: list[str]) -> str:
+    """Registers `kernels` (`build.TARGETS` names) of an earlier library under "baseline_" target names; returns the
     library's ISA level. Exits with a one-line message for a missing file, a name without a level this CPU runs,
-    or a file that is no kernels library (older builds lack later kernels; only the timed one must be there)."""
+    or a file that is no kernels library (older builds lack later kernels; only the timed ones must be there)."""
     if not path.is_file():
         raise SystemExit(f"--baseline {path}: no such file")
     match = re.fullmatch(r"jaxinfer_gemv_(\w+?)_[0-9a-f]+\.so", path.name)
     if match is None or match.group(1) not in cpu_features.supported_levels():
         raise SystemExit(f"--baseline {path}: not a kernels library of a level this CPU runs "
                          f"(jaxinfer_gemv_<level>_<hash>.so; levels here: {cpu_features.supported_levels()})")
-    kernel = {"w8a8": "i8i8_matmul", "bf16": "float_matmul"}.get(kind, "weight_only_matmul")
-    try:
-        symbol = getattr(ctypes.cdll.LoadLibrary(str(path)), f"jaxinfer_{kernel}")
-    except (OSError, AttributeError) as e:
-        raise SystemExit(f"--baseline {path}: not a kernels library with jaxinfer_{kernel} ({e})") from None
-    jax.ffi.register_ffi_target("baseline_" + build.target_name(kernel, match.group(1)), jax.ffi.pycapsule(symbol),
-                                platform="cpu")
+    for kernel in kernels:
+        try:
+            symbol = getattr(ctypes.cdll.LoadLibrary(str(path)), f"jaxinfer_{kernel}")
+        except (OSError, AttributeError) as e:
+            raise SystemExit(f"--baseline {path}: not a kernels library with jaxinfer_{kernel} ({e})") from None
+        jax.ffi.register_ffi_target("baseline_" + build.target_name(kernel, match.group(1)),
+                                    jax.ffi.pycapsule(symbol), platform="cpu")
     return match.group(1)
+
+
+@contextlib.contextmanager
+def baseline_targets() -> Iterator[None]:
+    """Inside the block, calls traced name the "baseline_" targets of `register_baseline` (jax's caches are
+    cleared on the way in and out: a jitted wrapper traced before would keep the other name)."""
+    target_name = build.target_name
+    build.target_name = lambda *a: "baseline_" + target_name(*a)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        build.target_name = target_name
+        jax.clear_caches()
 
 
 def main() -> None:
@@ -108,20 +127,17 @@ def main() -> None:
     levels = cpu_features.supported_levels()
     builds = ["this"]
     if args.baseline is not None:
-        levels, builds = [register_baseline(args.baseline, args.kind)], ["this", "baseline"]
+        kernel = {"w8a8": "i8i8_matmul", "bf16": "float_matmul"}.get(args.kind, "weight_only_matmul")
+        levels, builds = [register_baseline(args.baseline, [kernel])], ["this", "baseline"]
     scans = {}
-    target_name = build.target_name
     for level in levels:
         os.environ["JAXINFER_NATIVE_ISA"] = level
         for which in builds:
-            build.target_name = target_name if which == "this" else lambda *a: "baseline_" + target_name(*a)
-            try:
+            with baseline_targets() if which == "baseline" else contextlib.nullcontext():
                 for site in SITES:
                     fn = scan_of(args.kind, site, rng, args.rows)
                     fn().block_until_ready()  # compiles under this level (and build)
                     scans[(f"{level}{'' if which == 'this' else ' (baseline)'}", site)] = fn
-            finally:
-                build.target_name = target_name
     rounds: dict = {key: [] for key in scans}
     for _ in range(args.rounds):
         for key, fn in scans.items():

@@ -53,6 +53,9 @@ CASES = {
     "single layer cache, G=3, f32 q, bf16 pages": Case((5, 290), layers=0, dtype="bfloat16"),
     "int8 pages": Case((1, 64, 257), dtype="int8", q_len=2),
     "fp8 pages, bf16 q": Case((3, 0, 200), dtype="fp8", q_dtype="bfloat16", window=50),
+    # the 512-bit code's row groups of at most 3 (G = 5: 3 + 2) and its masked lanes (H = 40: 16 + 16 + 8)
+    "G=5, H=40, verify windows of 2, bf16": Case((2, 33, 150), q_len=2, num_heads=10, num_kv_heads=2, head_dim=40,
+                                                 dtype="bfloat16", q_dtype="bfloat16"),
 }
 
 
@@ -114,23 +117,26 @@ def _oracle(case: Case, args, kw, dequantized, q) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_float64_oracle_and_reference(name):
+def test_kernel_matches_float64_oracle_and_reference(name, monkeypatch):
+    """At every ISA level this CPU runs (the 256-bit code at avx2, the 512-bit one above it)."""
     case = CASES[name]
     args, kw, dequantized, q = _make(case)
     want = _oracle(case, args, kw, dequantized, q)
-    got = paged_attention_native(*args, **kw)
-    ref = paged_attention_reference(*args, **kw)
-    assert got.dtype == args[0].dtype and got.shape == args[0].shape
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    ref = np.asarray(paged_attention_reference(*args, **kw), np.float64)
     # f32 throughout: f32 rounding. As the reference, the kernel rounds the probabilities to the values' dtype
     # (bf16 pages, or quantized ones with bf16 q: 2^-9 relative each); a bf16 output adds one rounding (2^-9).
     # (q rounded to bf16 is the oracle's input too.)
     rounded = case.dtype == "bfloat16" or case.q_dtype == "bfloat16"
     tol = 1e-2 if rounded else 1e-5
     scale = np.abs(want).max()
-    assert np.abs(got - want).max() <= tol * scale, np.abs(got - want).max()
-    assert np.abs(got - ref).max() <= tol * scale, np.abs(got - ref).max()
-    assert not got[int(args[5][-1]):].any()  # padding rows are 0
+    for level in build.supported_levels():
+        monkeypatch.setenv("JAXINFER_NATIVE_ISA", level)
+        got = paged_attention_native.__wrapped__(*args, **kw)  # unjitted: traced under this level
+        assert got.dtype == args[0].dtype and got.shape == args[0].shape
+        got = np.asarray(got, np.float64)
+        assert np.abs(got - want).max() <= tol * scale, (level, np.abs(got - want).max())
+        assert np.abs(got - ref).max() <= tol * scale, (level, np.abs(got - ref).max())
+        assert not got[int(args[5][-1]):].any()  # padding rows are 0
 
 
 def test_every_span_and_thread_gives_the_same_bits():
