@@ -167,8 +167,9 @@ def render(data: dict, args: argparse.Namespace, elapsed_s: float) -> str:
         "of the timed calls (min-max), "
         + ("one a round per engine, after the other engines' calls (`--burst 1`: the weights as far out of the "
            "caches as those left them)" if getattr(args, "burst", 1) == 1 else
-           f"{args.burst - 1} in a row a round per engine after one untimed call (`--burst {args.burst}`, as the "
-           "peers time their steps in a row: a lone engine's speed)")
+           f"{args.burst - 1} in a row a round per engine after one untimed step (`--burst {args.burst}`, as the "
+           "peers time their steps in a row: a lone engine's speed; chained, the untimed step is dispatched and "
+           "read before the timed calls, so none of them waits for it)")
         + ". Matmuls: native = the CPU kernels of `pallas_kernels.cpu_gemv` where they "
         "apply (the engine's default), XLA = `JAXINFER_NATIVE_KERNELS=0` around the engine's compile and calls. "
         f"Roofline: batch x {gb_s:.1f} GB/s (the roofline probe's better reading, at the start "

@@ -44,7 +44,7 @@ def test_quant_report(tmp_path):
     w8a8 = rows[("int8 (w8a8)", 1)]  # native (at the CPU's highest ISA level) where the kernels run, else XLA
     assert (w8a8["matmuls"], w8a8["isa"]) in [("native", cpu_features.supported_levels()[-1]), ("XLA", None)]
     cell = w8a8["matmuls"] + (f" ({w8a8['isa']})" if w8a8["isa"] else "")
-    assert f"| int8 (w8a8) | {cell} | 1 |" in section and "2 in a row a round per engine after one untimed" in section and "- Batch 1: int8 (w8a8)" in section
+    assert f"| int8 (w8a8) | {cell} | 1 |" in section and "2 in a row a round per engine after one untimed step" in section and "- Batch 1: int8 (w8a8)" in section
     assert "steps chained as the engine's decode loop runs them" in section
 
 
@@ -236,3 +236,45 @@ def test_merge_runs_takes_each_peers_median_run():
                                          "model_bytes": 7}
     assert peers.merge_runs([None, {"error": "no model"}]) == {"error": "no model"}
     assert peers.merge_runs([None]) is None
+
+
+def test_chained_bursts_never_time_the_rounds_first_step(monkeypatch):
+    """With `--burst B`, a round's first step runs after the other engines' calls (cold caches); chained, the first
+    call only dispatches it, so it must be read before the timed calls start, or one of them waits for it."""
+    import argparse
+
+    from jaxinfer.benchmarks import quant
+    from jaxinfer.benchmarks.decode_timing import ChainedSteps
+
+    reads: list[int] = []  # steps in the order read
+    firsts: list[int] = []  # each round's first step
+    windows: list[list[int]] = []  # the steps read inside each timed_calls (its last: the untimed flush)
+
+    class Runner:
+        steps = 0
+
+        def submit(self, chunks, rows, fed_from=None):
+            Runner.steps += 1
+            n = Runner.steps
+            if chain.pending is None:
+                firsts.append(n)
+            return type("Step", (), {"result": lambda self: reads.append(n)})()
+
+    chain = ChainedSteps(Runner(), [], [])
+    row = {"batch": 1, "times": [], "matmuls": "native", "isa": None}
+    monkeypatch.setattr(quant, "_setup", lambda *a: ([(chain, row)], None))
+    timed_calls = quant.timed_calls
+
+    def timed(fn, n):
+        start = len(reads)
+        try:
+            return timed_calls(fn, n)
+        finally:
+            windows.append(reads[start:])
+
+    monkeypatch.setattr(quant, "timed_calls", timed)
+    quant.measure(argparse.Namespace(native="on", reps=3, burst=4, async_scheduling=True), ["f"], [1])
+    assert reads == list(range(1, len(reads) + 1))  # every step read once, in order
+    assert len(firsts) == len(windows) == 3 and all(len(w) == 4 for w in windows)  # burst - 1 timed + the flush
+    for first, window in zip(firsts, windows):
+        assert first not in window[:-1], (first, window)
