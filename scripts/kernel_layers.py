@@ -9,9 +9,7 @@ median, in microseconds a layer. Weights are random (codes and scales), so only 
 `--baseline LIB` times an earlier build of the kernels beside this checkout's, in the same rounds and process: a
 library file from the build cache (`~/.cache/jaxinfer/native/jaxinfer_gemv_<level>_<hash>.so`, built by an older
 checkout; its level is in its name and only that level runs). `--rows M`: M activation rows (1 to `cpu_gemv.MAX_ROWS`).
-Caution (session 28): a baseline library built with a kernel that returns at once ran at this build's speed, its
-target name in the compiled program all the same; the cause is not found, so a `--baseline` ratio near 1.0x proves
-nothing. Compare a change behind an environment variable read per call instead (one library, toggled between rounds).
+The thread pool (`threads.h`) is one per library: two libraries' workers share the CPUs between rounds.
 
 Weights total 30 x ~3.3 MB (int4) to ~6.4 MB (int8) per kind: on a CPU with a large last-level cache they stay
 in it, as a lone engine's weights do; the time then is the kernels' compute and hand-offs, not DRAM.
@@ -93,7 +91,8 @@ def register_baseline(path: Path, kernels: list[str]) -> str:
 @contextlib.contextmanager
 def baseline_targets() -> Iterator[None]:
     """Inside the block, calls traced name the "baseline_" targets of `register_baseline` (jax's caches are
-    cleared on the way in and out: a jitted wrapper traced before would keep the other name)."""
+    cleared on the way in and out: a jitted wrapper traced before would keep the other name). Compile what is
+    traced inside ahead of time (`.lower().compile()`): a jitted function called later would trace again, outside."""
     target_name = build.target_name
     build.target_name = lambda *a: "baseline_" + target_name(*a)
     jax.clear_caches()
@@ -135,8 +134,8 @@ def main() -> None:
         for which in builds:
             with baseline_targets() if which == "baseline" else contextlib.nullcontext():
                 for site in SITES:
-                    fn = scan_of(args.kind, site, rng, args.rows)
-                    fn().block_until_ready()  # compiles under this level (and build)
+                    fn = scan_of(args.kind, site, rng, args.rows).lower().compile()  # under this level (and build)
+                    fn().block_until_ready()
                     scans[(f"{level}{'' if which == 'this' else ' (baseline)'}", site)] = fn
     rounds: dict = {key: [] for key in scans}
     for _ in range(args.rounds):
