@@ -187,6 +187,10 @@ void scores512(const float* q, const float* k, int64_t H, int64_t a, int64_t e, 
     }
 }
 
+// The variant of a kernel for the next group of at most 3 rows, `left` rows remaining.
+template <typename F>
+inline F row_group(F one, F two, F three, int64_t left) { return left >= 3 ? three : left == 2 ? two : one; }
+
 // out[r] += sum_{i in [a, e)} p[r][i] v[i] for RG rows, 64 outputs at a time (RG x 4 accumulators).
 template <int RG>
 void pv512(const float* p, int64_t a, int64_t e, const float* v, int64_t H, float* out) {
@@ -214,11 +218,8 @@ void pv512(const float* p, int64_t a, int64_t e, const float* v, int64_t H, floa
 // s[g * kTile + i].
 inline void tile_scores(const float* q, const float* k, int64_t H, int64_t G, int64_t a, int64_t e, float* s) {
 #ifdef JAXINFER_AVX512_VNNI
-  for (int64_t g = 0; g < G; g += 3) {
-    const int64_t rows = std::min<int64_t>(3, G - g);
-    auto f = rows == 3 ? scores512<3> : rows == 2 ? scores512<2> : scores512<1>;
-    f(q + g * H, k, H, a, e, s + g * kTile);
-  }
+  for (int64_t g = 0; g < G; g += 3)
+    row_group(scores512<1>, scores512<2>, scores512<3>, G - g)(q + g * H, k, H, a, e, s + g * kTile);
 #else
   for (int64_t g = 0; g < G; ++g) {
     const float* qr = q + g * H;
@@ -237,11 +238,8 @@ inline void tile_scores(const float* q, const float* k, int64_t H, int64_t G, in
 // acc[g] += sum_{i in [a, e)} p[g * kTile + i] v[i] for G rows (`acc` [G, H]).
 inline void tile_values(const float* p, int64_t a, int64_t e, const float* v, int64_t H, int64_t G, float* acc) {
 #ifdef JAXINFER_AVX512_VNNI
-  for (int64_t g = 0; g < G; g += 3) {
-    const int64_t rows = std::min<int64_t>(3, G - g);
-    auto f = rows == 3 ? pv512<3> : rows == 2 ? pv512<2> : pv512<1>;
-    f(p + g * kTile, a, e, v, H, acc + g * H);
-  }
+  for (int64_t g = 0; g < G; g += 3)
+    row_group(pv512<1>, pv512<2>, pv512<3>, G - g)(p + g * kTile, a, e, v, H, acc + g * H);
 #else
   for (int64_t g = 0; g < G; ++g) {
     float* out = acc + g * H;
