@@ -268,6 +268,10 @@ def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]
     greedy = SamplingParams(temperature=0.0)
     engine = _engine(name, args.model, args.max_model_len)
     pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
+    if max(batches) * pages_per_seq > engine.page_allocator.num_free_pages:
+        raise ValueError(f"--batches {max(batches)}: {max(batches)} sequences of {CONTEXT} tokens need "
+                         f"{max(batches) * pages_per_seq} KV pages, the benchmark's {KV_BYTES >> 20} MiB cache "
+                         f"holds {engine.page_allocator.num_free_pages}")
     pages = engine.page_allocator.allocate(max(batches) * pages_per_seq)
     kv_per_token = KVCache.bytes_per_page(engine.runner.cfg, 1, engine.runner.kv_cache.k.dtype)
     out = []

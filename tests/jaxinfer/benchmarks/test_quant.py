@@ -278,3 +278,14 @@ def test_chained_bursts_never_time_the_rounds_first_step(monkeypatch):
     assert len(firsts) == len(windows) == 3 and all(len(w) == 4 for w in windows)  # burst - 1 timed + the flush
     for first, window in zip(firsts, windows):
         assert first not in window[:-1], (first, window)
+
+
+def test_quant_batches_past_the_kv_cache_name_the_option(tmp_path, capsys):
+    """A batch whose sequences do not fit the benchmark's KV cache is refused naming `--batches`, not with the page
+    allocator's own words."""
+    from jaxinfer.cli import main
+
+    model = make_tiny_model_dir(tmp_path / "tiny")
+    assert main(["bench", "quant", "--model", str(model), "--formats", "bf16", "--batches", "100000", "--reps", "1",
+                 "--max-model-len", "256", "--bw-gib", "0.016", "--bw-reps", "1"]) == 2
+    assert "--batches 100000: 100000 sequences of 128 tokens need" in capsys.readouterr().err
