@@ -239,9 +239,36 @@ void i16_row512(const int16_t* x, int64_t K, const int8_t* w, const float* scale
   for (int i = 0; i < MG; ++i) y[(m0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(total[0][i], total[1][i]));
 }
 
+// One activation row by NR weight rows: each activation load serves the NR rows (groups of a multiple of 32).
+template <int NR>
+void i16_nr512(const int16_t* x, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y, int64_t n) {
+  const int64_t group = K / G;
+  __m512 total[NR];
+  for (int r = 0; r < NR; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 2048) {  // at most 2048 inputs a sum, as i16_block
+      __m512i acc[NR];
+      for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_si512();
+      for (int64_t k = k0, k1 = std::min(k0 + 2048, (g + 1) * group); k < k1; k += 32) {
+        const __m512i xv = _mm512_loadu_si512(x + k);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* row = w + (n + r) * K + k;
+          if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+          acc[r] = _mm512_dpwssd_epi32(acc[r], xv,
+                                       _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))));
+        }
+      }
+      for (int r = 0; r < NR; ++r)
+        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(scale[(n + r) * G + g]), total[r]);
+    }
+  for (int r = 0; r < NR; ++r) y[n + r] = _mm512_reduce_add_ps(total[r]);
+}
+
 template <bool kG32>
 void i16_rows512(const int16_t* x, int64_t M, int64_t K, const int8_t* w, const float* scale, int64_t G, float* y,
                  int64_t N, int64_t n0, int64_t n1) {
+  if (M == 1)  // four weight rows a block: SmolLM2's calls and LM head 1.08-1.46x in L3, a 256 MiB weight 1.09x
+    for (; n0 + 4 <= n1; n0 += 4) i16_nr512<4>(x, K, w, scale, G, y, n0);
   for (int64_t n = n0; n < n1; ++n) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) i16_row512<4, kG32>(x, K, w, scale, G, y, N, n, m);

@@ -28,11 +28,20 @@ SHAPES = [(576, 1536), (1536, 576), (64, 13), (128, 1), (192, 100), (200, 40)]
 ROWS = [1, 2, 3, 4, 5, 6, 8, 17, 32]  # 6: the amx level's bf16 and w8a8 tiles start; 17: two tile blocks (9 + 8)
 
 
+_traced_at: list[str] = []  # the level the previous test traced under
+
+
 @pytest.fixture(params=LEVELS or ["none"], autouse=True)
 def level(request, monkeypatch):
-    """Every test runs at each ISA level this CPU supports (JAXINFER_NATIVE_ISA)."""
+    """Every test runs at each ISA level this CPU supports (JAXINFER_NATIVE_ISA). jit keeps a function's trace for
+    the same argument shapes whatever the variable says, and the trace names its level's kernels: so jax's caches are
+    cleared whenever the level changes, or a `jax.jit(cpu_gemv.int8_matmul)` of a shape another level traced first
+    would run that level's kernel (found in session 28: a wrong 512-bit kernel passed the whole file)."""
     assert LEVELS, "this CPU runs no ISA level of the native kernels (AVX2 + FMA needed)"
     monkeypatch.setenv("JAXINFER_NATIVE_ISA", request.param)
+    if _traced_at[-1:] != [request.param]:
+        jax.clear_caches()
+        _traced_at[:] = [request.param]
     assert cpu_gemv.active()
     return request.param
 
