@@ -2,13 +2,13 @@
 memory analysis of the compiled step.
 
 Weight formats (all in one process, each engine with `warmup=False` and the same KV budget): f32 and bf16
-(unquantized), int8 (w8a8: dynamic per-token int8 activations, int8 x int8 -> int32 dots, norm gains folded;
-embedding and LM head int8), int8 weight-only, int8 with the embedding and LM head left in bf16, fp8 (e4m3,
-weight-only; embedding and LM head bf16, its default), fp8 with them quantized too, fp8 with groups of 128 input
-channels (where they divide), int4 with groups of 32 (weight-only; with an int8 embedding and LM head, llama.cpp
-Q4_0's layout; and that as w4a8, int8 activation blocks of 32), and a GGUF model's Q8_0 / Q4_0 / Q4_1 tensors kept
-as stored (`--quantization gguf`; only for a GGUF model, such as the default), and the microscaling formats
-(mxfp8 weight-only and w8a8, mxfp4, nvfp4; `models.mxfp`). Quantized formats run with bf16 activations.
+(unquantized), int8 (w8a8: dynamic per-token int8 activations, int8 x int8 -> int32 dots, norm gains folded; embedding
+and LM head int8), int8 weight-only, int8 with the embedding and LM head left in bf16, fp8 (e4m3, weight-only;
+embedding and LM head bf16, its default), fp8 with them quantized too, fp8 with groups of 128 input channels (where
+they divide), int4 with groups of 32 (weight-only; with an int8 embedding and LM head, llama.cpp Q4_0's layout; and
+that as w4a8, int8 activation blocks of 32), and a GGUF model's Q8_0 / Q4_0 / Q4_1 tensors kept as stored
+(`--quantization gguf`; only for a GGUF model, such as the default), and the microscaling formats (mxfp8 weight-only
+and w8a8, mxfp4, nvfp4; `models.mxfp`). Quantized formats run with bf16 activations.
 
 1. **Decode step time** at each `--batches` size (batch 1 runs one row with the native kernels, two without them,
    as the runner does): one decode token per sequence at context 128 (distinct pages per sequence), greedy, the
@@ -93,8 +93,7 @@ logger = logging.getLogger(__name__)
 
 SECTION = ("<!-- quant-speed:begin -->", "<!-- quant-speed:end -->")
 FORMATS = {  # name -> (dtype, quantization)
-    "f32": ("float32", None),
-    "bf16": ("bfloat16", None),
+    "f32": ("float32", None), "bf16": ("bfloat16", None),
     "int8 (w8a8)": ("bfloat16", {"format": "int8", "quantize_activations": True}),
     "int8 weight-only": ("bfloat16", "int8"),
     "int8 (w8a8), embedding + LM head bf16": ("bfloat16", {"format": "int8", "quantize_activations": True,
@@ -268,11 +267,9 @@ def _setup(args: argparse.Namespace, name: str, native: bool, batches: list[int]
     greedy = SamplingParams(temperature=0.0)
     engine = _engine(name, args.model, args.max_model_len)
     pages_per_seq = -(-(CONTEXT + 1) // engine.page_size)
-    if max(batches) * pages_per_seq > engine.page_allocator.num_free_pages:
-        raise ValueError(f"--batches {max(batches)}: {max(batches)} sequences of {CONTEXT} tokens need "
-                         f"{max(batches) * pages_per_seq} KV pages, the benchmark's {KV_BYTES >> 20} MiB cache "
-                         f"holds {engine.page_allocator.num_free_pages}")
-    pages = engine.page_allocator.allocate(max(batches) * pages_per_seq)
+    if (need := max(batches) * pages_per_seq) > (free := engine.page_allocator.num_free_pages):
+        raise ValueError(f"--batches {max(batches)}: needs {need} KV pages (context {CONTEXT}); the cache holds {free}")
+    pages = engine.page_allocator.allocate(need)
     kv_per_token = KVCache.bytes_per_page(engine.runner.cfg, 1, engine.runner.kv_cache.k.dtype)
     out = []
     for batch in batches:
@@ -343,9 +340,8 @@ def measure(args: argparse.Namespace, formats: list[str], batches: list[int], is
             fn, native, isa, row = setups[i]
             with native_kernels(native, isa):
                 if args.burst > 1 or args.async_scheduling:
-                    fn()  # back into the caches after the other engines' calls; or a chain's first step
-                    if args.burst > 1 and isinstance(fn, ChainedSteps):
-                        fn()  # a chain's first call only dispatches: read that (cold) step untimed, as one run alone
+                    for _ in range(2 if args.burst > 1 and isinstance(fn, ChainedSteps) else 1):
+                        fn()  # back into the caches (a chain's first call only dispatches: read that step untimed)
                 row["times"] += timed_calls(fn, max(1, args.burst - 1))
         if after_round is not None:
             after_round(r, cfg)

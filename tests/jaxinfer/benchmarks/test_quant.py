@@ -288,4 +288,4 @@ def test_quant_batches_past_the_kv_cache_name_the_option(tmp_path, capsys):
     model = make_tiny_model_dir(tmp_path / "tiny")
     assert main(["bench", "quant", "--model", str(model), "--formats", "bf16", "--batches", "100000", "--reps", "1",
                  "--max-model-len", "256", "--bw-gib", "0.016", "--bw-reps", "1"]) == 2
-    assert "--batches 100000: 100000 sequences of 128 tokens need" in capsys.readouterr().err
+    assert "--batches 100000: needs 900000 KV pages (context 128); the cache holds" in capsys.readouterr().err
