@@ -34,7 +34,6 @@ def supported(q: jax.Array, k_pages: jax.Array, *, max_q_len: int) -> bool:
             and q.shape[-1] % 8 == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap"))
 def paged_attention_native(
     q: jax.Array,
     k_pages: jax.Array,
@@ -75,15 +74,24 @@ def paged_attention_native(
         not take (`supported`).
       RuntimeError: the library is not available (`cpu_gemv.active`).
     """
+    level = isa_level()
+    if level is None or not build.load(level):
+        raise RuntimeError("the native CPU kernels are not available (see `pallas_kernels.cpu_gemv.active`)")
+    return _native(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, max_q_len=max_q_len, sm_scale=sm_scale,
+                   sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, level=level)
+
+
+# The ISA level is a static argument: jit keeps one trace per argument shapes, and a level set later in the process
+# (JAXINFER_NATIVE_ISA; `bench quant --isa`, the tests' levels) must name its own kernel, not the first one traced.
+@functools.partial(jax.jit, static_argnames=("max_q_len", "sm_scale", "sliding_window", "soft_cap", "level"))
+def _native(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, *, max_q_len, sm_scale, sliding_window,
+            soft_cap, k_scale, v_scale, level: str) -> jax.Array:
     check_paged_args(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, layer, sliding_window, soft_cap,
                      k_scale, v_scale)
     if not supported(q, k_pages, max_q_len=max_q_len):
         raise ValueError(f"the native paged attention takes max_q_len in [1, {MAX_Q_LEN}], f32 / bf16 q, pages in "
                          f"{[d.name for d in PAGE_DTYPES]} and a head dim that is a multiple of 8; got "
                          f"{max_q_len=}, q {q.dtype.name}{list(q.shape)}, pages {k_pages.dtype.name}")
-    level = isa_level()
-    if level is None or not build.load(level):
-        raise RuntimeError("the native CPU kernels are not available (see `pallas_kernels.cpu_gemv.active`)")
     if layer is None:
         index = jnp.zeros((1,), jnp.int32)
         k_pages, v_pages = k_pages[None], v_pages[None]

@@ -131,12 +131,22 @@ def test_kernel_matches_float64_oracle_and_reference(name, monkeypatch):
     scale = np.abs(want).max()
     for level in build.supported_levels():
         monkeypatch.setenv("JAXINFER_NATIVE_ISA", level)
-        got = paged_attention_native.__wrapped__(*args, **kw)  # unjitted: traced under this level
+        got = paged_attention_native(*args, **kw)  # the level is part of the jit key: traced under this one
         assert got.dtype == args[0].dtype and got.shape == args[0].shape
         got = np.asarray(got, np.float64)
         assert np.abs(got - want).max() <= tol * scale, (level, np.abs(got - want).max())
         assert np.abs(got - ref).max() <= tol * scale, (level, np.abs(got - ref).max())
         assert not got[int(args[5][-1]):].any()  # padding rows are 0
+
+
+def test_each_level_set_later_names_its_own_kernel(monkeypatch):
+    """A level set after another traced the same shapes (`bench quant --isa all`) calls its own kernel, inside an
+    outer jit too: jit's trace of the first level must not be reused."""
+    args, kw, _, _ = _make(CASES["one token, G=1"])
+    for level in build.supported_levels():
+        monkeypatch.setenv("JAXINFER_NATIVE_ISA", level)
+        text = jax.jit(lambda *a: paged_attention_native(*a, **kw)).lower(*args).as_text()
+        assert f"@{build.target_name('paged_attention', level)}" in text, level
 
 
 def test_every_span_and_thread_gives_the_same_bits():
