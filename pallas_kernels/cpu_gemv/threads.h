@@ -167,10 +167,14 @@ void parallel_chunks(int64_t count, const F& f) {
   Workers::get().run(count, f);
 }
 
-// Rows of N per chunk: about four chunks per thread, a multiple of `align`, at least `min_rows`.
+// Rows of N per chunk: one chunk per thread, a multiple of `align`, at least `min_rows`. Each chunk costs a cold
+// start of its weight stream and a hand-over of the shared counters between the cores; one per thread over four
+// (the earlier split): SmolLM2's int4 / int8 layer calls 1.04-1.16x faster at one row from DRAM, 1.01-1.16x at
+// eight rows, the engine's int4 batch-1 step 1.06x (BENCHMARKS.md, session 29). A late thread's chunk is still
+// taken by whichever thread is free first (`Job::drain`).
 inline int64_t rows_per_chunk(int64_t n, int64_t align, int64_t min_rows) {
   int64_t threads = max_threads();
-  int64_t rows = (n + 4 * threads - 1) / (4 * threads);
+  int64_t rows = (n + threads - 1) / threads;
   rows = std::max(rows, min_rows);
   return (rows + align - 1) / align * align;
 }
