@@ -102,8 +102,11 @@ def test_sigterm_finishes_streams_within_the_grace_fails_the_rest_unavailable_an
                 stub.ModelInfo(pb.ModelInfoRequest(), timeout=2)
             except grpc.RpcError as e:
                 # UNAVAILABLE once the server refuses calls; a probe caught in flight by grpc's own stop is
-                # CANCELLED by grpc (seen 1 run in 5)
-                assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e
+                # CANCELLED by grpc (seen 1 run in 5), or never answered until its deadline (seen once in a full
+                # suite: a new call on a server in grpc's graceful stop can wait out its deadline, grpc/grpc#10418).
+                # Each is a call not served; an answer (OK) fails here.
+                assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED), e
                 break
             assert time.monotonic() < t_signal + GRACE_S
             time.sleep(0.02)
