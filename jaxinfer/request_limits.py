@@ -74,7 +74,7 @@ def check_text(name: str, value: object) -> str:
       ValueError: naming `name`: not a string, or a lone surrogate (its index given).
     """
     if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+        raise ValueError(f"{name} must be a string, got {'null' if value is None else type(value).__name__}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -136,13 +136,14 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
         prompt on.
     """
     if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"{name} must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+        raise ValueError(f"{name} must be a list of {{'role', 'content'}} dicts, got {'null' if messages is None else type(messages).__name__}")
     if not messages:
         raise ValueError(f"{name} must not be empty")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            kind = type(m).__name__
-            raise ValueError(f"{name}[{i}] is {'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}; a message is a dict "
+            kind = "null" if m is None else type(m).__name__
+            article = "" if m is None else "an " if kind[0] in "aeiouAEIOU" else "a "
+            raise ValueError(f"{name}[{i}] is {article}{kind}; a message is a dict "
                              "with 'role' and 'content'")
         _check_message_keys(m, f"{name}[{i}]")
         if m.get("role") not in CHAT_ROLES:

@@ -186,6 +186,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {value} must be in [0, 65535]")
     if args.no_grpc and args.no_http:
         raise ValueError("--no-grpc and --no-http leave nothing to serve")
+    taken: dict[int, str] = {}  # a fixed port given to two of the servers (0 picks a free one for each)
+    for flag, value, used in (("--port", args.port, not args.no_grpc), ("--http-port", args.http_port, not args.no_http),
+                              ("--metrics-port", args.metrics_port, True)):
+        if used and value:
+            if value in taken:
+                raise ValueError(f"{taken[value]} and {flag} are both {value}: the gRPC, HTTP and metrics servers "
+                                 "each need a port of their own")
+            taken[value] = flag
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
     if args.api_key is not None and not args.api_key:

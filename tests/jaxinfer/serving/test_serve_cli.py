@@ -154,9 +154,12 @@ def test_bad_serve_flags_exit_2():
     for args in (["--port", "70000"], ["--max-queued-requests", "0"], ["--model", "/no/such/model.gguf"],
                  ["--metrics-port", "-5"], ["--grace-seconds", "-1"], ["--host", "nosuchhost.invalid", "--no-warmup"],
                  ["--process-id", "1"], ["--port", "0", "--http-port", "0", "--no-warmup", "--tp", "2"],
-                 ["--port", "0", "--http-port", "0", "--no-warmup", "--ep", "2"]):
+                 ["--port", "0", "--http-port", "0", "--no-warmup", "--ep", "2"],
+                 ["--port", "8124", "--http-port", "8124"], ["--no-grpc", "--http-port", "8125", "--metrics-port", "8125"]):
         r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", *args], capture_output=True, text=True,
                            timeout=120, cwd=ROOT, env=env)
+        if "8124" in args or "8125" in args:  # one port for two servers: named as such, not "address in use"
+            assert "are both 812" in r.stderr and "in use" not in r.stderr, r.stderr
         # One line of ours, last, no traceback; flags checked before anything starts print nothing else (before,
         # a bad --host reached grpc, whose C core logged the resolver's reason first).
         assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("jaxinfer: error"), r.stderr
