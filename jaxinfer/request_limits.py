@@ -136,7 +136,8 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
         prompt on.
     """
     if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"{name} must be a list of {{'role', 'content'}} dicts, got {'null' if messages is None else type(messages).__name__}")
+        got = "null" if messages is None else type(messages).__name__
+        raise ValueError(f"{name} must be a list of {{'role', 'content'}} dicts, got {got}")
     if not messages:
         raise ValueError(f"{name} must not be empty")
     for i, m in enumerate(messages):

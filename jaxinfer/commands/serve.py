@@ -187,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
     if args.no_grpc and args.no_http:
         raise ValueError("--no-grpc and --no-http leave nothing to serve")
     taken: dict[int, str] = {}  # a fixed port given to two of the servers (0 picks a free one for each)
-    for flag, value, used in (("--port", args.port, not args.no_grpc), ("--http-port", args.http_port, not args.no_http),
+    for flag, value, used in (("--port", args.port, not args.no_grpc),
+                              ("--http-port", args.http_port, not args.no_http),
                               ("--metrics-port", args.metrics_port, True)):
         if used and value:
             if value in taken:

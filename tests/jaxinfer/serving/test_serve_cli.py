@@ -155,7 +155,8 @@ def test_bad_serve_flags_exit_2():
                  ["--metrics-port", "-5"], ["--grace-seconds", "-1"], ["--host", "nosuchhost.invalid", "--no-warmup"],
                  ["--process-id", "1"], ["--port", "0", "--http-port", "0", "--no-warmup", "--tp", "2"],
                  ["--port", "0", "--http-port", "0", "--no-warmup", "--ep", "2"],
-                 ["--port", "8124", "--http-port", "8124"], ["--no-grpc", "--http-port", "8125", "--metrics-port", "8125"]):
+                 ["--port", "8124", "--http-port", "8124"],
+                 ["--no-grpc", "--http-port", "8125", "--metrics-port", "8125"]):
         r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", *args], capture_output=True, text=True,
                            timeout=120, cwd=ROOT, env=env)
         if "8124" in args or "8125" in args:  # one port for two servers: named as such, not "address in use"
