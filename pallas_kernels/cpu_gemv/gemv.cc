@@ -16,7 +16,8 @@
 //              y f32 = xs * (sum_blocks ws * ((codes - 8) . xq) + corr) for symmetric codes (the 8 taken off inside
 //              the integer sums), or with the codes and corr = the per-group min (`offset` [N, G]) times the
 //              rounded activations' group sums (`xsum` [M, G]); at avx512_vnni xq is split into its high and low
-//              bytes (`I16Pair`), at avx2 the codes are widened to int16 (`q4_position`); `q4_activations` lays xq out.
+//              bytes (`I16Pair`; at avx2 for one row of K <= 1024, else the codes are widened to int16,
+//              `q4_position`); `Q4Input` lays xq out.
 //   q4a8_nk    (int4.h) symmetric w as q4_nk with groups of 32, x quantized here to int8 per block of 32 inputs
 //              (w4a8: GGUF Q4_0 x Q8_0): y f32 = sum_blocks ws * xs_block * ((codes - 8) . xq_block).
 // int8_nk, q4_nk and q4a8_nk are called through one handler (weight_only_matmul), i8i8_nk through another; each
@@ -67,7 +68,6 @@ using jaxinfer_gemv::i16_rows;
 using jaxinfer_gemv::i8_rows;
 using jaxinfer_gemv::nk_rows;
 using jaxinfer_gemv::a8_pairs;
-using jaxinfer_gemv::q4_rows;
 using jaxinfer_gemv::q4a8_rows;
 using jaxinfer_gemv::load8;
 using jaxinfer_gemv::max_threads;
@@ -375,8 +375,8 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
   std::vector<float> tmp, xs, xsum;
   const float* xf = activations_f32(x, tmp);
   std::vector<int16_t> xq = bits == 8 ? int16_rows(xf, M, K, xs) : std::vector<int16_t>();
-  std::vector<jaxinfer_gemv::Q4Activations> xp;  // the level's q4_nk activations
-  if (bits == 4 && !int8_activations) xp = jaxinfer_gemv::q4_activations(xf, M, K, symmetric, parts[0].G, xs, xsum);
+  jaxinfer_gemv::Q4Input xp;  // q4_nk's activations in the layout the level and shape take
+  if (bits == 4 && !int8_activations) xp = jaxinfer_gemv::Q4Input(xf, M, K, symmetric, parts[0].G, xs, xsum);
   std::vector<A8Pair> xa = int8_activations ? a8_pairs(xf, M, K) : std::vector<A8Pair>();
   std::vector<int64_t> Ns;
   for (const Part& p : parts) Ns.push_back(p.N);
@@ -415,7 +415,7 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
                symmetric, p.G, step, p.y + m0 * p.N, p.N, n0, tiled);
       }
       if (tiled < n1 && q4)
-        q4_rows(xp.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
+        xp.rows(xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
                 p.y, p.N, tiled, n1);
       else if (tiled < n1)
         i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, tiled, n1);
@@ -427,7 +427,7 @@ ffi::Error WeightOnlyMatmul(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer, ffi::
     else if (bits == 8)
       i16_rows(xq.data(), M, K, static_cast<const int8_t*>(p.w), p.scale, p.G, p.y, p.N, n0, n1);
     else
-      q4_rows(xp.data(), xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
+      xp.rows(xsum.data(), M, K, static_cast<const uint8_t*>(p.w), p.scale, p.offset, symmetric, p.G,
               p.y, p.N, n0, n1);
   });
   if (!int8_activations)  // q4a8_nk applies the activation scales itself

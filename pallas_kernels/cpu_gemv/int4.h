@@ -54,14 +54,14 @@ inline float min_correction(const float* mins, const float* xsum, int64_t G) {
   return corr;
 }
 
-#ifdef JAXINFER_AVX512_VNNI
-// q4_nk at the avx512_vnni level: codes times activations rounded to int16 per row (`int16_inverse`), exactly.
+// q4_nk, byte-split (every level at one row and K <= 1024, `q4_byte_split`; all shapes at avx512_vnni): codes
+// times activations rounded to int16 per row (`int16_inverse`), exactly.
 // Each int16 input is split as x = 256 h + l (h its signed high byte, l its unsigned low byte), so the codes
 // multiply bytes: the unsigned codes times h and the unsigned l times the codes (0..15 as signed bytes) by
 // vpdpbusd, and a block's sum is 256 x the first plus the second (four byte dots, a shift and an add for 128
 // inputs, where widening the codes to int16 took ~6 more instructions: 1.01-1.17x faster at SmolLM2's shapes).
-// The avx2 level keeps the int16 form below (there, vpmaddubsw's byte dots took 1.2-1.3x the time at two or more
-// activation rows). The activations are laid out once a call as A8Pair's (`I16Pair`): per 128-input span, each
+// At avx2 the byte dots are vpmaddubsw pairs added by vpmaddwd (the same int32 sums); there they took 1.2-1.3x the
+// int16 form's time (below) at two or more activation rows, 0.89-0.93x at one row of K <= 1024 (session 29). The activations are laid out once a call as A8Pair's (`I16Pair`): per 128-input span, each
 // field's byte 32 h + j holds input 2j (even fields) or 2j + 1 (odd fields) of the span's chunk h, as byte j of the
 // chunk's codes holds them in its low and high nibble, so each 32-input block sits in its own 128-bit lane, beside
 // its weight scale. Symmetric codes (w = s * (c - 8)) take the 8 off through `offset`, where each block's int32 sums
@@ -110,8 +110,15 @@ inline __m256i q4_dot(__m256i lo, __m256i hi, const I16Pair& x, int64_t half) {
   auto load = [&](const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   __m256i he = load(x.h_even + 32 * half), ho = load(x.h_odd + 32 * half);
   __m256i le = load(x.l_even + 32 * half), lodd = load(x.l_odd + 32 * half), start = load(x.offset + 8 * half);
+#ifdef JAXINFER_AVX512_VNNI
   __m256i dh = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, he), hi, ho);
   __m256i dl = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, le, lo), lodd, hi);
+#else  // byte pairs into int16 (at most 2 x 15 x 128 and 2 x 255 x 15: no saturation), then into int32 lanes
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i dh = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, he), _mm256_maddubs_epi16(hi, ho)), ones);
+  __m256i dl = _mm256_add_epi32(start, _mm256_madd_epi16(
+      _mm256_add_epi16(_mm256_maddubs_epi16(le, lo), _mm256_maddubs_epi16(lodd, hi)), ones));
+#endif
   return _mm256_add_epi32(_mm256_slli_epi32(dh, 8), dl);
 }
 
@@ -158,6 +165,7 @@ void q4_block(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t* w,
 
 // q4_nk in 512-bit steps: 128 inputs (a cache line of codes, four blocks, one a 128-bit lane) a step. An odd last
 // chunk and the per-row end go to q4_block.
+#ifdef JAXINFER_AVX512_VNNI
 template <int MG, int NR, bool kBlockScales, bool kSymmetric>
 void q4_block512(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
                  const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
@@ -198,7 +206,9 @@ void q4_block512(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t*
     for (int i = 0; i < MG; ++i) sums[r * MG + i] = _mm512_reduce_add_ps(acc[r][i]);
   q4_block<MG, NR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m0, 2 * S, sums);
 }
-#else  // the avx2 level
+#endif  // JAXINFER_AVX512_VNNI (q4_block512)
+
+#ifndef JAXINFER_AVX512_VNNI  // the avx2 level's int16 layout
 // q4_nk at the avx2 level: 64 inputs (32 bytes of codes) per step. Byte j holds input 2j in its low nibble and
 // 2j + 1 in its high one. Each nibble set is widened to int16 in place within its 128-bit lane (vpunpck{l,h}bw
 // with zero as the low byte, so a code c arrives as c * 256: one instruction per 16 codes, no lane crossing),
@@ -231,8 +241,8 @@ inline void q4_layout_row(const int32_t* natural, int64_t K, int16_t* out) {
 // Rows x [M, K] (K a multiple of 64) rounded as `int16_inverse` into the q4 layout (`q4_position`), `xs` [M] the
 // rows' scales, `xsum` [M, G] the rounded rows' sums per group of K / G inputs for codes with a min (symmetric
 // codes: zeros; the kernel takes their 8 off itself).
-inline std::vector<int16_t> q4_activations(const float* x, int64_t M, int64_t K, bool symmetric, int64_t G,
-                                           std::vector<float>& xs, std::vector<float>& xsum) {
+inline std::vector<int16_t> q4_activations_i16(const float* x, int64_t M, int64_t K, bool symmetric, int64_t G,
+                                               std::vector<float>& xs, std::vector<float>& xsum) {
   std::vector<int16_t> q(M * K);
   std::vector<int32_t> natural(K);
   xs.resize(M);
@@ -301,17 +311,37 @@ void q4_block(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w,
 }
 
 
-#endif  // JAXINFER_AVX512_VNNI (q4_nk)
+#endif  // !JAXINFER_AVX512_VNNI (the int16 layout)
 
-// q4_nk's rows [n0, n1) of y [M, N], in blocks of weight rows and activation rows; `xp`: the level's activations
-// (`q4_activations`: `I16Pair` at avx512_vnni, the int16 q4 layout at avx2).
+// A register block of q4_nk in the layout of `xp`: byte-split (`I16Pair`) in 512-bit steps with AVX-512 VNNI, in
+// 256-bit ones at avx2; avx2's int16 layout.
+template <int MG, int NR, bool kBlockScales, bool kSymmetric>
+inline void q4_step(const I16Pair* xp, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+                    const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
 #ifdef JAXINFER_AVX512_VNNI
-using Q4Activations = I16Pair;
-#define JAXINFER_Q4_BLOCK q4_block512
+  q4_block512<MG, NR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m0);
 #else
-using Q4Activations = int16_t;
-#define JAXINFER_Q4_BLOCK q4_block
+  q4_block<MG, NR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m0);
 #endif
+}
+#ifndef JAXINFER_AVX512_VNNI
+template <int MG, int NR, bool kBlockScales, bool kSymmetric>
+inline void q4_step(const int16_t* xq, const float* xsum, int64_t K, const uint8_t* w, const float* scale,
+                    const float* offset, int64_t G, float* y, int64_t N, int64_t n, int64_t m0) {
+  q4_block<MG, NR, kBlockScales, kSymmetric>(xq, xsum, K, w, scale, offset, G, y, N, n, m0);
+}
+#endif
+
+// Which activation layout a call takes: byte-split at the 512-bit levels; at avx2 for one row of K <= 1024 inputs
+// (SmolLM2's q/k/v, o and gate/up calls 1.07-1.12x faster than the int16 layout; at K = 1536 0.98x, at 8 rows
+// 0.80-0.95x: `scripts/kernel_layers.py int4 --baseline`, session 29), else the int16 layout.
+inline bool q4_byte_split([[maybe_unused]] int64_t M, [[maybe_unused]] int64_t K) {
+#ifdef JAXINFER_AVX512_VNNI
+  return true;
+#else
+  return M == 1 && K <= 1024;
+#endif
+}
 
 // Several activation rows, one weight row at a time, stream the rows' activations from L1 once per weight row;
 // when they outgrow L1 (more than kQ4WideBytes), q4_rows_of takes kQ4WideNR weight rows at a time so that each
@@ -327,39 +357,64 @@ constexpr int kQ4WideNR = 2;  // 16 vector registers
 inline int64_t q4_activation_bytes(int64_t M, int64_t K) { return M * K * int64_t(sizeof(int16_t)); }
 #endif
 
-template <bool kBlockScales, bool kSymmetric>
-void q4_rows_of(const Q4Activations* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+template <typename XA, bool kBlockScales, bool kSymmetric>
+void q4_rows_of(const XA* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
                 const float* offset, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (M == 1 && K <= 1024)  // short rows: 4 at once (measured: 4 beat 2 by ~5% at K = 576, 2 beat 4 by ~20% at 1536)
-    for (; n + 4 <= n1; n += 4) JAXINFER_Q4_BLOCK<1, 4, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, 0);
+    for (; n + 4 <= n1; n += 4) q4_step<1, 4, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, 0);
   if (M == 1)
-    for (; n + 2 <= n1; n += 2) JAXINFER_Q4_BLOCK<1, 2, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, 0);
+    for (; n + 2 <= n1; n += 2) q4_step<1, 2, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, 0);
   if (M > 1 && q4_activation_bytes(M, K) > kQ4WideBytes)  // NR weight rows share each activation load
     for (; n + kQ4WideNR <= n1; n += kQ4WideNR) {
       int64_t m = 0;
       for (; m + 2 <= M; m += 2)
-        JAXINFER_Q4_BLOCK<2, kQ4WideNR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
+        q4_step<2, kQ4WideNR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
       if (m < M)
-        JAXINFER_Q4_BLOCK<1, kQ4WideNR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
+        q4_step<1, kQ4WideNR, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
     }
   for (; n < n1; ++n) {
     int64_t m = 0;
     for (; m + 2 <= M; m += 2)
-      JAXINFER_Q4_BLOCK<2, 1, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
-    if (m < M) JAXINFER_Q4_BLOCK<1, 1, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
+      q4_step<2, 1, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
+    if (m < M) q4_step<1, 1, kBlockScales, kSymmetric>(xp, xsum, K, w, scale, offset, G, y, N, n, m);
   }
 }
 
-inline void q4_rows(const Q4Activations* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w,
-                    const float* scale, const float* offset, bool symmetric, int64_t G, float* y, int64_t N,
-                    int64_t n0, int64_t n1) {
+template <typename XA>
+void q4_rows(const XA* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale,
+             const float* offset, bool symmetric, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) {
   bool block_scales = K / G == 32;
-  auto run = block_scales ? (symmetric ? q4_rows_of<true, true> : q4_rows_of<true, false>)
-                          : (symmetric ? q4_rows_of<false, true> : q4_rows_of<false, false>);
+  auto run = block_scales ? (symmetric ? q4_rows_of<XA, true, true> : q4_rows_of<XA, true, false>)
+                          : (symmetric ? q4_rows_of<XA, false, true> : q4_rows_of<XA, false, false>);
   run(xp, xsum, M, K, w, scale, offset, G, y, N, n0, n1);
 }
-#undef JAXINFER_Q4_BLOCK
+
+// A call's q4_nk activations in the layout `q4_byte_split` picks (`xs` [M], `xsum` [M, G] as q4_activations), and
+// the rows [n0, n1) of a weight they multiply.
+struct Q4Input {
+  std::vector<I16Pair> pairs;  // byte-split
+  std::vector<int16_t> words;  // avx2's int16 layout
+
+  Q4Input() = default;
+  Q4Input(const float* x, int64_t M, int64_t K, bool symmetric, int64_t G, std::vector<float>& xs,
+          std::vector<float>& xsum) {
+#ifndef JAXINFER_AVX512_VNNI
+    if (!q4_byte_split(M, K)) {
+      words = q4_activations_i16(x, M, K, symmetric, G, xs, xsum);
+      return;
+    }
+#endif
+    pairs = q4_activations(x, M, K, symmetric, G, xs, xsum);
+  }
+  void rows(const float* xsum, int64_t M, int64_t K, const uint8_t* w, const float* scale, const float* offset,
+            bool symmetric, int64_t G, float* y, int64_t N, int64_t n0, int64_t n1) const {
+#ifndef JAXINFER_AVX512_VNNI
+    if (pairs.empty()) return q4_rows(words.data(), xsum, M, K, w, scale, offset, symmetric, G, y, N, n0, n1);
+#endif
+    q4_rows(pairs.data(), xsum, M, K, w, scale, offset, symmetric, G, y, N, n0, n1);
+  }
+};
 
 
 // ---------------------------------------------------------------------------------------------------------------
