@@ -53,8 +53,8 @@ void i8_rows_fixed(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32
   }
 }
 
-// One activation row, one weight row at a time (a single stream reads cold weights fastest, measured), two int32
-// chains over K.
+// One activation row, one weight row at a time (longer rows; a single stream reads cold weights fastest, measured),
+// two int32 chains over K.
 void i8_row(const int8_t* x, int64_t K, const int8_t* w, int32_t* y, int64_t n) {
   const int8_t* row = w + n * K;
   __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -120,7 +120,9 @@ void i8_rows(const int8_t* x, [[maybe_unused]] const uint8_t* xu, int64_t M, int
   }
   return;
 #endif
-  if (M == 1) {
+  if (M == 1) {  // four weight rows a block where K <= 1024: SmolLM2's q/k/v and o 1.06x, gate/up 1.03x (session 29)
+    if (K <= 1024)
+      for (; n + 4 <= n1; n += 4) i8_block<1, 4>(x, K, w, y, N, n, 0);
     for (; n < n1; ++n) i8_row(x, K, w, y, n);
     return;
   }
