@@ -4,7 +4,7 @@ stacked layers that passes the stack and the layer index, as the engine's layer 
 alternating rounds (the shared VM's slow spells hit all alike); prints the median over rounds of each round's
 median, in microseconds a layer. Weights are random (codes and scales), so only the time means anything.
 
-    .venv/bin/python scripts/kernel_layers.py w4a8 --rounds 5      # or int4, int8, w8a8, bf16
+    .venv/bin/python scripts/kernel_layers.py w4a8 --rounds 5      # or int4, int8, q8_0, w8a8, bf16
 
 `--baseline LIB` times an earlier build of the kernels beside this checkout's, in the same rounds and process: a
 library file from the build cache (`~/.cache/jaxinfer/native/jaxinfer_gemv_<level>_<hash>.so`, built by an older
@@ -45,8 +45,9 @@ def _weights(kind: str, n: int, k: int, rng: np.random.Generator) -> tuple:
     if kind in ("w4a8", "int4"):
         return (jnp.asarray(rng.integers(0, 256, (LAYERS, n, k // 2), dtype=np.uint8)),
                 jnp.asarray(rng.random((LAYERS, n, k // 32), dtype=np.float32) * 0.01), None)
+    groups = k // 32 if kind == "q8_0" else 1  # GGUF Q8_0: a scale a block of 32 inputs
     return (jnp.asarray(rng.integers(-127, 128, (LAYERS, n, k), dtype=np.int8)),
-            jnp.asarray(rng.random((LAYERS, n, 1), dtype=np.float32) * 0.01), None)
+            jnp.asarray(rng.random((LAYERS, n, groups), dtype=np.float32) * 0.01), None)
 
 
 def scan_of(kind: str, site: str, rng: np.random.Generator, rows: int = 1):
@@ -105,7 +106,7 @@ def baseline_targets() -> Iterator[None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("w4a8", "int4", "int8", "w8a8", "bf16"))
+    parser.add_argument("kind", choices=("w4a8", "int4", "int8", "q8_0", "w8a8", "bf16"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10, help="timed scans a site and level each round")
     parser.add_argument("--rows", type=int, default=1, help="activation rows, 1 to cpu_gemv.MAX_ROWS (default 1)")
