@@ -67,6 +67,11 @@ def show(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def type_name(value: object) -> str:
+    """A value's type for an error message: "null" for None (the JSON a client sent), else the Python type's name."""
+    return "null" if value is None else type(value).__name__
+
+
 def check_text(name: str, value: object) -> str:
     """Returns `value` if it is a string that encodes to UTF-8 (no lone surrogate), else raises.
 
@@ -74,7 +79,7 @@ def check_text(name: str, value: object) -> str:
       ValueError: naming `name`: not a string, or a lone surrogate (its index given).
     """
     if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string, got {'null' if value is None else type(value).__name__}")
+        raise ValueError(f"{name} must be a string, got {type_name(value)}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -136,13 +141,12 @@ def check_chat(messages: object, add_generation_prompt: bool = True, name: str =
         prompt on.
     """
     if not isinstance(messages, (list, tuple)):
-        got = "null" if messages is None else type(messages).__name__
-        raise ValueError(f"{name} must be a list of {{'role', 'content'}} dicts, got {got}")
+        raise ValueError(f"{name} must be a list of {{'role', 'content'}} dicts, got {type_name(messages)}")
     if not messages:
         raise ValueError(f"{name} must not be empty")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            kind = "null" if m is None else type(m).__name__
+            kind = type_name(m)
             article = "" if m is None else "an " if kind[0] in "aeiouAEIOU" else "a "
             raise ValueError(f"{name}[{i}] is {article}{kind}; a message is a dict "
                              "with 'role' and 'content'")
